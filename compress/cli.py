@@ -1,0 +1,150 @@
+"""The ``compress`` console script: run, validate, inspect, eval (and compare).
+
+Only this module (and scripts/) configures logging. Errors users can fix (bad recipe, missing
+model or data, unwritable output) print one clear message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from compress.errors import DataError, KernelConstraintError, ModelLoadError, RecipeError
+
+USER_ERRORS = (RecipeError, ModelLoadError, DataError, KernelConstraintError)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from compress.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    print(f"{args.recipe}: valid ({len(recipe.passes)} passes)")
+    if args.show:
+        print(recipe.to_yaml())
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from compress.job import run_job
+    from compress.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    result = run_job(
+        recipe,
+        model=args.model,
+        out_dir=args.out,
+        data_dir=args.data_dir,
+        progress=not args.no_progress,
+    )
+    print(result.markdown)
+    print(f"\nwrote {result.out_dir} (results.md, results.json, checkpoint)")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from compress.inspect import inspect_checkpoint
+
+    summary = inspect_checkpoint(Path(args.path))
+    print(json.dumps(summary, indent=2) if args.json else summary["markdown"])
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from compress.data import resolve_text_path
+    from compress.eval.quality import perplexity
+    from compress.models import load_model
+
+    path = resolve_text_path(args.dataset, args.data_dir)
+    loaded = load_model(args.model, backend=args.backend)
+    result = perplexity(
+        loaded.model,
+        loaded.tokenizer,
+        path.read_text(encoding="utf-8"),
+        context_length=args.context_length,
+        stride=args.stride,
+        limit=args.limit,
+        source=str(path),
+        progress=not args.no_progress,
+    )
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compress",
+        description="Compress causal language models with YAML recipes (quantize, prune, "
+        "distill), export compressed-tensors checkpoints, and measure quality and size.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_recipe_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("recipe", help="path to a recipe .yaml file (see recipes/)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a recipe value, e.g. --set passes.0.group_size=64 (repeatable; "
+            "validated like the file)",
+        )
+
+    p_run = sub.add_parser("run", help="run a recipe end to end and print baseline vs compressed")
+    add_recipe_args(p_run)
+    p_run.add_argument("--model", help="model to compress (directory, hub id, or smollm2-135m); "
+                       "default: the recipe's `model`")
+    p_run.add_argument("--out", help="output checkpoint directory (default: out/<recipe name>)")
+    p_run.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
+                       "../shared/data)")
+    p_run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_run.set_defaults(func=_cmd_run)
+
+    p_val = sub.add_parser("validate", help="check a recipe completely and exit (no model work)")
+    add_recipe_args(p_val)
+    p_val.add_argument("--show", action="store_true", help="print the resolved recipe as YAML")
+    p_val.set_defaults(func=_cmd_validate)
+
+    p_ins = sub.add_parser("inspect", help="per-layer formats, shapes and bytes of a checkpoint")
+    p_ins.add_argument("path", help="checkpoint directory")
+    p_ins.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    p_ins.set_defaults(func=_cmd_inspect)
+
+    p_eval = sub.add_parser("eval", help="token perplexity of a model or checkpoint")
+    p_eval.add_argument("model", nargs="?", default="smollm2-135m",
+                        help="model or checkpoint (default smollm2-135m)")
+    p_eval.add_argument("--dataset", default="wikitext2",
+                        help="wikitext2 (test), wikitext2-valid, or a text file path")
+    p_eval.add_argument("--context-length", type=int, default=512, help="tokens per window")
+    p_eval.add_argument("--stride", type=int, help="window start step (default: context length)")
+    p_eval.add_argument("--limit", type=int, help="score only the first N windows")
+    p_eval.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
+                        help="quantized kernel backend")
+    p_eval.add_argument("--data-dir", help="data folder")
+    p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_eval.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The pass registry, pass configs and reports, and the recipe runner.
+
+A pass is a registered function ``fn(model, cfg, state) -> PassReport`` that changes the model
+in place. ``register_pass`` fills the module-level ``PASSES`` dict; ``run_recipe`` is one loop
+over the recipe's passes. There is no session or event system: a recipe entry reaches the code
+that changes the weights in two hops (recipe -> registry -> pass function).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+from torch import nn
+
+from compress.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+class PassConfig(BaseModel):
+    """Settings shared by every pass; subclasses add their own fields.
+
+    targets: module class names (``Linear``) or ``re:<regex>`` on module names.
+    ignore: module names (exact, or ``re:<regex>``) never touched; default ``lm_head``.
+    strict: if true, a targeted layer the pass must skip is an error instead of a report line.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ("lm_head",)
+    strict: bool = False
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _check_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+        return patterns
+
+
+@dataclass
+class PassReport:
+    """What a pass did: counts, per-layer skips with reasons, metrics, time and memory."""
+
+    name: str
+    changed: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # layer -> reason
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    peak_memory_bytes: int | None = None
+
+    def summary(self) -> str:
+        return (
+            f"{self.name}: changed {len(self.changed)} modules, skipped {len(self.skipped)}, "
+            f"{self.seconds:.1f}s"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "changed": self.changed,
+            "skipped": self.skipped,
+            "metrics": self.metrics,
+            "seconds": round(self.seconds, 3),
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+@dataclass
+class CompressionState:
+    """What passes may read besides the model: tokenizer, data, teacher, device, reports."""
+
+    tokenizer: Any = None
+    calibration_batches: Callable[[], list[torch.Tensor]] | None = None
+    teacher: nn.Module | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    reports: list[PassReport] = field(default_factory=list)
+    progress: bool = True
+    data_dir: str | None = None  # root of the local datasets (../shared/data by default)
+
+
+PassFn = Callable[[nn.Module, PassConfig, CompressionState], PassReport]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    config_cls: type[PassConfig]
+    fn: PassFn
+    needs_calibration: bool = False
+    needs_teacher: bool = False
+
+
+PASSES: dict[str, PassSpec] = {}
+
+
+def register_pass(
+    name: str,
+    config_cls: type[PassConfig],
+    *,
+    needs_calibration: bool = False,
+    needs_teacher: bool = False,
+) -> Callable[[PassFn], PassFn]:
+    """Decorator that registers a pass function under a dotted ``family.variant`` name."""
+
+    def decorate(fn: PassFn) -> PassFn:
+        if name in PASSES:
+            raise RuntimeError(f"pass {name!r} is registered twice")
+        PASSES[name] = PassSpec(name, config_cls, fn, needs_calibration, needs_teacher)
+        return fn
+
+    return decorate
+
+
+def get_pass(name: str) -> PassSpec:
+    """The registered pass, or a ``RecipeError`` with close matches and the full list."""
+    if name in PASSES:
+        return PASSES[name]
+    close = difflib.get_close_matches(name, PASSES, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise RecipeError(f"unknown pass {name!r}.{hint} Known passes: {', '.join(sorted(PASSES))}")
+
+
+def pass_name_of(cfg: PassConfig) -> str:
+    for spec in PASSES.values():
+        if type(cfg) is spec.config_cls:
+            return spec.name
+    raise RecipeError(f"config {type(cfg).__name__} belongs to no registered pass")
+
+
+# ---- targeting ----------------------------------------------------------------------------
+def _matches(name: str, module: nn.Module, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return pattern == name or pattern == type(module).__name__
+
+
+def target_modules(model: nn.Module, cfg: PassConfig) -> Iterator[tuple[str, nn.Module]]:
+    """Modules selected by ``cfg.targets`` minus ``cfg.ignore``, in model order."""
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if any(_matches(name, module, p) for p in cfg.ignore):
+            continue
+        if any(_matches(name, module, p) for p in cfg.targets):
+            yield name, module
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def raise_or_report_skips(cfg: PassConfig, report: PassReport, where: str) -> None:
+    """Skipped layers: an error under ``strict``, else a WARNING summary."""
+    if not report.skipped:
+        return
+    items = list(report.skipped.items())
+    listing = "; ".join(f"{n}: {r}" for n, r in items[:20])
+    more = f" (and {len(items) - 20} more)" if len(items) > 20 else ""
+    if cfg.strict:
+        raise RecipeError(
+            f"{where}: {len(items)} targeted layers cannot be processed: {listing}{more}. "
+            "Fix: change group_size/targets, add them to `ignore`, or set strict: false."
+        )
+    log.warning("%s skipped %d layers: %s%s", where, len(items), listing, more)
+
+
+# ---- running ------------------------------------------------------------------------------
+def peak_rss_bytes() -> int | None:
+    """Peak resident memory of this process so far (Linux/macOS), else None."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionState) -> nn.Module:
+    """Run each pass in order; a failing pass's exception gets its index and name attached."""
+    for index, cfg in enumerate(passes):
+        spec = PASSES[pass_name_of(cfg)]
+        if spec.needs_calibration and state.calibration_batches is None:
+            raise RecipeError(
+                f"passes[{index}] ({spec.name}) needs calibration data: add a `calibration:` "
+                "section to the recipe"
+            )
+        log.info("pass %d/%d %s starting", index + 1, len(passes), spec.name)
+        start = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            report = spec.fn(model, cfg, state)
+        except Exception as exc:
+            exc.add_note(f"while running passes[{index}] ({spec.name})")
+            raise
+        report.seconds = time.perf_counter() - start
+        if report.peak_memory_bytes is None:
+            report.peak_memory_bytes = (
+                torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_rss_bytes()
+            )
+        state.reports.append(report)
+        log.info("%s", report.summary())
+    return model

@@ -1,0 +1,28 @@
+"""Exception types users see.
+
+Every message names what is wrong, where (file, pass index, layer) and how to fix it.
+``KernelConstraintError`` is defined beside the kernels (which may not import this package) and
+re-exported here.
+"""
+
+from __future__ import annotations
+
+from compress.kernels.dispatch import KernelConstraintError
+
+__all__ = ["ConfigError", "DataError", "KernelConstraintError", "ModelLoadError", "RecipeError"]
+
+
+class RecipeError(ValueError):
+    """A recipe (file, dict or overrides) is invalid; the message lists every problem found."""
+
+
+class ConfigError(RecipeError):
+    """A single pass or section config has a bad value."""
+
+
+class ModelLoadError(ValueError):
+    """A model or checkpoint cannot be loaded (missing path, corrupt file, unsupported layout)."""
+
+
+class DataError(ValueError):
+    """Evaluation or calibration data is missing or too short."""

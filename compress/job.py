@@ -1,0 +1,149 @@
+"""``compress run``: load the model, evaluate the baseline, run the passes, evaluate the result,
+export the checkpoint and write the baseline-vs-compressed table.
+
+Everything that can be checked before the expensive work is checked first: the recipe (already
+validated), the output directory, the model source, and the evaluation and calibration data.
+This is the orchestration layer, so it (like the CLI) may import ``compress.eval``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compress.calibration import calibration_sequences
+from compress.core import PASSES, CompressionState, pass_name_of, run_passes
+from compress.data import resolve_text_path
+from compress.export import check_writable, export_checkpoint
+from compress.models import load_model
+from compress.modules import model_bytes
+from compress.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+COLUMNS = [
+    ("variant", "variant"),
+    ("perplexity", "WikiText-2 ppl"),
+    ("ppl_delta_pct", "Δ ppl %"),
+    ("linear_weight_mb", "linear weights MB"),
+    ("weight_mb", "all weights MB"),
+    ("disk_mb", "checkpoint on disk MB"),
+]
+
+
+@dataclass
+class JobResult:
+    out_dir: Path
+    rows: list[dict[str, Any]]
+    markdown: str
+    payload: dict[str, Any]
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _evaluate(model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool):
+    from compress.eval.quality import perplexity
+
+    cfg = recipe.eval.perplexity
+    if cfg is None or text is None:
+        return None
+    return perplexity(
+        model,
+        tokenizer,
+        text,
+        context_length=cfg.context_length,
+        stride=cfg.stride,
+        limit=cfg.limit,
+        source=source,
+        progress=progress,
+    )
+
+
+def run_job(
+    recipe: Recipe,
+    *,
+    model: str | None = None,
+    out_dir: str | Path | None = None,
+    data_dir: str | None = None,
+    progress: bool = True,
+) -> JobResult:
+    from compress.eval.report import environment, markdown_table
+
+    started = time.perf_counter()
+    out = Path(out_dir or Path("out") / recipe.name)
+    check_writable(out)
+    text, source = None, None
+    if recipe.eval.perplexity is not None:
+        path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    loaded = load_model(model or recipe.model)
+    state = CompressionState(tokenizer=loaded.tokenizer, progress=progress, data_dir=data_dir)
+    if recipe.calibration is not None:
+        cal = recipe.calibration
+        batches = calibration_sequences(
+            cal.source, loaded.tokenizer, num_samples=cal.num_samples, seq_len=cal.seq_len,
+            seed=cal.seed, data_dir=data_dir,
+        )
+        state.calibration_batches = lambda: list(batches.split(1))
+    if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
+        state.teacher = copy.deepcopy(loaded.model).eval()
+
+    rows: list[dict[str, Any]] = []
+    baseline = None
+    if recipe.eval.baseline:
+        baseline = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+        sizes = model_bytes(loaded.model)
+        rows.append({
+            "variant": f"baseline ({loaded.source})",
+            "perplexity": baseline.perplexity if baseline else None,
+            "linear_weight_mb": sizes["linear"] / 1e6,
+            "weight_mb": sizes["total"] / 1e6,
+        })
+    run_passes(loaded.model, recipe.passes, state)
+    compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+    sizes = model_bytes(loaded.model)
+    row = {
+        "variant": recipe.name,
+        "perplexity": compressed.perplexity if compressed else None,
+        "linear_weight_mb": sizes["linear"] / 1e6,
+        "weight_mb": sizes["total"] / 1e6,
+    }
+    if baseline and compressed:
+        row["ppl_delta_pct"] = 100 * (compressed.perplexity / baseline.perplexity - 1)
+    rows.append(row)
+    payload: dict[str, Any] = {
+        "recipe": recipe.to_dict(),
+        "model": loaded.source,
+        "environment": environment(),
+        "passes": [r.to_dict() for r in state.reports],
+        "eval": {
+            "baseline": baseline.to_dict() if baseline else None,
+            "compressed": compressed.to_dict() if compressed else None,
+        },
+        "rows": rows,
+    }
+    if recipe.export.enabled:
+        export_checkpoint(
+            loaded.model, loaded.tokenizer, out, dtype=recipe.export.dtype,
+            recipe_yaml=recipe.to_yaml(), report=payload,
+        )
+        row["disk_mb"] = _dir_bytes(out) / 1e6
+    payload["seconds"] = round(time.perf_counter() - started, 1)
+    protocol = ""
+    if compressed:
+        p = compressed.protocol
+        protocol = (
+            f"\n\nPerplexity: token-level, {p['source']}, context {p['context_length']}, stride "
+            f"{p['stride']}, {p['windows']} windows ({compressed.scored_tokens} scored tokens)."
+        )
+    markdown = f"## {recipe.name}\n\n" + markdown_table(rows, COLUMNS) + protocol
+    from compress.eval.report import write_results
+
+    write_results(out, "results", markdown, payload)
+    return JobResult(out, rows, markdown, payload)

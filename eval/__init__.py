@@ -1,0 +1,1 @@
+"""Quality and latency evaluation of models and compressed variants (installed as compress.eval)."""

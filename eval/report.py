@@ -1,0 +1,50 @@
+"""Result tables: markdown and JSON for baseline-vs-compressed comparisons."""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+
+def environment() -> dict[str, Any]:
+    """Machine and versions, recorded in every result file."""
+    import torch
+    import transformers
+
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """``columns`` are (key, header) pairs; missing values print as an em dash."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, stem: str, markdown: str, payload: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(markdown + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -1,0 +1,87 @@
+"""PyTorch's native CPU int4/int8 weight-only kernels, behind our packed layout.
+
+torch ships ``_weight_int4pack_mm_for_cpu`` (w = (q - 8) * scale + zero with q in 0..15) and
+``_weight_int8pack_mm`` (symmetric per-channel int8). Both want bf16 activations: fp32
+activations fall onto paths 3-70x slower on AVX2 CPUs (see ../shared/notes/CPU_FACTS.md), so
+the wrappers cast activations to bf16 and the result back.
+
+Our layout stores signed codes and signed zero points, ``w = (w_q - zeros) * scales``.
+With q = w_q + 8 that is ``(q - 8) * scales - zeros * scales``, so torch's ``zero`` is
+``-zeros * scales``. The repack happens once per layer (``prepack_int4``), at load or on the
+first forward, never per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Int4CpuWeight:
+    """A layer's int4 weight repacked for ``torch._weight_int4pack_mm_for_cpu``."""
+
+    packed: torch.Tensor  # uint8 [N, K/2], torch's private tiling
+    scale_and_zero: torch.Tensor  # bf16 [K/g, N, 2]
+    group_size: int
+    n: int
+
+
+def int4_unsupported_reason(n: int, k: int, group_size: int) -> str | None:
+    """Why the native int4 CPU kernel cannot take this shape, or None if it can."""
+    if group_size not in INT4_GROUP_SIZES:
+        return f"group_size {group_size} not in {INT4_GROUP_SIZES}"
+    if k % group_size:
+        return f"K={k} not divisible by group_size {group_size}"
+    if n % 16:
+        return f"N={n} not divisible by 16"
+    return None
+
+
+def prepack_int4(
+    w_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros_packed: torch.Tensor | None,
+    *,
+    group_size: int,
+    k: int,
+) -> Int4CpuWeight:
+    """Convert our packed int4 weight to the native kernel's layout (one-time cost)."""
+    n = w_packed.shape[0]
+    reason = int4_unsupported_reason(n, k, group_size)
+    if reason is not None:
+        raise ValueError(f"native CPU int4 kernel cannot take this layer: {reason}")
+    codes = reference.unpack_int4(w_packed, k).to(torch.int32) + 8  # [N, K] in 0..15
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+    scales32 = scales.to(torch.float32)
+    if zeros_packed is None:
+        zero = torch.zeros_like(scales32)
+    else:
+        zero = -reference.unpack_int4(zeros_packed, n, dim=0).to(torch.float32) * scales32
+    # [N, K/g] x2 -> [K/g, N, 2]
+    scale_and_zero = torch.stack([scales32.t(), zero.t()], dim=-1).contiguous()
+    return Int4CpuWeight(packed, scale_and_zero.to(torch.bfloat16), group_size, n)
+
+
+def int4_mm(x: torch.Tensor, weight: Int4CpuWeight) -> torch.Tensor:
+    """``x [..., K] @ W.T`` with the native kernel; bf16 inside, x's dtype outside."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scale_and_zero)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
+
+
+def int8_mm(x: torch.Tensor, w_q: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (w_q * scales).T`` for symmetric per-channel int8 (``scales_bf16 [N]``)."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch._weight_int8pack_mm(x2, w_q, scales_bf16)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[0])
+
+
+def int_mm_available() -> bool:
+    """``torch._int_mm`` exists (CPU support since torch 2.2)."""
+    return hasattr(torch, "_int_mm")

@@ -1,0 +1,87 @@
+"""Shared fixtures: a tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads) built from a
+config with fixed seeds, a character-level tokenizer built in code (no downloads), the data folder,
+and the embedded real model for tests marked ``real``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_tiny_llama(seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    return model.eval()
+
+
+def make_char_tokenizer():
+    """A character-level tokenizer built in code (no downloads): 3 specials + printable ASCII,
+    newline and tab; vocab < 320 so it fits the tiny Llama. Unknown characters map to <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in "\n\t" + "".join(chr(c) for c in range(32, 127)):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="</s>",
+    )
+
+
+@pytest.fixture
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    from compress.data import resolve_data_dir
+
+    try:
+        return resolve_data_dir()
+    except Exception as exc:  # noqa: BLE001  (report the reason as the skip message)
+        pytest.skip(f"data folder not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded real model (fp32) and tokenizer, converted once into the cache."""
+    pytest.importorskip("gguf")
+    from compress.models import load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except Exception as exc:  # noqa: BLE001
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"embedded model not available: {exc}")
