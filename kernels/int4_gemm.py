@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from .dispatch import KernelConstraintError
 
@@ -102,6 +103,8 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     x = args["x_ptr"]
     limit = shared_memory_limit(x.device.index if x.device.type == "cuda" else None)
     valid = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]  # hard constraint
+    if not args["ATOMIC_OUT"]:  # split-K partials can only be added, never stored
+        valid = [c for c in valid if c.kwargs["SPLIT_K"] == 1]
     fits = [c for c in valid if shared_memory_estimate(c, x.element_size(), 0.5) <= limit]
     fits = [c for c in fits if c.kwargs["SPLIT_K"] <= k // c.kwargs["BLOCK_K"]]
     # Tiles larger than the padded problem only waste work
@@ -200,6 +203,8 @@ def autotune(configs: list[triton.Config]):
         prune_configs_by={"early_config_prune": _prune_configs},
         # split-K programs add into the output: every timing run must start from zeros
         reset_to_zero=["out_ptr"],
+        # 20 ms per config instead of 100: a new (M bucket, N, K) key must not stall serving
+        do_bench=functools.partial(triton.testing.do_bench, warmup=5, rep=20),
     )(_int4_gemm_kernel)
 
 
@@ -219,7 +224,7 @@ def _autotuned(configs: tuple[triton.Config, ...]):
 
 def is_interpreted() -> bool:
     """Whether the kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_int4_gemm_kernel, triton.runtime.interpreter.InterpretedFunction)
+    return not isinstance(_int4_gemm_kernel, triton.runtime.JITFunction)
 
 
 def check_operand(name, t, dtypes, shape, device) -> None:
@@ -280,13 +285,16 @@ def int4_gemm_triton(
     # ---- constraints ----
     check_device(x)
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
-        raise KernelConstraintError(f"x {x.dtype} {tuple(x.shape)}: need 2-D fp16/bf16/fp32")
+        raise KernelConstraintError(
+            f"x {x.dtype} {tuple(x.shape)}: need a 2-D tensor, dtype must be one of {FLOAT_DTYPES}"
+        )
     m, k = x.shape
     n = w_packed.shape[0]
     reason = group_reason(k, group_size)
     if reason:
-        raise KernelConstraintError(f"int4 GEMM x {tuple(x.shape)}, w_packed "
-                                    f"{tuple(w_packed.shape)}: {reason}")
+        raise KernelConstraintError(
+            f"int4 GEMM x {tuple(x.shape)}, w_packed {tuple(w_packed.shape)}: {reason}"
+        )
     check_operand("x", x, FLOAT_DTYPES, (m, k), x.device)
     check_operand("w_packed", w_packed, (torch.int32,), (n, k // 8), x.device)
     check_operand("scales", scales, FLOAT_DTYPES, (n, k // group_size), x.device)
@@ -331,7 +339,10 @@ def int4_gemm_triton(
         _autotuned(tuple(config))[_grid](*args, **flags)
     else:
         _int4_gemm_kernel[_grid(config.kwargs | {"M": m, "N": n})](
-            *args, **flags, **config.kwargs, num_warps=config.num_warps,
+            *args,
+            **flags,
+            **config.kwargs,
+            num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
     if not atomic:

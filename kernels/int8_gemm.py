@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from .dispatch import KernelConstraintError
 from .int4_gemm import (
@@ -41,7 +42,7 @@ from .int4_gemm import (
     shared_memory_limit,
 )
 
-RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (v + c) - c rounds |v| < 2**22 half-to-even in fp32
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + c) - c rounds |v| < 2**22 to even
 
 
 def _configs(path: str = "gemm") -> list[triton.Config]:
@@ -58,7 +59,7 @@ def _configs(path: str = "gemm") -> list[triton.Config]:
     return [
         _config(64, 64, 64, 1, 4, 4),
         _config(128, 128, 64, 1, 8, 3),
-        _config(128, 256, 128, 1, 8, 3),
+        _config(128, 256, 64, 1, 8, 4),
         _config(64, 128, 128, 1, 4, 4),
         _config(128, 64, 128, 1, 4, 4),
         _config(128, 128, 32, 1, 8, 4),
@@ -74,6 +75,8 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     limit = shared_memory_limit(x.device.index if x.device.type == "cuda" else None)
     grouped = args["GROUPED"]
     valid = [c for c in configs if not grouped or group % c.kwargs["BLOCK_K"] == 0]
+    if not args["ATOMIC_OUT"]:  # split-K partials can only be added, never stored
+        valid = [c for c in valid if c.kwargs["SPLIT_K"] == 1]
     fits = [c for c in valid if shared_memory_estimate(c, x.element_size(), 1) <= limit]
     fits = [c for c in fits if c.kwargs["SPLIT_K"] <= triton.cdiv(k, c.kwargs["BLOCK_K"])]
     bm_cap, bn_cap = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(n))
@@ -198,6 +201,8 @@ def autotune(configs: list[triton.Config]):
         key=["m_bucket", "N", "K", "A_INT8", "GROUPED", "GROUP_SIZE", "HAS_ZEROS", "ATOMIC_OUT"],
         prune_configs_by={"early_config_prune": _prune_configs},
         reset_to_zero=["out_ptr"],
+        # 20 ms per config instead of 100: a new (M bucket, N, K) key must not stall serving
+        do_bench=functools.partial(triton.testing.do_bench, warmup=5, rep=20),
     )(_int8_gemm_kernel)
 
 
@@ -226,12 +231,19 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     x_q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     x_scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m and k:
-        block_k = min(triton.next_power_of_2(k), 2048)
+        config = quantize_config(k)
         _quantize_per_token_kernel[(m,)](
-            x, x_q, x_scales, k, x.stride(0), x_q.stride(0), BLOCK_K=block_k,
-            num_warps=4 if block_k <= 1024 else 8,
+            x, x_q, x_scales, k, x.stride(0), x_q.stride(0), **config.kwargs,
+            num_warps=config.num_warps,
         )  # fmt: skip
     return x_q, x_scales
+
+
+def quantize_config(k: int) -> triton.Config:
+    """The per-token quantizer's meta-parameters for rows of ``k`` elements (one row per
+    program; 2048 elements per step keep the registers per thread low at 8 warps)."""
+    block_k = min(triton.next_power_of_2(k), 2048)
+    return triton.Config({"BLOCK_K": block_k}, num_warps=4 if block_k <= 1024 else 8)
 
 
 def int8_int8_gemm_triton(
@@ -329,7 +341,10 @@ def _launch(x, w_q, scales, zeros, x_scales, *, a_int8, group_size, out_dtype, c
         _autotuned(tuple(config))[_grid](*args, **flags)
     else:
         _int8_gemm_kernel[_grid(config.kwargs | {"M": m, "N": n})](
-            *args, **flags, **config.kwargs, num_warps=config.num_warps,
+            *args,
+            **flags,
+            **config.kwargs,
+            num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
     if not atomic:
