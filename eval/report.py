@@ -1,4 +1,4 @@
-"""Result tables: markdown and JSON for baseline-vs-compressed comparisons."""
+"""Result tables: markdown, CSV and JSON for baseline-vs-compressed comparisons."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def write_results(out_dir: Path, stem: str, markdown: str, payload: dict[str, An
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(markdown + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """One row per dict, ``columns`` in order; missing values are empty cells."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in columns})

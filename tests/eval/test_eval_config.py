@@ -1,0 +1,41 @@
+"""Recipes can request tasks and latency; defaults keep existing recipes unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from compress.errors import RecipeError
+from compress.recipe import load_recipe, parse_recipe
+
+
+def test_shipped_recipes_have_no_tasks_or_latency_by_default():
+    recipe = load_recipe("recipes/smollm2-w8-rtn.yaml")
+    assert recipe.eval.tasks is None and recipe.eval.latency is None
+    assert parse_recipe(recipe.to_yaml()).to_dict() == recipe.to_dict()
+
+
+def test_tasks_and_latency_sections_parse():
+    recipe = parse_recipe(
+        {
+            "passes": [],
+            "eval": {
+                "tasks": {"names": ["piqa_local"], "limit": 10},
+                "latency": {"prompts": 2, "slo_ttft_ms": 500},
+            },
+        }
+    )
+    assert recipe.eval.tasks.names == ["piqa_local"] and recipe.eval.latency.slo_ttft_ms == 500
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"tasks": {"names": []}}, "names"),
+        ({"latency": {"output_tokens": 1}}, "output_tokens"),
+        ({"latency": {"slo_ttft": 5}}, "unknown key 'slo_ttft'"),
+    ],
+    ids=["no-tasks", "too-few-tokens", "misspelt"],
+)
+def test_bad_eval_sections(section, match):
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe({"passes": [], "eval": section})
