@@ -1,0 +1,526 @@
+"""Generation runtime for Llama-architecture models (plain or with our QuantLinear layers).
+
+The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
+change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
+The model's weights are re-held once at construction in the layout each phase wants:
+native CPU int4/int8 kernels for QuantLinear layers (one-time repack), float weights in the
+prefill and decode dtypes (fp32 prefill and bf16 decode by default on CPUs without bf16
+instructions, where bf16 matmuls of 16+ rows run 2-4x slower than fp32). The residual stream,
+norms and softmax stay fp32; only the matmul inputs change dtype per phase.
+
+Compilation is regional: one decoder layer is compiled and the same code serves every layer
+(same shapes, weights as inputs), which keeps the first-call compile time to one layer's.
+Prefill runs eager by default; ``compile_prefill=True`` pads prompts to power-of-two buckets
+and compiles once per bucket. Batches are left-padded; each row has its own positions.
+
+Not supported (falls back to transformers ``generate`` with a warning): non-Llama
+architectures, sliding-window attention, rope types whose tables depend on the sequence length.
+Attention reads the whole allocated cache each step: size ``max_seq_len`` to the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.kernels import cpu_native
+from compress.modules import QuantLinear
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the runtime cannot run ``model`` itself (then it falls back), or None."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rope = getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+    return None
+
+
+def default_prefill_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPUs without native bf16 matmuls (measured 2-4x faster there), else bf16."""
+    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return torch.bfloat16
+
+
+# ---- linear layers, re-held per phase --------------------------------------------------
+class _FloatLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prefill, decode) -> None:
+        super().__init__()
+        self.w_prefill = nn.Buffer(weight.detach().to(prefill), persistent=False)
+        self.w_decode = (
+            self.w_prefill
+            if decode == prefill
+            else nn.Buffer(weight.detach().to(decode), persistent=False)
+        )
+        self.bias = None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        w = self.w_decode if decode else self.w_prefill
+        y = F.linear(x.to(w.dtype), w).float()
+        return y if self.bias is None else y + self.bias
+
+
+class _Int4Linear(nn.Module):
+    """Native CPU int4 kernel; wants bf16 activations in both phases."""
+
+    def __init__(self, q: QuantLinear) -> None:
+        super().__init__()
+        zp = None if q.scheme.symmetric else q.weight_zero_point
+        w = cpu_native.prepack_int4(
+            q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+        )
+        self.packed = nn.Buffer(w.packed, persistent=False)
+        self.scale_and_zero = nn.Buffer(w.scale_and_zero, persistent=False)
+        self.group_size, self.n = w.group_size, w.n
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)
+        y = y.float().reshape(*x.shape[:-1], self.n)
+        return y if self.bias is None else y + self.bias
+
+
+class _Int8Linear(nn.Module):
+    """Native CPU int8 kernel (symmetric, per output channel); bf16 activations."""
+
+    def __init__(self, q: QuantLinear) -> None:
+        super().__init__()
+        self.weight = nn.Buffer(q.weight.contiguous(), persistent=False)
+        self.scales = nn.Buffer(q.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.float().reshape(*x.shape[:-1], self.weight.shape[0])
+        return y if self.bias is None else y + self.bias
+
+
+class _ModuleLinear(nn.Module):
+    """Any other layer (e.g. QuantLinear on CUDA through Triton): call it as it is."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        return self.module(x.to(self.dtype)).float()
+
+
+def _convert_linear(module: nn.Module, name: str, prefill, decode, notes: list[str]) -> nn.Module:
+    if isinstance(module, QuantLinear):
+        device = module.weight_scale.device
+        if device.type == "cpu":
+            if module.scheme.n_bits == 4:
+                reason = cpu_native.int4_unsupported_reason(
+                    module.out_features, module.in_features, module.group_size
+                )
+                if reason is None:
+                    return _Int4Linear(module)
+            elif module.scheme.symmetric and module.group_size == module.in_features:
+                return _Int8Linear(module)
+            else:
+                reason = "native int8 CPU kernel takes symmetric per-channel scales only"
+            # Correct but not compressed in memory: the reference path re-dequantizes per call.
+            notes.append(f"{name}: {reason}; dequantized once to {decode}")
+            return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
+        return _ModuleLinear(module, decode)
+    assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
+    return _FloatLinear(module.weight, module.bias, prefill, decode)
+
+
+# ---- decoder layer ---------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer(nn.Module):
+    def __init__(self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(attn.scaling)
+        self.norm_in = nn.Buffer(layer.input_layernorm.weight.detach().float(), persistent=False)
+        self.norm_post = nn.Buffer(
+            layer.post_attention_layernorm.weight.detach().float(), persistent=False
+        )
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(
+                self,
+                name,
+                _convert_linear(getattr(attn, name), f"layers.{i}.{name}", prefill, decode, notes),
+            )
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(
+                self,
+                name,
+                _convert_linear(getattr(mlp, name), f"layers.{i}.{name}", prefill, decode, notes),
+            )
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
+        """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, S]
+        (decode) bool; caches [B, Hkv, S, D];
+        slots [T] cache indices the T new positions are written to."""
+        b, t, _ = x.shape
+        h = _rms_norm(x, self.norm_in, self.eps)
+        # [B, T, heads * D] -> [B, heads, T, D]
+        q = self.q_proj(h, decode).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+        # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
+        keys, values = (k_cache, v_cache) if decode else (k, v)
+        a = F.scaled_dot_product_attention(
+            q.to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv,
+        )
+        a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        x = x + self.o_proj(a, decode)
+        h = _rms_norm(x, self.norm_post, self.eps)
+        return x + self.down_proj(
+            F.silu(self.gate_proj(h, decode)) * self.up_proj(h, decode), decode
+        )
+
+
+class _Head(nn.Module):
+    def __init__(self, model: nn.Module, decode, notes: list[str]) -> None:
+        super().__init__()
+        self.norm = nn.Buffer(model.model.norm.weight.detach().float(), persistent=False)
+        self.eps = float(model.config.rms_norm_eps)
+        # Only the last position's logits are needed, so both phases use the decode weights.
+        self.lm_head = _convert_linear(model.lm_head, "lm_head", decode, decode, notes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+
+
+@dataclass
+class _Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V] (greedy when temperature is 0)."""
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    if s.top_k is not None:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
+
+
+def _call_layer(layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
+    return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode)
+
+
+def _bucket(n: int, cap: int) -> int:
+    return min(max(16, 1 << (n - 1).bit_length()), cap)
+
+
+class Runtime:
+    """Static-cache generation for one model; reuse it across calls (the cache is allocated once).
+
+    ``max_seq_len``: cache slots per row (prompt + new tokens); ``max_batch_size``: rows
+    allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: fp32
+    prefill on CPUs without bf16 instructions; bf16 decode for quantized or bf16 models, else
+    the weights' dtype). ``kv_dtype`` defaults to the decode dtype. ``compile``: compile the
+    decode step (one layer's code, reused by all layers).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_seq_len: int = 512,
+        max_batch_size: int = 1,
+        prefill_dtype: torch.dtype | None = None,
+        decode_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+        compile: bool = True,
+        compile_prefill: bool = False,
+    ) -> None:
+        if max_seq_len < 2 or max_batch_size < 1:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} and max_batch_size={max_batch_size} must be >= 2, 1"
+            )
+        self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
+        self.fallback_reason = unsupported_reason(model)
+        if self.fallback_reason is not None:
+            warnings.warn(
+                f"compress runtime falls back to transformers generate: {self.fallback_reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        config = model.config
+        embed = model.get_input_embeddings().weight
+        device, w_dtype = embed.device, embed.dtype
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        if decode_dtype is None:
+            cpu_quant = quantized and device.type == "cpu"
+            decode_dtype = torch.bfloat16 if cpu_quant or w_dtype == torch.bfloat16 else w_dtype
+        if prefill_dtype is None:
+            prefill_dtype = default_prefill_dtype(device) if device.type == "cpu" else w_dtype
+        self.prefill_dtype, self.decode_dtype = prefill_dtype, decode_dtype
+        self.kv_dtype = kv_dtype or decode_dtype
+        notes: list[str] = []
+        with torch.no_grad():
+            self.layers = nn.ModuleList(
+                _Layer(layer, config, prefill_dtype, decode_dtype, notes, i)
+                for i, layer in enumerate(model.model.layers)
+            )
+            self.head = _Head(model, decode_dtype, notes)
+            self.embed = embed.detach()
+            # cos/sin tables for every cache position, from the model's own rotary module so
+            # that its rope type and attention scaling carry over: [S, D] fp32.
+            pos = torch.arange(max_seq_len, device=device)[None]
+            cos, sin = model.model.rotary_emb(torch.zeros(1, device=device), pos)
+            self.cos, self.sin = cos[0].float(), sin[0].float()
+        if notes:
+            log.warning(
+                "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
+            )
+        first = self.layers[0]
+        shape = (len(self.layers), max_batch_size, first.n_kv, max_seq_len, first.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.device, self.compile_prefill = device, compile_prefill
+        self._decode_fn = self._prefill_fn = _call_layer
+        self._compiled = compile
+        if compile:
+            self._decode_fn = torch.compile(_call_layer, dynamic=False)
+            if compile_prefill:
+                self._prefill_fn = torch.compile(_call_layer, dynamic=False)
+
+    # ---- public API ----------------------------------------------------------------------
+    def stream(self, input_ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
+        """Yield new tokens of one prompt as they are produced (see ``generate`` for options)."""
+        stop = set(sampling.pop("stop_tokens", None) or ())
+        if self.fallback_reason is not None:
+            yield from self.generate([input_ids], max_new_tokens, stop_tokens=stop, **sampling)[0]
+            return
+        for tokens in self._run([list(input_ids)], max_new_tokens, _make_sampling(**sampling)):
+            token = int(tokens[0])
+            yield token
+            if token in stop:
+                return
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        stop_tokens: list[int] | set[int] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """New tokens per prompt (a stop token ends its row and is included).
+
+        Greedy when ``temperature`` is 0; otherwise sampling with optional top-k/top-p and a
+        seeded generator. Rows decode together (left-padded); generation ends when every row
+        has stopped or ``max_new_tokens`` are produced.
+        """
+        prompts = [list(p) for p in prompts]
+        stop = set(stop_tokens or ())
+        sampling = _make_sampling(temperature, top_k, top_p, seed)
+        if self.fallback_reason is not None:
+            return self._hf_generate(prompts, max_new_tokens, stop, sampling)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for tokens in self._run(prompts, max_new_tokens, sampling):
+            for row, token in enumerate(tokens.tolist()):
+                if not done[row]:
+                    out[row].append(token)
+                    done[row] = token in stop
+            if all(done):
+                break
+        return out
+
+    def decode_bytes(self) -> dict[str, int]:
+        """Bytes a decode step reads: ``weights`` (every layer's decode-phase weights and the
+        head; one embedding row is negligible) and ``kv_cache`` (the whole allocated cache)."""
+        seen: set[int] = set()
+        weights = 0
+        for module in list(self.layers.modules()) + list(self.head.modules()):
+            tensors = dict(module.named_buffers(recurse=False))
+            if isinstance(module, _FloatLinear):  # decode reads w_decode (maybe w_prefill itself)
+                tensors["w_prefill"] = module.w_decode
+            for t in tensors.values():
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    weights += t.numel() * t.element_size()
+        cache = 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return {"weights": weights, "kv_cache": cache}
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(
+                f"batch of {len(prompts)} prompts exceeds max_batch_size={self.max_batch_size} "
+                f"allocated; create the Runtime with max_batch_size>={len(prompts)}"
+            )
+        need = max(len(p) for p in prompts) + max_new_tokens
+        if max_new_tokens < 1 or need > self.max_seq_len:
+            raise ValueError(
+                f"longest prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens "
+                f"({max_new_tokens}) must be in 1..max_seq_len={self.max_seq_len}; create the "
+                f"Runtime with max_seq_len>={need} or shorten the prompt"
+            )
+        vocab = self.embed.shape[0]
+        bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+
+    @torch.no_grad()
+    def _run(self, prompts, max_new_tokens: int, sampling: _Sampling) -> Iterator[torch.Tensor]:
+        self._check(prompts, max_new_tokens)
+        b, t = len(prompts), max(len(p) for p in prompts)
+        tb = _bucket(t, self.max_seq_len) if self.compile_prefill else t
+        tokens = torch.zeros(b, tb, dtype=torch.long)
+        pad = torch.tensor([t - len(p) for p in prompts])
+        self.valid.zero_()
+        for row, p in enumerate(prompts):  # left padding: every row's last token is at t - 1
+            tokens[row, t - len(p) : t] = torch.tensor(p)
+            self.valid[row, t - len(p) : t] = True
+        pad, tokens = pad.to(self.device), tokens.to(self.device)
+        positions = (torch.arange(tb, device=self.device)[None] - pad[:, None]).clamp(min=0)
+        keys = self.valid[:b, :tb]
+        causal = torch.ones(tb, tb, dtype=torch.bool, device=self.device).tril()
+        # Every query sees itself, so padding rows stay finite (their outputs are never read).
+        eye = torch.eye(tb, dtype=torch.bool, device=self.device)
+        mask = ((causal & keys[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
+        slots = torch.arange(tb, device=self.device)
+        x = self._layers(tokens, positions, mask, slots, b, decode=False)
+        logits = self.head(x[:, t - 1])
+        pos = t
+        for step in range(max_new_tokens):
+            next_tokens = _sample(logits, sampling)
+            yield next_tokens
+            if step == max_new_tokens - 1:
+                return
+            self.valid[:b, pos] = True
+            self._slot.fill_(pos)
+            mask = self.valid[:b, None, None, :]  # [B, 1, 1, S]
+            x = self._layers(
+                next_tokens[:, None], (pos - pad)[:, None], mask, self._slot, b, decode=True
+            )
+            logits = self.head(x[:, -1])
+            pos += 1
+
+    def _layers(self, tokens, positions, mask, slots, b: int, *, decode: bool) -> torch.Tensor:
+        fn = self._decode_fn if decode else self._prefill_fn
+        x = self.embed[tokens].float()  # [B, T, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        try:
+            return self._apply(fn, x, cos, sin, mask, slots, b, decode)
+        except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
+            if fn is _call_layer:
+                raise
+            warnings.warn(
+                f"compress runtime: torch.compile failed ({type(exc).__name__}: {exc}); "
+                "running eager from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._decode_fn = self._prefill_fn = _call_layer
+            # Re-running is safe: each layer rewrites the same cache slots from the same input.
+            return self._apply(_call_layer, x, cos, sin, mask, slots, b, decode)
+
+    def _apply(self, fn, x, cos, sin, mask, slots, b: int, decode: bool) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = fn(
+                layer, x, cos, sin, mask, self.k_cache[i, :b], self.v_cache[i, :b], slots, decode
+            )
+        return x
+
+    def _hf_generate(self, prompts, max_new_tokens: int, stop: set[int], s: _Sampling):
+        pad_id = next(iter(stop), 0)
+        t = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (t - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (t - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = dict(
+            do_sample=s.temperature > 0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(stop) or None,
+            pad_token_id=pad_id,
+        )
+        if s.temperature > 0:
+            kwargs.update(temperature=s.temperature, top_k=s.top_k or 0, top_p=s.top_p or 1.0)
+        device = self.model.get_input_embeddings().weight.device
+        with torch.no_grad():
+            out = self.model.generate(
+                ids.to(device), attention_mask=attention.to(device), **kwargs
+            )[:, t:]
+        result = []
+        for row in out.tolist():
+            cut = next((i + 1 for i, tok in enumerate(row) if tok in stop), len(row))
+            result.append(row[:cut])
+        return result
+
+
+def _make_sampling(
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> _Sampling:
+    if (
+        temperature < 0
+        or (top_k is not None and top_k < 1)
+        or not (top_p is None or 0 < top_p <= 1)
+    ):
+        raise ValueError(
+            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1]"
+        )
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    return _Sampling(temperature, top_k, top_p, generator)

@@ -1,0 +1,171 @@
+"""The static-cache runtime: greedy outputs equal transformers' greedy decoding (fp32 tiny and
+real model, batched with left padding, quantized layers through the same native kernels), stop
+tokens, sampling, streaming, bad input, fallbacks, and one test of the compiled decode step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import make_tiny_llama  # noqa: E402
+
+from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
+from compress.runtime import Runtime  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7], [1, 40, 50], [1, 200, 13, 14, 15]]
+
+
+@pytest.fixture
+def model():
+    # initializer_range 0.3: the default 0.02 makes a random model repeat one token, which
+    # would let a broken runtime pass the equality tests.
+    return make_tiny_llama(initializer_range=0.3)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_equals_transformers_fp32(model):
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    for prompt in PROMPTS:
+        ref = hf_greedy(model, prompt, 24)
+        assert len(set(ref)) > 5  # the reference itself is not degenerate
+        assert rt.generate([prompt], 24) == [ref]
+
+
+def test_batch_with_left_padding_equals_single_rows(model):
+    rt = Runtime(model, max_seq_len=64, max_batch_size=3, compile=False)
+    assert rt.generate(PROMPTS, 16) == [hf_greedy(model, p, 16) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    "cfg,bits", [(Int4RtnConfig(group_size=32), 4), (Int8RtnConfig(), 8)], ids=["int4-g32", "int8"]
+)
+def test_quantized_native_kernels_equal_transformers(model, cfg, bits):
+    quantize_linears(model, cfg, bits, "test")
+    # fp32 decode keeps lm_head in fp32 as transformers does; the quantized layers run the same
+    # native kernels (bf16 activations) on both sides.
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False)
+    kinds = {type(m).__name__ for m in rt.layers.modules()}
+    assert {"_Int4Linear" if bits == 4 else "_Int8Linear"} <= kinds
+    for prompt in PROMPTS[:2]:
+        assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
+
+
+def test_quantized_default_bf16_decode_stays_close(model):
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    ref = hf_greedy(model, PROMPTS[0], 12)
+    out = Runtime(model, max_seq_len=64, compile=False).generate([PROMPTS[0]], 12)[0]
+    # bf16 lm_head may flip a near tie late; the first tokens must agree.
+    assert out[:4] == ref[:4]
+
+
+def test_bucketed_prefill_equals_transformers(model):
+    # compile_prefill pads prompts to power-of-two buckets (here eager, the same padding).
+    rt = Runtime(model, max_seq_len=64, max_batch_size=2, compile=False, compile_prefill=True)
+    assert rt.generate(PROMPTS[:2], 12) == [hf_greedy(model, p, 12) for p in PROMPTS[:2]]
+
+
+def test_stop_tokens_end_each_row_and_are_included(model):
+    rt = Runtime(model, max_seq_len=64, max_batch_size=2, compile=False)
+    full = rt.generate(PROMPTS[:2], 20)
+    stop = full[0][5]
+    out = rt.generate(PROMPTS[:2], 20, stop_tokens=[stop])
+    for row, ref in zip(out, full, strict=True):
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert row == ref[:cut]
+
+
+def test_stream_yields_the_generate_tokens(model):
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    assert list(rt.stream(PROMPTS[0], 10)) == rt.generate([PROMPTS[0]], 10)[0]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    a = rt.generate([PROMPTS[0]], 12, temperature=1.0, seed=3)
+    assert a == rt.generate([PROMPTS[0]], 12, temperature=1.0, seed=3)
+    assert a != rt.generate([PROMPTS[0]], 12, temperature=1.0, seed=4)
+    greedy = rt.generate([PROMPTS[0]], 12)
+    assert rt.generate([PROMPTS[0]], 12, temperature=1.0, top_k=1, seed=0) == greedy
+    assert rt.generate([PROMPTS[0]], 12, temperature=1.0, top_p=1e-6, seed=0) == greedy
+
+
+@pytest.mark.parametrize(
+    "prompts,n,match",
+    [
+        ([[1] * 60], 10, "max_seq_len"),
+        ([[1] * 70], 1, "max_seq_len"),
+        ([[1, 2]] * 3, 4, "max_batch_size"),
+        ([[]], 4, "at least one token"),
+        ([[1, 999]], 4, "outside the vocabulary"),
+        ([[1, 2]], 0, "max_new_tokens"),
+    ],
+    ids=["prompt+new>cache", "prompt>cache", "batch>allocated", "empty", "bad-id", "zero-new"],
+)
+def test_bad_input_raises_clear_error(model, prompts, n, match):
+    rt = Runtime(model, max_seq_len=64, max_batch_size=2, compile=False)
+    with pytest.raises(ValueError, match=match):
+        rt.generate(prompts, n)
+
+
+def test_bad_sampling_options_raise(model):
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    with pytest.raises(ValueError, match="top_p"):
+        rt.generate([[1, 2]], 4, temperature=1.0, top_p=1.5)
+
+
+def test_unsupported_architecture_falls_back_with_warning():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=320, n_positions=64, n_embd=32, n_layer=1, n_head=2, initializer_range=0.3
+        )
+    ).eval()
+    with pytest.warns(RuntimeWarning, match="model_type 'gpt2'"):
+        rt = Runtime(gpt2, max_seq_len=64)
+    assert rt.generate([PROMPTS[0]], 8) == [hf_greedy(gpt2, PROMPTS[0], 8)]
+
+
+def test_compile_failure_falls_back_once_with_warning(model):
+    rt = Runtime(model, max_seq_len=64, compile=False)
+
+    def broken(*args):
+        raise RuntimeError("inductor exploded")
+
+    rt._decode_fn = broken  # stands in for a compiler failure on the first decode step
+    with pytest.warns(RuntimeWarning, match="inductor exploded"):
+        out = rt.generate([PROMPTS[0]], 8)
+    assert out == [hf_greedy(model, PROMPTS[0], 8)]
+
+
+def test_compiled_decode_step_equals_transformers(model):
+    # The one compiled test (about 1-2 minutes of inductor work on 2 busy cores).
+    torch._dynamo.reset()
+    rt = Runtime(model, max_seq_len=32, compile=True)
+    assert rt.generate([PROMPTS[0]], 6) == [hf_greedy(model, PROMPTS[0], 6)]
+
+
+@pytest.mark.real
+def test_real_model_greedy_equals_transformers(smollm2):
+    prompt = smollm2.tokenizer("The capital of France is")["input_ids"]
+    ref = hf_greedy(smollm2.model, prompt, 8)
+    out = Runtime(smollm2.model, max_seq_len=32, compile=False).generate([prompt], 8)
+    assert out == [ref]
+    text = smollm2.generate("The capital of France is", 8)
+    assert text == smollm2.tokenizer.decode(ref, skip_special_tokens=True)
