@@ -50,28 +50,29 @@ def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
 
 def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
-    by_scheme: dict[WeightScheme, list[str]] = defaultdict(list)
+    by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
     plain_linears = []
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            by_scheme[module.scheme].append(name)
+            # W8A8 layers (compress.smoothquant) also quantize their inputs: a separate group
+            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(name)
         elif isinstance(module, nn.Linear):
             plain_linears.append(name)
     if not by_scheme:
         return None
     single = len(by_scheme) == 1
     groups = {}
-    for index, (scheme, names) in enumerate(by_scheme.items()):
+    for index, ((scheme, w8a8), names) in enumerate(by_scheme.items()):
         groups[f"group_{index}"] = {
             # One scheme: target the class and list the rest under `ignore`; several schemes:
             # name each layer exactly (compressed-tensors matches exact module names).
             "targets": ["Linear"] if single else sorted(names),
             "weights": _weights_args(scheme),
-            "input_activations": None,
+            "input_activations": _w8a8_input_args() if w8a8 else None,
             "output_activations": None,
             "format": scheme.format,
         }
-    formats = {scheme.format for scheme in by_scheme}
+    formats = {scheme.format for scheme, _ in by_scheme}
     return {
         "quant_method": "compressed-tensors",
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
@@ -81,6 +82,12 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
+
+
+def _w8a8_input_args() -> dict[str, Any]:
+    from compress.smoothquant import INPUT_ACTIVATIONS
+
+    return dict(INPUT_ACTIVATIONS)
 
 
 def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightScheme:
@@ -138,6 +145,13 @@ def export_checkpoint(
     report: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint atomically to ``out_dir`` (replacing an existing one) and return it."""
+    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
+        # bitsandbytes layers have their own format: transformers' save_pretrained writes it.
+        from compress.bnb import export_bnb_checkpoint
+
+        return export_bnb_checkpoint(
+            model, tokenizer, out_dir, dtype=dtype, recipe_yaml=recipe_yaml, report=report
+        )
     out_dir = Path(out_dir)
     check_writable(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -219,7 +233,10 @@ def load_compressed(
                 if scale is None:
                     raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
                 scheme = _scheme_from_args(group["weights"], scale.dtype)
-                quant_linear = QuantLinear(
+                cls = QuantLinear
+                if (group.get("input_activations") or {}).get("strategy") == "token":
+                    from compress.smoothquant import W8A8Linear as cls  # dynamic int8 inputs
+                quant_linear = cls(
                     module.in_features,
                     module.out_features,
                     scheme,

@@ -8,10 +8,11 @@ reported by name (or use ``fallback_group_size``), and ``strict: true`` turns sk
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import torch
-from pydantic import field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
 from compress.core import (
@@ -30,16 +31,50 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 BackendName = Literal["auto", "reference", "cpu", "triton"]
 
 
-class _RtnConfig(PassConfig):
-    symmetric: bool = True  # false: per-group zero points (asymmetric)
-    scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    backend: BackendName = "auto"  # kernel backend of the produced QuantLinear modules
-
-
 def _check_group(value: int | None, field: str) -> int | None:
     if value is not None and value not in GROUP_SIZES:
         raise ValueError(f"{field}={value} is not supported; allowed values: {list(GROUP_SIZES)}")
     return value
+
+
+class LayerOverride(BaseModel):
+    """A per-layer exception to the pass's scheme, e.g. keep the first and last ``down_proj`` at
+    8 bits: ``{layers: "re:layers\\.(0|29)\\.mlp\\.down_proj", n_bits: 8, group_size: channel}``.
+    layers: exact module name or ``re:<regex>`` (searched); n_bits / group_size: None inherits,
+    group_size ``channel`` means one scale per output channel. The first matching override wins."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: str
+    n_bits: Literal[4, 8] | None = None
+    group_size: int | Literal["channel"] | None = None
+
+    @field_validator("layers")
+    @classmethod
+    def _pattern(cls, value: str) -> str:
+        if value.startswith("re:"):
+            try:
+                re.compile(value[3:])
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression {value!r}: {exc}") from exc
+        return value
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, value: int | str | None) -> int | str | None:
+        return value if value == "channel" else _check_group(value, "group_size")  # type: ignore[arg-type]
+
+    def matches(self, name: str) -> bool:
+        if self.layers.startswith("re:"):
+            return re.search(self.layers[3:], name) is not None
+        return self.layers == name
+
+
+class _RtnConfig(PassConfig):
+    symmetric: bool = True  # false: per-group zero points (asymmetric)
+    scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    backend: BackendName = "auto"  # kernel backend of the produced QuantLinear modules
+    overrides: tuple[LayerOverride, ...] = ()  # per-layer bits/group exceptions (first match)
 
 
 class Int4RtnConfig(_RtnConfig):
@@ -72,14 +107,22 @@ class Int8RtnConfig(_RtnConfig):
 
 
 def scheme_for_layer(
-    linear: nn.Linear, cfg: Int4RtnConfig | Int8RtnConfig, n_bits: int
+    linear: nn.Linear, cfg: _RtnConfig, n_bits: int, name: str = ""
 ) -> WeightScheme | str:
-    """The scheme for this layer, or the reason it must be skipped."""
+    """The scheme for this layer (after per-layer ``overrides``), or the reason to skip it."""
     k = linear.in_features
     scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
-    if cfg.group_size is None:  # one scale per output channel
+    group_size = getattr(cfg, "group_size", None)
+    fallback = getattr(cfg, "fallback_group_size", None)
+    override = next((o for o in cfg.overrides if o.matches(name)), None)
+    if override is not None:
+        n_bits = override.n_bits or n_bits
+        if override.group_size is not None:
+            group_size = None if override.group_size == "channel" else override.group_size
+            fallback = None
+    if group_size is None:  # one scale per output channel
         return WeightScheme(n_bits, None, cfg.symmetric, scale_dtype)
-    groups = [g for g in (cfg.group_size, getattr(cfg, "fallback_group_size", None)) if g]
+    groups = [g for g in (group_size, fallback) if g]
     for group in groups:
         if k % group == 0:
             return WeightScheme(n_bits, group, cfg.symmetric, scale_dtype)
@@ -99,7 +142,7 @@ def quantize_linears(
     for layer_name, module in target_modules(model, cfg):
         if not isinstance(module, nn.Linear):
             continue
-        scheme = scheme_for_layer(module, cfg, n_bits)
+        scheme = scheme_for_layer(module, cfg, n_bits, layer_name)
         if isinstance(scheme, str):
             report.skipped[layer_name] = scheme
         else:
@@ -124,8 +167,21 @@ def quantize_linears(
         weight_bytes_before=bytes_before,
         weight_bytes_after=bytes_after,
         relative_weight_error=(err_num / err_den) ** 0.5 if err_den else 0.0,
+        bits_per_weight=bits_per_weight(model, [n for n, _, _ in plan]),
     )
     return report
+
+
+def bits_per_weight(model: nn.Module, names: list[str]) -> float | None:
+    """Average stored bits per weight (codes + scales + zero points) over the named
+    QuantLinear layers: the mixed-precision summary when overrides give layers other schemes."""
+    bits = numel = 0
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module, QuantLinear):
+            bits += 8 * module.weight_bytes()
+            numel += module.in_features * module.out_features
+    return bits / numel if numel else None
 
 
 @register_pass("quantize.int4_rtn", Int4RtnConfig)

@@ -1,0 +1,149 @@
+"""Quantization results table on SmolLM2-135M: baseline, RTN, GPTQ, AWQ, W8 RTN, SmoothQuant W8A8.
+
+Each row is one recipe from recipes/ (reproducible alone with `compress run recipes/<name>.yaml`
+plus the same --set overrides); this script runs them in one process, evaluating every row on
+the same WikiText-2 test windows, and writes JSON + markdown:
+
+    python scripts/bench_quant.py --limit 16 --num-samples 16 --out out/bench_quant
+
+--limit keeps the first N windows of 512 tokens of the test split (full split: omit it);
+--num-samples overrides the recipes' calibration sample count (timing on shared cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from compress.eval.quality import perplexity
+from compress.eval.report import environment, markdown_table
+
+from compress.calibration import calibration_mix
+from compress.core import CompressionState, run_passes
+from compress.data import resolve_text_path
+from compress.models import load_model
+from compress.modules import model_bytes
+from compress.recipe import load_recipe
+
+ROWS = [
+    "smollm2-w4g128-rtn",
+    "smollm2-w4g128-gptq",
+    "smollm2-w4g128-awq",
+    "smollm2-w4g32-rtn",
+    "smollm2-w4g32-gptq",
+    "smollm2-w4g32-awq",
+    "smollm2-w8-rtn",
+    "smollm2-w8a8-smoothquant",
+    "smollm2-w4g128-gptq-mixed",
+]
+COLUMNS = [
+    ("variant", "variant"),
+    ("perplexity", "WikiText-2 ppl"),
+    ("ppl_delta_pct", "Δ ppl %"),
+    ("bits_per_weight", "bits/weight"),
+    ("linear_weight_mb", "linear weights MB"),
+    ("calib_s", "calibration s"),
+    ("peak_mb", "peak RSS MB"),
+    ("command", "command"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", default=ROWS, help="recipe names under recipes/")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N test windows (default: all)"
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="override calibration samples"
+    )
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", default="out/bench_quant")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = resolve_text_path("wikitext2").read_text(encoding="utf-8")
+
+    def evaluate(model, tokenizer):
+        return perplexity(
+            model,
+            tokenizer,
+            text,
+            context_length=args.context,
+            limit=args.limit,
+            source="wikitext2",
+            progress=False,
+        )
+
+    sets = [f"eval.perplexity.limit={args.limit}"] if args.limit else []
+    if args.num_samples:
+        sets.append(f"calibration.num_samples={args.num_samples}")
+    loaded = load_model("smollm2-135m")
+    base = evaluate(loaded.model, loaded.tokenizer)
+    rows = [
+        {
+            "variant": "baseline fp32",
+            "perplexity": base.perplexity,
+            "bits_per_weight": 32.0,
+            "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
+        }
+    ]
+    payload = {"environment": environment(), "protocol": base.protocol, "rows": rows, "reports": {}}
+    for name in args.rows:
+        recipe = load_recipe(f"recipes/{name}.yaml", [s for s in sets if _applies(s, name)])
+        loaded = load_model(recipe.model)
+        state = CompressionState(tokenizer=loaded.tokenizer, progress=False)
+        if recipe.calibration is not None:
+            cal = recipe.calibration
+            batches = calibration_mix(
+                cal.mix or {cal.source: 1.0},
+                loaded.tokenizer,
+                num_samples=cal.num_samples,
+                seq_len=cal.seq_len,
+                seed=cal.seed,
+            )
+            state.calibration_batches = lambda b=batches: list(b.split(1))
+        start = time.perf_counter()
+        run_passes(loaded.model, recipe.passes, state)
+        seconds = time.perf_counter() - start
+        result = evaluate(loaded.model, loaded.tokenizer)
+        metrics = state.reports[-1].metrics
+        peak = state.reports[-1].peak_memory_bytes
+        rows.append(
+            {
+                "variant": name,
+                "perplexity": result.perplexity,
+                "ppl_delta_pct": 100 * (result.perplexity / base.perplexity - 1),
+                "bits_per_weight": metrics.get("bits_per_weight"),
+                "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
+                "calib_s": seconds if recipe.calibration is not None else None,
+                "peak_mb": peak / 1e6 if peak and recipe.calibration is not None else None,
+                "command": f"`compress run recipes/{name}.yaml "
+                + " ".join(f"--set {s}" for s in sets if _applies(s, name))
+                + "`",
+            }
+        )
+        payload["reports"][name] = [r.to_dict() for r in state.reports]
+        (out / "bench_quant.json").write_text(json.dumps(payload, indent=2, default=str))
+        logging.info("%s: ppl %.3f (%.1fs)", name, result.perplexity, seconds)
+    p = base.protocol
+    md = markdown_table(rows, COLUMNS) + (
+        f"\n\nWikiText-2 test, token perplexity, context {p['context_length']}, "
+        f"{p['windows']} windows ({base.scored_tokens} scored tokens); torch {torch.__version__}."
+    )
+    (out / "bench_quant.md").write_text(md + "\n")
+    print(md)
+
+
+def _applies(setting: str, name: str) -> bool:
+    """Calibration overrides only apply to recipes that calibrate (RTN has no section)."""
+    return not setting.startswith("calibration") or not name.endswith(("-rtn",))
+
+
+if __name__ == "__main__":
+    main()
