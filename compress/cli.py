@@ -80,6 +80,45 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from compress.models import load_model
+
+    loaded = load_model(args.model, backend=args.backend)
+    text = loaded.generate(args.prompt, args.max_new_tokens, compile=args.compile,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed)
+    print(text)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from compress.eval.compare import CompareSettings, compare
+
+    settings = CompareSettings(
+        dataset=None if args.no_perplexity else args.dataset,
+        context_length=args.context_length,
+        ppl_limit=args.limit,
+        tasks=[t for t in (args.tasks or "").split(",") if t],
+        task_limit=args.task_limit,
+        tasks_dir=args.tasks_dir,
+        latency=not args.no_latency,
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        rounds=args.rounds,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        usd_per_hour=args.usd_per_hour,
+        data_dir=args.data_dir,
+        backend=args.backend,
+        progress=not args.no_progress,
+    )
+    result = compare(args.baseline, args.variants, settings, args.out)
+    print(result["markdown"])
+    print("\nwrote " + ", ".join(result["files"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compress",
@@ -133,6 +172,49 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--data-dir", help="data folder")
     p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_eval.set_defaults(func=_cmd_eval)
+
+    p_cmp = sub.add_parser("compare", help="baseline vs variants: quality, latency, size, cost "
+                           "(markdown, CSV, JSON and a PNG plot)")
+    p_cmp.add_argument("baseline", help="baseline model (directory, checkpoint or smollm2-135m)")
+    p_cmp.add_argument("variants", nargs="+", help="variant models or checkpoint directories")
+    p_cmp.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
+    p_cmp.add_argument("--dataset", default="wikitext2", help="perplexity text (as for eval)")
+    p_cmp.add_argument("--no-perplexity", action="store_true", help="skip perplexity")
+    p_cmp.add_argument("--context-length", type=int, default=512, help="perplexity window")
+    p_cmp.add_argument("--limit", type=int, help="perplexity: score only the first N windows")
+    p_cmp.add_argument("--tasks", help="comma-separated lm-eval tasks, e.g. piqa_local,"
+                       "arc_easy_local (see shared/data/lm_eval_tasks)")
+    p_cmp.add_argument("--task-limit", type=int, help="lm-eval: examples per task (fast runs)")
+    p_cmp.add_argument("--tasks-dir", help="folder of lm-eval task configs (default: "
+                       "<data dir>/lm_eval_tasks)")
+    p_cmp.add_argument("--no-latency", action="store_true", help="skip latency measurement")
+    p_cmp.add_argument("--prompts", type=int, default=4, help="latency: requests per round")
+    p_cmp.add_argument("--prompt-tokens", type=int, default=64, help="latency: prompt length")
+    p_cmp.add_argument("--output-tokens", type=int, default=32, help="latency: new tokens")
+    p_cmp.add_argument("--rounds", type=int, default=1, help="latency: interleaved repetitions")
+    p_cmp.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: max TTFT in ms")
+    p_cmp.add_argument("--slo-tpot-ms", type=float, help="goodput SLO: max TPOT in ms")
+    p_cmp.add_argument("--usd-per-hour", type=float, default=1.0, help="machine price for cost")
+    p_cmp.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
+                       help="quantized kernel backend")
+    p_cmp.add_argument("--data-dir", help="data folder")
+    p_cmp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_cmp.set_defaults(func=_cmd_compare)
+
+    p_gen = sub.add_parser("generate", help="generate text with the static-cache runtime")
+    p_gen.add_argument("prompt", help="prompt text")
+    p_gen.add_argument("--model", default="smollm2-135m",
+                       help="model or checkpoint (default smollm2-135m)")
+    p_gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    p_gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p_gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    p_gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    p_gen.add_argument("--seed", type=int, help="sampling seed")
+    p_gen.add_argument("--compile", action="store_true",
+                       help="torch.compile the decode step (minutes to compile on small CPUs)")
+    p_gen.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
+                       help="quantized kernel backend")
+    p_gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.calibration import calibration_sequences
+from compress.calibration import calibration_mix
 from compress.core import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
 from compress.export import check_writable, export_checkpoint
@@ -86,18 +86,21 @@ def run_job(
     state = CompressionState(tokenizer=loaded.tokenizer, progress=progress, data_dir=data_dir)
     if recipe.calibration is not None:
         cal = recipe.calibration
-        batches = calibration_sequences(
-            cal.source, loaded.tokenizer, num_samples=cal.num_samples, seq_len=cal.seq_len,
-            seed=cal.seed, data_dir=data_dir,
+        batches = calibration_mix(
+            cal.mix or {cal.source: 1.0}, loaded.tokenizer, num_samples=cal.num_samples,
+            seq_len=cal.seq_len, seed=cal.seed, data_dir=data_dir,
         )
         state.calibration_batches = lambda: list(batches.split(1))
     if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
         state.teacher = copy.deepcopy(loaded.model).eval()
 
+    from compress.eval.compare import evaluate_extras
+
     rows: list[dict[str, Any]] = []
-    baseline = None
+    baseline, baseline_extras = None, {}
     if recipe.eval.baseline:
         baseline = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+        baseline_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
         sizes = model_bytes(loaded.model)
         rows.append({
             "variant": f"baseline ({loaded.source})",
@@ -107,6 +110,7 @@ def run_job(
         })
     run_passes(loaded.model, recipe.passes, state)
     compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+    compressed_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(loaded.model)
     row = {
         "variant": recipe.name,
@@ -125,6 +129,8 @@ def run_job(
         "eval": {
             "baseline": baseline.to_dict() if baseline else None,
             "compressed": compressed.to_dict() if compressed else None,
+            "baseline_extras": baseline_extras,  # lm-eval tasks / latency, when requested
+            "compressed_extras": compressed_extras,
         },
         "rows": rows,
     }

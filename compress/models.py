@@ -51,6 +51,24 @@ class LoadedModel:
     source: str  # what was asked for
     path: str  # directory it was loaded from
 
+    def generate(
+        self, prompt: str | list[str], max_new_tokens: int = 64, *, compile: bool = False, **options
+    ) -> str | list[str]:
+        """Generate text with ``compress.runtime.Runtime`` (static cache; greedy unless
+        ``temperature`` > 0; stops at the tokenizer's EOS). ``options``: see
+        ``Runtime.generate``. A runtime is built per call: for repeated calls, hold a Runtime."""
+        from compress.runtime import Runtime
+
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        need = max(len(i) for i in ids) + max_new_tokens
+        runtime = Runtime(self.model, max_seq_len=-(-need // 64) * 64,
+                          max_batch_size=len(ids), compile=compile)
+        options.setdefault("stop_tokens", [self.tokenizer.eos_token_id])
+        out = runtime.generate(ids, max_new_tokens, **options)
+        texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
+        return texts[0] if isinstance(prompt, str) else texts
+
 
 def cache_dir() -> Path:
     if os.environ.get("COMPRESS_CACHE_DIR"):

@@ -251,3 +251,14 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
         elif isinstance(module, nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()
     return {"total": total, "linear": linear}
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Switch every QuantLinear in ``model`` to ``backend``; returns how many were switched."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.backend = backend
+            module._prepared.clear()
+            count += 1
+    return count

@@ -33,6 +33,7 @@ class CalibrationConfig(_Section):
     num_samples: int = Field(128, ge=1)  # sequences
     seq_len: int = Field(512, ge=8)  # tokens per sequence
     seed: int = 0
+    mix: dict[str, float] | None = None  # source -> weight; when set, replaces `source`
 
 
 class PerplexityConfig(_Section):
@@ -44,9 +45,31 @@ class PerplexityConfig(_Section):
     limit: int | None = Field(None, ge=1)  # at most this many windows (fast runs)
 
 
+class TasksConfig(_Section):
+    """Zero-shot lm-eval tasks from the offline task folder (see compress.eval.lm_eval_tasks)."""
+
+    names: list[str] = Field(min_length=1)  # e.g. [piqa_local, arc_easy_local]
+    limit: int | None = Field(None, ge=1)  # examples per task (fast runs)
+    tasks_dir: str | None = None  # default: <data dir>/lm_eval_tasks
+
+
+class LatencyConfig(_Section):
+    """Single-stream greedy latency on real prompts (see compress.eval.compare)."""
+
+    prompts: int = Field(4, ge=1)  # requests per round
+    prompt_tokens: int = Field(64, ge=1)
+    output_tokens: int = Field(32, ge=2)
+    rounds: int = Field(1, ge=1)  # repetitions
+    slo_ttft_ms: float | None = Field(None, gt=0)  # goodput bound on time to first token
+    slo_tpot_ms: float | None = Field(None, gt=0)  # goodput bound on time per output token
+    usd_per_hour: float = Field(1.0, ge=0)  # machine price, for cost per 1M tokens
+
+
 class EvalConfig(_Section):
     baseline: bool = True  # also evaluate the uncompressed model, in the same run
     perplexity: PerplexityConfig | None = PerplexityConfig()
+    tasks: TasksConfig | None = None  # lm-eval accuracy; off by default
+    latency: LatencyConfig | None = None  # timing; off by default
 
 
 class ExportConfig(_Section):
@@ -115,12 +138,17 @@ def _format_pydantic(exc: ValidationError, where: str, model: type[BaseModel]) -
             )
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        messages.append(f"{where}: {loc}={err.get('input')!r}: {msg}")
+        if not loc:  # a model-level check (several fields together)
+            messages.append(f"{where}: {msg}")
+        else:
+            messages.append(f"{where}: {loc}={err.get('input')!r}: {msg}")
     return messages
 
 
 # ---- parsing ------------------------------------------------------------------------------
-def _validate_passes(raw: Any, source: str, errors: list[str]) -> list[PassConfig]:
+def _validate_passes(
+    raw: Any, source: str, errors: list[str], names: list[str]
+) -> list[PassConfig]:
     if not isinstance(raw, list):
         errors.append(f"{source}: passes must be a list of mappings with a `pass:` key")
         return []
@@ -137,6 +165,7 @@ def _validate_passes(raw: Any, source: str, errors: list[str]) -> list[PassConfi
             hint = f" Did you mean {close[0]!r}?" if close else ""
             errors.append(f"{where}: unknown pass {name!r}.{hint} Known: {', '.join(sorted(PASSES))}")
             continue
+        names.append(name)
         spec = get_pass(name)
         try:
             passes.append(spec.config_cls.model_validate(settings))
@@ -145,9 +174,8 @@ def _validate_passes(raw: Any, source: str, errors: list[str]) -> list[PassConfi
     return passes
 
 
-def check_order(passes: list[PassConfig]) -> list[str]:
-    """Ordering rules, each with its message."""
-    names = [pass_name_of(cfg) for cfg in passes]
+def check_order(names: list[str]) -> list[str]:
+    """Ordering rules over the pass names, each with its message."""
     problems = []
     for i, name in enumerate(names):
         family = name.split(".")[0]
@@ -175,6 +203,7 @@ def parse_recipe(data: str | dict[str, Any], source: str = "<recipe>") -> Recipe
         raise RecipeError(f"{source}: a recipe is a YAML mapping with keys {', '.join(TOP_LEVEL)}")
     errors: list[str] = []
     values: dict[str, Any] = {}
+    names: list[str] = []
     for key, raw in data.items():
         if key not in TOP_LEVEL:
             errors.append(
@@ -188,14 +217,13 @@ def parse_recipe(data: str | dict[str, Any], source: str = "<recipe>") -> Recipe
                 errors.append(f"{source}: {key} must be a string, got {raw!r}")
             values[key] = str(raw)
         elif kind is list:
-            values[key] = _validate_passes(raw, source, errors)
+            values[key] = _validate_passes(raw, source, errors, names)
         else:
             try:
                 values[key] = kind.model_validate(raw if raw is not None else {})
             except ValidationError as exc:
                 errors.extend(_format_pydantic(exc, f"{source}: {key}", kind))
-    if not errors:
-        errors.extend(f"{source}: {p}" for p in check_order(values.get("passes", [])))
+    errors.extend(f"{source}: {p}" for p in check_order(names))
     if errors:
         count = f"{len(errors)} problem{'s' if len(errors) > 1 else ''}"
         raise RecipeError(f"invalid recipe ({count}):\n  - " + "\n  - ".join(errors))

@@ -8,49 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: F401  (re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_tiny_llama(seed: int = 0, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**settings))
-    return model.eval()
-
-
-def make_char_tokenizer():
-    """A character-level tokenizer built in code (no downloads): 3 specials + printable ASCII,
-    newline and tab; vocab < 320 so it fits the tiny Llama. Unknown characters map to <unk>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in "\n\t" + "".join(chr(c) for c in range(32, 127)):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="</s>",
-    )
 
 
 @pytest.fixture

@@ -4,14 +4,11 @@ tokens, sampling, streaming, bad input, fallbacks, and one test of the compiled 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import make_tiny_llama  # noqa: E402
+from compress.testing import make_tiny_llama  # noqa: E402
 
 from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
 from compress.runtime import Runtime  # noqa: E402

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from compress.eval.compare import CompareSettings, compare
@@ -14,8 +12,7 @@ from compress.eval.plot import pareto_front
 
 from compress.errors import DataError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import make_char_tokenizer, make_tiny_llama  # noqa: E402
+from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture

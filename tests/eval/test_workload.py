@@ -3,8 +3,6 @@ decoding (float64 tiny model, so no near-ties flip); arrivals and queueing with 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ from compress.eval.workload import (
     serve,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import make_tiny_llama  # noqa: E402
+from compress.testing import make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture

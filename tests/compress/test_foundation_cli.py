@@ -1,0 +1,86 @@
+"""The console script: help texts, validate's error report, inspect, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from compress.cli import build_parser, main
+
+SUBCOMMANDS = ["run", "validate", "inspect", "eval"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_complete_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.dest != "help":
+            assert action.help, f"{command}: {action.dest} has no help text"
+    assert "usage: compress " + command in text
+
+
+def test_validate_reports_three_mistakes_and_exits_2(tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(
+        "name: bad\n"
+        "passes:\n"
+        "  - pass: quantize.int4_rtm\n"        # misspelt pass
+        "  - pass: quantize.int8_rtn\n"
+        "    symetric: true\n"                 # misspelt key
+        "eval:\n"
+        "  perplexity: {limit: -3}\n"          # bad value
+    )
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "3 problems" in err and str(recipe) in err
+    assert "Did you mean 'quantize.int4_rtn'" in err
+    assert "Did you mean 'symmetric'" in err
+    assert "limit=-3" in err
+
+
+def test_validate_missing_file(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "none.yaml")]) == 2
+    assert "recipe file not found" in capsys.readouterr().err
+
+
+def test_run_and_inspect_on_the_tiny_model(tiny_model, tiny_tokenizer, tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "tiny-w4",
+        "passes": [{"pass": "quantize.int4_rtn", "group_size": 32}],
+        "eval": {"perplexity": {"dataset": str(text), "context_length": 64, "limit": 4}},
+    }))
+    out = tmp_path / "out"
+    assert main(["run", str(recipe), "--model", str(model_dir), "--out", str(out),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| baseline" in printed and "| tiny-w4 |" in printed
+    results = json.loads((out / "results.json").read_text())
+    base, comp = results["rows"]
+    assert base["perplexity"] > 1 and comp["perplexity"] > 1
+    assert comp["linear_weight_mb"] < base["linear_weight_mb"] / 4
+    assert (out / "report.json").is_file() and (out / "recipe.yaml").is_file()
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "int4 pack-quantized" in shown and "model.layers.0.mlp.down_proj" in shown
+
+
+def test_run_with_unwritable_model_path_writes_nothing(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: x\npasses:\n  - pass: quantize.int8_rtn\n")
+    out = tmp_path / "out"
+    assert main(["run", str(recipe), "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert not out.exists()
