@@ -23,10 +23,7 @@ it without the package fails at validation with the install command.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +41,7 @@ from compress.core import (
     target_modules,
 )
 from compress.errors import RecipeError
-from compress.export import check_writable
+from compress.export import atomic_directory, write_provenance
 from compress.modules import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -261,22 +258,7 @@ def export_bnb_checkpoint(
         log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)",
                     model_dtype, dtype)
     out_dir = Path(out_dir)
-    check_writable(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if recipe_yaml is not None:
-            (tmp / "recipe.yaml").write_text(recipe_yaml)
-        if report is not None:
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_provenance(tmp, tokenizer, recipe_yaml, report)
     return out_dir

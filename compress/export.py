@@ -13,11 +13,13 @@ a bad input never leaves a half-written checkpoint at the target path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,40 @@ def check_writable(out_dir: Path) -> None:
         raise ModelLoadError(f"{out_dir} exists and is not a directory; choose another --out")
 
 
+@contextlib.contextmanager
+def atomic_directory(out_dir: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename.
+
+    On any exception the temporary directory is removed and ``out_dir`` (new or previous) is
+    left exactly as it was, so nothing half-written ever appears at the target path.
+    """
+    check_writable(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_provenance(
+    directory: Path, tokenizer: Any, recipe_yaml: str | None, report: dict[str, Any] | None
+) -> None:
+    """Tokenizer files, the resolved recipe and report.json beside a checkpoint's weights."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if recipe_yaml is not None:
+        (directory / "recipe.yaml").write_text(recipe_yaml)
+    if report is not None:
+        (directory / "report.json").write_text(json.dumps(report, indent=2, default=str))
+
+
 def export_checkpoint(
     model: nn.Module,
     tokenizer: Any,
@@ -153,11 +189,7 @@ def export_checkpoint(
             model, tokenizer, out_dir, dtype=dtype, recipe_yaml=recipe_yaml, report=report
         )
     out_dir = Path(out_dir)
-    check_writable(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out_dir) as tmp:
         save_file(
             _state_dict_for_export(model, DTYPES[dtype]),
             tmp / "model.safetensors",
@@ -174,19 +206,7 @@ def export_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if recipe_yaml is not None:
-            (tmp / "recipe.yaml").write_text(recipe_yaml)
-        if report is not None:
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_provenance(tmp, tokenizer, recipe_yaml, report)
     return out_dir
 
 

@@ -179,6 +179,13 @@ def test_unwritable_output_dir(tiny_model, tiny_tokenizer, tmp_path):
         export_checkpoint(tiny_model, tiny_tokenizer, locked / "ckpt")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_uncreatable_output_dir_fails_before_writing(tiny_model, tiny_tokenizer):
+    # /proc refuses new directories even for root, so this runs in CI (which runs as root).
+    with pytest.raises(ModelLoadError, match="cannot create output directory"):
+        export_checkpoint(tiny_model, tiny_tokenizer, "/proc/compress-test/sub/ckpt")
+
+
 def test_output_path_that_is_a_file(tiny_model, tiny_tokenizer, tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
