@@ -22,7 +22,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import field_validator, model_validator
@@ -78,7 +78,7 @@ class _PruneConfig(PassConfig):
 
     @model_validator(mode="after")
     def _one_target(self):
-        size_field = self._size_field()
+        size_field = self.size_field
         given = [
             f for f in ("sparsity", size_field, "target_params") if getattr(self, f) is not None
         ]
@@ -89,9 +89,8 @@ class _PruneConfig(PassConfig):
             )
         return self
 
-    @classmethod
-    def _size_field(cls) -> str:
-        raise NotImplementedError
+    # Name of the explicit-size field of each subclass (num_attention_heads, intermediate_size...).
+    size_field: ClassVar[str] = ""
 
 
 class AttentionHeadsConfig(_PruneConfig):
@@ -103,9 +102,7 @@ class AttentionHeadsConfig(_PruneConfig):
     mode: Literal["kv_groups", "query_heads"] = "kv_groups"
     num_attention_heads: int | None = None
 
-    @classmethod
-    def _size_field(cls) -> str:
-        return "num_attention_heads"
+    size_field: ClassVar[str] = "num_attention_heads"
 
 
 class MlpChannelsConfig(_PruneConfig):
@@ -115,9 +112,7 @@ class MlpChannelsConfig(_PruneConfig):
     intermediate_size: int | None = None
     multiple_of: int = 1
 
-    @classmethod
-    def _size_field(cls) -> str:
-        return "intermediate_size"
+    size_field: ClassVar[str] = "intermediate_size"
 
 
 class HiddenSizeConfig(_PruneConfig):
@@ -127,9 +122,7 @@ class HiddenSizeConfig(_PruneConfig):
     hidden_size: int | None = None
     multiple_of: int = 1
 
-    @classmethod
-    def _size_field(cls) -> str:
-        return "hidden_size"
+    size_field: ClassVar[str] = "hidden_size"
 
 
 class LayersConfig(_PruneConfig):
@@ -138,9 +131,7 @@ class LayersConfig(_PruneConfig):
 
     num_layers: int | None = None
 
-    @classmethod
-    def _size_field(cls) -> str:
-        return "num_layers"
+    size_field: ClassVar[str] = "num_layers"
 
 
 # ---- model access -------------------------------------------------------------------------
@@ -231,12 +222,12 @@ def _resolve_keep(
     what: str,
 ) -> int:
     """How many units to keep, from whichever target the config gives."""
-    size = getattr(cfg, cfg._size_field())
+    size = getattr(cfg, cfg.size_field)
     if size is not None:
         if size not in allowed and size != current:
             shown = ", ".join(map(str, allowed[:20])) + (" ..." if len(allowed) > 20 else "")
             raise ConfigError(
-                f"{what}: {cfg._size_field()}={size} is not expressible (currently {current}); "
+                f"{what}: {cfg.size_field}={size} is not expressible (currently {current}); "
                 f"allowed values: {shown}"
             )
         return size
@@ -248,7 +239,7 @@ def _resolve_keep(
         smallest = min(allowed)
         raise ConfigError(
             f"{what}: target_params={cfg.target_params:,} is below what this structure allows: "
-            f"the smallest {what} ({cfg._size_field()}={smallest}) leaves "
+            f"the smallest {what} ({cfg.size_field}={smallest}) leaves "
             f"{params_after(smallest):,} parameters. Raise target_params or add another "
             "prune.* pass."
         )

@@ -1,7 +1,7 @@
 """Compile every tuned Triton config offline and write docs/kernels.md (no GPU needed).
 
     python scripts/compile_kernels.py                   # sm_90, kernels/configs/hopper.json
-    python scripts/compile_kernels.py --gpu "NVIDIA A100" --arch 80 --out /tmp/a100.md
+    python scripts/compile_kernels.py --gpu "NVIDIA A100" --arch 80 --out docs/kernels-a100.md
 
 Runs without TRITON_INTERPRET (it is removed from the environment if set). Registers and spills
 come from cuobjdump --dump-resource-usage (the triton wheel's copy), shared memory from triton.
