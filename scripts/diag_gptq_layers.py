@@ -1,5 +1,6 @@
 """GPTQ vs RTN on a subset of SmolLM2's decoder layers (the rest stay fp32), to see where GPTQ
-helps. Prints token perplexity on the first N WikiText-2 test windows of 512 tokens.
+helps; GPTQ runs with each given weight of the attention-sink token in the Hessian
+(``sink_token_weight``; 1 = plain GPTQ). Prints token perplexity on the first N WikiText-2 test windows of 512.
 
     python scripts/diag_gptq_layers.py --layers '[0-5]' --limit 4 --num-samples 16
     python scripts/diag_gptq_layers.py --layers '(2[0-9])' --limit 4 --num-samples 16
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--limit", type=int, default=4, help="first N test windows of 512")
     parser.add_argument("--num-samples", type=int, default=16, help="calibration sequences of 512")
+    parser.add_argument("--sink-weights", type=float, nargs="+", default=[1.0, 512.0])
     args = parser.parse_args()
 
     loaded = load_model("smollm2-135m")
@@ -43,7 +45,11 @@ def main() -> None:
     results = {"layers": args.layers, "group_size": args.group_size, "baseline": ppl(loaded.model)}
     for name, cfg in [
         ("rtn", Int4RtnConfig(group_size=args.group_size, targets=targets)),
-        ("gptq", GptqConfig(n_bits=4, group_size=args.group_size, targets=targets)),
+        *[
+            (f"gptq_sink{w:g}", GptqConfig(n_bits=4, group_size=args.group_size, targets=targets,
+                                            sink_token_weight=w))
+            for w in args.sink_weights
+        ],
     ]:
         model = copy.deepcopy(loaded.model)
         state = CompressionState(tokenizer=loaded.tokenizer, progress=False)

@@ -12,7 +12,7 @@ from compress.kernels import reference
 from compress.core import run_passes
 from compress.errors import RecipeError
 from compress.export import export_checkpoint, load_compressed
-from compress.gptq import GptqConfig, SingularHessianError, gptq_quantize
+from compress.gptq import GptqConfig, HessianHooks, SingularHessianError, gptq_quantize
 from compress.modules import QuantLinear, WeightScheme
 from compress.quant_primitives import fake_quantize
 from compress.recipe import parse_recipe
@@ -96,11 +96,36 @@ def test_dead_inputs_get_zero_weight():
     assert torch.all(w_q[:, 5] == 0)
 
 
+@pytest.mark.parametrize("sink_weight", [1.0, 7.0, "seq_len"])
+def test_hessian_weights_the_first_token_against_float64(sink_weight):
+    """H = 2/n sum_t w_t x_t x_t^T with w = sink weight on each sequence's first token; the hooks
+    share one product across linears fed by the same input (q/k/v)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.nn.Linear(8, 4), torch.nn.Linear(8, 3)
+    hooks = HessianHooks({"q": q, "k": k}, sink_weight)
+    batches = [torch.randn(2, 5, 8, generator=gen) for _ in range(3)]
+    for x in batches:
+        q(x), k(x)
+    hooks.remove()
+    weight = 5.0 if sink_weight == "seq_len" else sink_weight
+    expected = torch.zeros(8, 8, dtype=torch.float64)
+    for x in batches:
+        x64 = x.double()
+        w = torch.ones(x.shape[:2], dtype=torch.float64)
+        w[:, 0] = weight
+        expected += torch.einsum("bt,bti,btj->ij", w, x64, x64)
+    expected *= 2.0 / 30  # 3 batches x 2 sequences x 5 tokens
+    for name in ("q", "k"):
+        torch.testing.assert_close(hooks.hessian(name).double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_config_errors():
     with pytest.raises(RecipeError, match="group_size"):
         parse_recipe({"passes": [{"pass": "quantize.gptq", "group_size": 100}]})
     with pytest.raises(RecipeError, match="dampening"):
         parse_recipe({"passes": [{"pass": "quantize.gptq", "dampening": 0}]})
+    with pytest.raises(RecipeError, match="sink_token_weight"):
+        parse_recipe({"passes": [{"pass": "quantize.gptq", "sink_token_weight": 0.5}]})
 
 
 def test_pass_on_tiny_model_exports_and_reloads(tmp_path, tiny_tokenizer):
