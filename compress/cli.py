@@ -112,11 +112,59 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         backend=args.backend,
         progress=not args.no_progress,
+        workload=args.workload,
+        batch_sizes=args.batch_sizes,
+        rate=args.rate,
+        requests=args.requests,
+        trace=args.trace,
+        max_batch=args.max_batch,
+        engine=args.engine,
+        compile=args.compile,
+        draft=args.draft,
+        draft_k=args.draft_k,
     )
     result = compare(args.baseline, args.variants, settings, args.out)
     print(result["markdown"])
     print("\nwrote " + ", ".join(result["files"]))
     return 0
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,8, got {value!r}")
+    return sizes
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="single", choices=["single", "batch", "poisson", "trace"],
+                   help="latency workload: single = one request at a time (default); batch = "
+                   "static batches (B requests arrive together, served B at a time), one row "
+                   "set per --batch-sizes value; poisson = --requests arrivals at --rate, "
+                   "continuous batching up to --max-batch; trace = arrivals from --trace")
+    p.add_argument("--batch-sizes", type=_int_list, metavar="B,B,...",
+                   help="batch workload: comma-separated batch sizes, each measured and reported "
+                   "as its own rows with a 'batch' column (default 1,4,8)")
+    p.add_argument("--rate", type=float, metavar="REQ_PER_S",
+                   help="poisson workload: mean arrival rate in requests per second (required)")
+    p.add_argument("--requests", type=int, default=16, metavar="N",
+                   help="poisson workload: requests per round (default 16)")
+    p.add_argument("--trace", metavar="FILE", help="trace workload: JSON lines, each with "
+                   "arrival_s (seconds from the start) and optional prompt_tokens/output_tokens")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="poisson/trace workloads: requests decoded together at most (default 8)")
+    p.add_argument("--engine", default="hf", choices=["hf", "runtime"],
+                   help="latency engine: hf = transformers with its KV cache (batched decode); "
+                   "runtime = our static-cache runtime (concurrent requests interleaved)")
+    p.add_argument("--compile", action="store_true",
+                   help="runtime engine: torch.compile the decode step (slow to compile on CPUs)")
+    p.add_argument("--draft", metavar="MODEL", help="also run speculative decoding of the "
+                   "baseline with this draft model (same tokenizer) on the latency prompts")
+    p.add_argument("--draft-k", type=int, default=4,
+                   help="speculative decoding: draft tokens per target forward (default 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantized kernel backend")
     p_cmp.add_argument("--data-dir", help="data folder")
     p_cmp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _add_workload_args(p_cmp)
     p_cmp.set_defaults(func=_cmd_compare)
 
     p_gen = sub.add_parser("generate", help="generate text with the static-cache runtime")

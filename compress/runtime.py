@@ -20,6 +20,7 @@ Attention reads the whole allocated cache each step: size ``max_seq_len`` to the
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Iterator
@@ -381,6 +382,18 @@ class Runtime:
             if all(done):
                 break
         return out
+
+    def fork(self) -> Runtime:
+        """Another runtime with its own KV cache that shares this one's weights and compiled
+        step: one per request that must stay open while others run (interleaved serving),
+        without repacking the weights again."""
+        other = copy.copy(self)
+        if self.fallback_reason is None:  # the fallback keeps no cache
+            other.k_cache, other.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(
+                self.v_cache
+            )
+            other.valid, other._slot = torch.zeros_like(self.valid), torch.zeros_like(self._slot)
+        return other
 
     def decode_bytes(self) -> dict[str, int]:
         """Bytes a decode step reads: ``weights`` (every layer's decode-phase weights and the

@@ -1,44 +1,34 @@
 """``compress compare``: measure a baseline and its variants the same way, in one run.
 
 Every model sees the same perplexity text and protocol, the same lm-eval tasks and limit, and
-the same tokenized prompts. Latency is measured single-stream (one request at a time, greedy,
-fixed output length, EOS ignored) after one warm-up request per model, in interleaved rounds
-(baseline, variant 1, variant 2, baseline, ...) so that drifting load from other work on the
-machine hits every variant alike. Output: ``compare.md``, ``compare.csv``, ``compare.json`` and
-``compare.png``, each with the environment. Perplexity is per token, so it is only comparable
-between models that share a tokenizer: a different tokenizer is refused, not silently compared.
+the same tokenized prompts. Latency (greedy, fixed output length, EOS ignored) is measured after
+one warm-up request per model, in interleaved rounds (baseline, variant 1, variant 2, baseline,
+...) so that drifting load from other work on the machine hits every variant alike, under one of
+four workloads: ``single`` (one request at a time), ``batch`` (static batches: B requests arrive
+together and are served B at a time, one row set per batch size), ``poisson`` (arrivals at a
+rate, served by the continuous-batching loop of ``workload.serve``) or ``trace`` (arrivals and
+lengths from a file). The engine is transformers (``hf``) or our static-cache ``runtime``. With a
+draft model, the baseline also runs speculative decoding on the same prompts. Output:
+``compare.md``, ``compare.csv``, ``compare.json`` and ``compare.png``, each with the environment.
+Perplexity is per token, so it is only comparable between models that share a tokenizer: a
+different tokenizer is refused, not silently compared.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compress.eval.hardware import matmul_peak, memory_bandwidth
-from compress.eval.latency import (
-    Slo,
-    cost,
-    greedy_stream,
-    kv_bytes_per_token,
-    matmul_params,
-    peak_memory_bytes,
-    prefill_flops,
-    roofline,
-    summarize,
-    time_request,
-)
+from compress.eval.latency import Slo, cost, greedy_stream, peak_memory_bytes, summarize
 from compress.eval.report import environment, markdown_table, write_csv, write_results
-from compress.eval.workload import make_requests
+from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
+from compress.eval.workload import make_requests, read_trace
 
 from compress.data import resolve_text_path
-from compress.errors import DataError
-
-log = logging.getLogger(__name__)
+from compress.errors import ConfigError, DataError
 
 
 @dataclass
@@ -61,6 +51,54 @@ class CompareSettings:
     data_dir: str | None = None
     backend: str = "auto"
     progress: bool = False
+    workload: str = "single"  # one of WORKLOADS
+    batch_sizes: list[int] | None = None  # batch: None means DEFAULT_BATCH_SIZES
+    rate: float | None = None  # poisson: requests per second (required)
+    requests: int = 16  # poisson: requests per round
+    trace: str | None = None  # trace: JSON-lines file (required)
+    max_batch: int = 8  # poisson, trace: requests decoded together at most
+    engine: str = "hf"  # one of ENGINES
+    compile: bool = False  # runtime engine: torch.compile the decode step
+    draft: str | None = None  # speculative decoding of the baseline with this draft model
+    draft_k: int = 4  # draft tokens proposed per target forward
+
+
+WORKLOADS = ("single", "batch", "poisson", "trace")
+ENGINES = ("hf", "runtime")
+
+
+def check_settings(s: CompareSettings) -> None:
+    """Every workload/engine/draft problem at once, before any model is loaded. Messages name
+    the ``compress compare`` flag to change."""
+    problems = []
+    if s.workload not in WORKLOADS:
+        problems.append(f"--workload {s.workload!r} is not one of {', '.join(WORKLOADS)}")
+    if s.engine not in ENGINES:
+        problems.append(f"--engine {s.engine!r} is not one of {', '.join(ENGINES)}")
+    if s.workload == "poisson" and s.rate is None:
+        problems.append("--workload poisson needs --rate REQ_PER_S (mean arrivals per second)")
+    if s.rate is not None and (s.workload != "poisson" or s.rate <= 0):
+        problems.append(f"--rate {s.rate} must be > 0 and only goes with --workload poisson")
+    if s.workload == "trace" and s.trace is None:
+        problems.append("--workload trace needs --trace FILE (JSON lines with arrival_s)")
+    if s.trace is not None and s.workload != "trace":
+        problems.append("--trace only goes with --workload trace")
+    if s.batch_sizes is not None and (s.workload != "batch" or min(s.batch_sizes, default=0) < 1):
+        problems.append(f"--batch-sizes {s.batch_sizes} must be >= 1 and only go with "
+                        "--workload batch")
+    for flag, value in (("--requests", s.requests), ("--max-batch", s.max_batch),
+                        ("--draft-k", s.draft_k), ("--rounds", s.rounds)):
+        if value < 1:
+            problems.append(f"{flag} must be >= 1, got {value}")
+    if s.draft is not None and s.output_tokens < 2:
+        problems.append("--draft needs --output-tokens >= 2 to measure TPOT")
+    if problems:
+        raise ConfigError("compare settings: " + "; ".join(problems))
+    if s.workload == "trace":
+        try:
+            read_trace(s.trace)
+        except (OSError, ValueError) as exc:  # a bad trace is the user's file: say which flag
+            raise DataError(f"--trace: {exc}") from None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -99,19 +137,6 @@ def _sizes(model) -> dict[str, float]:
     }
 
 
-def _latency_rounds(models, requests, rounds: int) -> list[list[Any]]:
-    """Timings per model, rounds interleaved across models; one warm-up request each first."""
-    streams = [greedy_stream(m) for m in models]
-    for stream in streams:
-        time_request(stream, requests[0].prompt, 2)  # warm-up, excluded
-    timings: list[list[Any]] = [[] for _ in models]
-    for _ in range(rounds):
-        for index, stream in enumerate(streams):
-            for req in requests:
-                timings[index].append(time_request(stream, req.prompt, req.max_new_tokens))
-    return timings
-
-
 def compare(
     baseline: str, variants: list[str], settings: CompareSettings, out_dir: str | Path
 ) -> dict[str, Any]:
@@ -119,6 +144,7 @@ def compare(
     write the comparison files into ``out_dir``. Returns the JSON payload."""
     from compress.models import load_model
 
+    check_settings(settings)
     names = [baseline, *variants]
     text = source = None
     if settings.dataset is not None:
@@ -127,6 +153,10 @@ def compare(
     loaded = [load_model(n, backend=settings.backend) for n in names]
     if text is not None:
         _check_tokenizers(names, [m.tokenizer for m in loaded])
+    draft = None
+    if settings.draft is not None:  # loaded first so that a wrong tokenizer fails before work
+        draft = load_model(settings.draft, backend=settings.backend)
+        _check_draft_tokenizer(settings.draft, draft.tokenizer, baseline, loaded[0].tokenizer)
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     for name, lm in zip(names, loaded, strict=True):
@@ -165,69 +195,47 @@ def compare(
                 row[f"{task}:{metric}"] = value
                 row[f"{task}:{metric}_stderr"] = stderr
         rows.append(row)
+    workload = speculative = None
+    need_ids = settings.latency or draft is not None
+    ids = _prompt_ids(loaded[0].tokenizer, text, settings) if need_ids else []
     if settings.latency:
-        _add_latency(rows, details, names, loaded, settings, text)
-    base = rows[0]
-    for row in rows[1:]:
+        rows, workload = measure_latency(rows, details, names, loaded, settings, ids)
+    if draft is not None:
+        speculative = _speculative(loaded[0].model, draft.model, ids, settings)
+    for row in rows:
+        # The baseline of a row is the first row of the same run (batch size).
+        base = next(r for r in rows if r.get("batch_size") == row.get("batch_size"))
         for key in ("perplexity", "tpot_p50_ms", "weight_mb"):
-            if row.get(key) is not None and base.get(key):
+            if row is not base and row.get(key) is not None and base.get(key):
                 row[f"{key}_delta_pct"] = 100 * (row[key] / base[key] - 1)
-    return _write(rows, details, settings, Path(out_dir))
+    extra = {"workload": workload, "speculative": speculative}
+    return _write(rows, details, settings, Path(out_dir), extra)
 
 
-def _add_latency(rows, details, names, loaded, settings: CompareSettings, text) -> None:
+def _check_draft_tokenizer(draft: str, draft_tok, baseline: str, base_tok) -> None:
+    if tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(base_tok):
+        raise DataError(
+            f"--draft {draft} uses a different tokenizer than the baseline {baseline}. "
+            "Speculative decoding feeds the draft's token ids to the target, so both must share "
+            "one vocabulary; pick a draft from the same model family."
+        )
+
+
+def _prompt_ids(tokenizer, text: str | None, settings: CompareSettings) -> list[int]:
+    """Token ids of the real text prompts are cut from (the perplexity text, else WikiText-2)."""
     if text is None:
         text = resolve_text_path("wikitext2", settings.data_dir).read_text(encoding="utf-8")
-    ids = loaded[0].tokenizer(text[:200_000], add_special_tokens=False)["input_ids"]
-    requests = make_requests(
-        ids,
-        settings.prompts,
-        prompt_tokens=settings.prompt_tokens,
-        output_tokens=settings.output_tokens,
-    )
-    bandwidth = memory_bandwidth()["bytes_per_s"]
-    peak = matmul_peak()["flops_per_s"]
-    slo = Slo(settings.slo_ttft_ms, settings.slo_tpot_ms)
-    models = [lm.model for lm in loaded]
-    started = time.perf_counter()
-    all_timings = _latency_rounds(models, requests, settings.rounds)
-    log.info("latency rounds took %.1f s", time.perf_counter() - started)
-    for row, name, model, timings in zip(rows, names, models, all_timings, strict=True):
-        busy = sum(t.e2e for t in timings)  # single stream: the server is busy only in requests
-        stats = summarize(timings, busy, slo)
-        ttft, tpot = stats["ttft_ms"], stats["tpot_ms"]
-        kv = kv_bytes_per_token(model)
-        roof = roofline(
-            weight_bytes=row["weight_bytes"],
-            kv_per_token=kv,
-            matmul_weights=matmul_params(model),
-            prompt_tokens=settings.prompt_tokens,
-            mean_context=settings.prompt_tokens + settings.output_tokens / 2,
-            decode_step_s=tpot["p50"] / 1e3 if tpot else None,
-            prefill_s=ttft["p50"] / 1e3,
-            prefill_flops_=prefill_flops(model, settings.prompt_tokens),
-            bandwidth_bps=bandwidth,
-            peak_flops=peak,
-        )
-        money = cost(settings.usd_per_hour, stats["goodput"])
-        row.update(
-            ttft_p50_ms=ttft["p50"],
-            ttft_p99_ms=ttft["p99"],
-            tpot_p50_ms=tpot["p50"] if tpot else None,
-            tpot_p99_ms=tpot["p99"] if tpot else None,
-            tokens_per_s=1e3 / tpot["p50"] if tpot else None,
-            goodput_rps=stats["goodput"]["requests_per_s"],
-            kv_mb_at_peak=kv * (settings.prompt_tokens + settings.output_tokens) / 1e6,
-            mbu=roof["mbu"],
-            mfu=roof["mfu"],
-            usd_per_1m_tokens=money["usd_per_1m_output_tokens"],
-        )
-        details[name]["latency"] = {
-            "summary": stats,
-            "roofline": roof,
-            "cost": money,
-            "kv_bytes_per_token": kv,
-        }
+    return tokenizer(text[:200_000], add_special_tokens=False)["input_ids"]
+
+
+def _speculative(target, draft, ids: list[int], s: CompareSettings) -> dict[str, Any]:
+    """Speculative vs plain greedy decoding of the baseline on the latency prompts."""
+    from compress.eval.speculative import evaluate
+
+    requests = make_requests(ids, s.prompts, prompt_tokens=s.prompt_tokens,
+                             output_tokens=s.output_tokens)
+    result = evaluate(target, draft, [r.prompt for r in requests], s.output_tokens, k=s.draft_k)
+    return {"draft": s.draft, **result}
 
 
 COLUMNS = [
@@ -247,16 +255,70 @@ COLUMNS = [
     ("mfu", "MFU"),
     ("usd_per_1m_tokens", "$ / 1M tok"),
 ]
+# Served workloads (not single stream) add the batch size and the aggregate output throughput.
+SERVED_COLUMNS = [("batch_size", "batch"), ("output_tokens_per_s", "output tok/s")]
+SPECULATIVE_COLUMNS = [
+    ("draft", "draft"),
+    ("k", "k"),
+    ("acceptance_rate", "acceptance"),
+    ("tokens_per_target_forward", "tokens / target forward"),
+    ("plain_tpot_p50_ms", "greedy TPOT p50 ms"),
+    ("speculative_tpot_p50_ms", "speculative TPOT p50 ms"),
+    ("tpot_speedup_p50", "TPOT speedup"),
+    ("outputs_identical", "same output as greedy"),
+]
 
 
-def _write(rows, details, settings: CompareSettings, out: Path) -> dict[str, Any]:
+def _latency_records(detail: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    latency = detail["latency"]
+    if "by_batch_size" in latency:
+        return [(f" (batch {b})", r) for b, r in latency["by_batch_size"].items()]
+    return [("", latency)]
+
+
+def _workload_note(s: CompareSettings) -> str:
+    kind = {
+        "single": "single stream",
+        "batch": f"static batches of {s.batch_sizes or DEFAULT_BATCH_SIZES} requests arriving "
+        "together, served that many at a time",
+        "poisson": f"{s.requests} Poisson arrivals at {s.rate} req/s, continuous batching up to "
+        f"{s.max_batch}",
+        "trace": f"arrivals from {s.trace}, continuous batching up to {s.max_batch}",
+    }[s.workload]
+    count = f"{s.prompts} prompts x " if s.workload == "single" else ""
+    own = " unless a trace line sets its own" if s.workload == "trace" else ""
+    return (
+        f"Latency: {kind}, engine {s.engine}, {count}{s.rounds} rounds, {s.prompt_tokens} prompt "
+        f"+ {s.output_tokens} output tokens{own}, greedy, warm-up excluded, variants interleaved."
+    )
+
+
+def _speculative_table(spec: dict[str, Any]) -> str:
+    row = {
+        **spec,
+        "plain_tpot_p50_ms": spec["plain_tpot_ms"]["p50"],
+        "speculative_tpot_p50_ms": spec["speculative_tpot_ms"]["p50"],
+        "outputs_identical": "yes" if spec["outputs_identical"] else "NO",
+    }
+    return (
+        f"Speculative decoding of the baseline (greedy acceptance, {spec['prompts']} prompts, "
+        f"{spec['max_new_tokens']} new tokens, plain greedy timed in the same run):\n\n"
+        + markdown_table([row], SPECULATIVE_COLUMNS)
+    )
+
+
+def _write(rows, details, settings: CompareSettings, out: Path, extra) -> dict[str, Any]:
     from compress.eval.plot import plot_tradeoffs
 
     task_cols = [(k, k) for k in rows[0] if ":" in k]
-    columns = COLUMNS[:5] + task_cols + COLUMNS[5:]
+    served = settings.latency and settings.workload != "single"
+    batch = SERVED_COLUMNS[:1] if served and settings.workload == "batch" else []
+    columns = COLUMNS[:1] + batch + COLUMNS[1:5] + task_cols + COLUMNS[5:10]
+    columns += (SERVED_COLUMNS[1:] if served else []) + COLUMNS[10:]
     env = environment()
     env.update(peak_memory_bytes())
     payload = {"environment": env, "settings": asdict(settings), "rows": rows, "details": details}
+    payload.update({k: v for k, v in extra.items() if v is not None})
     notes = [f"Environment: {json.dumps(env)}"]
     first = next(iter(details.values()))
     if "perplexity" in first:
@@ -266,22 +328,29 @@ def _write(rows, details, settings: CompareSettings, out: Path) -> dict[str, Any
             f"stride {p['stride']}, {p['windows']} windows."
         )
     if settings.latency:
-        lat = first["latency"]["roofline"]
+        lat = _latency_records(first)[0][1]["roofline"]
         notes.append(
-            f"Latency: single stream, {settings.prompts} prompts x {settings.rounds} rounds, "
-            f"{settings.prompt_tokens} prompt + {settings.output_tokens} output tokens, greedy, "
-            f"warm-up excluded, variants interleaved. Probes: {lat['bandwidth_gbps']:.1f} GB/s, "
+            f"{_workload_note(settings)} Probes: {lat['bandwidth_gbps']:.1f} GB/s, "
             f"{lat['peak_gflops']:.0f} GFLOP/s. Goodput SLO: TTFT <= {settings.slo_ttft_ms} ms, "
             f"TPOT <= {settings.slo_tpot_ms} ms. Cost at ${settings.usd_per_hour}/h."
         )
         for name, d in details.items():
-            r = d["latency"]["roofline"]
-            notes.append(f"{name}: decode {r['decode_verdict']}; prefill {r['prefill_verdict']}.")
+            for label, record in _latency_records(d):
+                r = record["roofline"]
+                notes.append(
+                    f"{name}{label}: decode {r['decode_verdict']}; prefill {r['prefill_verdict']}."
+                )
+    if extra.get("speculative"):
+        notes.append(_speculative_table(extra["speculative"]))
     markdown = markdown_table(rows, columns) + "\n\n" + "\n\n".join(notes)
     write_results(out, "compare", markdown, payload)
     write_csv(out / "compare.csv", rows, [k for k, _ in columns])
+    # One point per variant: the largest batch size when there are several.
+    largest = max((r.get("batch_size") or 0 for r in rows), default=0)
     plot = plot_tradeoffs(
-        rows, out / "compare.png", title=f"{env['cpu']}, {env['threads']} threads, {env['date']}"
+        [r for r in rows if (r.get("batch_size") or 0) == largest],
+        out / "compare.png",
+        title=f"{env['cpu']}, {env['threads']} threads, {env['date']}",
     )
     payload["files"] = [str(out / f) for f in ("compare.md", "compare.csv", "compare.json")]
     if plot:
@@ -308,7 +377,7 @@ def evaluate_extras(model, tokenizer, cfg: Any, data_dir: str | None = None) -> 
         requests = make_requests(
             ids, lat.prompts, prompt_tokens=lat.prompt_tokens, output_tokens=lat.output_tokens
         )
-        timings = _latency_rounds([model], requests, lat.rounds)[0]
+        timings = time_rounds([greedy_stream(model)], requests, lat.rounds)[0]
         slo = Slo(lat.slo_ttft_ms, lat.slo_tpot_ms)
         stats = summarize(timings, sum(t.e2e for t in timings), slo)
         out["latency"] = {"summary": stats, "cost": cost(lat.usd_per_hour, stats["goodput"])}

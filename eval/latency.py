@@ -257,12 +257,14 @@ def roofline(
     prefill_flops_: float,
     bandwidth_bps: float,
     peak_flops: float,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """MBU of decode, MFU of prefill, and a bound verdict per phase from arithmetic intensity
-    (FLOPs per byte moved) against the machine balance (peak FLOP/s / bandwidth)."""
+    (FLOPs per byte moved) against the machine balance (peak FLOP/s / bandwidth). A decode step
+    of ``batch`` rows reads the weights once and every row's KV cache."""
     balance = peak_flops / bandwidth_bps
-    step_bytes = weight_bytes + kv_per_token * mean_context
-    decode_intensity = 2.0 * matmul_weights / step_bytes
+    step_bytes = weight_bytes + kv_per_token * mean_context * batch
+    decode_intensity = 2.0 * matmul_weights * batch / step_bytes
     prefill_intensity = prefill_flops_ / (weight_bytes + kv_per_token * prompt_tokens)
 
     def verdict(intensity: float) -> str:
@@ -272,6 +274,7 @@ def roofline(
     mbu = step_bytes / decode_step_s / bandwidth_bps if decode_step_s else None
     mfu = prefill_flops_ / prefill_s / peak_flops if prefill_s else None
     return {
+        "decode_batch": batch,
         "decode_bytes_per_step": step_bytes,
         "mbu": mbu,
         "decode_verdict": verdict(decode_intensity),

@@ -16,6 +16,7 @@ length, masks the padding, passes each request's own positions, and splits the n
 That copy per step costs time at long contexts; it keeps the loop short and exact (greedy
 tokens match plain decoding, tested). ``StreamEngine`` serves any ``Stream`` callable (e.g. a
 faster runtime) by advancing each request's iterator in turn: interleaved, not batched compute.
+``runtime_stream`` is such a callable over our static-cache runtime (one cache per open request).
 """
 
 from __future__ import annotations
@@ -57,18 +58,38 @@ def make_requests(
 ) -> list[Request]:
     """``n`` requests whose prompts are consecutive slices of ``token_ids`` (a tokenized text)."""
     rng = random.Random(seed)
-    requests, start = [], 0
-    for i in range(n):
-        length = _draw(rng, prompt_tokens)
+    lengths = [(_draw(rng, prompt_tokens), _draw(rng, output_tokens)) for _ in range(n)]
+    prompts = _slices(token_ids, [p for p, _ in lengths])
+    arrivals = arrivals if arrivals is not None else [0.0] * n
+    return [Request(p, o, a) for p, (_, o), a in zip(prompts, lengths, arrivals, strict=True)]
+
+
+def _slices(token_ids: list[int], lengths: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for length in lengths:
         if start + length > len(token_ids):
             start = 0  # wrap around: short texts still give n requests
         if length > len(token_ids):
             raise ValueError(f"prompt length {length} exceeds the {len(token_ids)}-token text")
-        prompt = token_ids[start : start + length]
+        out.append(token_ids[start : start + length])
         start += length
-        arrival = arrivals[i] if arrivals is not None else 0.0
-        requests.append(Request(prompt, _draw(rng, output_tokens), arrival))
-    return requests
+    return out
+
+
+def trace_requests(
+    token_ids: list[int], trace: list[dict[str, Any]], *, prompt_tokens: int, output_tokens: int
+) -> list[Request]:
+    """Requests of a trace (``read_trace`` rows): its arrivals, its lengths where a row gives
+    them (else the defaults), prompts sliced from ``token_ids`` like ``make_requests``."""
+    lengths = [
+        (int(r.get("prompt_tokens", prompt_tokens)), int(r.get("output_tokens", output_tokens)))
+        for r in trace
+    ]
+    prompts = _slices(token_ids, [p for p, _ in lengths])
+    return [
+        Request(p, o, float(r["arrival_s"]))
+        for p, (_, o), r in zip(prompts, lengths, trace, strict=True)
+    ]
 
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
@@ -91,10 +112,20 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            if "arrival_s" not in row:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from None
+            if not isinstance(row, dict) or "arrival_s" not in row:
                 raise ValueError(f"{path}:{number}: each line needs an 'arrival_s' field")
+            bad = [k for k in ("prompt_tokens", "output_tokens") if k in row and row[k] < 1]
+            if row["arrival_s"] < 0 or bad:
+                raise ValueError(
+                    f"{path}:{number}: arrival_s must be >= 0 and token counts >= 1, got {row}"
+                )
             rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: the trace has no requests")
     return rows
 
 
@@ -157,6 +188,41 @@ class StreamEngine:
 
     def decode(self, states: list[Any], last_tokens: list[int]) -> list[int]:
         return [int(next(it)) for it in states]
+
+
+def runtime_stream(
+    model: nn.Module, *, max_seq_len: int, slots: int = 1, compile: bool = False
+) -> Stream:
+    """A ``Stream`` over ``compress.runtime.Runtime`` (static KV cache, greedy).
+
+    A Runtime has one cache, so requests open at the same time (``StreamEngine`` interleaves up
+    to ``slots`` of them) each take a fork of it; a fork is handed back as soon as its request's
+    last token is out, because ``serve`` stops advancing a finished iterator without closing it.
+    """
+    from compress.runtime import Runtime
+
+    first = Runtime(model, max_seq_len=max_seq_len, compile=compile)
+    free = [first] + [first.fork() for _ in range(slots - 1)]
+
+    def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
+        if not free:
+            raise RuntimeError(f"more than {slots} requests open at once on the runtime pool")
+        runtime = free.pop()
+        tokens = runtime.stream(prompt, max_new_tokens)
+        try:
+            for index in range(max_new_tokens):
+                token = next(tokens)
+                if index == max_new_tokens - 1:
+                    tokens.close()
+                    free.append(runtime)
+                    runtime = None
+                yield token
+        finally:
+            if runtime is not None:  # closed early: the cache is free again
+                tokens.close()
+                free.append(runtime)
+
+    return stream
 
 
 # ---- the serving loop ---------------------------------------------------------------------

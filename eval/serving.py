@@ -1,0 +1,197 @@
+"""Latency runs of ``compress compare``: every model measured under one workload and engine.
+
+A run is a list of requests cut from real text (``workload.make_requests`` or a trace). The
+``single`` workload times one request at a time (busy time = the sum of request latencies); the
+others go through ``workload.serve`` (wall time of the workload), with transformers' batched
+decode (``hf``) or our static-cache runtime, one cache per open request, interleaved
+(``runtime``). Models run interleaved, round by round, each after one warm-up request, so that
+load from other work on the machine hits every model alike. ``batch`` gives one run per batch
+size; its rows carry a ``batch_size`` key and its details are keyed by batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from compress.eval.hardware import matmul_peak, memory_bandwidth
+from compress.eval.latency import (
+    Slo,
+    cost,
+    greedy_stream,
+    kv_bytes_per_token,
+    matmul_params,
+    prefill_flops,
+    roofline,
+    summarize,
+    time_request,
+)
+from compress.eval.workload import (
+    HFEngine,
+    Request,
+    StreamEngine,
+    make_requests,
+    poisson_arrivals,
+    read_trace,
+    runtime_stream,
+    serve,
+    trace_requests,
+)
+
+if TYPE_CHECKING:
+    from compress.eval.compare import CompareSettings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = [1, 4, 8]
+
+
+def time_rounds(streams, requests, rounds: int) -> list[list[Any]]:
+    """Timings per stream, one request at a time, rounds interleaved across models; one warm-up
+    request each first."""
+    for stream in streams:
+        time_request(stream, requests[0].prompt, 2)  # warm-up, excluded
+    timings: list[list[Any]] = [[] for _ in streams]
+    for _ in range(rounds):
+        for index, stream in enumerate(streams):
+            for req in requests:
+                timings[index].append(time_request(stream, req.prompt, req.max_new_tokens))
+    return timings
+
+
+def _serve_rounds(engines, requests, max_batch: int, rounds: int):
+    """Timings and summed wall time per engine through ``serve``, rounds interleaved."""
+    for engine in engines:
+        serve(engine, [Request(requests[0].prompt, 2)], max_batch=1)  # warm-up, excluded
+    timings: list[list[Any]] = [[] for _ in engines]
+    durations = [0.0] * len(engines)
+    for _ in range(rounds):
+        for index, engine in enumerate(engines):
+            done, duration = serve(engine, requests, max_batch=max_batch)
+            timings[index] += done
+            durations[index] += duration
+    return timings, durations
+
+
+def _runs(ids: list[int], s: CompareSettings) -> list[tuple[dict[str, Any], list[Request]]]:
+    """(description, requests) of every latency run: one, or one per batch size."""
+    lengths = dict(prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens)
+    if s.workload == "batch":
+        # Static batch: all B requests arrive at t=0 and are served B at a time.
+        return [
+            ({"batch_size": b, "max_batch": b}, make_requests(ids, b, **lengths))
+            for b in s.batch_sizes or DEFAULT_BATCH_SIZES
+        ]
+    if s.workload == "poisson":
+        arrivals = poisson_arrivals(s.requests, s.rate)
+        requests = make_requests(ids, s.requests, arrivals=arrivals, **lengths)
+        return [({"max_batch": s.max_batch, "rate_per_s": s.rate}, requests)]
+    if s.workload == "trace":
+        requests = trace_requests(ids, read_trace(s.trace), **lengths)
+        return [({"max_batch": s.max_batch, "trace": s.trace}, requests)]
+    return [({}, make_requests(ids, s.prompts, **lengths))]
+
+
+def _measure(models, requests: list[Request], max_batch: int | None, s: CompareSettings):
+    """Timings and busy/wall seconds per model for one run, on the chosen engine."""
+    if s.engine == "runtime":
+        need = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        streams = [
+            runtime_stream(m, max_seq_len=-(-need // 64) * 64, slots=max_batch or 1,
+                           compile=s.compile)
+            for m in models
+        ]
+    else:
+        streams = [greedy_stream(m) for m in models]
+    if max_batch is None:  # single stream: the server is busy only inside requests
+        timings = time_rounds(streams, requests, s.rounds)
+        return timings, [sum(t.e2e for t in ts) for ts in timings]
+    engines = [HFEngine(m) for m in models] if s.engine == "hf" else map(StreamEngine, streams)
+    return _serve_rounds(list(engines), requests, max_batch, s.rounds)
+
+
+def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
+    """Latency rows (one set per run) and the workload record for the JSON."""
+    bandwidth = memory_bandwidth()["bytes_per_s"]
+    peak = matmul_peak()["flops_per_s"]
+    slo = Slo(s.slo_ttft_ms, s.slo_tpot_ms)
+    models = [lm.model for lm in loaded]
+    workload: dict[str, Any] = {"kind": s.workload, "engine": s.engine, "rounds": s.rounds,
+                                "runs": []}
+    out_rows = []
+    for run, requests in _runs(ids, s):
+        started = time.perf_counter()
+        all_timings, durations = _measure(models, requests, run.get("max_batch"), s)
+        log.info("latency run %s took %.1f s", run, time.perf_counter() - started)
+        workload["runs"].append({
+            **run,
+            "requests": len(requests),
+            "arrival_s": [r.arrival_s for r in requests],
+            "prompt_tokens": [len(r.prompt) for r in requests],
+            "output_tokens": [r.max_new_tokens for r in requests],
+        })
+        for row, name, model, timings, duration in zip(
+            rows, names, models, all_timings, durations, strict=True
+        ):
+            new = {**row, **({"batch_size": run["batch_size"]} if "batch_size" in run else {})}
+            record = _latency_record(new, model, timings, duration, slo, s, bandwidth, peak)
+            record["workload"] = run
+            if "batch_size" in run:
+                runs = details[name].setdefault("latency", {"by_batch_size": {}})
+                runs["by_batch_size"][str(run["batch_size"])] = record
+            else:
+                details[name]["latency"] = record
+            out_rows.append(new)
+    return out_rows, workload
+
+
+def _latency_record(row, model, timings, duration, slo, s, bandwidth, peak) -> dict[str, Any]:
+    """Fill ``row``'s latency columns; return the details (summary, roofline, cost, requests)."""
+    stats = summarize(timings, duration, slo)
+    ttft, tpot = stats["ttft_ms"], stats["tpot_ms"]
+    kv = kv_bytes_per_token(model)
+    # Step and prefill times come from TPOT and TTFT only where those are one step: a single
+    # stream, or a static batch decoded together (its TTFT includes queueing behind the other
+    # prefills, so no MFU). Interleaved or queued serving gives no utilization numbers.
+    single = s.workload == "single"
+    stepped = single or (s.workload == "batch" and s.engine == "hf")
+    roof = roofline(
+        weight_bytes=row["weight_bytes"],
+        kv_per_token=kv,
+        matmul_weights=matmul_params(model),
+        prompt_tokens=s.prompt_tokens,
+        mean_context=s.prompt_tokens + s.output_tokens / 2,
+        decode_step_s=tpot["p50"] / 1e3 if tpot and stepped else None,
+        prefill_s=ttft["p50"] / 1e3 if single else None,
+        prefill_flops_=prefill_flops(model, s.prompt_tokens),
+        bandwidth_bps=bandwidth,
+        peak_flops=peak,
+        batch=row.get("batch_size", 1),
+    )
+    money = cost(s.usd_per_hour, stats["goodput"])
+    row.update(
+        ttft_p50_ms=ttft["p50"],
+        ttft_p99_ms=ttft["p99"],
+        tpot_p50_ms=tpot["p50"] if tpot else None,
+        tpot_p99_ms=tpot["p99"] if tpot else None,
+        tokens_per_s=1e3 / tpot["p50"] if tpot else None,
+        output_tokens_per_s=stats["throughput"]["output_tokens_per_s"],
+        goodput_rps=stats["goodput"]["requests_per_s"],
+        kv_mb_at_peak=kv * (s.prompt_tokens + s.output_tokens) / 1e6,
+        mbu=roof["mbu"],
+        mfu=roof["mfu"],
+        usd_per_1m_tokens=money["usd_per_1m_output_tokens"],
+    )
+    per_request = [
+        {
+            "prompt_tokens": t.prompt_tokens,
+            "output_tokens": len(t.token_times),
+            "ttft_ms": t.ttft * 1e3,
+            "tpot_ms": t.tpot * 1e3 if t.tpot is not None else None,
+            "e2e_ms": t.e2e * 1e3,
+        }
+        for t in timings
+    ]
+    return {"summary": stats, "roofline": roof, "cost": money, "kv_bytes_per_token": kv,
+            "requests": per_request}
