@@ -7,13 +7,30 @@ package registers every pass (explicitly, below); it does no other work.
 
 from __future__ import annotations
 
-from compress import quantize  # noqa: F401  (registers quantize.* passes)
-from compress import prune  # noqa: F401  (registers prune.* passes)
-from compress import distill  # noqa: F401  (registers distill.* passes)
-from compress import awq, gptq, smoothquant  # noqa: F401  (calibrated quantize.* passes)
-from compress import bnb  # noqa: F401  (quantize.bnb; imports bitsandbytes only when run)
-from compress.core import PASSES, CompressionState, PassConfig, PassReport, register_pass, run_passes
-from compress.errors import ConfigError, DataError, KernelConstraintError, ModelLoadError, RecipeError
+from compress import (  # noqa: F401  (calibrated quantize.* passes)
+    awq,
+    bnb,  # noqa: F401  (quantize.bnb; imports bitsandbytes only when run)
+    distill,  # noqa: F401  (registers distill.* passes)
+    gptq,
+    prune,  # noqa: F401  (registers prune.* passes)
+    quantize,  # noqa: F401  (registers quantize.* passes)
+    smoothquant,
+)
+from compress.core import (
+    PASSES,
+    CompressionState,
+    PassConfig,
+    PassReport,
+    register_pass,
+    run_passes,
+)
+from compress.errors import (
+    ConfigError,
+    DataError,
+    KernelConstraintError,
+    ModelLoadError,
+    RecipeError,
+)
 from compress.models import LoadedModel, load_model
 from compress.recipe import Recipe, load_recipe, parse_recipe
 

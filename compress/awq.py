@@ -24,10 +24,9 @@ int4/int8 ``QuantLinear`` group weights. Llama-style layers only (names as in tr
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from torch import nn
 
 from compress import quant_primitives
@@ -38,10 +37,10 @@ from compress.core import (
     register_pass,
     set_submodule,
 )
-from compress.gptq import calibration_batches, finish_quant_report, plan_layers
+from compress.gptq import _GroupedConfig, finish_quant_report, plan_layers, run_calibrated
 from compress.modules import QuantLinear, WeightScheme
-from compress.quantize import _check_group, _RtnConfig
-from compress.sequential import LayerInputs, OffloadMode, run_layer, run_sequential
+from compress.sequential import LayerInputs, OffloadMode, run_layer
+from compress.smoothquant import migrate_scales
 
 log = logging.getLogger(__name__)
 
@@ -55,32 +54,19 @@ GROUPS = (
 NO_CLIP = ("q_proj", "k_proj")
 
 
-class AwqConfig(_RtnConfig):
+class AwqConfig(_GroupedConfig):
     """AWQ settings (plus ``symmetric``, ``scale_dtype``, ``backend``, ``overrides`` of RTN).
 
     n_grid: scale exponents tried (a = i / n_grid); clip_grid / max_shrink: clipping ratios
     tried, 1 - i / clip_grid down to 1 - max_shrink.
     """
 
-    n_bits: Literal[4, 8] = 4
-    group_size: int | None = 128
-    fallback_group_size: int | None = None
     n_grid: int = Field(20, ge=1, le=100)
     duo_scaling: bool = True  # divide by mean|w|^(1-a) too (AutoAWQ/llm-compressor default)
     clip: bool = True
     clip_grid: int = Field(20, ge=1, le=100)
     max_shrink: float = Field(0.5, gt=0.0, lt=1.0)
     offload: OffloadMode = "none"
-
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, value: int | None) -> int | None:
-        return _check_group(value, "group_size")
-
-    @field_validator("fallback_group_size")
-    @classmethod
-    def _fallback(cls, value: int | None) -> int | None:
-        return _check_group(value, "fallback_group_size")
 
 
 class _InputStats:
@@ -230,14 +216,7 @@ def _scale_group(
         weights, schemes, h, x_mean, cfg, tie=tie, head_dim=max(head_dim, 1)
     )
     s = _expand(s_prev, tie, max(head_dim, 1))  # [K] over the consumers' inputs
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = output channels
-        if prev.bias is not None:
-            prev.bias.div_(s_prev.to(prev.bias.dtype))
-    else:  # RMSNorm-style: y = w * normalize(x)
-        prev.weight.div_(s_prev.to(prev.weight.dtype))
-    for lin in lins:
-        lin.weight.mul_(s.to(lin.weight.dtype))
+    migrate_scales(prev, lins, s_prev, s)
     # The consumers now see x / s: transform their statistics the same way.
     stats.h[point] = h / torch.outer(s, s)
     stats.abs_sum[point] = stats.abs_sum[point] / s
@@ -250,7 +229,6 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     report = PassReport("quantize.awq")
     plan = plan_layers(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.awq")  # before any work
-    batches = calibration_batches(state, "quantize.awq")
     per_group: dict[str, dict[str, float] | str] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
@@ -291,15 +269,7 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
             set_submodule(model, prefix + sub, quant)
             report.changed.append(prefix + sub)
 
-    memory = run_sequential(
-        model,
-        batches,
-        process,
-        device=state.device,
-        offload=cfg.offload,
-        progress=state.progress,
-        desc="awq",
-    )
+    memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
     return report

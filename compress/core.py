@@ -43,12 +43,18 @@ class PassConfig(BaseModel):
     @classmethod
     def _check_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
         for pattern in patterns:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as exc:
-                    raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+            check_pattern(pattern)
         return patterns
+
+
+def check_pattern(pattern: str) -> str:
+    """``pattern`` itself; ValueError when it is a ``re:<regex>`` that does not compile."""
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    return pattern
 
 
 @dataclass

@@ -48,7 +48,9 @@ def resolve_text_path(name_or_path: str, data_dir: str | os.PathLike[str] | None
     if name_or_path in WIKITEXT2:
         path = resolve_data_dir(data_dir) / WIKITEXT2[name_or_path]
         if not path.is_file():
-            raise DataError(f"{path} is missing; the data folder must hold {WIKITEXT2[name_or_path]}")
+            raise DataError(
+                f"{path} is missing; the data folder must hold {WIKITEXT2[name_or_path]}"
+            )
         return path
     path = Path(name_or_path).expanduser()
     if path.exists():

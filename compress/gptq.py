@@ -47,12 +47,30 @@ from compress.core import (
 from compress.errors import DataError
 from compress.modules import QuantLinear, WeightScheme
 from compress.quantize import _check_group, _RtnConfig, bits_per_weight, scheme_for_layer
-from compress.sequential import LayerInputs, OffloadMode, run_layer, run_sequential
+from compress.sequential import LayerFn, LayerInputs, OffloadMode, run_layer, run_sequential
 
 log = logging.getLogger(__name__)
 
 
-class GptqConfig(_RtnConfig):
+class _GroupedConfig(_RtnConfig):
+    """The bits and groups of the calibrated quantization passes (GPTQ, AWQ)."""
+
+    n_bits: Literal[4, 8] = 4
+    group_size: int | None = 128  # None: one scale per output channel
+    fallback_group_size: int | None = None
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, value: int | None) -> int | None:
+        return _check_group(value, "group_size")
+
+    @field_validator("fallback_group_size")
+    @classmethod
+    def _fallback(cls, value: int | None) -> int | None:
+        return _check_group(value, "fallback_group_size")
+
+
+class GptqConfig(_GroupedConfig):
     """GPTQ settings (plus ``symmetric``, ``scale_dtype``, ``backend``, ``overrides`` of RTN).
 
     group_size: input channels per scale (None: per output channel); fallback_group_size: for
@@ -60,9 +78,6 @@ class GptqConfig(_RtnConfig):
     Hessian diagonal added to it (0 < d <= 1). block_size: columns per lazy-update block.
     """
 
-    n_bits: Literal[4, 8] = 4
-    group_size: int | None = 128
-    fallback_group_size: int | None = None
     block_size: int = Field(128, ge=1)
     dampening: float = Field(0.01, gt=0.0, le=1.0)
     max_dampening: float = Field(1.0, gt=0.0)  # give up (singular Hessian) above this
@@ -78,16 +93,6 @@ class GptqConfig(_RtnConfig):
             raise ValueError(f"must be >= 1 (1 = plain GPTQ) or 'seq_len', got {value}")
         return value
     offload: OffloadMode = "none"  # where not-yet-processed decoder layers wait
-
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, value: int | None) -> int | None:
-        return _check_group(value, "group_size")
-
-    @field_validator("fallback_group_size")
-    @classmethod
-    def _fallback(cls, value: int | None) -> int | None:
-        return _check_group(value, "fallback_group_size")
 
 
 class SingularHessianError(ValueError):
@@ -113,13 +118,30 @@ def plan_layers(
     return plan
 
 
-def calibration_batches(state: CompressionState, pass_name: str) -> list[torch.Tensor]:
+def run_calibrated(
+    model: nn.Module,
+    state: CompressionState,
+    process: LayerFn,
+    pass_name: str,
+    *,
+    offload: OffloadMode,
+) -> dict[str, object]:
+    """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
+    state's device and progress setting; returns its memory metrics. DataError without data."""
     if state.calibration_batches is None:
         raise DataError(f"{pass_name} needs calibration data: add a `calibration:` section")
     batches = [b.reshape(1, -1) if b.dim() == 1 else b for b in state.calibration_batches()]
     if not batches:
         raise DataError(f"{pass_name}: the calibration data is empty; raise num_samples")
-    return batches
+    return run_sequential(
+        model,
+        batches,
+        process,
+        device=state.device,
+        offload=offload,
+        progress=state.progress,
+        desc=pass_name.rpartition(".")[2],
+    )
 
 
 class HessianHooks:
@@ -289,7 +311,6 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
     report = PassReport("quantize.gptq")
     plan = plan_layers(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.gptq")  # before any work
-    batches = calibration_batches(state, "quantize.gptq")
     per_layer: dict[str, dict[str, float]] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
@@ -319,15 +340,7 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
             per_layer[name] = info
         hooks.h.clear()
 
-    memory = run_sequential(
-        model,
-        batches,
-        process,
-        device=state.device,
-        offload=cfg.offload,
-        progress=state.progress,
-        desc="gptq",
-    )
+    memory = run_calibrated(model, state, process, "quantize.gptq", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_layer"] = per_layer
     report.metrics["max_dampening_used"] = max(

@@ -39,9 +39,10 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     rows = []
     for module, info in layers.items():
         tensors = info["tensors"]
+        int8_weight = tensors.get("weight", "").startswith("I8")
         if "weight_packed" in tensors:
             fmt = "int4 pack-quantized"
-        elif any(t.startswith("weight_scale") for t in tensors) and tensors.get("weight", "").startswith("I8"):
+        elif any(t.startswith("weight_scale") for t in tensors) and int8_weight:
             fmt = "int8 int-quantized"
         else:
             fmt = "dense " + next(iter(tensors.values())).split("[")[0]
@@ -50,7 +51,9 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     total = sum(r["bytes"] for r in rows)
     lines = [f"# {path}", "", f"quantization: {quant.get('format', 'none')}", "",
              "| module | format | tensor | bytes |", "|---|---|---|---:|"]
-    lines += [f"| {r['module']} | {r['format']} | {r['main_tensor']} | {r['bytes']:,} |" for r in rows]
+    lines += [
+        f"| {r['module']} | {r['format']} | {r['main_tensor']} | {r['bytes']:,} |" for r in rows
+    ]
     by_format: dict[str, int] = defaultdict(int)
     for r in rows:
         by_format[r["format"]] += r["bytes"]

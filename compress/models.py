@@ -141,7 +141,9 @@ def resolve_model_path(name_or_path: str, cache: Path | None = None) -> Path | s
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
-    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
+    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith(
+        (".", "/", "~")
+    )
     if looks_like_hub_id and not path.exists():
         return name_or_path
     raise ModelLoadError(

@@ -19,6 +19,7 @@ from compress.core import (
     CompressionState,
     PassConfig,
     PassReport,
+    check_pattern,
     raise_or_report_skips,
     register_pass,
     set_submodule,
@@ -52,12 +53,7 @@ class LayerOverride(BaseModel):
     @field_validator("layers")
     @classmethod
     def _pattern(cls, value: str) -> str:
-        if value.startswith("re:"):
-            try:
-                re.compile(value[3:])
-            except re.error as exc:
-                raise ValueError(f"invalid regular expression {value!r}: {exc}") from exc
-        return value
+        return check_pattern(value)
 
     @field_validator("group_size")
     @classmethod

@@ -163,7 +163,9 @@ def _validate_passes(
         if name not in PASSES:
             close = difflib.get_close_matches(name, list(PASSES), n=1, cutoff=0.5)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            errors.append(f"{where}: unknown pass {name!r}.{hint} Known: {', '.join(sorted(PASSES))}")
+            errors.append(
+                f"{where}: unknown pass {name!r}.{hint} Known: {', '.join(sorted(PASSES))}"
+            )
             continue
         names.append(name)
         spec = get_pass(name)
@@ -207,7 +209,8 @@ def parse_recipe(data: str | dict[str, Any], source: str = "<recipe>") -> Recipe
     for key, raw in data.items():
         if key not in TOP_LEVEL:
             errors.append(
-                f"{source}: unknown top-level key {key!r}.{_did_you_mean(str(key), list(TOP_LEVEL))}"
+                f"{source}: unknown top-level key {key!r}."
+                f"{_did_you_mean(str(key), list(TOP_LEVEL))}"
                 f" Allowed keys: {', '.join(TOP_LEVEL)}"
             )
             continue
@@ -250,7 +253,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply ``key.path=value`` overrides (values parsed as YAML; list items by index)."""
     for item in overrides:
         if "=" not in item:
-            raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. passes.0.group_size=64")
+            raise RecipeError(
+                f"--set {item!r}: expected key.path=value, e.g. passes.0.group_size=64"
+            )
         path, _, text = item.partition("=")
         keys = path.strip().split(".")
         target: Any = data
@@ -258,7 +263,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             where = ".".join(keys[: depth + 1])
             if isinstance(target, list):
                 if not key.isdigit() or int(key) >= len(target):
-                    raise RecipeError(f"--set {item!r}: {where} is not an index of a {len(target)}-item list")
+                    raise RecipeError(
+                        f"--set {item!r}: {where} is not an index of a {len(target)}-item list"
+                    )
                 target = target[int(key)]
             elif isinstance(target, dict):
                 target = target.setdefault(key, {})
@@ -268,7 +275,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         value = yaml.safe_load(text)
         if isinstance(target, list):
             if not last.isdigit() or int(last) >= len(target):
-                raise RecipeError(f"--set {item!r}: {last} is not an index of a {len(target)}-item list")
+                raise RecipeError(
+                    f"--set {item!r}: {last} is not an index of a {len(target)}-item list"
+                )
             target[int(last)] = value
         elif isinstance(target, dict):
             target[last] = value

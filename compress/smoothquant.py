@@ -26,7 +26,6 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compress import quant_primitives
 from compress.core import (
     CompressionState,
     PassConfig,
@@ -36,9 +35,9 @@ from compress.core import (
     set_submodule,
     target_modules,
 )
-from compress.gptq import calibration_batches, finish_quant_report
+from compress.gptq import finish_quant_report, run_calibrated
 from compress.modules import QuantLinear, WeightScheme
-from compress.sequential import LayerInputs, OffloadMode, run_layer, run_sequential
+from compress.sequential import LayerInputs, OffloadMode, run_layer
 
 log = logging.getLogger(__name__)
 
@@ -176,25 +175,27 @@ def smooth_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: floa
     return s.clamp(min=1e-5)
 
 
+@torch.no_grad()
+def migrate_scales(
+    prev: nn.Module, lins: list[nn.Module], s_prev: torch.Tensor, s: torch.Tensor
+) -> None:
+    """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
+    RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
+    the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
+        if prev.bias is not None:
+            prev.bias.div_(s_prev.to(prev.bias.dtype))
+    else:  # RMSNorm-style: y = w * normalize(x)
+        prev.weight.div_(s_prev.to(prev.weight.dtype))
+    for lin in lins:
+        lin.weight.mul_(s.to(lin.weight.dtype))
+
+
 def w8a8_from_linear(linear: nn.Linear, scale_dtype: torch.dtype, backend: str) -> W8A8Linear:
     """Per-channel symmetric RTN of the weight into a ``W8A8Linear``."""
     scheme = WeightScheme(8, None, True, scale_dtype)
-    w = linear.weight.detach()
-    scales, _ = quant_primitives.compute_qparams(w, n_bits=8, group_size=w.shape[1], symmetric=True)
-    scales = scales.to(scale_dtype)
-    w_q = quant_primitives.quantize(w, scales, None, n_bits=8, group_size=w.shape[1])
-    module = W8A8Linear(
-        linear.in_features,
-        linear.out_features,
-        scheme,
-        bias=linear.bias is not None,
-        dtype=w.dtype,
-        backend=backend,
-    )
-    module.set_quantized(w_q, scales, None)
-    if linear.bias is not None:
-        module.bias.data.copy_(linear.bias.detach())
-    return module.to(w.device)
+    return W8A8Linear.from_linear(linear, scheme, backend=backend)  # type: ignore[return-value]
 
 
 @register_pass("quantize.smoothquant", SmoothquantConfig, needs_calibration=True)
@@ -208,7 +209,6 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
         elif isinstance(module, nn.Module) and hasattr(module, "weight"):
             report.skipped[name] = f"{type(module).__name__} cannot run W8A8 (only nn.Linear can)"
     raise_or_report_skips(cfg, report, "quantize.smoothquant")
-    batches = calibration_batches(state, "quantize.smoothquant")
     scale_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
         cfg.scale_dtype
     ]
@@ -228,15 +228,7 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
         for producer, consumers in mappings:
             lins = [layer.get_submodule(c) for c in consumers]
             s = smooth_scales(hooks.amax[consumers[0]], [lin.weight for lin in lins], cfg.alpha)
-            prev = layer.get_submodule(producer)
-            if isinstance(prev, nn.Linear):
-                prev.weight.div_(s.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
-                if prev.bias is not None:
-                    prev.bias.div_(s.to(prev.bias.dtype))
-            else:
-                prev.weight.div_(s.to(prev.weight.dtype))
-            for lin in lins:
-                lin.weight.mul_(s.to(lin.weight.dtype))
+            migrate_scales(layer.get_submodule(producer), lins, s, s)
             migrated[prefix + producer] = float(s.max() / s.min())
         for name in [n for n in plan if n.startswith(prefix)]:
             # exact int8 x int8 on every backend, so calibration may use the fast one
@@ -245,15 +237,7 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
             )
             report.changed.append(name)
 
-    memory = run_sequential(
-        model,
-        batches,
-        process,
-        device=state.device,
-        offload=cfg.offload,
-        progress=state.progress,
-        desc="smoothquant",
-    )
+    memory = run_calibrated(model, state, process, "quantize.smoothquant", offload=cfg.offload)
     for name in plan:
         if name not in report.changed:  # outside the decoder stack (e.g. a targeted lm_head)
             set_submodule(

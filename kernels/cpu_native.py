@@ -71,7 +71,9 @@ def prepack_int4(
 def int4_mm(x: torch.Tensor, weight: Int4CpuWeight) -> torch.Tensor:
     """``x [..., K] @ W.T`` with the native kernel; bf16 inside, x's dtype outside."""
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    y = torch._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scale_and_zero)
+    y = torch._weight_int4pack_mm_for_cpu(
+        x2, weight.packed, weight.group_size, weight.scale_and_zero
+    )
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
 
 

@@ -332,24 +332,34 @@ def int4_gemm_triton(
     }
     if config is None:
         config = _configs("decode" if decode else "gemm")
+    return launch(_int4_gemm_kernel, _autotuned, _prune_configs, config, args, flags,
+                  x=x, y=y, out=out, out_dtype=x.dtype)  # fmt: skip
+
+
+def launch(kernel, autotuned, prune, config, args, flags, *, x, y, out, out_dtype):
+    """Run ``kernel`` (the int4 or int8 GEMM) on ``args``/``flags`` and return ``[M, N]``.
+
+    ``config``: one ``triton.Config`` runs ``kernel`` with it; a list is autotuned over through
+    ``autotuned(tuple(configs))``. With ``ATOMIC_OUT`` the kernel added into the fp32 ``y``,
+    which is cast into ``out`` or a new tensor of ``out_dtype``; otherwise ``y`` is the result.
+    """
+    (m, k), n = x.shape, y.shape[1]
     if not isinstance(config, triton.Config) and is_interpreted():
         # autotuning several configs needs a driver: take the first one that fits
-        config = _prune_configs(list(config), {}, **flags, x_ptr=x, M=m, N=n, K=k)[0]
+        config = prune(list(config), {}, **flags, x_ptr=x, M=m, N=n, K=k)[0]
     if not isinstance(config, triton.Config):
-        _autotuned(tuple(config))[_grid](*args, **flags)
+        autotuned(tuple(config))[_grid](*args, **flags)
     else:
-        _int4_gemm_kernel[_grid(config.kwargs | {"M": m, "N": n})](
+        kernel[_grid(config.kwargs | {"M": m, "N": n})](
             *args,
             **flags,
             **config.kwargs,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    if not atomic:
+    if not flags["ATOMIC_OUT"]:
         return y
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    return y.to(out_dtype) if out is None else out.copy_(y)
 
 
 def _grid(meta: dict) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from .int4_gemm import (
     check_operand,
     is_decode,
     is_interpreted,
+    launch,
     shared_memory_estimate,
     shared_memory_limit,
 )
@@ -334,24 +335,5 @@ def _launch(x, w_q, scales, zeros, x_scales, *, a_int8, group_size, out_dtype, c
     }
     if config is None:
         config = _configs("decode" if decode else "gemm")
-    if not isinstance(config, triton.Config) and is_interpreted():
-        # autotuning several configs needs a driver: take the first one that fits
-        config = _prune_configs(list(config), {}, **flags, x_ptr=x, M=m, N=n, K=k)[0]
-    if not isinstance(config, triton.Config):
-        _autotuned(tuple(config))[_grid](*args, **flags)
-    else:
-        _int8_gemm_kernel[_grid(config.kwargs | {"M": m, "N": n})](
-            *args,
-            **flags,
-            **config.kwargs,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-    if not atomic:
-        return y
-    return y.to(out_dtype) if out is None else out.copy_(y)
-
-
-def _grid(meta: dict) -> tuple[int, int]:
-    tiles = triton.cdiv(meta["M"], meta["BLOCK_M"]) * triton.cdiv(meta["N"], meta["BLOCK_N"])
-    return (tiles, meta["SPLIT_K"])
+    return launch(_int8_gemm_kernel, _autotuned, _prune_configs, config, args, flags,
+                  x=x, y=y, out=out, out_dtype=out_dtype)  # fmt: skip

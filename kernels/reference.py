@@ -7,7 +7,8 @@ Weight layout (the compressed-tensors layout, so exported checkpoints need no co
 
 * ``w`` float weight ``[N, K]`` (out_features, in_features), as in ``nn.Linear``.
 * ``w_q`` signed integer codes in int8: int4 codes lie in [-8, 7], int8 codes in [-128, 127].
-* ``scales`` ``[N, K // group_size]`` float; per-output-channel is ``group_size == K`` -> ``[N, 1]``.
+* ``scales`` ``[N, K // group_size]`` float; per-output-channel is ``group_size == K``
+  -> ``[N, 1]``.
 * ``zeros`` signed zero points, same shape as ``scales`` (int8 holder) or ``None`` for symmetric.
 * Dequantization: ``w = (w_q - zeros) * scales`` broadcast over each group of ``group_size``
   consecutive input channels.

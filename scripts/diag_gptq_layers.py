@@ -1,6 +1,7 @@
 """GPTQ vs RTN on a subset of SmolLM2's decoder layers (the rest stay fp32), to see where GPTQ
 helps; GPTQ runs with each given weight of the attention-sink token in the Hessian
-(``sink_token_weight``; 1 = plain GPTQ). Prints token perplexity on the first N WikiText-2 test windows of 512.
+(``sink_token_weight``; 1 = plain GPTQ). Prints token perplexity on the first N WikiText-2
+test windows of 512.
 
     python scripts/diag_gptq_layers.py --layers '[0-5]' --limit 4 --num-samples 16
     python scripts/diag_gptq_layers.py --layers '(2[0-9])' --limit 4 --num-samples 16
@@ -13,10 +14,11 @@ import copy
 import json
 import time
 
+from compress.eval.quality import perplexity
+
 from compress.calibration import calibration_sequences
 from compress.core import CompressionState, run_passes
 from compress.data import resolve_text_path
-from compress.eval.quality import perplexity
 from compress.gptq import GptqConfig
 from compress.models import load_model
 from compress.quantize import Int4RtnConfig

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
-
 import compress.distill as distill  # noqa: E402
 from compress.core import CompressionState  # noqa: E402
 from compress.prune import MlpChannelsConfig, prune_mlp_channels  # noqa: E402
+from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
 
 
 def tiny_setup(data_file: str, batch_size: int, checkpoint_dir: str | None = None):

@@ -1,5 +1,6 @@
 """AWQ: the scale search never does worse than RTN (its grid starts there), folding keeps the
-float model unchanged (GQA included), clipping lowers the group error, the pass on the tiny model."""
+float model unchanged (GQA included), clipping lowers the group error, the pass on the tiny
+model."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from compress.core import run_passes
 from compress.modules import QuantLinear, WeightScheme
 from compress.quant_primitives import fake_quantize
 from compress.sequential import capture_first_layer_inputs, run_layer
-from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 from compress.testing import make_tiny_llama
+from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 
 
 def test_search_scale_beats_rtn_with_outlier_channels():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.kernels import cpu_native, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compress import quant_primitives
-from compress.kernels import cpu_native, reference
 from compress.modules import QuantLinear, WeightScheme
 
 shapes = st.tuples(st.integers(1, 24), st.integers(1, 70))
@@ -90,7 +90,8 @@ def test_cpu_backend_agrees_with_reference(n_bits, group_size, symmetric, m):
     ref = QuantLinear.from_linear(linear, scheme, backend="reference")
     fast = QuantLinear.from_linear(linear, scheme, backend="cpu")
     x = torch.randn(m, 256)
-    y_ref = torch.nn.functional.linear(x.double(), ref.dequantized_weight(torch.float64)) + ref.bias.double()
+    w_ref = ref.dequantized_weight(torch.float64)
+    y_ref = torch.nn.functional.linear(x.double(), w_ref) + ref.bias.double()
     y_fast = fast(x)
     assert fast.resolved_backend(x.device) == "cpu"
     # bf16 activations inside the native kernels: error ~ 2^-8 relative per product.
@@ -109,6 +110,8 @@ def test_auto_backend_falls_back_to_reference_for_unsupported_shape():
 def test_forced_cpu_backend_on_unsupported_shape_raises():
     from compress.errors import KernelConstraintError
 
-    layer = QuantLinear.from_linear(torch.nn.Linear(64, 24), WeightScheme(4, 32, True), backend="cpu")
+    layer = QuantLinear.from_linear(
+        torch.nn.Linear(64, 24), WeightScheme(4, 32, True), backend="cpu"
+    )
     with pytest.raises(KernelConstraintError, match="N=24"):
         layer(torch.randn(2, 64))

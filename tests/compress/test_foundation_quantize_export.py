@@ -125,7 +125,7 @@ def test_plain_transformers_loads_the_exports(tiny_tokenizer, tmp_path):
         expected[name] = _logits(model)
         dirs.append(str(export_checkpoint(model, tiny_tokenizer, tmp_path / name)))
     _plain_load(dirs, tmp_path)
-    for name, ckpt in zip(cases, dirs):
+    for name, ckpt in zip(cases, dirs, strict=True):
         # Same codes and scales; tolerance covers compressed-tensors' fp16-scale arithmetic.
         torch.testing.assert_close(torch.load(ckpt + ".plain.pt"), expected[name],
                                    atol=1e-4, rtol=1e-4, msg=name)

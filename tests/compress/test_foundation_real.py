@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from compress.eval.quality import perplexity
 
 from compress.core import CompressionState, run_passes
 from compress.data import resolve_text_path
-from compress.eval.quality import perplexity
 from compress.export import export_checkpoint
 from compress.quantize import Int4RtnConfig, Int8RtnConfig
 
@@ -94,7 +94,7 @@ def test_w4_and_w8_exports_reload_in_plain_transformers(smollm2, tmp_path):
     proc = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path / "ids.pt"), *dirs],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for want, path in zip(expected, dirs):
+    for want, path in zip(expected, dirs, strict=True):
         got = torch.load(path + ".plain.pt")
         # Stated tolerance: 1e-3 absolute on logits of magnitude ~30 (fp32 reordering only).
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)

@@ -16,8 +16,8 @@ from compress.gptq import GptqConfig, HessianHooks, SingularHessianError, gptq_q
 from compress.modules import QuantLinear, WeightScheme
 from compress.quant_primitives import fake_quantize
 from compress.recipe import parse_recipe
-from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 from compress.testing import make_tiny_llama
+from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 
 
 def _problem(n=64, k=128, tokens=1024, seed=0):

@@ -4,14 +4,12 @@ tokens, sampling, streaming, bad input, fallbacks, and one test of the compiled 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from compress.testing import make_tiny_llama  # noqa: E402
-
 from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
 from compress.runtime import Runtime  # noqa: E402
+from compress.testing import make_tiny_llama  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7], [1, 40, 50], [1, 200, 13, 14, 15]]
 

@@ -10,8 +10,8 @@ import torch
 from compress.calibration import calibration_mix, split_counts
 from compress.errors import DataError
 from compress.sequential import run_layer, run_sequential
-from tests.compress.quant_helpers import tiny_state
 from compress.testing import make_tiny_llama
+from tests.compress.quant_helpers import tiny_state
 
 
 @torch.no_grad()
@@ -61,7 +61,7 @@ def test_split_counts():
 def test_calibration_mix_is_deterministic_and_mixes(tmp_path, tiny_tokenizer):
     (tmp_path / "a.txt").write_text("alpha beta gamma " * 200)
     (tmp_path / "b.jsonl").write_text(
-        "\n".join('{"text": "delta epsilon %d"}' % i for i in range(300))
+        "\n".join(f'{{"text": "delta epsilon {i}"}}' for i in range(300))
     )
     mix = {str(tmp_path / "a.txt"): 0.5, str(tmp_path / "b.jsonl"): 0.5}
     one = calibration_mix(mix, tiny_tokenizer, num_samples=6, seq_len=16, seed=3)

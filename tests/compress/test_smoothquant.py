@@ -21,8 +21,8 @@ from compress.smoothquant import (
     smooth_scales,
     w8a8_from_linear,
 )
-from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 from compress.testing import make_tiny_llama
+from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
 
 
 def test_quantize_per_token_error_is_within_half_a_step():

@@ -11,7 +11,6 @@ from compress.eval.compare import CompareSettings, compare
 from compress.eval.plot import pareto_front
 
 from compress.errors import DataError
-
 from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
 
 

@@ -3,7 +3,6 @@ decoding (float64 tiny model, so no near-ties flip); arrivals and queueing with 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from compress.eval.latency import greedy_stream
