@@ -47,7 +47,11 @@ def llama_cpp_python() -> Path:
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         env = dict(
             os.environ,
-            CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AVX2=ON -DGGML_BLAS=OFF",
+            # Only the library: the multimodal (llava/mtmd) part, tools, tests and examples
+            # double the compile time and the bench does not use them.
+            CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AVX2=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF "
+            "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+            "-DLLAMA_BUILD_SERVER=OFF",
             CMAKE_BUILD_PARALLEL_LEVEL="2",
         )
         print("building llama-cpp-python from source (~25 min on 2 cores)...", file=sys.stderr)

@@ -70,6 +70,10 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (1 is faster on a busy box)"
     )
     parser.add_argument("--out", default="out/bench_prune", help="output folder")
+    parser.add_argument(
+        "--save-student", help="also save the distilled fp32 student here (e.g. as a draft model "
+        "for `compress compare --draft`)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -132,6 +136,9 @@ def main() -> None:
         f"+ distilled {args.steps} steps", student, f"{m['tokens']:,} tokens, {minutes:.1f} min CPU"
     )
     rows[-1]["held_out_ppl"] = m["held_out_ppl_after"]
+    if args.save_student:
+        student.save_pretrained(args.save_student)
+        tok.save_pretrained(args.save_student)
     run_passes(student, [Int4RtnConfig(group_size=128, fallback_group_size=64)], st)
     add("+ int4 RTN g128 (g64 fallback)", student, "weights came from a Q4_1 grid")
     for r in rows:

@@ -7,7 +7,11 @@ the same WikiText-2 test windows, and writes JSON + markdown:
     python scripts/bench_quant.py --limit 16 --num-samples 16 --out out/bench_quant
 
 --limit keeps the first N windows of 512 tokens of the test split (full split: omit it);
---num-samples overrides the recipes' calibration sample count (timing on shared cores).
+--num-samples overrides the recipes' calibration sample count (timing on shared cores);
+--tasks adds lm-eval zero-shot accuracy columns (local task configs, --task-limit examples each):
+
+    python scripts/bench_quant.py --limit 16 --num-samples 32 --tasks piqa_local,arc_easy_local \
+        --task-limit 200 --rows smollm2-w4g128-rtn smollm2-w4g128-gptq --out out/bench_tasks
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from compress.eval.lm_eval_tasks import headline, run_tasks
 from compress.eval.quality import perplexity
 from compress.eval.report import environment, markdown_table
 
@@ -62,6 +67,8 @@ def main() -> None:
         "--num-samples", type=int, default=None, help="override calibration samples"
     )
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (local configs)")
+    parser.add_argument("--task-limit", type=int, help="lm-eval examples per task")
     parser.add_argument("--out", default="out/bench_quant")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -80,6 +87,19 @@ def main() -> None:
             progress=False,
         )
 
+    tasks = [t for t in args.tasks.split(",") if t]
+    columns = COLUMNS[:-1] + [(t, f"{t} acc") for t in tasks] + COLUMNS[-1:]
+
+    def task_scores(model, tokenizer) -> dict[str, str]:
+        if not tasks:
+            return {}
+        out = run_tasks(model, tokenizer, tasks, limit=args.task_limit)["tasks"]
+        scores = {}
+        for task in tasks:
+            metric, value, stderr = headline(out[task])
+            scores[task] = f"{value:.3f} ± {stderr:.3f}" if stderr is not None else f"{value}"
+        return scores
+
     sets = [f"eval.perplexity.limit={args.limit}"] if args.limit else []
     if args.num_samples:
         sets.append(f"calibration.num_samples={args.num_samples}")
@@ -91,6 +111,7 @@ def main() -> None:
             "perplexity": base.perplexity,
             "bits_per_weight": 32.0,
             "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
+            **task_scores(loaded.model, loaded.tokenizer),
         }
     ]
     payload = {"environment": environment(), "protocol": base.protocol, "rows": rows, "reports": {}}
@@ -126,15 +147,18 @@ def main() -> None:
                 "command": f"`compress run recipes/{name}.yaml "
                 + " ".join(f"--set {s}" for s in sets if _applies(s, name))
                 + "`",
+                **task_scores(loaded.model, loaded.tokenizer),
             }
         )
         payload["reports"][name] = [r.to_dict() for r in state.reports]
         (out / "bench_quant.json").write_text(json.dumps(payload, indent=2, default=str))
         logging.info("%s: ppl %.3f (%.1fs)", name, result.perplexity, seconds)
     p = base.protocol
-    md = markdown_table(rows, COLUMNS) + (
+    md = markdown_table(rows, columns) + (
         f"\n\nWikiText-2 test, token perplexity, context {p['context_length']}, "
         f"{p['windows']} windows ({base.scored_tokens} scored tokens); torch {torch.__version__}."
+        + (f" lm-eval: zero-shot, {args.task_limit or 'all'} examples per task, acc ± stderr."
+           if tasks else "")
     )
     (out / "bench_quant.md").write_text(md + "\n")
     print(md)

@@ -13,6 +13,7 @@ Writes bench_reference_gptq.json/.md with perplexity and calibration wall time o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from compress.core import CompressionState, run_passes
 from compress.data import resolve_text_path
 from compress.gptq import GptqConfig
 from compress.models import cache_dir, embedded_model_dir, load_model
+from compress.quantize import Int4RtnConfig
 
 RUNNER = r"""
 import importlib.util, json, sys, time, torch
@@ -36,12 +38,14 @@ from llmcompressor.modifiers.quantization import GPTQModifier
 from datasets import Dataset
 model_dir, cal_path, text_path, quality_py, group, limit, out = sys.argv[1:8]
 spec = importlib.util.spec_from_file_location("quality", quality_py)
-quality = importlib.util.module_from_spec(spec); spec.loader.exec_module(quality)
+quality = importlib.util.module_from_spec(spec); sys.modules["quality"] = quality
+spec.loader.exec_module(quality)
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 ids = torch.load(cal_path)
-data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+mask = torch.ones_like(ids).tolist()
+data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask})
 recipe = GPTQModifier(ignore=["lm_head"], config_groups={"group_0": {"targets": ["Linear"],
     "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                 "group_size": int(group)}}}, dampening_frac=0.01, block_size=128)
@@ -51,7 +55,8 @@ oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=ids.shape[1],
 seconds = time.perf_counter() - start
 res = quality.perplexity(model, tok, open(text_path).read(), context_length=512,
                          limit=int(limit) or None, progress=False)
-json.dump({"perplexity": res.perplexity, "calib_s": seconds, "windows": res.windows}, open(out, "w"))
+result = {"perplexity": res.perplexity, "calib_s": seconds, "windows": res.windows}
+json.dump(result, open(out, "w"))
 """
 
 
@@ -99,17 +104,24 @@ def main() -> None:
     state = CompressionState(
         tokenizer=loaded.tokenizer, calibration_batches=lambda: list(cal.split(1)), progress=False
     )
+    def ppl(model):
+        return perplexity(
+            model,
+            loaded.tokenizer,
+            text_path.read_text(),
+            context_length=512,
+            limit=args.limit or None,
+            progress=False,
+        )
+
+    rtn = copy.deepcopy(loaded.model)
+    run_passes(rtn, [Int4RtnConfig(group_size=args.group_size)], state)
+    rtn_ppl = ppl(rtn).perplexity
+    del rtn
     start = time.perf_counter()
     run_passes(loaded.model, [GptqConfig(group_size=args.group_size)], state)
     ours_s = time.perf_counter() - start
-    ours = perplexity(
-        loaded.model,
-        loaded.tokenizer,
-        text_path.read_text(),
-        context_length=512,
-        limit=args.limit or None,
-        progress=False,
-    )
+    ours = ppl(loaded.model)
     python = ensure_venv(cache_dir() / "venvs" / "ref")
     (out / "runner.py").write_text(RUNNER)
     quality_py = Path(__file__).resolve().parents[1] / "eval" / "quality.py"
@@ -129,6 +141,7 @@ def main() -> None:
     )
     ref = json.loads((out / "reference.json").read_text())
     rows = [
+        ("RTN (compress quantize.int4_rtn)", rtn_ppl, 0.0),
         ("compress quantize.gptq", ours.perplexity, ours_s),
         ("llm-compressor GPTQModifier", ref["perplexity"], ref["calib_s"]),
     ]
@@ -136,8 +149,8 @@ def main() -> None:
         f"| {n} | {p:.3f} | {s:.1f} |" for n, p, s in rows
     )
     md += (
-        f"\n\nW4 g{args.group_size} symmetric, {args.num_samples} x {args.seq_len} WikiText-2 valid "
-        f"tokens, dampening 0.01, block 128; ppl over {ours.windows} test windows of 512."
+        f"\n\nW4 g{args.group_size} symmetric, {args.num_samples} x {args.seq_len} WikiText-2 "
+        f"valid tokens, dampening 0.01, block 128; ppl over {ours.windows} test windows of 512."
     )
     (out / "bench_reference_gptq.md").write_text(md + "\n")
     (out / "bench_reference_gptq.json").write_text(
