@@ -209,7 +209,11 @@ def _inverse_cholesky(h: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[torc
 def _qparams(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min/max parameters of ``w [N, g]`` (one group) with scales rounded to the stored dtype."""
     scales, zeros = quant_primitives.compute_qparams(
-        w, n_bits=scheme.n_bits, group_size=w.shape[1], symmetric=scheme.symmetric
+        w,
+        n_bits=scheme.n_bits,
+        group_size=w.shape[1],
+        symmetric=scheme.symmetric,
+        full_range=scheme.full_range,
     )
     return scales.to(scheme.scale_dtype).to(torch.float32), zeros  # [N, 1] each
 

@@ -5,7 +5,10 @@ signed codes ``w_q`` in ``[-2**(b-1), 2**(b-1) - 1]``, scales ``[N, K // group_s
 signed zero points of the same shape (asymmetric only), ``w = (w_q - zeros) * scales``.
 
 * symmetric: ``scale = max|w_group| / (2**(b-1) - 1)``, zero point 0; the code -2**(b-1) is
-  unused, so the largest magnitude is never clipped.
+  unused, so the largest magnitude is never clipped. With ``full_range`` the scale is
+  ``max|w_group| / ((2**b - 1) / 2)`` (amax / 7.5 at 4 bits, as compressed-tensors and AutoGPTQ
+  do): all 2**b codes are used, every step is 7% finer at 4 bits, and the largest positive
+  weight lands on code 7 with error exactly scale/2 (still the rounding bound).
 * asymmetric: the group's [min, max] range is widened to contain 0 (so the zero point is an
   in-range integer, as compressed-tensors requires), ``scale = (max - min) / (2**b - 1)``,
   ``zero = round(qmin - min / scale)``.
@@ -31,14 +34,15 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def compute_qparams(
-    w: torch.Tensor, *, n_bits: int, group_size: int, symmetric: bool
+    w: torch.Tensor, *, n_bits: int, group_size: int, symmetric: bool, full_range: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Min/max quantization parameters for ``w [N, K]`` -> ``(scales fp32, zeros int8 | None)``."""
+    """Min/max quantization parameters for ``w [N, K]`` -> ``(scales fp32, zeros int8 | None)``;
+    ``full_range``: the symmetric grid of the module docstring that uses every code."""
     groups = _grouped(w, group_size)
     qmin, qmax = code_range(n_bits)
     if symmetric:
         amax = groups.abs().amax(dim=-1)
-        scales = amax / qmax
+        scales = amax / ((qmax - qmin) / 2 if full_range else qmax)
         return torch.where(scales > 0, scales, torch.ones_like(scales)), None
     wmin = groups.amin(dim=-1).clamp(max=0.0)
     wmax = groups.amax(dim=-1).clamp(min=0.0)
@@ -66,9 +70,11 @@ def quantize(
 
 
 def fake_quantize(
-    w: torch.Tensor, *, n_bits: int, group_size: int, symmetric: bool
+    w: torch.Tensor, *, n_bits: int, group_size: int, symmetric: bool, full_range: bool = False
 ) -> torch.Tensor:
     """Quantize then dequantize (RTN with min/max parameters), in w's dtype."""
-    scales, zeros = compute_qparams(w, n_bits=n_bits, group_size=group_size, symmetric=symmetric)
+    scales, zeros = compute_qparams(
+        w, n_bits=n_bits, group_size=group_size, symmetric=symmetric, full_range=full_range
+    )
     w_q = quantize(w, scales, zeros, n_bits=n_bits, group_size=group_size)
     return reference.dequantize(w_q, scales, zeros, group_size, w.dtype)

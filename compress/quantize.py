@@ -71,6 +71,9 @@ class _RtnConfig(PassConfig):
     scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     backend: BackendName = "auto"  # kernel backend of the produced QuantLinear modules
     overrides: tuple[LayerOverride, ...] = ()  # per-layer bits/group exceptions (first match)
+    # Symmetric grid: "restricted" = amax / (2**(b-1) - 1), "full" = amax / ((2**b - 1) / 2), the
+    # compressed-tensors / AutoGPTQ convention (see compress/quant_primitives.py).
+    symmetric_grid: Literal["restricted", "full"] = "restricted"
 
 
 class Int4RtnConfig(_RtnConfig):
@@ -108,6 +111,7 @@ def scheme_for_layer(
     """The scheme for this layer (after per-layer ``overrides``), or the reason to skip it."""
     k = linear.in_features
     scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
+    full_range = cfg.symmetric_grid == "full"
     group_size = getattr(cfg, "group_size", None)
     fallback = getattr(cfg, "fallback_group_size", None)
     override = next((o for o in cfg.overrides if o.matches(name)), None)
@@ -117,11 +121,11 @@ def scheme_for_layer(
             group_size = None if override.group_size == "channel" else override.group_size
             fallback = None
     if group_size is None:  # one scale per output channel
-        return WeightScheme(n_bits, None, cfg.symmetric, scale_dtype)
+        return WeightScheme(n_bits, None, cfg.symmetric, scale_dtype, full_range)
     groups = [g for g in (group_size, fallback) if g]
     for group in groups:
         if k % group == 0:
-            return WeightScheme(n_bits, group, cfg.symmetric, scale_dtype)
+            return WeightScheme(n_bits, group, cfg.symmetric, scale_dtype, full_range)
     return f"in_features {k} is not divisible by group_size {' or '.join(map(str, groups))}"
 
 

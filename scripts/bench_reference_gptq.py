@@ -88,6 +88,14 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--limit", type=int, default=8, help="test windows of 512 (0 = all)")
     parser.add_argument("--out", default="out/bench_ref")
+    parser.add_argument(
+        "--symmetric-grid", choices=["restricted", "full"], default="restricted",
+        help="our int4 grid: amax/7 (restricted) or amax/7.5 (full, llm-compressor's)",
+    )
+    parser.add_argument(
+        "--reuse-reference", action="store_true",
+        help="reuse <out>/reference.json from an earlier run with the same settings",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,19 +122,21 @@ def main() -> None:
             progress=False,
         )
 
+    grid = args.symmetric_grid
     rtn = copy.deepcopy(loaded.model)
-    run_passes(rtn, [Int4RtnConfig(group_size=args.group_size)], state)
+    run_passes(rtn, [Int4RtnConfig(group_size=args.group_size, symmetric_grid=grid)], state)
     rtn_ppl = ppl(rtn).perplexity
     del rtn
     start = time.perf_counter()
-    run_passes(loaded.model, [GptqConfig(group_size=args.group_size)], state)
+    run_passes(loaded.model, [GptqConfig(group_size=args.group_size, symmetric_grid=grid)], state)
     ours_s = time.perf_counter() - start
     ours = ppl(loaded.model)
-    python = ensure_venv(cache_dir() / "venvs" / "ref")
+    reuse = args.reuse_reference and (out / "reference.json").exists()
+    python = None if reuse else ensure_venv(cache_dir() / "venvs" / "ref")
     (out / "runner.py").write_text(RUNNER)
     quality_py = Path(__file__).resolve().parents[1] / "eval" / "quality.py"
     subprocess.run(
-        [
+        ["true"] if reuse else [
             str(python),
             str(out / "runner.py"),
             str(embedded_model_dir("smollm2-135m")),
@@ -141,8 +151,8 @@ def main() -> None:
     )
     ref = json.loads((out / "reference.json").read_text())
     rows = [
-        ("RTN (compress quantize.int4_rtn)", rtn_ppl, 0.0),
-        ("compress quantize.gptq", ours.perplexity, ours_s),
+        (f"RTN (compress quantize.int4_rtn, {grid} grid)", rtn_ppl, 0.0),
+        (f"compress quantize.gptq ({grid} grid)", ours.perplexity, ours_s),
         ("llm-compressor GPTQModifier", ref["perplexity"], ref["calib_s"]),
     ]
     md = "| implementation | WikiText-2 ppl | calibration s |\n|---|---:|---:|\n" + "\n".join(
@@ -152,8 +162,8 @@ def main() -> None:
         f"\n\nW4 g{args.group_size} symmetric, {args.num_samples} x {args.seq_len} WikiText-2 "
         f"valid tokens, dampening 0.01, block 128; ppl over {ours.windows} test windows of 512."
     )
-    (out / "bench_reference_gptq.md").write_text(md + "\n")
-    (out / "bench_reference_gptq.json").write_text(
+    (out / f"bench_reference_gptq_{grid}.md").write_text(md + "\n")
+    (out / f"bench_reference_gptq_{grid}.json").write_text(
         json.dumps({"rows": rows, "args": vars(args)}, indent=2)
     )
     print(md)
