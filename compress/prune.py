@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from compress.core import CompressionState, PassConfig, PassReport, register_pass
 from compress.errors import ConfigError
+from compress.modules import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() counts tied weights once
+    """Logical parameter count: float parameters (tied weights once) plus the weights that
+    quantized layers hold as integer buffers (a QuantLinear of [N, K] counts N x K)."""
+    quantized = sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantLinear)
+    )
+    return sum(p.numel() for p in model.parameters()) + quantized
 
 
 def _slice_linear(linear: nn.Linear, *, out_idx=None, in_idx=None) -> None:

@@ -248,3 +248,14 @@ def test_real_model_query_head_pruning(smollm2):
     assert report.metrics["params_before"] - report.metrics["params_after"] == 3 * 2 * 576 * 64 * 30
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_count_params_counts_quantized_weights_once():
+    from compress.core import run_passes
+    from compress.quantize import Int4RtnConfig
+    from tests.compress.quant_helpers import tiny_state
+
+    model = make_tiny_llama()
+    expected = sum(p.numel() for p in model.parameters())  # all float, ties counted once
+    run_passes(model, [Int4RtnConfig(group_size=32)], tiny_state())
+    assert count_params(model) == expected
