@@ -81,6 +81,17 @@ def ensure_venv(venv: Path) -> Path:
     return python
 
 
+def run_reference(out: Path, text_path: Path, group_size: int, limit: int) -> None:
+    """llm-compressor's GPTQ in its own venv on <out>/calibration.pt -> <out>/reference.json."""
+    python = ensure_venv(cache_dir() / "venvs" / "ref")
+    (out / "runner.py").write_text(RUNNER)
+    quality_py = Path(__file__).resolve().parents[1] / "eval" / "quality.py"
+    model_dir = embedded_model_dir("smollm2-135m")
+    args = [out / "runner.py", model_dir, out / "calibration.pt", text_path, quality_py,
+            group_size, limit, out / "reference.json"]
+    subprocess.run([str(python), *map(str, args)], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-samples", type=int, default=16)
@@ -131,24 +142,8 @@ def main() -> None:
     run_passes(loaded.model, [GptqConfig(group_size=args.group_size, symmetric_grid=grid)], state)
     ours_s = time.perf_counter() - start
     ours = ppl(loaded.model)
-    reuse = args.reuse_reference and (out / "reference.json").exists()
-    python = None if reuse else ensure_venv(cache_dir() / "venvs" / "ref")
-    (out / "runner.py").write_text(RUNNER)
-    quality_py = Path(__file__).resolve().parents[1] / "eval" / "quality.py"
-    subprocess.run(
-        ["true"] if reuse else [
-            str(python),
-            str(out / "runner.py"),
-            str(embedded_model_dir("smollm2-135m")),
-            str(out / "calibration.pt"),
-            str(text_path),
-            str(quality_py),
-            str(args.group_size),
-            str(args.limit),
-            str(out / "reference.json"),
-        ],
-        check=True,
-    )
+    if not (args.reuse_reference and (out / "reference.json").exists()):
+        run_reference(out, text_path, args.group_size, args.limit)
     ref = json.loads((out / "reference.json").read_text())
     rows = [
         (f"RTN (compress quantize.int4_rtn, {grid} grid)", rtn_ppl, 0.0),
