@@ -70,6 +70,11 @@ def main() -> None:
     parser.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (local configs)")
     parser.add_argument("--task-limit", type=int, help="lm-eval examples per task")
     parser.add_argument("--out", default="out/bench_quant")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep rows already in OUT/bench_quant.json when it was made with the same settings",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
@@ -103,19 +108,40 @@ def main() -> None:
     sets = [f"eval.perplexity.limit={args.limit}"] if args.limit else []
     if args.num_samples:
         sets.append(f"calibration.num_samples={args.num_samples}")
+    settings = {
+        "limit": args.limit,
+        "num_samples": args.num_samples,
+        "context": args.context,
+        "tasks": tasks,
+        "task_limit": args.task_limit,
+    }
+    done = _resumable(out / "bench_quant.json", settings) if args.resume else None
     loaded = load_model("smollm2-135m")
     base = evaluate(loaded.model, loaded.tokenizer)
-    rows = [
-        {
-            "variant": "baseline fp32",
-            "perplexity": base.perplexity,
-            "bits_per_weight": 32.0,
-            "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
-            **task_scores(loaded.model, loaded.tokenizer),
+    if done is not None:
+        payload = done
+        rows = payload["rows"]
+        logging.info("resuming: %d rows kept from %s", len(rows) - 1, out / "bench_quant.json")
+    else:
+        rows = [
+            {
+                "variant": "baseline fp32",
+                "perplexity": base.perplexity,
+                "bits_per_weight": 32.0,
+                "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
+                **task_scores(loaded.model, loaded.tokenizer),
+            }
+        ]
+        payload = {
+            "environment": environment(),
+            "settings": settings,
+            "protocol": base.protocol,
+            "rows": rows,
+            "reports": {},
         }
-    ]
-    payload = {"environment": environment(), "protocol": base.protocol, "rows": rows, "reports": {}}
     for name in args.rows:
+        if any(row["variant"] == name for row in rows):
+            continue
         recipe = load_recipe(f"recipes/{name}.yaml", [s for s in sets if _applies(s, name)])
         loaded = load_model(recipe.model)
         state = CompressionState(tokenizer=loaded.tokenizer, progress=False)
@@ -162,6 +188,17 @@ def main() -> None:
     )
     (out / "bench_quant.md").write_text(md + "\n")
     print(md)
+
+
+def _resumable(path: Path, settings: dict) -> dict | None:
+    """The earlier payload at ``path`` when it was made with ``settings`` (else start over)."""
+    if not path.exists():
+        return None
+    payload = json.loads(path.read_text())
+    if payload.get("settings") != settings:
+        logging.warning("%s was made with other settings; starting over", path)
+        return None
+    return payload
 
 
 def _applies(setting: str, name: str) -> bool:

@@ -16,6 +16,7 @@ from compress.export import export_checkpoint, load_compressed
 from compress.smoothquant import (
     SmoothquantConfig,
     W8A8Linear,
+    int8_int8_float_exact,
     int8_int8_reference,
     quantize_per_token,
     smooth_scales,
@@ -35,11 +36,27 @@ def test_quantize_per_token_error_is_within_half_a_step():
     assert torch.all((x_q.double() * scales.double() - x).abs() <= scales.double() / 2 + 1e-9)
 
 
+def test_float_exact_product_is_exact_where_one_float32_gemm_rounds():
+    # worst case: all partial sums large and odd, K past the 1040-term exactness bound
+    k = 2100
+    x_q = torch.full((3, k), 127, dtype=torch.int8)
+    w_q = torch.full((2, k), 127, dtype=torch.int8)
+    w_q[1, ::2] = 1
+    x_q[2, ::3] = -127
+    expected = int8_int8_reference(x_q, w_q)
+    assert expected.abs().max() > 2**24  # beyond float32's exact integers
+    naive = (x_q.float() @ w_q.float().T).to(torch.int32)
+    assert not torch.equal(naive, expected)  # one float32 GEMM would round here
+    assert torch.equal(int8_int8_float_exact(x_q, w_q.float()), expected)
+    assert torch.equal(torch._int_mm(x_q, w_q.T.contiguous()), expected)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "float_exact", "auto"])
 @pytest.mark.parametrize("m", [1, 7, 33])
-def test_int_mm_cpu_path_equals_float64_reference(m):
+def test_int8_cpu_paths_equal_float64_reference(m, backend):
     torch.manual_seed(m)
     linear = nn.Linear(96, 40, bias=True)
-    module = w8a8_from_linear(linear, torch.float32, backend="cpu")
+    module = w8a8_from_linear(linear, torch.float32, backend=backend)
     x = torch.randn(m, 96)
     ref = w8a8_from_linear(linear, torch.float32, backend="reference")
     torch.testing.assert_close(module(x), ref(x), rtol=0, atol=0)
