@@ -65,6 +65,22 @@ def _evaluate(model, tokenizer, recipe: Recipe, text: str | None, source: str, p
     )
 
 
+def recipe_state(
+    recipe: Recipe, tokenizer, *, progress: bool = True, data_dir: str | None = None
+) -> CompressionState:
+    """The ``CompressionState`` a recipe's passes run with: its calibration sequences (drawn
+    once, handed out as batches of one) when it has a ``calibration`` section."""
+    state = CompressionState(tokenizer=tokenizer, progress=progress, data_dir=data_dir)
+    if recipe.calibration is not None:
+        cal = recipe.calibration
+        batches = calibration_mix(
+            cal.mix or {cal.source: 1.0}, tokenizer, num_samples=cal.num_samples,
+            seq_len=cal.seq_len, seed=cal.seed, data_dir=data_dir,
+        )
+        state.calibration_batches = lambda: list(batches.split(1))
+    return state
+
+
 def run_job(
     recipe: Recipe,
     *,
@@ -83,14 +99,7 @@ def run_job(
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
         text, source = path.read_text(encoding="utf-8"), str(path)
     loaded = load_model(model or recipe.model)
-    state = CompressionState(tokenizer=loaded.tokenizer, progress=progress, data_dir=data_dir)
-    if recipe.calibration is not None:
-        cal = recipe.calibration
-        batches = calibration_mix(
-            cal.mix or {cal.source: 1.0}, loaded.tokenizer, num_samples=cal.num_samples,
-            seq_len=cal.seq_len, seed=cal.seed, data_dir=data_dir,
-        )
-        state.calibration_batches = lambda: list(batches.split(1))
+    state = recipe_state(recipe, loaded.tokenizer, progress=progress, data_dir=data_dir)
     if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
         state.teacher = copy.deepcopy(loaded.model).eval()
 

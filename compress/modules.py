@@ -238,8 +238,10 @@ class QuantLinear(nn.Module):
 
 def model_bytes(model: nn.Module) -> dict[str, int]:
     """Stored bytes of a model: ``total`` (every persistent tensor, tied ones once) and
-    ``linear`` (the Linear/QuantLinear weights inside the decoder, i.e. what quantization
-    shrinks; lm_head excluded)."""
+    ``linear`` (the Linear/QuantLinear/bitsandbytes weights inside the decoder, i.e. what
+    quantization shrinks; lm_head excluded; bnb weights counted with their absmax/code maps)."""
+    from compress.bnb import bnb_weight_bytes, is_bnb_module  # lazy: compress.bnb imports us
+
     seen: set[int] = set()
     total = 0
     for tensor in model.state_dict().values():
@@ -253,6 +255,8 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
             continue
         if isinstance(module, QuantLinear):
             linear += module.weight_bytes()
+        elif is_bnb_module(module) and isinstance(module, nn.Linear):
+            linear += bnb_weight_bytes(module)  # before nn.Linear: Linear8bitLt subclasses it
         elif isinstance(module, nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()
     return {"total": total, "linear": linear}

@@ -15,9 +15,9 @@ int32, CPU since torch 2.2; fast only with VNNI int8 dot products: on an AVX2-on
 widened to float32 and multiplied in K-chunks of at most 1040, so every partial sum is an integer
 below 2^24 and exact; chunks summed in int32), ``triton`` (``kernels.triton_ops.int8_int8_linear``
 on CUDA, when present), ``reference`` (float64, exact for K < 2^38 / 127^2). ``auto`` picks
-triton on CUDA, ``cpu`` on CPUs that report VNNI, else ``float_exact``. Exported as compressed-tensors
-``int-quantized`` with dynamic per-token ``input_activations``. Only ``nn.Linear`` can become
-W8A8; anything else targeted is reported (or an error under ``strict``).
+triton on CUDA, ``cpu`` on CPUs that report VNNI, else ``float_exact``. Exported as
+compressed-tensors ``int-quantized`` with dynamic per-token ``input_activations``. Only
+``nn.Linear`` can become W8A8; anything else targeted is reported (or an error under ``strict``).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ FLOAT_EXACT_CHUNK = (1 << 24) // (127 * 127)
 
 
 def int8_int8_float_exact(x_q: torch.Tensor, w_q_float: torch.Tensor) -> torch.Tensor:
-    """``x_q [M, K] int8 @ w_q_float [N, K]^T`` (int8 values held as float32), exactly, as int32:
-    float32 GEMMs over K-chunks short enough that no partial sum can round, chunks added in int32."""
+    """``x_q [M, K] int8 @ w_q_float [N, K]^T`` (int8 values held as float32), exactly, as
+    int32: float32 GEMMs over K-chunks too short for any partial sum to round, added in int32."""
     k = x_q.shape[-1]
     acc = None
     for start in range(0, k, FLOAT_EXACT_CHUNK):

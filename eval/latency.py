@@ -112,6 +112,20 @@ def greedy_stream(model: nn.Module) -> Stream:
     return stream
 
 
+def decode_speed(
+    model: nn.Module, prompt: list[int], new_tokens: int, repeats: int
+) -> dict[str, float]:
+    """TTFT (ms) and decode tokens/s of greedy ``greedy_stream`` requests, best of ``repeats``
+    after one warm-up (first-call allocations and lazy inits): the least disturbed request on
+    shared cores. For distributions use ``compress compare --latency``."""
+    stream = greedy_stream(model)
+    time_request(stream, prompt, 2)
+    timings = [time_request(stream, prompt, new_tokens) for _ in range(repeats)]
+    best = min(timings, key=lambda t: t.e2e)
+    return {"ttft_ms": 1e3 * best.ttft, "decode_tok_s": 1.0 / best.tpot}
+
+
+
 # ---- statistics ---------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default method), q in [0, 100]."""

@@ -8,7 +8,9 @@ the same WikiText-2 test windows, and writes JSON + markdown:
 
 --limit keeps the first N windows of 512 tokens of the test split (full split: omit it);
 --num-samples overrides the recipes' calibration sample count (timing on shared cores);
---tasks adds lm-eval zero-shot accuracy columns (local task configs, --task-limit examples each):
+--tasks adds lm-eval zero-shot accuracy columns (local task configs, --task-limit examples each),
+--latency N adds TTFT and decode tok/s (N greedy tokens, the same loop for every row, bitsandbytes
+rows included); --resume keeps the rows of an interrupted run made with the same settings:
 
     python scripts/bench_quant.py --limit 16 --num-samples 32 --tasks piqa_local,arc_easy_local \
         --task-limit 200 --rows smollm2-w4g128-rtn smollm2-w4g128-gptq --out out/bench_tasks
@@ -23,13 +25,14 @@ import time
 from pathlib import Path
 
 import torch
+from compress.eval.latency import decode_speed
 from compress.eval.lm_eval_tasks import headline, run_tasks
 from compress.eval.quality import perplexity
 from compress.eval.report import environment, markdown_table
 
-from compress.calibration import calibration_mix
-from compress.core import CompressionState, run_passes
+from compress.core import run_passes
 from compress.data import resolve_text_path
+from compress.job import recipe_state
 from compress.models import load_model
 from compress.modules import model_bytes
 from compress.recipe import load_recipe
@@ -44,6 +47,8 @@ ROWS = [
     "smollm2-w8-rtn",
     "smollm2-w8a8-smoothquant",
     "smollm2-w4g128-gptq-mixed",
+    "smollm2-int8-bnb",  # bitsandbytes rows: need the [bnb] extra
+    "smollm2-nf4-bnb",
 ]
 COLUMNS = [
     ("variant", "variant"),
@@ -69,6 +74,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (local configs)")
     parser.add_argument("--task-limit", type=int, help="lm-eval examples per task")
+    parser.add_argument(
+        "--latency",
+        type=int,
+        default=0,
+        metavar="NEW_TOKENS",
+        help="add TTFT and decode tok/s columns: greedy NEW_TOKENS after a 32-token prompt",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="timed requests per row (best)")
     parser.add_argument("--out", default="out/bench_quant")
     parser.add_argument(
         "--resume",
@@ -94,6 +107,16 @@ def main() -> None:
 
     tasks = [t for t in args.tasks.split(",") if t]
     columns = COLUMNS[:-1] + [(t, f"{t} acc") for t in tasks] + COLUMNS[-1:]
+    if args.latency:
+        columns[-1:-1] = [("ttft_ms", "TTFT ms"), ("decode_tok_s", "decode tok/s")]
+    prompt = None
+
+    def speed(model, tokenizer) -> dict[str, float]:
+        nonlocal prompt
+        if not args.latency:
+            return {}
+        prompt = prompt or tokenizer(text[:4000])["input_ids"][:32]
+        return decode_speed(model, prompt, args.latency, args.repeats)
 
     def task_scores(model, tokenizer) -> dict[str, str]:
         if not tasks:
@@ -114,6 +137,8 @@ def main() -> None:
         "context": args.context,
         "tasks": tasks,
         "task_limit": args.task_limit,
+        "latency": args.latency,
+        "repeats": args.repeats,
     }
     done = _resumable(out / "bench_quant.json", settings) if args.resume else None
     loaded = load_model("smollm2-135m")
@@ -130,6 +155,7 @@ def main() -> None:
                 "bits_per_weight": 32.0,
                 "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
                 **task_scores(loaded.model, loaded.tokenizer),
+                **speed(loaded.model, loaded.tokenizer),
             }
         ]
         payload = {
@@ -144,17 +170,7 @@ def main() -> None:
             continue
         recipe = load_recipe(f"recipes/{name}.yaml", [s for s in sets if _applies(s, name)])
         loaded = load_model(recipe.model)
-        state = CompressionState(tokenizer=loaded.tokenizer, progress=False)
-        if recipe.calibration is not None:
-            cal = recipe.calibration
-            batches = calibration_mix(
-                cal.mix or {cal.source: 1.0},
-                loaded.tokenizer,
-                num_samples=cal.num_samples,
-                seq_len=cal.seq_len,
-                seed=cal.seed,
-            )
-            state.calibration_batches = lambda b=batches: list(b.split(1))
+        state = recipe_state(recipe, loaded.tokenizer, progress=False)
         start = time.perf_counter()
         run_passes(loaded.model, recipe.passes, state)
         seconds = time.perf_counter() - start
@@ -174,6 +190,7 @@ def main() -> None:
                 + " ".join(f"--set {s}" for s in sets if _applies(s, name))
                 + "`",
                 **task_scores(loaded.model, loaded.tokenizer),
+                **speed(loaded.model, loaded.tokenizer),
             }
         )
         payload["reports"][name] = [r.to_dict() for r in state.reports]
@@ -185,6 +202,9 @@ def main() -> None:
         f"{p['windows']} windows ({base.scored_tokens} scored tokens); torch {torch.__version__}."
         + (f" lm-eval: zero-shot, {args.task_limit or 'all'} examples per task, acc ± stderr."
            if tasks else "")
+        + (f" Decode: 32-token prompt, {args.latency} greedy tokens (transformers forward + "
+           f"DynamicCache, fp32 activations), best of {args.repeats} after a warm-up."
+           if args.latency else "")
     )
     (out / "bench_quant.md").write_text(md + "\n")
     print(md)

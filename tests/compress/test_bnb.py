@@ -104,6 +104,10 @@ def test_pass_swaps_linears_and_logits_stay_close(bnb, tiny_model, fmt):
     bound = {"nf4": 0.15, "fp4": 0.2, "int8": 0.02}[fmt]  # relative Frobenius error of logits
     assert float((after - before).norm() / before.norm()) < bound
     assert report.metrics["weight_bytes_after"] < report.metrics["weight_bytes_before"] / 3
+    from compress.modules import model_bytes
+
+    # the comparison tables' weight column counts bnb codes + absmax / code maps, as saved
+    assert model_bytes(tiny_model)["linear"] == report.metrics["weight_bytes_after"]
 
 
 def test_nf4_weights_match_float64_reference(bnb, tiny_model):
