@@ -41,6 +41,25 @@ def test_greedy_equals_transformers_fp32(model):
         assert rt.generate([prompt], 24) == [ref]
 
 
+def test_decode_reads_only_the_filled_cache_prefix(model):
+    # NaN in every slot past the tokens written so far: a step that read (even masked) slots
+    # beyond its prefix would turn NaN; it must not, and the tokens stay the reference's.
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    prompt = PROMPTS[0]
+    rt.k_cache.fill_(float("nan"))
+    rt.v_cache.fill_(float("nan"))
+    assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+    assert rt.k_cache[:, 0, :, len(prompt) + 11 :].isnan().all()  # untouched beyond the end
+
+
+def test_default_kv_cache_dtype_follows_the_cpu(model):
+    rt = Runtime(model, max_seq_len=16, compile=False)
+    expected = torch.float32 if rt.prefill_dtype == torch.float32 else rt.decode_dtype
+    assert rt.k_cache.dtype == expected
+    assert Runtime(model, max_seq_len=16, compile=False, kv_dtype=torch.bfloat16).k_cache.dtype \
+        == torch.bfloat16
+
+
 def test_batch_with_left_padding_equals_single_rows(model):
     rt = Runtime(model, max_seq_len=64, max_batch_size=3, compile=False)
     assert rt.generate(PROMPTS, 16) == [hf_greedy(model, p, 16) for p in PROMPTS]
