@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from compress.eval.latency import decode_speed
 from compress.eval.lm_eval_tasks import headline, run_tasks
-from compress.eval.quality import perplexity
+from compress.eval.quality import PerplexityResult, perplexity
 from compress.eval.report import environment, markdown_table
 
 from compress.core import run_passes
@@ -142,12 +142,15 @@ def main() -> None:
     }
     done = _resumable(out / "bench_quant.json", settings) if args.resume else None
     loaded = load_model("smollm2-135m")
-    base = evaluate(loaded.model, loaded.tokenizer)
-    if done is not None:
+    if done is not None:  # the baseline row (and its perplexity) come from the earlier run
         payload = done
         rows = payload["rows"]
+        base = PerplexityResult(
+            rows[0]["perplexity"], 0.0, payload["scored_tokens"], 0, payload["protocol"]
+        )
         logging.info("resuming: %d rows kept from %s", len(rows) - 1, out / "bench_quant.json")
     else:
+        base = evaluate(loaded.model, loaded.tokenizer)
         rows = [
             {
                 "variant": "baseline fp32",
@@ -162,6 +165,7 @@ def main() -> None:
             "environment": environment(),
             "settings": settings,
             "protocol": base.protocol,
+            "scored_tokens": base.scored_tokens,
             "rows": rows,
             "reports": {},
         }
