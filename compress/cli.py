@@ -61,22 +61,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from compress.data import resolve_text_path
+    from compress.eval.lm_eval_tasks import check_tasks, run_tasks, task_folder, task_manager
     from compress.eval.quality import perplexity
     from compress.models import load_model
 
-    path = resolve_text_path(args.dataset, args.data_dir)
+    tasks = [t for t in (args.tasks or "").split(",") if t]
+    if tasks:  # unknown names fail here, before the model loads
+        check_tasks(tasks, task_manager(task_folder(args.tasks_dir, args.data_dir)))
+    path = None if args.no_perplexity else resolve_text_path(args.dataset, args.data_dir)
     loaded = load_model(args.model, backend=args.backend)
-    result = perplexity(
-        loaded.model,
-        loaded.tokenizer,
-        path.read_text(encoding="utf-8"),
-        context_length=args.context_length,
-        stride=args.stride,
-        limit=args.limit,
-        source=str(path),
-        progress=not args.no_progress,
-    )
-    print(json.dumps(result.to_dict(), indent=2))
+    out: dict = {}
+    if path is not None:
+        result = perplexity(
+            loaded.model,
+            loaded.tokenizer,
+            path.read_text(encoding="utf-8"),
+            context_length=args.context_length,
+            stride=args.stride,
+            limit=args.limit,
+            source=str(path),
+            progress=not args.no_progress,
+        )
+        out = result.to_dict()
+    if tasks:  # on the in-memory model: quantized modules run as they are
+        out["lm_eval"] = run_tasks(
+            loaded.model,
+            loaded.tokenizer,
+            tasks,
+            limit=args.task_limit,
+            tasks_dir=args.tasks_dir,
+            data_dir=args.data_dir,
+        )
+    print(json.dumps(out, indent=2, default=str))
     return 0
 
 
@@ -207,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_ins.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p_ins.set_defaults(func=_cmd_inspect)
 
-    p_eval = sub.add_parser("eval", help="token perplexity of a model or checkpoint")
+    p_eval = sub.add_parser("eval", help="token perplexity (and lm-eval tasks) of a model or "
+                            "checkpoint")
     p_eval.add_argument("model", nargs="?", default="smollm2-135m",
                         help="model or checkpoint (default smollm2-135m)")
     p_eval.add_argument("--dataset", default="wikitext2",
@@ -217,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--limit", type=int, help="score only the first N windows")
     p_eval.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                         help="quantized kernel backend")
+    p_eval.add_argument("--no-perplexity", action="store_true", help="skip perplexity")
+    p_eval.add_argument("--tasks", help="comma-separated lm-eval tasks, e.g. piqa_local,"
+                        "arc_easy_local (see shared/data/lm_eval_tasks)")
+    p_eval.add_argument("--task-limit", type=int, help="lm-eval: examples per task (fast runs)")
+    p_eval.add_argument("--tasks-dir", help="folder of lm-eval task configs (default: "
+                        "<data dir>/lm_eval_tasks)")
     p_eval.add_argument("--data-dir", help="data folder")
     p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_eval.set_defaults(func=_cmd_eval)

@@ -53,3 +53,31 @@ def test_unknown_task_lists_available(tiny_model, tiny_tokenizer, data_dir):
 def test_missing_task_folder(tiny_model, tiny_tokenizer, tmp_path):
     with pytest.raises(DataError, match="task folder not found"):
         run_tasks(tiny_model, tiny_tokenizer, ["piqa_local"], tasks_dir=str(tmp_path / "nope"))
+
+
+def test_cli_eval_runs_tasks_on_a_saved_model(tmp_path, data_dir, capsys):
+    import json
+
+    from compress.cli import main
+    from compress.testing import make_char_tokenizer, make_tiny_llama
+
+    model_dir = tmp_path / "tiny"
+    make_tiny_llama(seed=0).save_pretrained(model_dir)
+    make_char_tokenizer().save_pretrained(model_dir)
+    code = main(["eval", str(model_dir), "--no-perplexity", "--tasks", "piqa_local",
+                 "--task-limit", "2", "--data-dir", str(data_dir), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    assert "perplexity" not in out
+    piqa = out["lm_eval"]["tasks"]["piqa_local"]
+    assert piqa["samples_evaluated"] == 2 and 0.0 <= piqa["acc"] <= 1.0
+
+
+def test_cli_eval_unknown_task_fails_before_loading(tmp_path, data_dir, capsys):
+    from compress.cli import main
+
+    code = main(["eval", str(tmp_path / "no-such-model"), "--tasks", "piqa_locl",
+                 "--data-dir", str(data_dir)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "piqa_locl" in err and "did you mean 'piqa_local'" in err
