@@ -107,6 +107,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lengths_arg(text: str):
+    """argparse type for --prompt-tokens/--output-tokens: N or LOW-HIGH."""
+    from compress.eval.workload import parse_lengths
+
+    try:
+        return parse_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from compress.eval.compare import CompareSettings, compare
 
@@ -260,8 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "<data dir>/lm_eval_tasks)")
     p_cmp.add_argument("--no-latency", action="store_true", help="skip latency measurement")
     p_cmp.add_argument("--prompts", type=int, default=4, help="latency: requests per round")
-    p_cmp.add_argument("--prompt-tokens", type=int, default=64, help="latency: prompt length")
-    p_cmp.add_argument("--output-tokens", type=int, default=32, help="latency: new tokens")
+    p_cmp.add_argument("--prompt-tokens", type=_lengths_arg, default=64,
+                       help="latency: prompt length, N or LOW-HIGH (uniform per request)")
+    p_cmp.add_argument("--output-tokens", type=_lengths_arg, default=32,
+                       help="latency: new tokens, N or LOW-HIGH (uniform per request)")
     p_cmp.add_argument("--rounds", type=int, default=1, help="latency: interleaved repetitions")
     p_cmp.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: max TTFT in ms")
     p_cmp.add_argument("--slo-tpot-ms", type=float, help="goodput SLO: max TPOT in ms")

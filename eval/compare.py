@@ -25,7 +25,7 @@ from typing import Any
 from compress.eval.latency import Slo, cost, greedy_stream, peak_memory_bytes, summarize
 from compress.eval.report import environment, markdown_table, write_csv, write_results
 from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
-from compress.eval.workload import make_requests, read_trace
+from compress.eval.workload import Lengths, lengths_bounds, make_requests, read_trace
 
 from compress.data import resolve_text_path
 from compress.errors import ConfigError, DataError
@@ -42,8 +42,8 @@ class CompareSettings:
     tasks_dir: str | None = None
     latency: bool = True
     prompts: int = 4  # requests per round
-    prompt_tokens: int = 64
-    output_tokens: int = 32
+    prompt_tokens: Lengths = 64  # fixed, or (low, high): drawn uniformly per request
+    output_tokens: Lengths = 32
     rounds: int = 1
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -90,8 +90,13 @@ def check_settings(s: CompareSettings) -> None:
                         ("--draft-k", s.draft_k), ("--rounds", s.rounds)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
-    if s.draft is not None and s.output_tokens < 2:
-        problems.append("--draft needs --output-tokens >= 2 to measure TPOT")
+    if s.draft is not None and not (isinstance(s.output_tokens, int) and s.output_tokens >= 2):
+        problems.append("--draft needs a fixed --output-tokens >= 2 (one length for the "
+                        "speculative and the plain run)")
+    for flag, spec in (("--prompt-tokens", s.prompt_tokens), ("--output-tokens", s.output_tokens)):
+        low, high = lengths_bounds(spec)
+        if low < 1 or low > high:
+            problems.append(f"{flag} {spec} must be >= 1 (LOW <= HIGH for a range)")
     if problems:
         raise ConfigError("compare settings: " + "; ".join(problems))
     if s.workload == "trace":
@@ -228,6 +233,10 @@ def _prompt_ids(tokenizer, text: str | None, settings: CompareSettings) -> list[
     return tokenizer(text[:200_000], add_special_tokens=False)["input_ids"]
 
 
+def _lengths(spec: Lengths) -> str:
+    return str(spec) if isinstance(spec, int) else f"{spec[0]}-{spec[1]} (uniform)"
+
+
 def _speculative(target, draft, ids: list[int], s: CompareSettings) -> dict[str, Any]:
     """Speculative vs plain greedy decoding of the baseline on the latency prompts."""
     from compress.eval.speculative import evaluate
@@ -288,8 +297,9 @@ def _workload_note(s: CompareSettings) -> str:
     count = f"{s.prompts} prompts x " if s.workload == "single" else ""
     own = " unless a trace line sets its own" if s.workload == "trace" else ""
     return (
-        f"Latency: {kind}, engine {s.engine}, {count}{s.rounds} rounds, {s.prompt_tokens} prompt "
-        f"+ {s.output_tokens} output tokens{own}, greedy, warm-up excluded, variants interleaved."
+        f"Latency: {kind}, engine {s.engine}, {count}{s.rounds} rounds, "
+        f"{_lengths(s.prompt_tokens)} prompt + {_lengths(s.output_tokens)} output tokens{own}, "
+        "greedy, warm-up excluded, variants interleaved."
     )
 
 

@@ -47,6 +47,28 @@ def _draw(rng: random.Random, spec: Lengths) -> int:
     return spec if isinstance(spec, int) else rng.randint(spec[0], spec[1])
 
 
+def parse_lengths(text: str) -> Lengths:
+    """``"64"`` -> 64; ``"16-128"`` -> (16, 128), drawn uniformly per request (CLI flag form)."""
+    low, sep, high = text.partition("-")
+    try:
+        spec: Lengths = (int(low), int(high)) if sep else int(low)
+    except ValueError:
+        raise ValueError(f"expected N or LOW-HIGH token counts, got {text!r}") from None
+    if min(lengths_bounds(spec)) < 1 or lengths_bounds(spec)[0] > lengths_bounds(spec)[1]:
+        raise ValueError(f"token counts must be >= 1 and LOW <= HIGH, got {text!r}")
+    return spec
+
+
+def lengths_bounds(spec: Lengths) -> tuple[int, int]:
+    """(smallest, largest) length a spec can draw."""
+    return (spec, spec) if isinstance(spec, int) else (spec[0], spec[1])
+
+
+def lengths_mean(spec: Lengths) -> float:
+    low, high = lengths_bounds(spec)
+    return (low + high) / 2
+
+
 def make_requests(
     token_ids: list[int],
     n: int,

@@ -192,3 +192,32 @@ def test_bad_workload_flags_exit_2_naming_the_flag(tmp_path, capsys, flags, flag
     assert code == 2, err
     assert flag in err
     assert not (tmp_path / "o").exists()
+
+
+def test_length_ranges_from_the_cli_draw_per_request(tmp_path, text_file, models, capsys):
+    out = tmp_path / "out"
+    code = main(["compare", *models, "--dataset", str(text_file), "--limit", "1",
+                 "--context-length", "32", "--prompts", "6", "--prompt-tokens", "4-9",
+                 "--output-tokens", "2-5", "--engine", "runtime", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    saved = json.loads((out / "compare.json").read_text())
+    assert saved["settings"]["prompt_tokens"] == [4, 9]
+    for detail in saved["details"].values():
+        requests = _requests(detail)
+        assert all(4 <= r["prompt_tokens"] <= 9 and 2 <= r["output_tokens"] <= 5
+                   for r in requests)
+        assert len({(r["prompt_tokens"], r["output_tokens"]) for r in requests}) > 1
+    # the same seeded draw for every variant
+    a, b = (_requests(d) for d in saved["details"].values())
+    assert [r["prompt_tokens"] for r in a] == [r["prompt_tokens"] for r in b]
+    assert "4-9 (uniform) prompt + 2-5 (uniform) output tokens" in (out / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("flag,value", [("--prompt-tokens", "9-4"), ("--output-tokens", "0"),
+                                        ("--prompt-tokens", "a-b")])
+def test_bad_length_ranges_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "base", "var", flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
