@@ -7,6 +7,7 @@ model or data, unwritable output) print one clear message and exit with status 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -84,14 +85,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         )
         out = result.to_dict()
     if tasks:  # on the in-memory model: quantized modules run as they are
-        out["lm_eval"] = run_tasks(
-            loaded.model,
-            loaded.tokenizer,
-            tasks,
-            limit=args.task_limit,
-            tasks_dir=args.tasks_dir,
-            data_dir=args.data_dir,
-        )
+        # lm-eval prints progress lines to stdout; keep stdout one JSON document
+        with contextlib.redirect_stdout(sys.stderr):
+            out["lm_eval"] = run_tasks(
+                loaded.model,
+                loaded.tokenizer,
+                tasks,
+                limit=args.task_limit,
+                tasks_dir=args.tasks_dir,
+                data_dir=args.data_dir,
+            )
     print(json.dumps(out, indent=2, default=str))
     return 0
 
