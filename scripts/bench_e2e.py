@@ -118,7 +118,9 @@ def build_variants(base, ids, args, names):
             variants[name] = (lambda m=model: time_hf(m, ids, args.new_tokens), None)
         else:
             rt = Runtime(model, max_seq_len=len(ids) + args.new_tokens, compile=args.compile)
-            rt.generate([ids], 2)  # warm-up (and compile)
+            # warm-up over the full length: a compiled runtime builds one decode graph per
+            # power-of-two cache length, and none may be compiled inside a timed request
+            rt.generate([ids], args.new_tokens)
             variants[name] = (lambda r=rt: time_runtime(r, ids, args.new_tokens), rt)
     return variants
 
