@@ -142,6 +142,7 @@ def main() -> None:
     }
     done = _resumable(out / "bench_quant.json", settings) if args.resume else None
     loaded = load_model("smollm2-135m")
+    linear_params = model_bytes(loaded.model)["linear"] // 4  # fp32 baseline: 4 bytes each
     if done is not None:  # the baseline row (and its perplexity) come from the earlier run
         payload = done
         rows = payload["rows"]
@@ -172,26 +173,29 @@ def main() -> None:
     for name in args.rows:
         if any(row["variant"] == name for row in rows):
             continue
-        recipe = load_recipe(f"recipes/{name}.yaml", [s for s in sets if _applies(s, name)])
+        path = f"recipes/{name}.yaml"
+        own_sets = [s for s in sets if _applies(s, path)]
+        recipe = load_recipe(path, own_sets)
         loaded = load_model(recipe.model)
         state = recipe_state(recipe, loaded.tokenizer, progress=False)
         start = time.perf_counter()
         run_passes(loaded.model, recipe.passes, state)
         seconds = time.perf_counter() - start
         result = evaluate(loaded.model, loaded.tokenizer)
-        metrics = state.reports[-1].metrics
         peak = state.reports[-1].peak_memory_bytes
+        linear_bytes = model_bytes(loaded.model)["linear"]
         rows.append(
             {
                 "variant": name,
                 "perplexity": result.perplexity,
                 "ppl_delta_pct": 100 * (result.perplexity / base.perplexity - 1),
-                "bits_per_weight": metrics.get("bits_per_weight"),
-                "linear_weight_mb": model_bytes(loaded.model)["linear"] / 1e6,
+                # stored bits per decoder-linear weight, whatever the format (bnb included)
+                "bits_per_weight": 8 * linear_bytes / linear_params,
+                "linear_weight_mb": linear_bytes / 1e6,
                 "calib_s": seconds if recipe.calibration is not None else None,
                 "peak_mb": peak / 1e6 if peak and recipe.calibration is not None else None,
                 "command": f"`compress run recipes/{name}.yaml "
-                + " ".join(f"--set {s}" for s in sets if _applies(s, name))
+                + " ".join(f"--set {s}" for s in own_sets)
                 + "`",
                 **task_scores(loaded.model, loaded.tokenizer),
                 **speed(loaded.model, loaded.tokenizer),
@@ -225,9 +229,10 @@ def _resumable(path: Path, settings: dict) -> dict | None:
     return payload
 
 
-def _applies(setting: str, name: str) -> bool:
-    """Calibration overrides only apply to recipes that calibrate (RTN has no section)."""
-    return not setting.startswith("calibration") or not name.endswith(("-rtn",))
+def _applies(setting: str, path: str) -> bool:
+    """Calibration overrides only apply to recipes that have a calibration section (RTN and
+    bitsandbytes recipes have none: a --set would create one they never use)."""
+    return not setting.startswith("calibration") or load_recipe(path).calibration is not None
 
 
 if __name__ == "__main__":
