@@ -43,6 +43,25 @@ class JobResult:
     payload: dict[str, Any]
 
 
+LATENCY_COLUMNS = {"ttft_p50_ms": "TTFT p50 ms", "tpot_p50_ms": "TPOT p50 ms"}
+
+
+def _extra_cells(extras: dict[str, Any]) -> dict[str, Any]:
+    """Table cells for what the recipe's eval section asked beyond perplexity: each task's
+    headline accuracy (± stderr) and the latency medians."""
+    from compress.eval.lm_eval_tasks import headline
+
+    cells: dict[str, Any] = {}
+    for task, result in (extras.get("tasks") or {}).get("tasks", {}).items():
+        _, value, stderr = headline(result)
+        cells[task] = f"{value:.3f} ± {stderr:.3f}" if stderr is not None else value
+    summary = (extras.get("latency") or {}).get("summary")
+    if summary:
+        for key, dist in (("ttft_p50_ms", "ttft_ms"), ("tpot_p50_ms", "tpot_ms")):
+            cells[key] = summary[dist]["p50"] if summary.get(dist) else None
+    return cells
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -116,6 +135,7 @@ def run_job(
             "perplexity": baseline.perplexity if baseline else None,
             "linear_weight_mb": sizes["linear"] / 1e6,
             "weight_mb": sizes["total"] / 1e6,
+            **_extra_cells(baseline_extras),
         })
     run_passes(loaded.model, recipe.passes, state)
     compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
@@ -126,6 +146,7 @@ def run_job(
         "perplexity": compressed.perplexity if compressed else None,
         "linear_weight_mb": sizes["linear"] / 1e6,
         "weight_mb": sizes["total"] / 1e6,
+        **_extra_cells(compressed_extras),
     }
     if baseline and compressed:
         row["ppl_delta_pct"] = 100 * (compressed.perplexity / baseline.perplexity - 1)
@@ -157,7 +178,9 @@ def run_job(
             f"\n\nPerplexity: token-level, {p['source']}, context {p['context_length']}, stride "
             f"{p['stride']}, {p['windows']} windows ({compressed.scored_tokens} scored tokens)."
         )
-    markdown = f"## {recipe.name}\n\n" + markdown_table(rows, COLUMNS) + protocol
+    extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in dict(COLUMNS)]
+    columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
+    markdown = f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
     from compress.eval.report import write_results
 
     write_results(out, "results", markdown, payload)

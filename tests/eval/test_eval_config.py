@@ -39,3 +39,30 @@ def test_tasks_and_latency_sections_parse():
 def test_bad_eval_sections(section, match):
     with pytest.raises(RecipeError, match=match):
         parse_recipe({"passes": [], "eval": section})
+
+
+def test_run_table_shows_requested_tasks_and_latency(tmp_path, tiny_model, tiny_tokenizer,
+                                                     data_dir):
+    pytest.importorskip("lm_eval")
+    from compress.job import run_job
+
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    recipe = parse_recipe({
+        "name": "tiny-w8",
+        "passes": [{"pass": "quantize.int8_rtn"}],
+        "export": {"enabled": False},
+        "eval": {
+            "perplexity": None,
+            "tasks": {"names": ["piqa_local"], "limit": 2},
+            "latency": {"prompts": 1, "prompt_tokens": 4, "output_tokens": 2},
+        },
+    })
+    result = run_job(recipe, model=str(model_dir), out_dir=tmp_path / "out",
+                     data_dir=str(data_dir), progress=False)
+    base, comp = result.rows
+    for row in (base, comp):  # cells from the eval section, for both rows
+        assert row["piqa_local"].count("±") == 1 and row["ttft_p50_ms"] > 0
+    header = result.markdown.splitlines()[2]
+    assert "piqa_local acc" in header and "TTFT p50 ms" in header and "TPOT p50 ms" in header
