@@ -158,15 +158,16 @@ def _latency_record(row, model, timings, duration, slo, s, bandwidth, peak) -> d
     # prefills, so no MFU). Interleaved or queued serving gives no utilization numbers.
     single = s.workload == "single"
     stepped = single or (s.workload == "batch" and s.engine == "hf")
+    prompt_mean = round(lengths_mean(s.prompt_tokens))
     roof = roofline(
         weight_bytes=row["weight_bytes"],
         kv_per_token=kv,
         matmul_weights=matmul_params(model),
-        prompt_tokens=round(lengths_mean(s.prompt_tokens)),
+        prompt_tokens=prompt_mean,
         mean_context=lengths_mean(s.prompt_tokens) + lengths_mean(s.output_tokens) / 2,
         decode_step_s=tpot["p50"] / 1e3 if tpot and stepped else None,
         prefill_s=ttft["p50"] / 1e3 if single else None,
-        prefill_flops_=prefill_flops(model, round(lengths_mean(s.prompt_tokens))),
+        prefill_flops_=prefill_flops(model, prompt_mean),
         bandwidth_bps=bandwidth,
         peak_flops=peak,
         batch=row.get("batch_size", 1),

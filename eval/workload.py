@@ -54,7 +54,8 @@ def parse_lengths(text: str) -> Lengths:
         spec: Lengths = (int(low), int(high)) if sep else int(low)
     except ValueError:
         raise ValueError(f"expected N or LOW-HIGH token counts, got {text!r}") from None
-    if min(lengths_bounds(spec)) < 1 or lengths_bounds(spec)[0] > lengths_bounds(spec)[1]:
+    low_n, high_n = lengths_bounds(spec)
+    if not 1 <= low_n <= high_n:
         raise ValueError(f"token counts must be >= 1 and LOW <= HIGH, got {text!r}")
     return spec
 
