@@ -46,7 +46,7 @@ class JobResult:
 LATENCY_COLUMNS = {"ttft_p50_ms": "TTFT p50 ms", "tpot_p50_ms": "TPOT p50 ms"}
 
 
-def _extra_cells(extras: dict[str, Any]) -> dict[str, Any]:
+def extra_cells(extras: dict[str, Any]) -> dict[str, Any]:
     """Table cells for what the recipe's eval section asked beyond perplexity: each task's
     headline accuracy (± stderr) and the latency medians."""
     from compress.eval.lm_eval_tasks import headline
@@ -135,7 +135,7 @@ def run_job(
             "perplexity": baseline.perplexity if baseline else None,
             "linear_weight_mb": sizes["linear"] / 1e6,
             "weight_mb": sizes["total"] / 1e6,
-            **_extra_cells(baseline_extras),
+            **extra_cells(baseline_extras),
         })
     run_passes(loaded.model, recipe.passes, state)
     compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
@@ -146,7 +146,7 @@ def run_job(
         "perplexity": compressed.perplexity if compressed else None,
         "linear_weight_mb": sizes["linear"] / 1e6,
         "weight_mb": sizes["total"] / 1e6,
-        **_extra_cells(compressed_extras),
+        **extra_cells(compressed_extras),
     }
     if baseline and compressed:
         row["ppl_delta_pct"] = 100 * (compressed.perplexity / baseline.perplexity - 1)

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 from compress.eval.latency import decode_speed
-from compress.eval.lm_eval_tasks import headline, run_tasks
+from compress.eval.lm_eval_tasks import run_tasks
 from compress.eval.quality import PerplexityResult, perplexity
 from compress.eval.report import environment, markdown_table
 
 from compress.core import run_passes
 from compress.data import resolve_text_path
-from compress.job import recipe_state
+from compress.job import extra_cells, recipe_state
 from compress.models import load_model
 from compress.modules import model_bytes
 from compress.recipe import load_recipe
@@ -121,12 +121,7 @@ def main() -> None:
     def task_scores(model, tokenizer) -> dict[str, str]:
         if not tasks:
             return {}
-        out = run_tasks(model, tokenizer, tasks, limit=args.task_limit)["tasks"]
-        scores = {}
-        for task in tasks:
-            metric, value, stderr = headline(out[task])
-            scores[task] = f"{value:.3f} ± {stderr:.3f}" if stderr is not None else f"{value}"
-        return scores
+        return extra_cells({"tasks": run_tasks(model, tokenizer, tasks, limit=args.task_limit)})
 
     sets = [f"eval.perplexity.limit={args.limit}"] if args.limit else []
     if args.num_samples:
