@@ -1,8 +1,11 @@
 """End-to-end generation bench, interleaved in one run: transformers generate (fp32, bf16), our
-runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback) and llama.cpp (llama-cpp-python on the
-same model's Q4_1 GGUF, in its own venv built once from source: ~25 min on 2 cores). Decode tok/s,
-TTFT, MB read per token, MBU vs measured read bandwidth; medians, min-max. --synthetic-1b adds a
-random 1.1B Llama (runtime bf16 vs W4 g128).  python scripts/bench_e2e.py --reps 3 --out bench
+runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback, each W4 also through the AVX2 Q4 x Q8
+decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python on the same model's Q4_1 GGUF, in
+its own venv built once from source: ~25 min on 2 cores). Decode tok/s, TTFT, MB read per token,
+MBU vs measured read bandwidth; medians, min-max. --synthetic-1b adds a random 1.1B Llama
+(runtime bf16 vs W4 g128 through torch's and our int4 kernel).
+
+    python scripts/bench_e2e.py --reps 3 --compile --out bench
 """
 
 from __future__ import annotations
@@ -143,13 +146,23 @@ def build_variants(base, ids, args, names):
             bits, cfg = (
                 (8, Int8RtnConfig())
                 if name == "rt-w8"
-                else (4, Int4RtnConfig(group_size=int(name[6:]), fallback_group_size=64))
+                else (
+                    4,
+                    Int4RtnConfig(
+                        group_size=int(name[6:].removesuffix("-q8")), fallback_group_size=64
+                    ),
+                )
             )
             quantize_linears(model, cfg, bits, name)
         if name.startswith("hf-"):
             variants[name] = (lambda m=model: time_hf(m, ids, args.new_tokens), None)
         else:
-            rt = Runtime(model, max_seq_len=len(ids) + args.new_tokens, compile=args.compile)
+            rt = Runtime(
+                model,
+                max_seq_len=len(ids) + args.new_tokens,
+                compile=args.compile,
+                int4_kernel="q4q8" if name.endswith("-q8") else "torch",
+            )
             # warm-up over the full length: a compiled runtime builds one decode graph per
             # power-of-two cache length, and none may be compiled inside a timed request
             rt.generate([ids], args.new_tokens)
@@ -224,7 +237,10 @@ def main() -> None:
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--compile", action="store_true", help="compile the runtime's decode step")
     p.add_argument(
-        "--variants", default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w4g32,rt-w4g64,rt-w4g128"
+        "--variants",
+        default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w4g32,rt-w4g64,rt-w4g128,"
+        "rt-w4g32-q8,rt-w4g64-q8,rt-w4g128-q8",
+        help="rt-w4gN-q8: int4 decode through the AVX2 Q4 x Q8 kernel (int8-rounded activations)",
     )
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--synthetic-1b", action="store_true")
@@ -286,7 +302,7 @@ def main() -> None:
             )
         ).eval()
         args.new_tokens = max(8, args.new_tokens // 4)
-        v = build_variants(big, ids, args, ["rt-bf16", "rt-w4g128"])
+        v = build_variants(big, ids, args, ["rt-bf16", "rt-w4g128", "rt-w4g128-q8"])
         results["synthetic_1b"] = run(v, max(2, args.reps - 1), bandwidth)
         md.append(
             table(

@@ -56,8 +56,10 @@ def test_default_kv_cache_dtype_follows_the_cpu(model):
     rt = Runtime(model, max_seq_len=16, compile=False)
     expected = torch.float32 if rt.prefill_dtype == torch.float32 else rt.decode_dtype
     assert rt.k_cache.dtype == expected
-    assert Runtime(model, max_seq_len=16, compile=False, kv_dtype=torch.bfloat16).k_cache.dtype \
+    assert (
+        Runtime(model, max_seq_len=16, compile=False, kv_dtype=torch.bfloat16).k_cache.dtype
         == torch.bfloat16
+    )
 
 
 def test_batch_with_left_padding_equals_single_rows(model):
@@ -85,6 +87,49 @@ def test_quantized_default_bf16_decode_stays_close(model):
     out = Runtime(model, max_seq_len=64, compile=False).generate([PROMPTS[0]], 12)[0]
     # bf16 lm_head may flip a near tie late; the first tokens must agree.
     assert out[:4] == ref[:4]
+
+
+def test_q4q8_int4_kernel_decode_equals_transformers_with_the_same_kernel(model):
+    from compress.kernels import cpu_avx2
+
+    from compress.modules import QuantLinear
+
+    if cpu_avx2.unavailable_reason() is not None:
+        pytest.skip(f"AVX2 kernel not available here: {cpu_avx2.unavailable_reason()}")
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    rt = Runtime(
+        model, max_seq_len=64, decode_dtype=torch.float32, compile=False, int4_kernel="q4q8"
+    )
+    q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == "_Int4Linear"]
+    assert q8 and all(q8)
+    # transformers side: the native int4 kernel for the prompt, our kernel for one-token
+    # (decode) steps, as the runtime does per phase (the kernel itself is checked against a
+    # float64 model in tests/kernels/test_cpu_avx2.py)
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            w = cpu_avx2.prepack(
+                layer.weight_packed, layer.weight_scale, None, group_size=32, k=layer.in_features
+            )
+            layer.register_forward_hook(
+                lambda _m, args, out, w=w: (
+                    cpu_avx2.int4_linear_q8(args[0], w) if args[0].shape[-2] == 1 else out
+                )
+            )
+    for prompt in PROMPTS[:2]:
+        assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+
+
+def test_q4q8_unavailable_falls_back_with_warning(model, monkeypatch):
+    from compress.kernels import cpu_avx2
+
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    monkeypatch.setattr(cpu_avx2, "unavailable_reason", lambda: "no C++ compiler")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        rt = Runtime(model, max_seq_len=64, compile=False, int4_kernel="q4q8")
+    assert rt.int4_kernel == "torch"
+    assert not any(getattr(m, "q8", False) for m in rt.layers.modules())
+    with pytest.raises(ValueError, match="int4_kernel='fast'"):
+        Runtime(model, max_seq_len=64, compile=False, int4_kernel="fast")
 
 
 def test_bucketed_prefill_equals_transformers(model):

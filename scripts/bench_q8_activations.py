@@ -1,0 +1,99 @@
+"""What llama.cpp's Q4 x Q8 scheme would cost in quality: W4 perplexity with exact activations
+vs activations rounded to int8 per block of 32 (scale = amax/127, as llama.cpp's q8_0 does
+before its integer dot products, and as the parked AVX2 kernel of commit ec455b4 does).
+
+The int8 rounding is emulated in float (fake-quantized inputs to every int4 decoder linear;
+lm_head and non-int4 layers untouched), so this measures the numerics, not the speed. One run,
+same windows for every row; JSON + markdown:
+
+    python scripts/bench_q8_activations.py --limit 32 --out out/q8_activations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from compress.eval.quality import perplexity
+from compress.eval.report import environment, markdown_table
+
+from compress.core import run_passes
+from compress.data import resolve_text_path
+from compress.job import recipe_state
+from compress.models import load_model
+from compress.modules import QuantLinear
+from compress.quant_primitives import fake_quantize
+from compress.recipe import load_recipe
+
+BLOCK = 32  # llama.cpp's q8_0 block
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per block of BLOCK along its last dim (symmetric, amax/127), in float."""
+    flat = x.reshape(-1, x.shape[-1])
+    return fake_quantize(flat, n_bits=8, group_size=BLOCK, symmetric=True).reshape(x.shape)
+
+
+def q8_activation_hooks(model: torch.nn.Module, *, bits: int = 4) -> list:
+    """Round the inputs of every ``bits``-bit QuantLinear (the layers a Q4 x Q8 kernel runs)."""
+    return [
+        m.register_forward_pre_hook(lambda _m, args: (q8_blocks(args[0]),))
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and m.scheme.n_bits == bits
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", default=["smollm2-w4g128-rtn", "smollm2-w4g32-rtn"])
+    parser.add_argument("--limit", type=int, default=32, help="first N test windows of 512")
+    parser.add_argument("--out", default="out/q8_activations")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = resolve_text_path("wikitext2").read_text(encoding="utf-8")
+
+    def ppl(model, tokenizer) -> float:
+        return perplexity(model, tokenizer, text, limit=args.limit, source="wikitext2").perplexity
+
+    rows = []
+    for name in args.rows:
+        recipe = load_recipe(f"recipes/{name}.yaml")
+        loaded = load_model(recipe.model)
+        run_passes(loaded.model, recipe.passes, recipe_state(recipe, loaded.tokenizer))
+        exact = ppl(loaded.model, loaded.tokenizer)
+        hooks = q8_activation_hooks(loaded.model)
+        rounded = ppl(loaded.model, loaded.tokenizer)
+        for hook in hooks:
+            hook.remove()
+        rows.append(
+            {
+                "variant": name,
+                "int4_linears": len(hooks),
+                "ppl_exact": exact,
+                "ppl_q8": rounded,
+                "delta_pct": 100 * (rounded / exact - 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    columns = [
+        ("variant", "variant"),
+        ("int4_linears", "int4 linears"),
+        ("ppl_exact", "ppl, exact activations"),
+        ("ppl_q8", f"ppl, int8 activations (blocks of {BLOCK})"),
+        ("delta_pct", "Δ %"),
+    ]
+    md = markdown_table(rows, columns) + (
+        f"\n\nWikiText-2 test, first {args.limit} windows of 512 tokens; torch "
+        f"{torch.__version__}. SmolLM2's weights came from a Q4_1 grid (groups of 32)."
+    )
+    payload = {"environment": environment(), "limit": args.limit, "rows": rows}
+    (out / "q8_activations.json").write_text(json.dumps(payload, indent=2))
+    (out / "q8_activations.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
