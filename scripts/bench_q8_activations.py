@@ -3,8 +3,10 @@ vs activations rounded to int8 per block of 32 (scale = amax/127, as llama.cpp's
 before its integer dot products, and as the parked AVX2 kernel of commit ec455b4 does).
 
 The int8 rounding is emulated in float (fake-quantized inputs to every int4 decoder linear;
-lm_head and non-int4 layers untouched), so this measures the numerics, not the speed. One run,
-same windows for every row; JSON + markdown:
+lm_head and non-int4 layers untouched), so this measures the numerics, not the speed. Both
+columns run the int4 layers on the reference backend (dequantized fp32 weights), so "exact"
+means fp32 activations and the only difference is the int8 rounding. One run, same windows for
+every row; JSON + markdown:
 
     python scripts/bench_q8_activations.py --limit 32 --out out/q8_activations
 """
@@ -23,7 +25,7 @@ from compress.core import run_passes
 from compress.data import resolve_text_path
 from compress.job import recipe_state
 from compress.models import load_model
-from compress.modules import QuantLinear
+from compress.modules import QuantLinear, set_backend
 from compress.quant_primitives import fake_quantize
 from compress.recipe import load_recipe
 
@@ -63,6 +65,7 @@ def main() -> None:
         recipe = load_recipe(f"recipes/{name}.yaml")
         loaded = load_model(recipe.model)
         run_passes(loaded.model, recipe.passes, recipe_state(recipe, loaded.tokenizer))
+        set_backend(loaded.model, "reference")  # fp32 activations (the native kernel takes bf16)
         exact = ppl(loaded.model, loaded.tokenizer)
         hooks = q8_activation_hooks(loaded.model)
         rounded = ppl(loaded.model, loaded.tokenizer)
