@@ -104,8 +104,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, backend=args.backend)
     text = loaded.generate(args.prompt, args.max_new_tokens, compile=args.compile,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed)
+                           int4_kernel=args.int4_kernel, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(text)
     return 0
 
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.compile the decode step (minutes to compile on small CPUs)")
     p_gen.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                        help="quantized kernel backend")
+    p_gen.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"],
+                       help="int4 decode on CPU: torch's kernel (exact, default) or our AVX2 "
+                       "kernel with int8-rounded activations (faster; +0.2%% ppl measured)")
     p_gen.set_defaults(func=_cmd_generate)
     return parser
 

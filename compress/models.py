@@ -52,18 +52,25 @@ class LoadedModel:
     path: str  # directory it was loaded from
 
     def generate(
-        self, prompt: str | list[str], max_new_tokens: int = 64, *, compile: bool = False, **options
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = 64,
+        *,
+        compile: bool = False,
+        int4_kernel: str = "torch",
+        **options,
     ) -> str | list[str]:
         """Generate text with ``compress.runtime.Runtime`` (static cache; greedy unless
-        ``temperature`` > 0; stops at the tokenizer's EOS). ``options``: see
-        ``Runtime.generate``. A runtime is built per call: for repeated calls, hold a Runtime."""
+        ``temperature`` > 0; stops at the tokenizer's EOS). ``compile``/``int4_kernel``: see
+        ``Runtime``; ``options``: see ``Runtime.generate``. A runtime is built per call: for
+        repeated calls, hold a Runtime."""
         from compress.runtime import Runtime
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         need = max(len(i) for i in ids) + max_new_tokens
         runtime = Runtime(self.model, max_seq_len=-(-need // 64) * 64,
-                          max_batch_size=len(ids), compile=compile)
+                          max_batch_size=len(ids), compile=compile, int4_kernel=int4_kernel)
         options.setdefault("stop_tokens", [self.tokenizer.eos_token_id])
         out = runtime.generate(ids, max_new_tokens, **options)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]

@@ -75,6 +75,11 @@ def test_run_and_inspect_on_the_tiny_model(tiny_model, tiny_tokenizer, tmp_path,
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "int4 pack-quantized" in shown and "model.layers.0.mlp.down_proj" in shown
+    # the exported checkpoint generates through the runtime, with either int4 decode kernel
+    for kernel in ("torch", "q4q8"):
+        argv = ["generate", "The quick brown", "--model", str(out), "--max-new-tokens", "4"]
+        assert main([*argv, "--int4-kernel", kernel]) == 0
+        assert capsys.readouterr().out.strip()
 
 
 def test_run_with_unwritable_model_path_writes_nothing(tmp_path, capsys):
