@@ -80,7 +80,7 @@ def built():
     [
         (64, 576, 64, True, 1),  # SmolLM2 q_proj-like, one decode row
         (48, 576, 32, False, 3),  # asymmetric, a small batch
-        (32, 1536, 128, True, 2),  # down_proj-like K
+        (32, 1536, 128, True, 5),  # down_proj-like K; rows in chunks of 4 and 1
         (16, 96, 32, True, 1),  # odd number of blocks (the kernel's tail)
     ],
 )
