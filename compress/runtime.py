@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.kernels import cpu_avx2, cpu_native
-from compress.modules import QuantLinear
+from compress.modules import QuantLinear, WeightScheme
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 INT4_KERNELS = ("torch", "q4q8")
+LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -243,12 +244,18 @@ class _Layer(nn.Module):
 
 
 class _Head(nn.Module):
-    def __init__(self, model: nn.Module, decode, notes: list[str], int4_kernel: str) -> None:
+    def __init__(
+        self, model: nn.Module, decode, notes: list[str], int4_kernel: str, bits: int | None
+    ) -> None:
         super().__init__()
         self.norm = nn.Buffer(model.model.norm.weight.detach().float(), persistent=False)
         self.eps = float(model.config.rms_norm_eps)
+        head = model.lm_head
+        if bits is not None and not isinstance(head, QuantLinear):
+            # A quantized copy for the head only: tied input embeddings stay as they are.
+            head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
         # Only the last position's logits are needed, so both phases use the decode weights.
-        self.lm_head = _convert_linear(model.lm_head, "lm_head", decode, decode, notes, int4_kernel)
+        self.lm_head = _convert_linear(head, "lm_head", decode, decode, notes, int4_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
@@ -301,7 +308,10 @@ class Runtime:
     ``"q4q8"`` (decode through our AVX2 kernel with activations rounded to int8 per block of
     32, llama.cpp's scheme: faster decode, +0.2% perplexity measured on SmolLM2 W4, tokens may
     differ; keeps a second copy of the int4 codes; falls back to "torch" with a warning where
-    the kernel cannot be built).
+    the kernel cannot be built). ``lm_head_bits``: None keeps a float lm_head (in the decode
+    dtype); 4 or 8 quantizes a copy at construction (RTN, symmetric; int4 group 32, int8 per
+    channel) run by the int4/int8 kernels above: the (tied) lm_head is the largest matrix of
+    small models (SmolLM2: 49152x576, 45% of W4's decode bytes in bf16).
     """
 
     def __init__(
@@ -316,9 +326,12 @@ class Runtime:
         compile: bool = True,
         compile_prefill: bool = False,
         int4_kernel: str = "torch",
+        lm_head_bits: int | None = None,
     ) -> None:
         if int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
+        if lm_head_bits not in (None, *LM_HEAD_SCHEMES):
+            raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected None, 4 or 8")
         if max_seq_len < 2 or max_batch_size < 1:
             raise ValueError(
                 f"max_seq_len={max_seq_len} and max_batch_size={max_batch_size} must be >= 2, 1"
@@ -361,7 +374,7 @@ class Runtime:
                 _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel)
                 for i, layer in enumerate(model.model.layers)
             )
-            self.head = _Head(model, decode_dtype, notes, int4_kernel)
+            self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits)
             self.embed = embed.detach()
             # cos/sin tables for every cache position, from the model's own rotary module so
             # that its rope type and attention scaling carry over: [S, D] fp32.

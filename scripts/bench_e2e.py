@@ -138,20 +138,19 @@ def time_runtime(rt, ids, n):
 
 
 def build_variants(base, ids, args, names):
+    """Variant names: hf-fp32/hf-bf16 (transformers), rt-fp32/rt-bf16/rt-w8/rt-w4gN (runtime;
+    W4 group N with g64 fallback), suffixes -q8 (int4 decode through our AVX2 Q4 x Q8 kernel)
+    and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime)."""
     variants = {}
     for name in names:
-        model = copy.deepcopy(base).to(torch.bfloat16) if name.endswith("bf16") else base
-        if name.startswith("rt-w"):
+        kind, *options = name.split("-")[1:]
+        model = copy.deepcopy(base).to(torch.bfloat16) if kind == "bf16" else base
+        if kind.startswith("w"):
             model = base if name == names[-1] else copy.deepcopy(base)  # last: in place
             bits, cfg = (
                 (8, Int8RtnConfig())
-                if name == "rt-w8"
-                else (
-                    4,
-                    Int4RtnConfig(
-                        group_size=int(name[6:].removesuffix("-q8")), fallback_group_size=64
-                    ),
-                )
+                if kind == "w8"
+                else (4, Int4RtnConfig(group_size=int(kind[3:]), fallback_group_size=64))
             )
             quantize_linears(model, cfg, bits, name)
         if name.startswith("hf-"):
@@ -161,7 +160,8 @@ def build_variants(base, ids, args, names):
                 model,
                 max_seq_len=len(ids) + args.new_tokens,
                 compile=args.compile,
-                int4_kernel="q4q8" if name.endswith("-q8") else "torch",
+                int4_kernel="q4q8" if "q8" in options else "torch",
+                lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
             # warm-up over the full length: a compiled runtime builds one decode graph per
             # power-of-two cache length, and none may be compiled inside a timed request
@@ -239,8 +239,9 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w4g32,rt-w4g64,rt-w4g128,"
-        "rt-w4g32-q8,rt-w4g64-q8,rt-w4g128-q8",
-        help="rt-w4gN-q8: int4 decode through the AVX2 Q4 x Q8 kernel (int8-rounded activations)",
+        "rt-w4g32-q8,rt-w4g64-q8,rt-w4g128-q8,rt-w4g128-q8-h4",
+        help="see build_variants: -q8 = int4 decode through the AVX2 Q4 x Q8 kernel, -h4/-h8 = "
+        "lm_head quantized to int4/int8 by the runtime",
     )
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--synthetic-1b", action="store_true")
@@ -302,7 +303,8 @@ def main() -> None:
             )
         ).eval()
         args.new_tokens = max(8, args.new_tokens // 4)
-        v = build_variants(big, ids, args, ["rt-bf16", "rt-w4g128", "rt-w4g128-q8"])
+        names = ["rt-bf16", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h4"]
+        v = build_variants(big, ids, args, names)
         results["synthetic_1b"] = run(v, max(2, args.reps - 1), bandwidth)
         md.append(
             table(

@@ -6,7 +6,8 @@ The int8 rounding is emulated in float (fake-quantized inputs to every int4 deco
 lm_head and non-int4 layers untouched), so this measures the numerics, not the speed. Both
 columns run the int4 layers on the reference backend (dequantized fp32 weights), so "exact"
 means fp32 activations and the only difference is the int8 rounding. One run, same windows for
-every row; JSON + markdown:
+every row. A third column also rounds the tied lm_head to int4 (RTN, group 32, symmetric), the
+runtime's ``lm_head_bits=4`` option. JSON + markdown:
 
     python scripts/bench_q8_activations.py --limit 32 --out out/q8_activations
 """
@@ -25,11 +26,12 @@ from compress.core import run_passes
 from compress.data import resolve_text_path
 from compress.job import recipe_state
 from compress.models import load_model
-from compress.modules import QuantLinear, set_backend
+from compress.modules import QuantLinear, WeightScheme, set_backend
 from compress.quant_primitives import fake_quantize
 from compress.recipe import load_recipe
 
 BLOCK = 32  # llama.cpp's q8_0 block
+HEAD_GROUP = 32  # lm_head int4 group (RTN, symmetric), as Runtime(lm_head_bits=4) makes it
 
 
 def q8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +73,23 @@ def main() -> None:
         rounded = ppl(loaded.model, loaded.tokenizer)
         for hook in hooks:
             hook.remove()
+        # + the tied lm_head as int4 (what Runtime(lm_head_bits=4) runs), int8 activations too
+        loaded.model.lm_head = QuantLinear.from_linear(
+            loaded.model.lm_head, WeightScheme(4, HEAD_GROUP, True), backend="reference"
+        )
+        hooks = q8_activation_hooks(loaded.model)
+        with_head = ppl(loaded.model, loaded.tokenizer)
+        for hook in hooks:
+            hook.remove()
         rows.append(
             {
                 "variant": name,
-                "int4_linears": len(hooks),
+                "int4_linears": len(hooks) - 1,
                 "ppl_exact": exact,
                 "ppl_q8": rounded,
                 "delta_pct": 100 * (rounded / exact - 1),
+                "ppl_q8_head4": with_head,
+                "head_delta_pct": 100 * (with_head / exact - 1),
             }
         )
         print(rows[-1], flush=True)
@@ -87,6 +99,8 @@ def main() -> None:
         ("ppl_exact", "ppl, exact activations"),
         ("ppl_q8", f"ppl, int8 activations (blocks of {BLOCK})"),
         ("delta_pct", "Δ %"),
+        ("ppl_q8_head4", f"ppl, int8 activations + int4 g{HEAD_GROUP} lm_head"),
+        ("head_delta_pct", "Δ %"),
     ]
     md = markdown_table(rows, columns) + (
         f"\n\nWikiText-2 test, first {args.limit} windows of 512 tokens; torch "

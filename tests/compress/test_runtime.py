@@ -119,6 +119,26 @@ def test_q4q8_int4_kernel_decode_equals_transformers_with_the_same_kernel(model)
         assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
+    import copy
+
+    from compress.modules import QuantLinear
+    from compress.runtime import LM_HEAD_SCHEMES
+
+    rt = Runtime(
+        model, max_seq_len=64, decode_dtype=torch.float32, compile=False, lm_head_bits=bits
+    )
+    assert type(rt.head.lm_head).__name__ == ("_Int4Linear" if bits == 4 else "_Int8Linear")
+    reference = copy.deepcopy(model)  # the same RTN head, run by QuantLinear's native kernels
+    reference.lm_head = QuantLinear.from_linear(model.lm_head, LM_HEAD_SCHEMES[bits])
+    assert torch.equal(model.get_input_embeddings().weight, model.lm_head.weight)  # untouched
+    for prompt in PROMPTS[:2]:
+        assert rt.generate([prompt], 12) == [hf_greedy(reference, prompt, 12)]
+    with pytest.raises(ValueError, match="lm_head_bits=3"):
+        Runtime(model, max_seq_len=64, compile=False, lm_head_bits=3)
+
+
 def test_q4q8_unavailable_falls_back_with_warning(model, monkeypatch):
     from compress.kernels import cpu_avx2
 
