@@ -126,9 +126,9 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   const float* op = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Needs -fopenmp at build time: without it at::parallel_for runs on one thread. Layers under
-  // ~512K weights stay on one thread: waking the second one cost more than it saved (measured:
-  // 192x576 took 33 us on 2 threads, 25 us on 1).
-  const int64_t grain = std::max<int64_t>(16, ((int64_t{1} << 19) + K - 1) / K);
+  // ~128K weights stay on one thread: waking the second one cost more than it saved (measured:
+  // 192x576 took 33 us on 2 threads, 25 us on 1; 576x576 gained from the second thread).
+  const int64_t grain = std::max<int64_t>(16, ((int64_t{1} << 17) + K - 1) / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = cp + n * (K / 2);
