@@ -87,8 +87,8 @@ def main() -> None:
         choices=["auto", "reference"],
         default="auto",
         help="weight-only int4/int8 layers during evaluation: auto (torch's native CPU kernels, "
-        "bf16 activations) or reference (dequantized fp32 weights, exact fp32 activations: "
-        "~2x faster at 512-token windows on CPUs without bf16 instructions)",
+        "bf16 activations; measured 1.7-2.4x slower than an fp32 matmul at 512 rows on this "
+        "AVX2 CPU) or reference (dequantized fp32 weights, exact fp32 activations)",
     )
     parser.add_argument("--out", default="out/bench_quant")
     parser.add_argument(
