@@ -108,17 +108,11 @@ def prepack(
     reason = unsupported_reason(n, k, group_size)
     if reason is not None:
         raise ValueError(f"AVX2 int4 kernel cannot take this layer: {reason}")
-    q = (reference.unpack_int4(w_packed, k).to(torch.int16) + 8).to(torch.uint8)  # [N, K] 0..15
-    halves = q.view(n, k // BLOCK, 2, BLOCK // 2)  # [N, blocks, low/high, 16]
-    codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    scales32 = scales.to(torch.float32)
-    zeros = (
-        torch.zeros_like(scales32)
-        if zeros_packed is None
-        else reference.unpack_int4(zeros_packed, n, dim=0).to(torch.float32)
-    )
+    codes, scales32, zeros = reference.int4_unsigned_parts(w_packed, scales, zeros_packed, k)
+    halves = codes.to(torch.uint8).view(n, k // BLOCK, 2, BLOCK // 2)  # [N, blocks, lo/hi, 16]
+    nibble_pairs = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     offsets = (-(8.0 + zeros) * scales32).contiguous()
-    return Int4Q8Weight(codes, scales32.contiguous(), offsets, group_size)
+    return Int4Q8Weight(nibble_pairs, scales32.contiguous(), offsets, group_size)
 
 
 def int4_linear_q8(x: torch.Tensor, weight: Int4Q8Weight) -> torch.Tensor:

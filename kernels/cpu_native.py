@@ -56,13 +56,9 @@ def prepack_int4(
     reason = int4_unsupported_reason(n, k, group_size)
     if reason is not None:
         raise ValueError(f"native CPU int4 kernel cannot take this layer: {reason}")
-    codes = reference.unpack_int4(w_packed, k).to(torch.int32) + 8  # [N, K] in 0..15
+    codes, scales32, zeros = reference.int4_unsigned_parts(w_packed, scales, zeros_packed, k)
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
-    scales32 = scales.to(torch.float32)
-    if zeros_packed is None:
-        zero = torch.zeros_like(scales32)
-    else:
-        zero = -reference.unpack_int4(zeros_packed, n, dim=0).to(torch.float32) * scales32
+    zero = -zeros * scales32  # the kernel computes w = (codes - 8) * scale + zero
     # [N, K/g] x2 -> [K/g, N, 2]
     scale_and_zero = torch.stack([scales32.t(), zero.t()], dim=-1).contiguous()
     return Int4CpuWeight(packed, scale_and_zero.to(torch.bfloat16), group_size, n)

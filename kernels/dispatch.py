@@ -81,8 +81,10 @@ def resolve_backend(
     if requested == "reference":
         return "reference"
     if requested == "cpu":
-        reason = "not on CPU" if device.type != "cpu" else _cpu_reason(
-            op, n=n, k=k, group_size=group_size, symmetric=symmetric
+        reason = (
+            "not on CPU"
+            if device.type != "cpu"
+            else _cpu_reason(op, n=n, k=k, group_size=group_size, symmetric=symmetric)
         )
         if reason:
             raise KernelConstraintError(f"backend='cpu' cannot run {shape}: {reason}")

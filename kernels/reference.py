@@ -47,7 +47,7 @@ def pack_int4(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
         raise ValueError("pack_int4: codes must lie in [-8, 7]")
     n, k = w_q.shape
     k_padded = (k + 7) // 8 * 8
-    codes = (w_q.to(torch.int32) + 8)  # [N, K] in 0..15
+    codes = w_q.to(torch.int32) + 8  # [N, K] in 0..15
     if k_padded != k:
         codes = torch.nn.functional.pad(codes, (0, k_padded - k), value=0)
     codes = codes.view(n, k_padded // 8, 8)  # [N, K/8, 8]
@@ -111,6 +111,20 @@ def int4_weight(
     n = w_packed.shape[0]
     zeros = None if zeros_packed is None else unpack_int4(zeros_packed, n, dim=0)
     return dequantize(unpack_int4(w_packed, k), scales, zeros, group_size, dtype)
+
+
+def int4_unsigned_parts(
+    w_packed: torch.Tensor, scales: torch.Tensor, zeros_packed: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed int4 weight -> (codes ``w_q + 8`` int32 ``[N, K]`` in 0..15, fp32 scales, fp32
+    zero points, 0 when symmetric): the form the CPU kernels repack from, so that
+    ``w = (codes - 8 - zeros) * scales``."""
+    n = w_packed.shape[0]
+    codes = unpack_int4(w_packed, k).to(torch.int32) + 8
+    scales32 = scales.to(torch.float32)
+    if zeros_packed is None:
+        return codes, scales32, torch.zeros_like(scales32)
+    return codes, scales32, unpack_int4(zeros_packed, n, dim=0).to(torch.float32)
 
 
 def int4_gemm(

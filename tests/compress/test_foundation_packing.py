@@ -81,6 +81,24 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_unsigned_parts_rebuild_the_dequantized_weight(symmetric):
+    # The kernels' common repacking input: (codes - 8 - zeros) * scales must be the weight.
+    layer = QuantLinear.from_linear(
+        torch.nn.Linear(64, 24, bias=False), WeightScheme(4, 32, symmetric), backend="reference"
+    )
+    zp = None if symmetric else layer.weight_zero_point
+    codes, scales, zeros = reference.int4_unsigned_parts(
+        layer.weight_packed, layer.weight_scale, zp, 64
+    )
+    assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    w = (codes.double().view(24, 2, 32) - 8 - zeros.double().unsqueeze(-1)) * scales.double()[
+        ..., None
+    ]
+    assert torch.equal(w.view(24, 64), layer.dequantized_weight(torch.float64))
+    assert symmetric == bool((zeros == 0).all())
+
+
 @pytest.mark.parametrize("n_bits,group_size,symmetric", CPU_CASES)
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_cpu_backend_agrees_with_reference(n_bits, group_size, symmetric, m):
