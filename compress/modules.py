@@ -208,8 +208,13 @@ class QuantLinear(nn.Module):
                 )
             return cpu_native.int4_mm(x, self._prepared["cpu_int4"])  # type: ignore[arg-type]
         if "cpu_int8_scales" not in self._prepared:
-            self._prepared["cpu_int8_scales"] = self.weight_scale[:, 0].to(torch.bfloat16)
-        return cpu_native.int8_mm(x, self.weight, self._prepared["cpu_int8_scales"])  # type: ignore[arg-type]
+            scales = self.weight_scale[:, 0].to(torch.bfloat16)
+            self._prepared["cpu_int8_scales"] = cpu_native.aligned(scales)
+            # A copy only when the loaded weight is misaligned (safetensors aligns to 8 bytes).
+            self._prepared["cpu_int8_weight"] = cpu_native.aligned(self.weight)
+        return cpu_native.int8_mm(
+            x, self._prepared["cpu_int8_weight"], self._prepared["cpu_int8_scales"]  # type: ignore[arg-type]
+        )
 
     def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
         from compress.kernels import triton_ops

@@ -4,9 +4,11 @@ The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose sha
 change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
 The model's weights are re-held once at construction in the layout each phase wants:
 native CPU int4/int8 kernels for QuantLinear layers (one-time repack), float weights in the
-prefill and decode dtypes (fp32 prefill and bf16 decode by default on CPUs without bf16
-instructions, where bf16 matmuls of 16+ rows run 2-4x slower than fp32). The residual stream,
-norms and softmax stay fp32; only the matmul inputs change dtype per phase.
+prefill and decode dtypes. Numerics do not depend on the CPU class: by default prefill runs
+in the weights' dtype and so does decode of a float model (an fp32 model is fp32 throughout,
+its greedy tokens equal transformers'); a quantized model decodes its remaining float layers
+in bf16, as the native kernels take bf16 activations. Reduced-precision prefill is opt-in.
+The residual stream, norms and softmax stay fp32; only the matmul inputs change dtype.
 
 Compilation is regional: one decoder layer is compiled and the same code serves every layer
 (same shapes, weights as inputs), which keeps the first-call compile time to one layer's.
@@ -52,13 +54,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
     return None
-
-
-def default_prefill_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPUs without native bf16 matmuls (measured 2-4x faster there), else bf16."""
-    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.float32
-    return torch.bfloat16
 
 
 # ---- linear layers, re-held per phase --------------------------------------------------
@@ -123,11 +118,15 @@ class _Int8Linear(nn.Module):
 
     def __init__(self, q: QuantLinear) -> None:
         super().__init__()
-        self.weight = nn.Buffer(q.weight.contiguous(), persistent=False)
-        self.scales = nn.Buffer(q.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
+        # Aligned once here: the kernel crashes on weights that are not 16-byte aligned.
+        self.weight = nn.Buffer(cpu_native.aligned(q.weight), persistent=False)
+        scales = q.weight_scale[:, 0].to(torch.bfloat16)
+        self.scales = nn.Buffer(cpu_native.aligned(scales), persistent=False)
         self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
+        # aligned, as the kernel needs (cpu_native module docstring).
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         y = y.float().reshape(*x.shape[:-1], self.weight.shape[0])
@@ -290,6 +289,17 @@ def _call_layer(layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decod
     return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode)
 
 
+def _compile_options() -> dict[str, int]:
+    """Inductor options that pin its C++ vector width to the ISA ATen dispatches to.
+
+    Why: inductor's on-disk cache key leaves out ATen's CPU capability. Measured on torch 2.13,
+    AVX-512 CPU: a decode step compiled once normally, then again under
+    ``ATEN_CPU_CAPABILITY=avx2``, reused the cached 16-lane C++ with 8-lane vectors and died
+    with SIGSEGV (a fresh cache directory ran fine). Naming the width puts it in the key."""
+    lanes = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability())
+    return {} if lanes is None else {"cpp.simdlen": lanes}
+
+
 def _bucket(n: int, cap: int) -> int:
     return min(max(16, 1 << (n - 1).bit_length()), cap)
 
@@ -298,11 +308,11 @@ class Runtime:
     """Static-cache generation for one model; reuse it across calls (the cache is allocated once).
 
     ``max_seq_len``: cache slots per row (prompt + new tokens); ``max_batch_size``: rows
-    allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: fp32
-    prefill on CPUs without bf16 instructions; bf16 decode for quantized or bf16 models, else
-    the weights' dtype). ``kv_dtype`` defaults to the prefill dtype (fp32 on CPUs without bf16
-    instructions: one-query attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32),
-    else the decode dtype. ``compile``: compile the
+    allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: prefill
+    in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
+    weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (one-query
+    attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the
+    decode dtype. ``compile``: compile the
     decode step (one layer's code, reused by all layers). ``int4_kernel``: ``"torch"`` (torch's
     native int4 kernel, bf16 activations: the default, tokens equal transformers') or
     ``"q4q8"`` (decode through our AVX2 kernel with activations rounded to int8 per block of
@@ -353,11 +363,13 @@ class Runtime:
             cpu_quant = quantized and device.type == "cpu"
             decode_dtype = torch.bfloat16 if cpu_quant or w_dtype == torch.bfloat16 else w_dtype
         if prefill_dtype is None:
-            prefill_dtype = default_prefill_dtype(device) if device.type == "cpu" else w_dtype
+            # The weights' dtype on every CPU class: bf16 prefill is faster where the CPU has
+            # bf16 matmuls but changes an fp32 model's tokens, so it is opt-in.
+            prefill_dtype = w_dtype
         self.prefill_dtype, self.decode_dtype = prefill_dtype, decode_dtype
         if kv_dtype is None:
-            cpu_no_bf16 = device.type == "cpu" and prefill_dtype == torch.float32
-            kv_dtype = torch.float32 if cpu_no_bf16 else decode_dtype
+            fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
+            kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
         if int4_kernel == "q4q8" and cpu_avx2.unavailable_reason() is not None:
             warnings.warn(
@@ -395,9 +407,10 @@ class Runtime:
         self._decode_fn = self._prefill_fn = _call_layer
         self._compiled = compile
         if compile:
-            self._decode_fn = torch.compile(_call_layer, dynamic=False)
+            options = _compile_options() if device.type == "cpu" else {}
+            self._decode_fn = torch.compile(_call_layer, dynamic=False, options=options)
             if compile_prefill:
-                self._prefill_fn = torch.compile(_call_layer, dynamic=False)
+                self._prefill_fn = torch.compile(_call_layer, dynamic=False, options=options)
 
     # ---- public API ----------------------------------------------------------------------
     def stream(self, input_ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:

@@ -9,6 +9,12 @@ Our layout stores signed codes and signed zero points, ``w = (w_q - zeros) * sca
 With q = w_q + 8 that is ``(q - 8) * scales - zeros * scales``, so torch's ``zero`` is
 ``-zeros * scales``. The repack happens once per layer (``prepack_int4``), at load or on the
 first forward, never per call.
+
+Alignment: ``_weight_int8pack_mm`` dies with SIGSEGV on AVX-512 CPUs when its weight (inputs of
+4+ rows) or its activations start at an address that is not a multiple of 16 bytes (measured
+on torch 2.13: offsets 8/24/40 mod 64 crash, 0/16/32 do not). safetensors aligns tensors only
+to 8 bytes, so every operand handed to a native kernel goes through ``aligned`` first: weights
+once at prepare time, activations per call (a pointer check; a copy only when misaligned).
 """
 
 from __future__ import annotations
@@ -20,6 +26,20 @@ import torch
 from . import reference
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+ALIGNMENT = 64  # bytes: a cache line, and more than any native kernel here asks for
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is contiguous and starts on an ``ALIGNMENT``-byte boundary, else a
+    contiguous copy that does (the same values, dtype and shape)."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    nbytes = t.numel() * t.element_size()
+    buffer = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=t.device)
+    start = -buffer.data_ptr() % ALIGNMENT
+    out = buffer[start : start + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,12 +81,14 @@ def prepack_int4(
     zero = -zeros * scales32  # the kernel computes w = (codes - 8) * scale + zero
     # [N, K/g] x2 -> [K/g, N, 2]
     scale_and_zero = torch.stack([scales32.t(), zero.t()], dim=-1).contiguous()
-    return Int4CpuWeight(packed, scale_and_zero.to(torch.bfloat16), group_size, n)
+    return Int4CpuWeight(
+        aligned(packed), aligned(scale_and_zero.to(torch.bfloat16)), group_size, n
+    )
 
 
 def int4_mm(x: torch.Tensor, weight: Int4CpuWeight) -> torch.Tensor:
     """``x [..., K] @ W.T`` with the native kernel; bf16 inside, x's dtype outside."""
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    x2 = aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     y = torch._weight_int4pack_mm_for_cpu(
         x2, weight.packed, weight.group_size, weight.scale_and_zero
     )
@@ -74,8 +96,11 @@ def int4_mm(x: torch.Tensor, weight: Int4CpuWeight) -> torch.Tensor:
 
 
 def int8_mm(x: torch.Tensor, w_q: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (w_q * scales).T`` for symmetric per-channel int8 (``scales_bf16 [N]``)."""
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    """``x [..., K] @ (w_q * scales).T`` for symmetric per-channel int8 (``scales_bf16 [N]``).
+    ``w_q`` and ``scales_bf16`` must already be ``aligned`` (prepare time); x is aligned here."""
+    if w_q.data_ptr() % ALIGNMENT or scales_bf16.data_ptr() % ALIGNMENT:
+        raise ValueError("int8_mm: pass the weight and scales through cpu_native.aligned first")
+    x2 = aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     y = torch._weight_int8pack_mm(x2, w_q, scales_bf16)
     return y.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[0])
 

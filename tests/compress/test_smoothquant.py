@@ -45,8 +45,13 @@ def test_float_exact_product_is_exact_where_one_float32_gemm_rounds():
     x_q[2, ::3] = -127
     expected = int8_int8_reference(x_q, w_q)
     assert expected.abs().max() > 2**24  # beyond float32's exact integers
-    naive = (x_q.float() @ w_q.float().T).to(torch.int32)
-    assert not torch.equal(naive, expected)  # one float32 GEMM would round here
+    # A float32 sum taken term by term rounds here (whether one BLAS GEMM does depends on the
+    # library's blocking and accumulator width, so the precondition is shown without BLAS).
+    products = x_q.float()[:, None, :] * w_q.float()[None]  # [M, N, K], exact in float32
+    running = torch.zeros(products.shape[:2])
+    for i in range(k):
+        running = running + products[..., i]
+    assert not torch.equal(running.to(torch.int32), expected)
     assert torch.equal(int8_int8_float_exact(x_q, w_q.float()), expected)
     assert torch.equal(torch._int_mm(x_q, w_q.T.contiguous()), expected)
 
