@@ -1,5 +1,5 @@
 """Run in a subprocess by test_alignment.py: every int8/int4 tensor of a quantized tiny Llama
-moved to a given byte offset mod 64, then forward (1, 4, 64 rows) and runtime generation.
+moved to each 8-byte offset mod 64 in turn, then forward (1, 4, 64 rows) and runtime generation.
 
 A native kernel that cannot take the operands kills this process (SIGSEGV), which the parent
 test reports as a failure instead of dying with it. Prints one JSON line on success."""
@@ -60,7 +60,7 @@ def move_all(model: torch.nn.Module, offset: int) -> int:
     return moved
 
 
-def main(scheme: str, offset: int) -> None:
+def check(scheme: str, offset: int) -> dict:
     torch.manual_seed(0)
     model = build(scheme)
     ids = {m: torch.randint(3, 300, (1, m)) for m in (1, 4, 64)}
@@ -76,11 +76,12 @@ def main(scheme: str, offset: int) -> None:
         m: float((moved_out[m] - reference[m]).norm() / reference[m].norm()) for m in ids
     }
     same = all(torch.equal(moved_out[m], aligned_out[m]) for m in ids)
-    print(json.dumps({
-        "moved": moved, "same_as_aligned": same, "relative_error": errors,
-        "tokens_equal": moved_tokens == tokens,
-    }))
+    return {
+        "offset": offset, "moved": moved, "same_as_aligned": same,
+        "relative_error": errors, "tokens_equal": moved_tokens == tokens,
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    for offset in range(0, 64, 8):  # one line per offset, flushed before the next may crash
+        print(json.dumps(check(sys.argv[1], offset)), flush=True)
