@@ -29,6 +29,7 @@ from compress.errors import (
     DataError,
     KernelConstraintError,
     ModelLoadError,
+    OutputError,
     RecipeError,
 )
 from compress.models import LoadedModel, load_model
@@ -58,6 +59,7 @@ __all__ = [
     "KernelConstraintError",
     "LoadedModel",
     "ModelLoadError",
+    "OutputError",
     "PassConfig",
     "PassReport",
     "Recipe",

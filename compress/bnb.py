@@ -41,7 +41,7 @@ from compress.core import (
     target_modules,
 )
 from compress.errors import RecipeError
-from compress.export import atomic_directory, write_provenance
+from compress.export import atomic_directory, portable_config, rewrite_json, write_provenance
 from compress.modules import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,23 @@ def hf_quantization_config(cfg: BnbConfig, skip_modules: list[str]) -> Any:
     )
 
 
+def portable_cpu_layout(model: nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit layer of ``model`` in the portable layout on CPU; returns
+    how many layers were set.
+
+    bitsandbytes repacks a Linear4bit in place on its first CPU forward where the CPU has
+    AVX512-BF16 (absmax cast to bf16), and its inverse on save does not restore the fp32
+    absmax: measured (bitsandbytes 0.50.2), exporting after one forward changed the reloaded
+    logits by 3.5%, and the same checkpoint computed different logits on AVX2 and AVX-512
+    CPUs. We store, export, count and compute with the portable layout on every CPU class."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
 def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
     """A bitsandbytes module holding ``linear``'s weights; quantized by moving it to the weight's
     device (bitsandbytes quantizes in ``.to()``, as transformers' loader relies on)."""
@@ -141,6 +158,7 @@ def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
             w.cpu(), requires_grad=False, compress_statistics=cfg.double_quant,
             quant_type=cfg.format, module=module,
         )
+        portable_cpu_layout(module)
     if bias:
         module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     # New modules start in training mode; Linear8bitLt takes another code path when training.
@@ -240,10 +258,12 @@ def export_bnb_checkpoint(
     dtype: str = "float32",
     recipe_yaml: str | None = None,
     report: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a bitsandbytes model with transformers' ``save_pretrained`` (bnb's own format,
     ``quantization_config.quant_method: bitsandbytes``), atomically, plus tokenizer, recipe and
-    report; ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it back.
+    report; ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it back. ``out_dir`` is
+    replaced as by ``compress.export.atomic_directory`` (``overwrite`` for a non-compress folder).
 
     dtype: kept for the common export signature; non-quantized tensors are written in the
     model's own dtype, since casting would change the bnb modules' compute path.
@@ -258,7 +278,8 @@ def export_bnb_checkpoint(
         log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)",
                     model_dtype, dtype)
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
+        rewrite_json(tmp / "config.json", portable_config)  # RoPE fields transformers 4.x reads
         write_provenance(tmp, tokenizer, recipe_yaml, report)
     return out_dir

@@ -13,9 +13,15 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.errors import DataError, KernelConstraintError, ModelLoadError, RecipeError
+from compress.errors import (
+    DataError,
+    KernelConstraintError,
+    ModelLoadError,
+    OutputError,
+    RecipeError,
+)
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, KernelConstraintError)
+USER_ERRORS = (RecipeError, ModelLoadError, DataError, KernelConstraintError, OutputError)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -26,8 +32,16 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from compress.recipe import load_recipe
+    from compress.recipe import load_recipe, recipe_reference
 
+    if args.recipe is None:
+        if not args.show or args.set:
+            raise RecipeError(
+                "validate needs a RECIPE file (e.g. compress validate recipes/smollm2-w8-rtn.yaml);"
+                " `compress validate --show` alone prints the reference of every recipe key"
+            )
+        print(recipe_reference(), end="")
+        return 0
     recipe = load_recipe(args.recipe, args.set)
     print(f"{args.recipe}: valid ({len(recipe.passes)} passes)")
     if args.show:
@@ -36,16 +50,20 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from compress.job import run_job
+    from compress.job import run_job, with_full_eval
     from compress.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set)
+    if args.full_eval:
+        recipe = with_full_eval(recipe)
     result = run_job(
         recipe,
         model=args.model,
         out_dir=args.out,
         data_dir=args.data_dir,
         progress=not args.no_progress,
+        resume=not args.no_resume,
+        overwrite=args.overwrite,
     )
     print(result.markdown)
     print(f"\nwrote {result.out_dir} (results.md, results.json, checkpoint)")
@@ -100,14 +118,48 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from compress.models import load_model
+    """Stream the tokens as they come; timings go to stderr so stdout is the text alone."""
+    import time
 
+    from compress.models import load_model
+    from compress.runtime import Runtime
+
+    started = time.perf_counter()
     loaded = load_model(args.model, backend=args.backend)
-    text = loaded.generate(args.prompt, args.max_new_tokens, compile=args.compile,
-                           int4_kernel=args.int4_kernel, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    print(text)
+    loaded_at = time.perf_counter()
+    print(f"loaded {args.model} in {loaded_at - started:.1f} s", file=sys.stderr)
+    ids = loaded.tokenizer(args.prompt)["input_ids"]
+    need = len(ids) + args.max_new_tokens
+    print("preparing the runtime (one-time weight repack"
+          f"{'; the first steps compile' if args.compile else ''})...", file=sys.stderr)
+    runtime = Runtime(loaded.model, max_seq_len=-(-need // 64) * 64, compile=args.compile,
+                      int4_kernel=args.int4_kernel)
+    prepared_at = time.perf_counter()
+    print(f"prepared in {prepared_at - loaded_at:.1f} s", file=sys.stderr)
+    stream = runtime.stream(ids, args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop_tokens=[loaded.tokenizer.eos_token_id])
+    tokens: list[int] = []
+    stamps: list[float] = []
+    shown = ""
+    for token in stream:
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+        text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+        print(text[len(shown):], end="", flush=True)  # decode the whole: multi-token chars
+        shown = text
+    print()
+    ttft = stamps[0] - prepared_at
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+    print(f"{len(tokens)} tokens: first token {1000 * ttft:.0f} ms, then {rate:.1f} tokens/s "
+          f"(decode, batch 1, {_torch_threads()} threads)", file=sys.stderr)
     return 0
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _lengths_arg(text: str):
@@ -152,7 +204,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         draft=args.draft,
         draft_k=args.draft_k,
     )
-    result = compare(args.baseline, args.variants, settings, args.out)
+    result = compare(args.baseline, args.variants, settings, args.out, overwrite=args.overwrite)
     print(result["markdown"])
     print("\nwrote " + ", ".join(result["files"]))
     return 0
@@ -196,6 +248,13 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: draft tokens per target forward (default 4)")
 
 
+OVERWRITE_HELP = (
+    "replace --out even when it holds files compress did not write (they are deleted once the "
+    "new checkpoint is complete); without it such a folder is an error. The model's own folder "
+    "is always refused"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compress",
@@ -205,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add_recipe_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("recipe", help="path to a recipe .yaml file (see recipes/)")
+    def add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+        p.add_argument("recipe", nargs="?" if optional else None,
+                       help="path to a recipe .yaml file (see recipes/)"
+                       + ("; without one, --show prints the recipe reference" if optional else ""))
         p.add_argument(
             "--set",
             action="append",
@@ -224,11 +285,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
                        "../shared/data)")
     p_run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p_run.add_argument("--full-eval", action="store_true",
+                       help="score every perplexity window instead of the recipe's sample "
+                       "(sets eval.perplexity.limit=null). WikiText-2 test is 593 windows of "
+                       "512 tokens: on 2 idle CPU cores ~9 min for the baseline and ~15 for an "
+                       "int4 model, several times that on busy cores (README); a stopped run "
+                       "resumes when rerun")
+    p_run.add_argument("--no-resume", action="store_true",
+                       help="recompute perplexity even when an earlier run saved it for the same "
+                       "weights and protocol (saved under $COMPRESS_CACHE_DIR/perplexity)")
     p_run.set_defaults(func=_cmd_run)
 
     p_val = sub.add_parser("validate", help="check a recipe completely and exit (no model work)")
-    add_recipe_args(p_val)
-    p_val.add_argument("--show", action="store_true", help="print the resolved recipe as YAML")
+    add_recipe_args(p_val, optional=True)
+    p_val.add_argument("--show", action="store_true", help="print the resolved recipe as YAML; "
+                       "without a recipe, every recipe key with its default, type and bounds")
     p_val.set_defaults(func=_cmd_validate)
 
     p_ins = sub.add_parser("inspect", help="per-layer formats, shapes and bytes of a checkpoint")
@@ -262,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("baseline", help="baseline model (directory, checkpoint or smollm2-135m)")
     p_cmp.add_argument("variants", nargs="+", help="variant models or checkpoint directories")
     p_cmp.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
+    p_cmp.add_argument("--overwrite", action="store_true",
+                       help="write into --out even when it holds files compress did not write "
+                       "(compare.* files there are replaced); a model's folder is always refused")
     p_cmp.add_argument("--dataset", default="wikitext2", help="perplexity text (as for eval)")
     p_cmp.add_argument("--no-perplexity", action="store_true", help="skip perplexity")
     p_cmp.add_argument("--context-length", type=int, default=512, help="perplexity window")
@@ -316,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.command != "run":
+            raise
+        print("\ninterrupted. Finished perplexity windows are saved: run the same command again "
+              "to resume (--no-resume starts over).", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

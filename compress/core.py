@@ -12,12 +12,13 @@ import difflib
 import logging
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 from torch import nn
 
 from compress.errors import RecipeError
@@ -25,7 +26,57 @@ from compress.errors import RecipeError
 log = logging.getLogger(__name__)
 
 
-class PassConfig(BaseModel):
+# Longest sequence any setting may ask for: beyond every supported model's context, and the
+# activations of one such sequence already take gigabytes.
+MAX_TOKENS = 131072
+
+
+def check_text(value: Any, *, allow: str = "") -> Any:
+    """``value`` itself; ValueError when it holds a string (also inside lists, tuples and dict
+    keys or values) with a control character (NUL, newline, escape...) other than ``allow``."""
+    if isinstance(value, str):
+        for index, char in enumerate(value):
+            if unicodedata.category(char) == "Cc" and char not in allow:
+                raise ValueError(
+                    f"{value!r} contains the control character {char!r} at position {index}; "
+                    "names, model ids, paths and patterns must be plain text"
+                )
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            check_text(item, allow=allow)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, allow=allow)
+            check_text(item, allow=allow)
+    return value
+
+
+def at_most(limit: int | float, reason: str) -> AfterValidator:
+    """A field bound that says why: ``Annotated[int, Field(ge=1), at_most(4096, "...")]``.
+    The limit is readable as ``.func.limit`` (the recipe reference prints it)."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value > limit:
+            raise ValueError(f"{value:,} is too large: at most {limit:,} ({reason})")
+        return value
+
+    check.limit = limit  # type: ignore[attr-defined]
+    return AfterValidator(check)
+
+
+class StrictConfig(BaseModel):
+    """Base of every model a recipe is validated with: unknown keys, NaN or infinite floats and
+    control characters in strings are errors (their messages name the key)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _plain_text(cls, value: Any) -> Any:
+        return check_text(value)
+
+
+class PassConfig(StrictConfig):
     """Settings shared by every pass; subclasses add their own fields.
 
     targets: module class names (``Linear``) or ``re:<regex>`` on module names.

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,14 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.core import CompressionState, PassConfig, PassReport, register_pass
+from compress.core import (
+    MAX_TOKENS,
+    CompressionState,
+    PassConfig,
+    PassReport,
+    at_most,
+    register_pass,
+)
 from compress.data import read_documents, resolve_text_path
 from compress.errors import ConfigError, DataError
 from compress.optim import check_optimizer_name, make_optimizer, optimizer_state_bytes
@@ -49,10 +56,18 @@ class LogitsConfig(PassConfig):
 
     data: str | None = None  # text source: a path under the data dir (train_text/web) or a file
     teacher: str | None = None  # checkpoint/model to use instead of the pre-recipe model
-    steps: int = Field(100, ge=1)  # optimizer steps
-    seq_len: int = Field(256, ge=8)  # tokens per packed sequence
-    batch_size: int = Field(4, ge=1)  # sequences per micro-batch, per process
-    grad_accum: int = Field(1, ge=1)  # micro-batches per optimizer step
+    steps: Annotated[  # optimizer steps
+        int, Field(ge=1), at_most(10**6, "each step runs the teacher and trains the student")
+    ] = 100
+    seq_len: Annotated[  # tokens per packed sequence
+        int, Field(ge=8), at_most(MAX_TOKENS, "longer than the context of any supported model")
+    ] = 256
+    batch_size: Annotated[  # sequences per micro-batch, per process
+        int, Field(ge=1), at_most(4096, "a micro-batch's activations are held for backward")
+    ] = 4
+    grad_accum: Annotated[  # micro-batches per optimizer step
+        int, Field(ge=1), at_most(4096, "every micro-batch adds a forward and backward")
+    ] = 1
     lr: float = Field(1e-4, gt=0)  # peak learning rate
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
     warmup_steps: int = Field(10, ge=0)
@@ -62,13 +77,15 @@ class LogitsConfig(PassConfig):
     kl_weight: float = Field(1.0, ge=0)
     hidden_weight: float = Field(0.0, ge=0)  # MSE of normalised hidden states of mapped layers
     lm_weight: float = Field(0.0, ge=0)  # plain next-token cross-entropy on the data
-    eval_sequences: int = Field(16, ge=1)  # held-out sequences (never trained on)
+    eval_sequences: Annotated[  # held-out sequences (never trained on)
+        int, Field(ge=1), at_most(65536, "every evaluation scores them all")
+    ] = 16
     eval_every: int = Field(50, ge=1)  # steps between held-out perplexity evaluations
     checkpoint_dir: str | None = None  # where to write/resume; None: no checkpoints
     checkpoint_every: int = Field(50, ge=1)  # steps between checkpoints
     resume: bool = True  # continue from checkpoint_dir if it holds a checkpoint of this run
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 on CUDA if supported
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # the range every random generator accepts
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes 8-bit states; paged on CUDA)
 
     @field_validator("optimizer")
@@ -314,7 +331,7 @@ def distill_logits(student: nn.Module, cfg: LogitsConfig, state: CompressionStat
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world
     bar = tqdm(
         range(start_step, cfg.steps),
-        desc="distill",
+        desc="distill.logits: training steps",
         disable=not (state.progress and main),
         initial=start_step,
         total=cfg.steps,

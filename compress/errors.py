@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from compress.kernels.dispatch import KernelConstraintError
 
-__all__ = ["ConfigError", "DataError", "KernelConstraintError", "ModelLoadError", "RecipeError"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "KernelConstraintError",
+    "ModelLoadError",
+    "OutputError",
+    "RecipeError",
+]
 
 
 class RecipeError(ValueError):
@@ -26,3 +33,7 @@ class ModelLoadError(ValueError):
 
 class DataError(ValueError):
     """Evaluation or calibration data is missing or too short."""
+
+
+class OutputError(ValueError):
+    """An output folder cannot or may not be written (see ``compress.output_dir``)."""

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +31,24 @@ from torch import nn
 
 from compress.errors import ModelLoadError
 from compress.modules import QuantLinear, WeightScheme
+from compress.output_dir import check_output_dir, set_permissions, write_marker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TORCH_TO_NAME = {v: k for k, v in DTYPES.items()}
+
+
+def resolve_export_dtype(dtype: str, source: str | os.PathLike[str] | None = None) -> str:
+    """The dtype name dense tensors are written in. ``auto``: the dtype the source checkpoint
+    (a folder with config.json) is stored in when it is 16-bit, else ``bfloat16`` (a float32
+    embedding would outweigh int4 layers; measured on SmolLM2 W4 in docs/results.md)."""
+    if dtype != "auto":
+        return dtype
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        config = {}
+    stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
 # ---- quantization_config ------------------------------------------------------------------
@@ -124,39 +140,83 @@ def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, to
     return tensors
 
 
-def check_writable(out_dir: Path) -> None:
-    """Fail before any work if the checkpoint cannot be written at ``out_dir``."""
-    parent = out_dir.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot create output directory {parent}: {exc}") from exc
-    if not os.access(parent, os.W_OK):
-        raise ModelLoadError(f"output directory {parent} is not writable; choose another --out")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ModelLoadError(f"{out_dir} exists and is not a directory; choose another --out")
-
-
 @contextlib.contextmanager
-def atomic_directory(out_dir: Path) -> Iterator[Path]:
+def atomic_directory(
+    out_dir: str | Path, *, kind: str = "checkpoint", overwrite: bool = False
+) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename.
 
-    On any exception the temporary directory is removed and ``out_dir`` (new or previous) is
-    left exactly as it was, so nothing half-written ever appears at the target path.
+    ``out_dir`` must be missing, empty or an earlier compress output, unless ``overwrite``
+    (``compress.output_dir.check_output_dir``). The new folder gets the compress marker and
+    ordinary permissions; an earlier folder is moved aside and deleted only once the new one is
+    in place. On any exception the temporary directory is removed and ``out_dir`` is left
+    exactly as it was, so nothing half-written ever appears at the target path.
     """
-    check_writable(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite=overwrite)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    old = out_dir.parent / f".{out_dir.name}.old-{tag}"
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        if out_dir.exists():
+        write_marker(tmp, kind)
+        set_permissions(tmp)
+        check_output_dir(out_dir, overwrite=overwrite)  # again, right before replacing it
+        replacing = out_dir.exists() or out_dir.is_symlink()
+        if replacing:
             os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if replacing:
+                os.replace(old, out_dir)  # put the earlier folder back
+            raise
+        if old.is_symlink():
+            old.unlink()  # out_dir was a link: the folder it pointed to is left alone
+        elif replacing:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- config files that every supported transformers reads (pyproject: transformers>=4.56) --
+# Keys that describe the exporting machine (a cache path, how it was loaded), not the model.
+_LOCAL_KEYS = ("_name_or_path", "name_or_path", "is_local", "local_files_only")
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.to_dict()``) with the fields transformers 4.x reads as well.
+
+    transformers 5 keeps RoPE settings only in ``rope_parameters``; 4.x reads ``rope_theta`` and
+    ``rope_scaling`` and silently falls back to theta 10000 without them, so both are written
+    (5.x prefers ``rope_parameters``, and takes a non-null ``rope_scaling`` as the same dict).
+    Per-layer-type (nested) ``rope_parameters`` are left as they are. Local paths are dropped.
+    """
+    config = {k: v for k, v in config.items() if k not in _LOCAL_KEYS}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" in rope:
+            config["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        default = rope.get("rope_type", rope.get("type", "default")) == "default"
+        config["rope_scaling"] = None if default else dict(rope)
+    return config
+
+
+def rewrite_json(path: Path, fix: Any) -> None:
+    """Apply ``fix`` (dict -> dict) to the JSON file at ``path`` when it exists."""
+    if path.is_file():
+        path.write_text(json.dumps(fix(json.loads(path.read_text())), indent=2, sort_keys=True))
+
+
+def _portable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 names its tokenizers-backed class TokenizersBackend, which 4.x does not
+    # know; PreTrainedTokenizerFast is the same tokenizer.json loader in both (an alias in 5).
+    config = {k: v for k, v in config.items() if k not in _LOCAL_KEYS}
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return config
 
 
 def write_provenance(
@@ -165,6 +225,7 @@ def write_provenance(
     """Tokenizer files, the resolved recipe and report.json beside a checkpoint's weights."""
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+        rewrite_json(directory / "tokenizer_config.json", _portable_tokenizer_config)
     if recipe_yaml is not None:
         (directory / "recipe.yaml").write_text(recipe_yaml)
     if report is not None:
@@ -179,23 +240,28 @@ def export_checkpoint(
     dtype: str = "float32",
     recipe_yaml: str | None = None,
     report: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the checkpoint atomically to ``out_dir`` (replacing an existing one) and return it."""
+    """Write the checkpoint atomically to ``out_dir`` and return it. An existing ``out_dir`` is
+    replaced only when it is empty or an earlier compress output, or with ``overwrite``."""
     if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
         # bitsandbytes layers have their own format: transformers' save_pretrained writes it.
         from compress.bnb import export_bnb_checkpoint
 
         return export_bnb_checkpoint(
-            model, tokenizer, out_dir, dtype=dtype, recipe_yaml=recipe_yaml, report=report
+            model, tokenizer, out_dir, dtype=dtype, recipe_yaml=recipe_yaml, report=report,
+            overwrite=overwrite,
         )
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         save_file(
             _state_dict_for_export(model, DTYPES[dtype]),
             tmp / "model.safetensors",
             metadata={"format": "pt"},
         )
-        config = model.config.to_dict()
+        config = portable_config(model.config.to_dict())
+        if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
+            config["architectures"] = [type(model).__name__]
         config["dtype"] = dtype
         config.pop("torch_dtype", None)
         quant = quantization_config(model)
@@ -227,6 +293,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _no_weight_init() -> contextlib.AbstractContextManager:
+    """transformers' context that skips random weight init (buffers such as rotary frequencies
+    are still computed by the modules' own code); its home moved in transformers 5."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
 def load_compressed(
     path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> nn.Module:
@@ -241,7 +317,8 @@ def load_compressed(
         del config.quantization_config
     # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
     # initialised by the model's own code; the float weights are then replaced by assignment.
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _no_weight_init():  # every weight is assigned below (or the load fails): skip the
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
     tensors = read_tensors(path)
     ignore = quant.get("ignore", [])
     for name, module in list(model.named_modules()):

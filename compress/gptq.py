@@ -140,7 +140,7 @@ def run_calibrated(
         device=state.device,
         offload=offload,
         progress=state.progress,
-        desc=pass_name.rpartition(".")[2],
+        desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
     )
 
 

@@ -9,6 +9,7 @@ This is the orchestration layer, so it (like the CLI) may import ``compress.eval
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ from typing import Any
 from compress.calibration import calibration_mix
 from compress.core import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
-from compress.export import check_writable, export_checkpoint
-from compress.models import load_model
+from compress.export import export_checkpoint, resolve_export_dtype
+from compress.models import load_model, local_model_dir
 from compress.modules import model_bytes
+from compress.output_dir import check_output_dir
 from compress.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,24 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _evaluate(model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool):
+def _evaluate(
+    model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool,
+    *, label: str, resume: bool,
+):
+    """Perplexity under the recipe's protocol. Per-window results are saved as they go under
+    ``<cache dir>/perplexity/`` (keyed by weights, tokens and protocol, see
+    ``compress.eval.quality``), so a rerun skips finished evaluations and resumes a cut one."""
     from compress.eval.quality import perplexity
+    from compress.models import cache_dir
 
     cfg = recipe.eval.perplexity
     if cfg is None or text is None:
         return None
-    return perplexity(
+    if cfg.limit is None:
+        log.info("%s: scoring every window of %s (WikiText-2 test: 593 windows, 10-15 min per "
+                 "model on 2 idle CPU cores); stop at any time, the same command resumes", label,
+                 cfg.dataset)
+    result = perplexity(
         model,
         tokenizer,
         text,
@@ -81,7 +94,37 @@ def _evaluate(model, tokenizer, recipe: Recipe, text: str | None, source: str, p
         limit=cfg.limit,
         source=source,
         progress=progress,
+        label=label,
+        state_dir=cache_dir() / "perplexity",
+        resume=resume,
     )
+    log.info("%s: %.2f over %d windows (%d scored tokens)", label, result.perplexity,
+             result.windows, result.scored_tokens)
+    return result
+
+
+def _protocol_line(result) -> str:
+    """The table's footnote: what the perplexity column measured, and on how much text."""
+    p = result.protocol
+    total = p.get("windows_in_text", p["windows"])
+    if p["windows"] < total:
+        windows = (f"the first {p['windows']} of its {total} windows (a sample; `--full-eval` "
+                   "scores them all)")
+    else:
+        windows = f"all {p['windows']} windows"
+    return (
+        f"\n\nPerplexity: token-level, {p['source']}, context {p['context_length']}, stride "
+        f"{p['stride']}, {windows}; {result.scored_tokens:,} scored tokens."
+    )
+
+
+def with_full_eval(recipe: Recipe) -> Recipe:
+    """``recipe`` scoring every perplexity window (``eval.perplexity.limit: null``)."""
+    cfg = recipe.eval.perplexity
+    if cfg is None or cfg.limit is None:
+        return recipe
+    full = recipe.eval.model_copy(update={"perplexity": cfg.model_copy(update={"limit": None})})
+    return dataclasses.replace(recipe, eval=full)
 
 
 def recipe_state(
@@ -100,6 +143,14 @@ def recipe_state(
     return state
 
 
+def _model_folders(recipe: Recipe, model: str | None) -> list[Path]:
+    """Local folders the job reads models from (the model, distillation teachers): the output
+    folder may not be, contain or lie inside one of them."""
+    sources = [model or recipe.model]
+    sources += [t for p in recipe.passes if isinstance(t := getattr(p, "teacher", None), str)]
+    return [d for d in map(local_model_dir, sources) if d is not None]
+
+
 def run_job(
     recipe: Recipe,
     *,
@@ -107,12 +158,19 @@ def run_job(
     out_dir: str | Path | None = None,
     data_dir: str | None = None,
     progress: bool = True,
+    overwrite: bool = False,
+    resume: bool = True,
 ) -> JobResult:
+    """Run ``recipe`` and write the checkpoint and results into ``out_dir`` (default
+    ``out/<recipe name>``). ``out_dir`` must be missing, empty or an earlier compress output
+    unless ``overwrite``; it is never the model's own folder (checked before any work).
+    resume: reuse perplexity windows saved by an earlier run on the same weights and protocol
+    (see ``_evaluate``); False recomputes them."""
     from compress.eval.report import environment, markdown_table
 
     started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
-    check_writable(out)
+    check_output_dir(out, overwrite=overwrite, protect=_model_folders(recipe, model))
     text, source = None, None
     if recipe.eval.perplexity is not None:
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
@@ -127,7 +185,8 @@ def run_job(
     rows: list[dict[str, Any]] = []
     baseline, baseline_extras = None, {}
     if recipe.eval.baseline:
-        baseline = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+        baseline = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress,
+                             label="baseline perplexity", resume=resume)
         baseline_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
         sizes = model_bytes(loaded.model)
         rows.append({
@@ -138,7 +197,8 @@ def run_job(
             **extra_cells(baseline_extras),
         })
     run_passes(loaded.model, recipe.passes, state)
-    compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress)
+    compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress,
+                           label="compressed perplexity", resume=resume)
     compressed_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(loaded.model)
     row = {
@@ -166,22 +226,17 @@ def run_job(
     }
     if recipe.export.enabled:
         export_checkpoint(
-            loaded.model, loaded.tokenizer, out, dtype=recipe.export.dtype,
-            recipe_yaml=recipe.to_yaml(), report=payload,
+            loaded.model, loaded.tokenizer, out,
+            dtype=resolve_export_dtype(recipe.export.dtype, loaded.path),
+            recipe_yaml=recipe.to_yaml(), report=payload, overwrite=overwrite,
         )
         row["disk_mb"] = _dir_bytes(out) / 1e6
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    protocol = ""
-    if compressed:
-        p = compressed.protocol
-        protocol = (
-            f"\n\nPerplexity: token-level, {p['source']}, context {p['context_length']}, stride "
-            f"{p['stride']}, {p['windows']} windows ({compressed.scored_tokens} scored tokens)."
-        )
+    protocol = _protocol_line(compressed) if compressed else ""
     extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in dict(COLUMNS)]
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
     markdown = f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
     from compress.eval.report import write_results
 
-    write_results(out, "results", markdown, payload)
+    write_results(out, "results", markdown, payload, overwrite=overwrite)
     return JobResult(out, rows, markdown, payload)

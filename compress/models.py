@@ -139,6 +139,16 @@ def _is_compressed_checkpoint(path: Path) -> bool:
     return quant.get("quant_method") == "compressed-tensors"
 
 
+def local_model_dir(name_or_path: str, cache: Path | None = None) -> Path | None:
+    """The local folder a model source is read from, without loading or converting anything:
+    an embedded model's cache folder, an existing directory, or None (a hub id, a missing
+    path). Output folders are checked against it (``compress.output_dir``)."""
+    if name_or_path in EMBEDDED:
+        return (cache or cache_dir()) / "models" / name_or_path
+    path = Path(name_or_path).expanduser()
+    return path if path.is_dir() else None
+
+
 def resolve_model_path(name_or_path: str, cache: Path | None = None) -> Path | str:
     """Local directory for ``name_or_path``, or the hub id itself when it is one."""
     if name_or_path in EMBEDDED:
@@ -183,6 +193,10 @@ def load_model(
                 f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
                 "offline, pass a local directory."
             ) from exc
+    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
+        from compress.bnb import portable_cpu_layout
+
+        portable_cpu_layout(model)  # same numerics on every CPU class (see there)
     tokenizer = AutoTokenizer.from_pretrained(where)
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))

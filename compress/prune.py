@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -40,9 +40,13 @@ Importance = Literal["activation", "magnitude"]
 
 # ---- configs ------------------------------------------------------------------------------
 def parse_param_count(value: int | float | str) -> int:
-    """``90M``, ``1.5B``, ``120000`` -> an int number of parameters."""
-    if isinstance(value, (int, float)):
+    """``90M``, ``1.5B``, ``120000`` -> an int number of parameters; ValueError otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"target_params={value!r} is not a count; write e.g. 90M or 1.2B")
         return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"target_params={value!r} is not a count; write e.g. 90M or 1.2B")
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMbB]?)\s*", value)
     if not match:
         raise ValueError(
@@ -101,7 +105,7 @@ class AttentionHeadsConfig(_PruneConfig):
     head count (query_heads)."""
 
     mode: Literal["kv_groups", "query_heads"] = "kv_groups"
-    num_attention_heads: int | None = None
+    num_attention_heads: int | None = Field(None, ge=1)
 
     size_field: ClassVar[str] = "num_attention_heads"
 
@@ -110,8 +114,8 @@ class MlpChannelsConfig(_PruneConfig):
     """intermediate_size: channels kept per layer; multiple_of: round kept counts to this
     (e.g. 64 or 128 so int4 group sizes still divide down_proj's in_features)."""
 
-    intermediate_size: int | None = None
-    multiple_of: int = 1
+    intermediate_size: int | None = Field(None, ge=1)
+    multiple_of: int = Field(1, ge=1)
 
     size_field: ClassVar[str] = "intermediate_size"
 
@@ -120,8 +124,8 @@ class HiddenSizeConfig(_PruneConfig):
     """hidden_size: embedding/residual channels kept (head_dim is unchanged); multiple_of as for
     MLP channels (64 keeps int4 g64 possible on every projection)."""
 
-    hidden_size: int | None = None
-    multiple_of: int = 1
+    hidden_size: int | None = Field(None, ge=1)
+    multiple_of: int = Field(1, ge=1)
 
     size_field: ClassVar[str] = "hidden_size"
 
@@ -130,7 +134,7 @@ class LayersConfig(_PruneConfig):
     """num_layers: decoder layers kept. Activation importance = block influence (ShortGPT);
     magnitude = Frobenius norm of the weights that write to the residual (o_proj, down_proj)."""
 
-    num_layers: int | None = None
+    num_layers: int | None = Field(None, ge=1)
 
     size_field: ClassVar[str] = "num_layers"
 
@@ -209,7 +213,9 @@ def _calibrate(model: nn.Module, state: CompressionState, hooks: list, what: str
                 handles.append(module.register_forward_hook(fn, with_kwargs=True))
         device = next(model.parameters()).device
         with torch.no_grad():
-            for batch in tqdm(state.calibration_batches(), desc=what, disable=not state.progress):
+            batches = state.calibration_batches()
+            desc = f"{what}: calibration forwards"
+            for batch in tqdm(batches, desc=desc, disable=not state.progress):
                 model(batch.to(device), use_cache=False)
     finally:
         for handle in handles:

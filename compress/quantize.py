@@ -12,13 +12,14 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 from torch import nn
 
 from compress.core import (
     CompressionState,
     PassConfig,
     PassReport,
+    StrictConfig,
     check_pattern,
     raise_or_report_skips,
     register_pass,
@@ -38,13 +39,11 @@ def _check_group(value: int | None, field: str) -> int | None:
     return value
 
 
-class LayerOverride(BaseModel):
+class LayerOverride(StrictConfig):
     """A per-layer exception to the pass's scheme, e.g. keep the first and last ``down_proj`` at
     8 bits: ``{layers: "re:layers\\.(0|29)\\.mlp\\.down_proj", n_bits: 8, group_size: channel}``.
     layers: exact module name or ``re:<regex>`` (searched); n_bits / group_size: None inherits,
     group_size ``channel`` means one scale per output channel. The first matching override wins."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     layers: str
     n_bits: Literal[4, 8] | None = None

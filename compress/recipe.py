@@ -9,20 +9,38 @@ raw mapping and go through the same checks.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import re
+import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from compress.core import PASSES, PassConfig, get_pass, pass_name_of
+from compress.core import (
+    MAX_TOKENS,
+    PASSES,
+    PassConfig,
+    StrictConfig,
+    at_most,
+    check_text,
+    get_pass,
+    pass_name_of,
+)
 from compress.errors import RecipeError
 
+# Bounds on settings that cost memory or time linearly (see each `at_most` reason).
+_TOKENS = at_most(MAX_TOKENS, "longer than the context of any supported model")
+MAX_CALIBRATION_TOKENS = 2**24  # num_samples * seq_len
+NAME_MAX_BYTES = 100  # the default output folder is out/<name>; file names stop at 255 bytes
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class _Section(StrictConfig):
+    """A recipe section: strict like pass configs (``compress.core.StrictConfig``)."""
 
 
 class CalibrationConfig(_Section):
@@ -30,19 +48,43 @@ class CalibrationConfig(_Section):
     looked up under the data dir) or ``wikitext2-valid``; never the split you report."""
 
     source: str = "wikitext2-valid"
-    num_samples: int = Field(128, ge=1)  # sequences
-    seq_len: int = Field(512, ge=8)  # tokens per sequence
-    seed: int = 0
-    mix: dict[str, float] | None = None  # source -> weight; when set, replaces `source`
+    num_samples: Annotated[  # sequences
+        int, Field(ge=1), at_most(65536, "calibrated passes keep every sample's activations")
+    ] = 128
+    seq_len: Annotated[int, Field(ge=8), _TOKENS] = 512  # tokens per sequence
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # the range every random generator accepts
+    mix: dict[str, float] | None = None  # source -> weight (> 0); when set, replaces `source`
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        bad = {k: v for k, v in (value or {}).items() if not v > 0}
+        if value is not None and (not value or bad):
+            raise ValueError(
+                f"weights must be positive numbers, got {bad or value}; write e.g. "
+                "mix: {train_text/web: 0.75, wikitext2-valid: 0.25}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _total_tokens(self) -> CalibrationConfig:
+        tokens = self.num_samples * self.seq_len
+        if tokens > MAX_CALIBRATION_TOKENS:
+            raise ValueError(
+                f"num_samples * seq_len = {tokens:,} calibration tokens is too many: at most "
+                f"{MAX_CALIBRATION_TOKENS:,} (calibrated passes hold every token's activations "
+                "of a layer in memory); lower num_samples or seq_len"
+            )
+        return self
 
 
 class PerplexityConfig(_Section):
     """Token perplexity over non-overlapping (or strided) windows of the joined text."""
 
     dataset: str = "wikitext2"  # "wikitext2" (raw test split) or a path to a text file
-    context_length: int = Field(512, ge=8)  # tokens per window
-    stride: int | None = Field(None, ge=1)  # default: context_length (no overlap)
-    limit: int | None = Field(None, ge=1)  # at most this many windows (fast runs)
+    context_length: Annotated[int, Field(ge=8), _TOKENS] = 512  # tokens per window
+    stride: Annotated[int | None, Field(ge=1), _TOKENS] = None  # default: context_length
+    limit: int | None = Field(None, ge=1)  # at most this many windows (fast runs); no upper bound
 
 
 class TasksConfig(_Section):
@@ -56,10 +98,12 @@ class TasksConfig(_Section):
 class LatencyConfig(_Section):
     """Single-stream greedy latency on real prompts (see compress.eval.compare)."""
 
-    prompts: int = Field(4, ge=1)  # requests per round
-    prompt_tokens: int = Field(64, ge=1)
-    output_tokens: int = Field(32, ge=2)
-    rounds: int = Field(1, ge=1)  # repetitions
+    prompts: Annotated[  # requests per round
+        int, Field(ge=1), at_most(1024, "requests are timed one after another")
+    ] = 4
+    prompt_tokens: Annotated[int, Field(ge=1), _TOKENS] = 64
+    output_tokens: Annotated[int, Field(ge=2), _TOKENS] = 32
+    rounds: Annotated[int, Field(ge=1), at_most(100, "each round times every request again")] = 1
     slo_ttft_ms: float | None = Field(None, gt=0)  # goodput bound on time to first token
     slo_tpot_ms: float | None = Field(None, gt=0)  # goodput bound on time per output token
     usd_per_hour: float = Field(1.0, ge=0)  # machine price, for cost per 1M tokens
@@ -73,8 +117,12 @@ class EvalConfig(_Section):
 
 
 class ExportConfig(_Section):
+    """dtype: of the dense tensors (embeddings, norms, biases, layers left unquantized); quantized
+    weights and their scales keep their own. ``auto``: the source checkpoint's dtype when it is
+    stored in 16 bits (its config.json), else bfloat16."""
+
     enabled: bool = True
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # non-quantized tensors
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 TOP_LEVEL = {
@@ -88,6 +136,30 @@ TOP_LEVEL = {
 }
 
 
+def check_recipe_name(name: str) -> str:
+    """``name`` itself; ValueError unless it is safe as one folder name: the default output
+    folder of a recipe is ``out/<name>``."""
+    problem = ""
+    if not name.strip():
+        problem = "is empty"
+    elif "/" in name or "\\" in name:
+        problem = "contains a path separator (/ or \\)"
+    elif name.startswith("."):
+        problem = "starts with '.' (a hidden folder, or '..': a parent folder)"
+    elif ".." in name:
+        problem = "contains '..'"
+    elif any(unicodedata.category(char) == "Cc" for char in name):
+        problem = "contains a control character"
+    elif len(name.encode("utf-8")) > NAME_MAX_BYTES:
+        problem = f"is longer than {NAME_MAX_BYTES} bytes"
+    if problem:
+        raise ValueError(
+            f"name={name!r} {problem}: the default output folder is out/<name>, so the name must "
+            "be one plain folder name such as smollm2-w4g128-rtn"
+        )
+    return name
+
+
 @dataclass
 class Recipe:
     """A validated recipe. Also buildable in Python: ``Recipe(passes=[Int4RtnConfig()])``."""
@@ -99,6 +171,13 @@ class Recipe:
     calibration: CalibrationConfig | None = None
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        try:
+            check_recipe_name(self.name)
+            check_text(self.model)
+        except ValueError as exc:
+            raise RecipeError(f"invalid recipe: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
@@ -120,82 +199,165 @@ class Recipe:
 
 
 # ---- error formatting ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Problem:
+    loc: tuple[str, ...]  # where in the raw mapping, e.g. ("passes", "2", "group_size")
+    text: str  # the message, without its origin (the file or a --set override)
+
+
 def _did_you_mean(word: str, options: list[str]) -> str:
     close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _format_pydantic(exc: ValidationError, where: str, model: type[BaseModel]) -> list[str]:
-    messages = []
-    fields = list(model.model_fields)
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            key = str(err["loc"][-1])
-            messages.append(
-                f"{where}: unknown key {key!r}.{_did_you_mean(key, fields)} "
-                f"Allowed keys: {', '.join(fields)}"
-            )
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``, ``tuple[X, ...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _model_at(model: type[BaseModel], path: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that validates the mapping at ``path`` (a pydantic error location) below
+    ``model``; list indices keep the item model."""
+    for part in path:
+        if isinstance(part, int):
             continue
-        msg = err["msg"].removeprefix("Value error, ")
-        if not loc:  # a model-level check (several fields together)
-            messages.append(f"{where}: {msg}")
+        info = model.model_fields.get(str(part))
+        found = _model_in(info.annotation) if info is not None else None
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _pydantic_problems(
+    exc: ValidationError, model: type[BaseModel], loc: tuple[str, ...], label: str | None
+) -> list[_Problem]:
+    """One problem per pydantic error. label: how a pass is named (``passes[2] (quantize.gptq)``);
+    None for sections, whose keys are shown as full dotted paths (``eval.perplexity.limit``)."""
+    problems = []
+    for err in exc.errors():
+        parts = tuple(err["loc"])
+        full = loc + tuple(str(p) for p in parts)
+        shown = full if label is None else full[len(loc):]
+        prefix = "" if label is None else f"{label}: "
+        if err["type"] == "extra_forbidden":
+            key = str(parts[-1])
+            owner = _model_at(model, parts[:-1])
+            fields = list(owner.model_fields) if owner is not None else []
+            level = ".".join(shown[:-1])
+            allowed = f"Keys allowed in {level}" if level else "Allowed keys"
+            text = (
+                f"{prefix}{level + ': ' if level else ''}unknown key {key!r}."
+                f"{_did_you_mean(key, fields)} {allowed}: {', '.join(fields)}"
+            )
+        elif err["type"] == "missing":
+            text = f"{prefix}{'.'.join(shown)} is required"
         else:
-            messages.append(f"{where}: {loc}={err.get('input')!r}: {msg}")
-    return messages
+            msg = err["msg"].removeprefix("Value error, ")
+            if not parts:  # a model-level check (several fields together, or a wrong type)
+                text = f"{prefix or '.'.join(shown) + ': '}{msg}"
+            else:
+                text = f"{prefix}{'.'.join(shown)}={_shown(err.get('input'))}: {msg}"
+        problems.append(_Problem(full, text))
+    return problems
 
 
 # ---- parsing ------------------------------------------------------------------------------
-def _validate_passes(
-    raw: Any, source: str, errors: list[str], names: list[str]
-) -> list[PassConfig]:
+def _validate_passes(raw: Any, problems: list[_Problem], names: list[str]) -> list[PassConfig]:
     if not isinstance(raw, list):
-        errors.append(f"{source}: passes must be a list of mappings with a `pass:` key")
+        problems.append(
+            _Problem(("passes",), "passes must be a list of mappings with a `pass:` key, got "
+                     f"{_shown(raw)}")
+        )
         return []
     passes: list[PassConfig] = []
     for index, entry in enumerate(raw):
-        where = f"{source}: passes[{index}]"
+        where, loc = f"passes[{index}]", ("passes", str(index))
         if not isinstance(entry, dict) or "pass" not in entry:
-            errors.append(f"{where}: each pass is a mapping with a `pass:` key, got {entry!r}")
+            problems.append(_Problem(
+                loc, f"{where}: each pass is a mapping with a `pass:` key, got {_shown(entry)}"
+            ))
             continue
         settings = dict(entry)
         name = str(settings.pop("pass"))
         if name not in PASSES:
             close = difflib.get_close_matches(name, list(PASSES), n=1, cutoff=0.5)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            errors.append(
-                f"{where}: unknown pass {name!r}.{hint} Known: {', '.join(sorted(PASSES))}"
-            )
+            problems.append(_Problem(
+                (*loc, "pass"),
+                f"{where}: unknown pass {_shown(name)}.{hint} Known: {', '.join(sorted(PASSES))}",
+            ))
             continue
         names.append(name)
         spec = get_pass(name)
         try:
             passes.append(spec.config_cls.model_validate(settings))
         except ValidationError as exc:
-            errors.extend(_format_pydantic(exc, f"{where} ({name})", spec.config_cls))
+            problems += _pydantic_problems(exc, spec.config_cls, loc, f"{where} ({name})")
     return passes
 
 
 def check_order(names: list[str]) -> list[str]:
     """Ordering rules over the pass names, each with its message."""
+    return [text for _, text in _order_problems(names)]
+
+
+def _order_problems(names: list[str]) -> list[tuple[int, str]]:
     problems = []
     for i, name in enumerate(names):
         family = name.split(".")[0]
         later = [n for n in names[i + 1 :] if n.split(".")[0] in ("prune", "distill")]
         if family == "quantize" and later:
-            problems.append(
+            problems.append((i, (
                 f"passes[{i}] ({name}) comes before {later[0]}: prune.* and distill.* passes must "
                 "come before quantize.* passes (quantized layers are not pruned or trained)"
-            )
+            )))
         if family == "distill" and not any(n.startswith("prune.") for n in names[:i]):
-            problems.append(
-                f"passes[{i}] ({name}) needs an earlier prune.* pass to recover from"
-            )
+            problems.append((i, f"passes[{i}] ({name}) needs an earlier prune.* pass to recover "
+                                "from"))
     return problems
 
 
-def parse_recipe(data: str | dict[str, Any], source: str = "<recipe>") -> Recipe:
-    """Validate a recipe given as YAML text or an already-parsed mapping."""
+def _top_level_string(key: str, raw: Any) -> str:
+    """A top-level string value; ValueError naming ``key`` when it is not plain text."""
+    if not isinstance(raw, str):
+        raise ValueError(f"{key} must be a string, got {_shown(raw)}")
+    if key == "name":
+        return check_recipe_name(raw)  # its message starts with name=...
+    try:
+        return check_text(raw, allow="\n\t\r" if key == "description" else "")
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
+def _origin(loc: tuple[str, ...], source: str, overrides: list[tuple[tuple[str, ...], str]]) -> str:
+    """What a problem at ``loc`` came from: the --set override that wrote there, else the file."""
+    for path, item in overrides:
+        if loc[: len(path)] == path:
+            return f"--set {item}"
+    for path, item in overrides:
+        if path[: len(loc)] == loc:
+            return f"{source} (with --set {item})"
+    return source
+
+
+def parse_recipe(
+    data: str | dict[str, Any], source: str = "<recipe>", *, overrides: list[str] | None = None
+) -> Recipe:
+    """Validate a recipe given as YAML text or an already-parsed mapping, after applying
+    ``key.path=value`` overrides (``apply_overrides``). Problems caused by an override are
+    reported against it (``--set eval.perplexity.limt=20: ...``), the rest against ``source``."""
     if isinstance(data, str):
         try:
             data = yaml.safe_load(data)
@@ -203,34 +365,121 @@ def parse_recipe(data: str | dict[str, Any], source: str = "<recipe>") -> Recipe
             raise RecipeError(f"{source}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe is a YAML mapping with keys {', '.join(TOP_LEVEL)}")
-    errors: list[str] = []
+    if overrides:
+        data = apply_overrides(copy.deepcopy(data), overrides)
+    problems: list[_Problem] = []
     values: dict[str, Any] = {}
     names: list[str] = []
     for key, raw in data.items():
         if key not in TOP_LEVEL:
-            errors.append(
-                f"{source}: unknown top-level key {key!r}."
-                f"{_did_you_mean(str(key), list(TOP_LEVEL))}"
+            problems.append(_Problem((str(key),), (
+                f"unknown top-level key {_shown(key)}.{_did_you_mean(str(key), list(TOP_LEVEL))}"
                 f" Allowed keys: {', '.join(TOP_LEVEL)}"
-            )
+            )))
             continue
         kind = TOP_LEVEL[key]
         if kind is str:
-            if not isinstance(raw, str):
-                errors.append(f"{source}: {key} must be a string, got {raw!r}")
-            values[key] = str(raw)
+            try:
+                values[key] = _top_level_string(key, raw)
+            except ValueError as exc:
+                problems.append(_Problem((key,), str(exc)))
         elif kind is list:
-            values[key] = _validate_passes(raw, source, errors, names)
+            values[key] = _validate_passes(raw, problems, names)
         else:
             try:
                 values[key] = kind.model_validate(raw if raw is not None else {})
             except ValidationError as exc:
-                errors.extend(_format_pydantic(exc, f"{source}: {key}", kind))
-    errors.extend(f"{source}: {p}" for p in check_order(names))
-    if errors:
-        count = f"{len(errors)} problem{'s' if len(errors) > 1 else ''}"
-        raise RecipeError(f"invalid recipe ({count}):\n  - " + "\n  - ".join(errors))
+                problems += _pydantic_problems(exc, kind, (key,), None)
+    problems += [_Problem(("passes", str(i)), text) for i, text in _order_problems(names)]
+    if problems:
+        set_paths = [
+            (tuple(item.partition("=")[0].strip().split(".")), item) for item in overrides or []
+        ]
+        lines = [f"{_origin(p.loc, source, set_paths)}: {p.text}" for p in problems]
+        count = f"{len(lines)} problem{'s' if len(lines) > 1 else ''}"
+        raise RecipeError(f"invalid recipe ({count}):\n  - " + "\n  - ".join(lines))
     return Recipe(**values)
+
+
+# ---- reference ----------------------------------------------------------------------------
+def _type_text(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return re.sub(r"\b(?:typing|compress(?:\.\w+)*)\.", "", str(annotation))
+
+
+def _bounds_text(info: Any) -> str:
+    bounds = []
+    for meta in info.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"),
+                           ("min_length", "length >=")):
+            if getattr(meta, attr, None) is not None:
+                bounds.append(f"{sign} {getattr(meta, attr):,}")
+        limit = getattr(getattr(meta, "func", None), "limit", None)
+        if limit is not None:
+            bounds.append(f"<= {limit:,}")
+    return ", ".join(bounds)
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix(
+        "\n..."
+    ).removesuffix(" ...").strip()
+
+
+def _model_reference(model: type[BaseModel], indent: int) -> list[str]:
+    pad, lines = " " * indent, []
+    for name, info in model.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        required = info.is_required()
+        if isinstance(default, BaseModel):
+            lines.append(f"{pad}{name}:  # {_type_text(info.annotation)}; null turns it off")
+            lines += _model_reference(type(default), indent + 2)
+            continue
+        bounds = _bounds_text(info)
+        comment = ("required; " if required else "") + _type_text(info.annotation)
+        comment += f", {bounds}" if bounds else ""
+        shown = "" if required else f" {_yaml_value(default)}"
+        nested = _model_in(info.annotation)
+        if nested is not None and nested is not model:
+            comment += "; fields: " + ", ".join(nested.model_fields)
+        lines.append(f"{pad}{name}:{shown}  # {comment}")
+    return lines
+
+
+def _summary(cls: type) -> str:
+    """The first sentence of a class docstring, at most ~90 characters."""
+    text = " ".join((cls.__doc__ or "").split())
+    sentence = re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].rstrip(";")
+    return sentence if len(sentence) <= 90 else sentence[:87] + "..."
+
+
+def recipe_reference() -> str:
+    """Every recipe key with its type, default and bounds, as commented YAML: what
+    ``compress validate --show`` prints without a recipe."""
+    lines = [
+        "# compress recipe reference: every key with its default, type and bounds.",
+        "# `compress validate RECIPE --show` prints one recipe resolved in this form.",
+        "name: recipe  # str: one folder name (the default output is out/<name>)",
+        "description: ''  # str",
+        f"model: {Recipe().model}  # embedded name, model directory or hub id",
+        f"calibration:  # optional; {_summary(CalibrationConfig)}",
+        *_model_reference(CalibrationConfig, 2),
+        "passes:  # ordered list; each entry is `pass: <name>` plus that pass's settings",
+    ]
+    for name in sorted(PASSES):
+        cls = PASSES[name].config_cls
+        lines.append(f"  - pass: {name}  # {_summary(cls)}")
+        lines += _model_reference(cls, 4)
+    lines += ["export:", *_model_reference(ExportConfig, 2)]
+    lines += ["eval:", *_model_reference(EvalConfig, 2)]
+    for section in (TasksConfig, LatencyConfig):
+        lines.append(f"# eval.{section.__name__.removesuffix('Config').lower()} "
+                     f"(off by default): {_summary(section)}")
+        lines += ["#" + line for line in _model_reference(section, 2)]
+    return "\n".join(lines) + "\n"
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
@@ -288,5 +537,4 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Load, override and validate a recipe file."""
-    data = apply_overrides(load_raw(path), overrides or [])
-    return parse_recipe(data, source=str(path))
+    return parse_recipe(load_raw(path), source=str(path), overrides=overrides)

@@ -143,14 +143,24 @@ def _sizes(model) -> dict[str, float]:
 
 
 def compare(
-    baseline: str, variants: list[str], settings: CompareSettings, out_dir: str | Path
+    baseline: str,
+    variants: list[str],
+    settings: CompareSettings,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``baseline`` and ``variants`` (model dirs, checkpoints or embedded names) and
-    write the comparison files into ``out_dir``. Returns the JSON payload."""
-    from compress.models import load_model
+    write the comparison files into ``out_dir`` (missing, empty or a compress output folder,
+    unless ``overwrite``; never a model's folder). Returns the JSON payload."""
+    from compress.models import load_model, local_model_dir
+    from compress.output_dir import check_output_dir
 
     check_settings(settings)
     names = [baseline, *variants]
+    models = [*names, *([settings.draft] if settings.draft else [])]
+    protect = [d for d in map(local_model_dir, models) if d is not None]
+    check_output_dir(out_dir, overwrite=overwrite, protect=protect)
     text = source = None
     if settings.dataset is not None:
         path = resolve_text_path(settings.dataset, settings.data_dir)
@@ -180,6 +190,7 @@ def compare(
                 limit=settings.ppl_limit,
                 source=source,
                 progress=settings.progress,
+                label=f"{row['variant']} perplexity",
             )
             row["perplexity"] = ppl.perplexity
             details[name]["perplexity"] = ppl.to_dict()
@@ -214,7 +225,7 @@ def compare(
             if row is not base and row.get(key) is not None and base.get(key):
                 row[f"{key}_delta_pct"] = 100 * (row[key] / base[key] - 1)
     extra = {"workload": workload, "speculative": speculative}
-    return _write(rows, details, settings, Path(out_dir), extra)
+    return _write(rows, details, settings, Path(out_dir), extra, overwrite=overwrite)
 
 
 def _check_draft_tokenizer(draft: str, draft_tok, baseline: str, base_tok) -> None:
@@ -317,7 +328,9 @@ def _speculative_table(spec: dict[str, Any]) -> str:
     )
 
 
-def _write(rows, details, settings: CompareSettings, out: Path, extra) -> dict[str, Any]:
+def _write(
+    rows, details, settings: CompareSettings, out: Path, extra, *, overwrite: bool = False
+) -> dict[str, Any]:
     from compress.eval.plot import plot_tradeoffs
 
     task_cols = [(k, k) for k in rows[0] if ":" in k]
@@ -353,7 +366,7 @@ def _write(rows, details, settings: CompareSettings, out: Path, extra) -> dict[s
     if extra.get("speculative"):
         notes.append(_speculative_table(extra["speculative"]))
     markdown = markdown_table(rows, columns) + "\n\n" + "\n\n".join(notes)
-    write_results(out, "compare", markdown, payload)
+    write_results(out, "compare", markdown, payload, overwrite=overwrite)
     write_csv(out / "compare.csv", rows, [k for k, _ in columns])
     # One point per variant: the largest batch size when there are several.
     largest = max((r.get("batch_size") or 0 for r in rows), default=0)

@@ -44,8 +44,14 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -
     return "\n".join(lines)
 
 
-def write_results(out_dir: Path, stem: str, markdown: str, payload: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_results(
+    out_dir: Path, stem: str, markdown: str, payload: dict[str, Any], *, overwrite: bool = False
+) -> None:
+    """``<stem>.md`` and ``<stem>.json`` in ``out_dir``, which must be missing, empty or a
+    compress output folder unless ``overwrite`` (see ``compress.output_dir``)."""
+    from compress.output_dir import claim_output_dir
+
+    claim_output_dir(out_dir, stem, overwrite=overwrite)
     (out_dir / f"{stem}.md").write_text(markdown + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
 

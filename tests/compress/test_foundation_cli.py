@@ -79,7 +79,9 @@ def test_run_and_inspect_on_the_tiny_model(tiny_model, tiny_tokenizer, tmp_path,
     for kernel in ("torch", "q4q8"):
         argv = ["generate", "The quick brown", "--model", str(out), "--max-new-tokens", "4"]
         assert main([*argv, "--int4-kernel", kernel]) == 0
-        assert capsys.readouterr().out.strip()
+        captured = capsys.readouterr()
+        assert captured.out.strip()  # the text alone on stdout, timings on stderr
+        assert "prepared in" in captured.err and "tokens/s" in captured.err
 
 
 def test_run_with_unwritable_model_path_writes_nothing(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compress.core import CompressionState, run_passes
-from compress.errors import ModelLoadError, RecipeError
+from compress.errors import ModelLoadError, OutputError, RecipeError
 from compress.export import export_checkpoint, load_compressed
 from compress.modules import QuantLinear, model_bytes, set_backend
 from compress.quantize import Int4RtnConfig, Int8RtnConfig
@@ -175,21 +175,21 @@ def test_unwritable_output_dir(tiny_model, tiny_tokenizer, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
-    with pytest.raises(ModelLoadError, match="not writable"):
+    with pytest.raises(OutputError, match="not writable"):
         export_checkpoint(tiny_model, tiny_tokenizer, locked / "ckpt")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 def test_uncreatable_output_dir_fails_before_writing(tiny_model, tiny_tokenizer):
     # /proc refuses new directories even for root, so this runs in CI (which runs as root).
-    with pytest.raises(ModelLoadError, match="cannot create output directory"):
+    with pytest.raises(OutputError, match="cannot create output directory"):
         export_checkpoint(tiny_model, tiny_tokenizer, "/proc/compress-test/sub/ckpt")
 
 
 def test_output_path_that_is_a_file(tiny_model, tiny_tokenizer, tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(OutputError, match="not a directory"):
         export_checkpoint(tiny_model, tiny_tokenizer, target)
 
 

@@ -1,0 +1,76 @@
+"""Resumable perplexity (tiny model): an interrupted evaluation continues where it stopped, a
+finished one is read back, and either way the result equals a fresh one exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compress.eval.quality import perplexity
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 12
+SETTINGS = dict(context_length=64, progress=False)
+
+
+def _interrupt_after(model, calls: int):
+    """A forward pre-hook that raises KeyboardInterrupt (as Ctrl-C would) on call ``calls + 1``;
+    hooks leave the state dict, hence the state key, unchanged."""
+    seen = []
+
+    def hook(module, args):
+        seen.append(1)
+        if len(seen) > calls:
+            raise KeyboardInterrupt
+
+    return model.register_forward_pre_hook(hook)
+
+
+def test_interrupted_evaluation_resumes_to_the_fresh_result(tiny_model, tiny_tokenizer, tmp_path):
+    fresh = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS)
+    assert fresh.windows > 5
+    handle = _interrupt_after(tiny_model, 3)
+    with pytest.raises(KeyboardInterrupt):  # saved on the way out, although far from 10 s
+        perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    handle.remove()
+    (state_file,) = tmp_path.glob("*.json")
+    assert len(json.loads(state_file.read_text())["window_nll"]) == 3
+    resumed = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert resumed.reused_windows == 3
+    assert resumed == fresh  # every field, bit for bit (reused_windows is not compared)
+    assert resumed.perplexity == fresh.perplexity and resumed.nll_mean == fresh.nll_mean
+
+
+def test_finished_evaluation_is_read_back_without_running_the_model(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    first = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    handle = _interrupt_after(tiny_model, 0)  # any forward would raise
+    again = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    fewer = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, limit=3, state_dir=tmp_path)
+    handle.remove()
+    assert again == first and again.reused_windows == first.windows
+    assert fewer == perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, limit=3)
+    assert fewer.protocol["selection"] == "first 3"
+    assert fewer.protocol["windows_in_text"] == first.windows
+
+
+def test_other_weights_or_no_resume_recompute(tiny_model, tiny_tokenizer, tmp_path):
+    perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    fresh = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path,
+                       resume=False)
+    assert fresh.reused_windows == 0
+    with torch.no_grad():
+        tiny_model.model.norm.weight.mul_(1.5)
+    changed = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert changed.reused_windows == 0 and changed.perplexity != fresh.perplexity
+    assert len(list(tmp_path.glob("*.json"))) == 2  # one state per weights
+
+
+def test_unreadable_state_is_ignored(tiny_model, tiny_tokenizer, tmp_path):
+    perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    (state_file,) = tmp_path.glob("*.json")
+    state_file.write_text("{not json")
+    result = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert result.reused_windows == 0
+    assert json.loads(state_file.read_text())["window_nll"]  # rewritten
