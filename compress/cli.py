@@ -130,8 +130,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"loaded {args.model} in {loaded_at - started:.1f} s", file=sys.stderr)
     ids = loaded.tokenizer(args.prompt)["input_ids"]
     need = len(ids) + args.max_new_tokens
-    print("preparing the runtime (one-time weight repack"
-          f"{'; the first steps compile' if args.compile else ''})...", file=sys.stderr)
+    steps = ["one-time weight repack"]
+    if args.int4_kernel == "q4q8":
+        steps.append("the q4q8 kernel is built on first use and cached (about a minute)")
+    if args.compile:
+        steps.append("the first steps compile")
+    print(f"preparing the runtime ({'; '.join(steps)})...", file=sys.stderr)
     runtime = Runtime(loaded.model, max_seq_len=-(-need // 64) * 64, compile=args.compile,
                       int4_kernel=args.int4_kernel)
     prepared_at = time.perf_counter()

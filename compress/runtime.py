@@ -147,6 +147,10 @@ class _ModuleLinear(nn.Module):
 def _convert_linear(
     module: nn.Module, name: str, prefill, decode, notes: list[str], int4_kernel: str = "torch"
 ) -> nn.Module:
+    if isinstance(module, QuantLinear) and hasattr(module, "input_activations"):
+        # W8A8: per-token int8 activations are part of the format. The layer runs itself, so
+        # the runtime computes what evaluation measured (a weight-only int8 kernel would not).
+        return _ModuleLinear(module, torch.float32)
     if isinstance(module, QuantLinear):
         device = module.weight_scale.device
         if device.type == "cpu":

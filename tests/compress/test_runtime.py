@@ -248,3 +248,18 @@ def test_real_model_greedy_equals_transformers(smollm2):
     assert out == [ref]
     text = smollm2.generate("The capital of France is", 8)
     assert text == smollm2.tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_w8a8_layers_keep_int8_activations_in_the_runtime(model):
+    # A weight-only int8 kernel would give other numbers than the model that was evaluated:
+    # the runtime's greedy tokens equal transformers' on the same W8A8 model.
+    from compress.smoothquant import w8a8_from_linear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and "layers." in name:
+            parent, _, child = name.rpartition(".")
+            w8a8 = w8a8_from_linear(module, torch.float32, "auto")
+            setattr(model.get_submodule(parent), child, w8a8)
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    for prompt in PROMPTS:
+        assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
