@@ -29,7 +29,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        # 4 significant digits, trailing zeros kept (36.00, not 36); no trailing point above 1000
+        return f"{value:#.4g}".rstrip(".") if abs(value) < 1e3 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
