@@ -70,6 +70,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from compress.job import with_full_eval
+    from compress.recipe import load_recipe
+    from compress.sweep import run_sweep
+
+    recipes = [load_recipe(path, args.set) for path in args.recipes]
+    if args.full_eval:
+        recipes = [with_full_eval(r) for r in recipes]
+    result = run_sweep(
+        recipes,
+        model=args.model,
+        out_dir=args.out,
+        data_dir=args.data_dir,
+        progress=not args.no_progress,
+        resume=not args.no_resume,
+        overwrite=args.overwrite,
+    )
+    print(result.markdown)
+    print(f"\nwrote {result.out_dir} (sweep.md, sweep.json)")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from compress.inspect import inspect_checkpoint
 
@@ -300,6 +322,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recompute perplexity even when an earlier run saved it for the same "
                        "weights and protocol (saved under $COMPRESS_CACHE_DIR/perplexity)")
     p_run.set_defaults(func=_cmd_run)
+
+    p_sweep = sub.add_parser(
+        "sweep", help="run several recipes against one shared baseline and print one table "
+        "(resumable; no checkpoints exported)")
+    p_sweep.add_argument("recipes", nargs="+", help="recipe .yaml files (one row each)")
+    p_sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a value in every recipe, e.g. --set "
+                         "eval.perplexity.limit=32 (repeatable)")
+    p_sweep.add_argument("--model", help="model for every recipe (default: the recipes' own, "
+                         "which must agree)")
+    p_sweep.add_argument("--out", default="out/sweep",
+                         help="folder for sweep.md / sweep.json (default: out/sweep)")
+    p_sweep.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
+                         "../shared/data)")
+    p_sweep.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_sweep.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p_sweep.add_argument("--full-eval", action="store_true",
+                         help="score every perplexity window (see `run --full-eval`)")
+    p_sweep.add_argument("--no-resume", action="store_true",
+                         help="recompute finished rows and saved perplexity windows")
+    p_sweep.set_defaults(func=_cmd_sweep)
 
     p_val = sub.add_parser("validate", help="check a recipe completely and exit (no model work)")
     add_recipe_args(p_val, optional=True)
