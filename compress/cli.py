@@ -49,6 +49,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments ``run`` and ``sweep`` share, from their common flags."""
+    return dict(model=args.model, out_dir=args.out, data_dir=args.data_dir,
+                progress=not args.no_progress, resume=not args.no_resume,
+                overwrite=args.overwrite)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from compress.job import run_job, with_full_eval
     from compress.recipe import load_recipe
@@ -56,15 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.set)
     if args.full_eval:
         recipe = with_full_eval(recipe)
-    result = run_job(
-        recipe,
-        model=args.model,
-        out_dir=args.out,
-        data_dir=args.data_dir,
-        progress=not args.no_progress,
-        resume=not args.no_resume,
-        overwrite=args.overwrite,
-    )
+    result = run_job(recipe, **_job_options(args))
     print(result.markdown)
     print(f"\nwrote {result.out_dir} (results.md, results.json, checkpoint)")
     return 0
@@ -78,15 +77,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     recipes = [load_recipe(path, args.set) for path in args.recipes]
     if args.full_eval:
         recipes = [with_full_eval(r) for r in recipes]
-    result = run_sweep(
-        recipes,
-        model=args.model,
-        out_dir=args.out,
-        data_dir=args.data_dir,
-        progress=not args.no_progress,
-        resume=not args.no_resume,
-        overwrite=args.overwrite,
-    )
+    result = run_sweep(recipes, **_job_options(args))
     print(result.markdown)
     print(f"\nwrote {result.out_dir} (sweep.md, sweep.json)")
     return 0
