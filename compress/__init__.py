@@ -1,74 +1,66 @@
 """compress: make causal language models cheaper to serve.
 
 Public API: ``load`` (a model or compressed checkpoint, ready to serve with our backends),
-``load_recipe`` / ``parse_recipe`` / ``Recipe``, ``run_passes`` and ``run_job``. Importing this
-package registers every pass (explicitly, below); it does no other work.
+``load_recipe`` / ``parse_recipe`` / ``Recipe``, ``run_passes`` and ``run_job``, the pass
+registry (``PASSES``, ``register_pass``) and the error types.
+
+Importing this package does no work and imports no submodule: each public name is imported on
+first use (module-level ``__getattr__``), so ``import compress.kernels`` or ``compress.errors``
+does not import the passes. The passes register themselves when ``compress.recipe`` is imported
+(it imports each pass module explicitly), which every way to name a pass goes through:
+``parse_recipe`` / ``load_recipe`` / ``Recipe``, ``run_job``, the CLI and ``compress.PASSES``.
 """
 
 from __future__ import annotations
 
-from compress import (  # noqa: F401  (calibrated quantize.* passes)
-    awq,
-    bnb,  # noqa: F401  (quantize.bnb; imports bitsandbytes only when run)
-    distill,  # noqa: F401  (registers distill.* passes)
-    gptq,
-    prune,  # noqa: F401  (registers prune.* passes)
-    quantize,  # noqa: F401  (registers quantize.* passes)
-    smoothquant,
-)
-from compress.core import (
-    PASSES,
-    CompressionState,
-    PassConfig,
-    PassReport,
-    register_pass,
-    run_passes,
-)
-from compress.errors import (
-    ConfigError,
-    DataError,
-    KernelConstraintError,
-    ModelLoadError,
-    OutputError,
-    RecipeError,
-)
-from compress.models import LoadedModel, load_model
-from compress.recipe import Recipe, load_recipe, parse_recipe
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it, imported on first access
+_LAZY = {
+    "PASSES": "compress.recipe",  # defined in compress.core; full once compress.recipe is imported
+    "CompressionState": "compress.core",
+    "PassConfig": "compress.core",
+    "PassReport": "compress.core",
+    "register_pass": "compress.core",
+    "run_passes": "compress.core",
+    "ConfigError": "compress.errors",
+    "DataError": "compress.errors",
+    "KernelConstraintError": "compress.errors",
+    "ModelLoadError": "compress.errors",
+    "OutputError": "compress.errors",
+    "RecipeError": "compress.errors",
+    "LoadedModel": "compress.models",
+    "load_model": "compress.models",
+    "Recipe": "compress.recipe",
+    "load_recipe": "compress.recipe",
+    "parse_recipe": "compress.recipe",
+    "run_job": "compress.job",
+}
 
-def load(path: str = "smollm2-135m", *, backend: str = "auto", **kwargs) -> LoadedModel:
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'compress' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load(path: str = "smollm2-135m", *, backend: str = "auto", **kwargs: Any) -> Any:
     """Load a model or an exported compressed checkpoint for serving (``.model``, ``.tokenizer``,
-    ``.generate(...)``); ``backend`` picks the quantized kernels (auto|reference|cpu|triton)."""
+    ``.generate(...)``); ``backend`` picks the quantized kernels (auto|reference|cpu|triton).
+    Returns a ``compress.models.LoadedModel``."""
+    from compress.models import load_model
+
     return load_model(path, backend=backend, **kwargs)
 
 
-def run_job(*args, **kwargs):
-    """See ``compress.job.run_job``."""
-    from compress.job import run_job as _run_job
-
-    return _run_job(*args, **kwargs)
-
-
-__all__ = [
-    "PASSES",
-    "CompressionState",
-    "ConfigError",
-    "DataError",
-    "KernelConstraintError",
-    "LoadedModel",
-    "ModelLoadError",
-    "OutputError",
-    "PassConfig",
-    "PassReport",
-    "Recipe",
-    "RecipeError",
-    "load",
-    "load_model",
-    "load_recipe",
-    "parse_recipe",
-    "register_pass",
-    "run_job",
-    "run_passes",
-]
+__all__ = ["load", *_LAZY]

@@ -37,10 +37,17 @@ from compress.core import (
     register_pass,
     set_submodule,
 )
-from compress.gptq import _GroupedConfig, finish_quant_report, plan_layers, run_calibrated
 from compress.modules import QuantLinear, WeightScheme
-from compress.sequential import LayerInputs, OffloadMode, run_layer
-from compress.smoothquant import migrate_scales
+from compress.scheme import CalibratedWeightConfig
+from compress.sequential import (
+    LayerInputs,
+    OffloadMode,
+    finish_quant_report,
+    migrate_scales,
+    plan_layers,
+    run_calibrated,
+    run_layer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,7 @@ GROUPS = (
 NO_CLIP = ("q_proj", "k_proj")
 
 
-class AwqConfig(_GroupedConfig):
+class AwqConfig(CalibratedWeightConfig):
     """AWQ settings (plus ``symmetric``, ``scale_dtype``, ``backend``, ``overrides`` of RTN).
 
     n_grid: scale exponents tried (a = i / n_grid); clip_grid / max_shrink: clipping ratios

@@ -12,10 +12,10 @@ when loading with a ``BitsAndBytesConfig``:
   16-bit path (outlier decomposition); ``threshold: 0`` turns that off.
 
 The model keeps a transformers ``hf_quantizer`` and ``config.quantization_config``, so
-``export_bnb_checkpoint`` writes bitsandbytes' own serialization with ``save_pretrained`` and
-``AutoModelForCausalLM.from_pretrained(dir)`` loads it back. Not done here: mixing bnb layers
-with our QuantLinear layers in one model (one checkpoint format per model), and our kernels
-(bnb modules run bitsandbytes' own kernels; on CPU they work, slowly).
+``compress.export.export_checkpoint`` writes bitsandbytes' own serialization with
+``save_pretrained`` and ``AutoModelForCausalLM.from_pretrained(dir)`` loads it back. Not done
+here: mixing bnb layers with our QuantLinear layers in one model (one checkpoint format per
+model), and our kernels (bnb modules run bitsandbytes' own kernels; on CPU they work, slowly).
 bitsandbytes is optional: this module never imports it at import time, and a config asking for
 it without the package fails at validation with the install command.
 """
@@ -23,8 +23,6 @@ it without the package fails at validation with the install command.
 from __future__ import annotations
 
 import importlib.util
-import logging
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -32,6 +30,7 @@ from pydantic import model_validator
 from torch import nn
 
 from compress.core import (
+    DTYPES,
     CompressionState,
     PassConfig,
     PassReport,
@@ -41,13 +40,14 @@ from compress.core import (
     target_modules,
 )
 from compress.errors import RecipeError
-from compress.export import atomic_directory, portable_config, rewrite_json, write_provenance
-from compress.modules import QuantLinear
-
-log = logging.getLogger(__name__)
+from compress.modules import (
+    QuantLinear,
+    is_bnb_module,
+    linear_weight_bytes,
+    portable_cpu_layout,
+)
 
 INSTALL = "pip install 'compress[bitsandbytes]'  (or: pip install bitsandbytes)"
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FOUR_BIT_ONLY = ("double_quant", "compute_dtype")
 
 
@@ -114,26 +114,9 @@ def hf_quantization_config(cfg: BnbConfig, skip_modules: list[str]) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.format,
         bnb_4bit_use_double_quant=cfg.double_quant,
-        bnb_4bit_compute_dtype=COMPUTE_DTYPES[cfg.compute_dtype],
+        bnb_4bit_compute_dtype=DTYPES[cfg.compute_dtype],
         llm_int8_skip_modules=skip_modules,
     )
-
-
-def portable_cpu_layout(model: nn.Module) -> int:
-    """Keep every bitsandbytes 4-bit layer of ``model`` in the portable layout on CPU; returns
-    how many layers were set.
-
-    bitsandbytes repacks a Linear4bit in place on its first CPU forward where the CPU has
-    AVX512-BF16 (absmax cast to bf16), and its inverse on save does not restore the fp32
-    absmax: measured (bitsandbytes 0.50.2), exporting after one forward changed the reloaded
-    logits by 3.5%, and the same checkpoint computed different logits on AVX2 and AVX-512
-    CPUs. We store, export, count and compute with the portable layout on every CPU class."""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-            count += 1
-    return count
 
 
 def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
@@ -151,7 +134,7 @@ def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
     else:
         module = bnb.nn.Linear4bit(
             linear.in_features, linear.out_features, bias,
-            compute_dtype=COMPUTE_DTYPES[cfg.compute_dtype], compress_statistics=cfg.double_quant,
+            compute_dtype=DTYPES[cfg.compute_dtype], compress_statistics=cfg.double_quant,
             quant_type=cfg.format, device="meta",
         )
         module.weight = bnb.nn.Params4bit(
@@ -175,23 +158,8 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     return module.weight.data.float() * module.weight.SCB.float()[:, None] / 127.0
 
 
-def is_bnb_module(module: nn.Module) -> bool:
-    """True for bitsandbytes modules; checks the class's module path so nothing gets imported."""
-    return type(module).__module__.startswith("bitsandbytes")
-
-
 def has_bnb_modules(model: nn.Module) -> bool:
     return any(is_bnb_module(m) for m in model.modules())
-
-
-def bnb_weight_bytes(module: nn.Module) -> int:
-    """Stored bytes of a bnb module's weight: codes plus quantization state (absmax, code map,
-    packed state), i.e. what ``save_pretrained`` writes for it, bias excluded."""
-    return sum(
-        t.numel() * t.element_size()
-        for k, t in module.state_dict().items()
-        if not k.startswith("bias") and torch.is_tensor(t)
-    )
 
 
 @register_pass("quantize.bnb", BnbConfig)
@@ -219,7 +187,7 @@ def bnb_quantize(model: nn.Module, cfg: BnbConfig, state: CompressionState) -> P
         err_num += float((dequantized_weight(quant).to(w.device) - w).pow(2).sum())
         err_den += float(w.pow(2).sum())
         bytes_before += w.numel() * linear.weight.element_size()
-        bytes_after += bnb_weight_bytes(quant)
+        bytes_after += linear_weight_bytes(quant)
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
     converted = set(report.changed)
@@ -248,38 +216,3 @@ def _attach_hf_quantizer(model: nn.Module, quant_config: Any) -> None:
     model.hf_quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=True)
     flag = "is_loaded_in_8bit" if quant_config.load_in_8bit else "is_loaded_in_4bit"
     setattr(model, flag, True)
-
-
-def export_bnb_checkpoint(
-    model: nn.Module,
-    tokenizer: Any,
-    out_dir: str | Path,
-    *,
-    dtype: str = "float32",
-    recipe_yaml: str | None = None,
-    report: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a bitsandbytes model with transformers' ``save_pretrained`` (bnb's own format,
-    ``quantization_config.quant_method: bitsandbytes``), atomically, plus tokenizer, recipe and
-    report; ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it back. ``out_dir`` is
-    replaced as by ``compress.export.atomic_directory`` (``overwrite`` for a non-compress folder).
-
-    dtype: kept for the common export signature; non-quantized tensors are written in the
-    model's own dtype, since casting would change the bnb modules' compute path.
-    """
-    if getattr(model, "hf_quantizer", None) is None or not hasattr(model, "save_pretrained"):
-        raise RecipeError(
-            "this model holds bitsandbytes layers without a transformers quantization config; "
-            "quantize it with the quantize.bnb pass (or load it with from_pretrained) to export it"
-        )
-    model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    if COMPUTE_DTYPES.get(dtype, model_dtype) != model_dtype:
-        log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)",
-                    model_dtype, dtype)
-    out_dir = Path(out_dir)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        rewrite_json(tmp / "config.json", portable_config)  # RoPE fields transformers 4.x reads
-        write_provenance(tmp, tokenizer, recipe_yaml, report)
-    return out_dir

@@ -22,9 +22,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 from torch import nn
 
 from compress.errors import RecipeError
+from compress.memory import peak_memory_bytes
 
 log = logging.getLogger(__name__)
 
+
+# dtype names as configs write them (scale_dtype, compute_dtype, export dtype) -> torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Longest sequence any setting may ask for: beyond every supported model's context, and the
 # activations of one such sequence already take gigabytes.
@@ -79,8 +83,9 @@ class StrictConfig(BaseModel):
 class PassConfig(StrictConfig):
     """Settings shared by every pass; subclasses add their own fields.
 
-    targets: module class names (``Linear``) or ``re:<regex>`` on module names.
-    ignore: module names (exact, or ``re:<regex>``) never touched; default ``lm_head``.
+    targets: module class names (``Linear``), exact module names or ``re:<regex>`` (matched from
+    the start of the module name: ``re:.*down_proj``; see ``matches``).
+    ignore: the same kinds of pattern, for modules never touched; default ``lm_head``.
     strict: if true, a targeted layer the pass must skip is an error instead of a report line.
     """
 
@@ -200,20 +205,30 @@ def pass_name_of(cfg: PassConfig) -> str:
 
 
 # ---- targeting ----------------------------------------------------------------------------
-def _matches(name: str, module: nn.Module, pattern: str) -> bool:
+def matches(name: str, module: nn.Module | None, pattern: str) -> bool:
+    """The one module matcher, for pass ``targets``/``ignore``, per-layer ``overrides`` and the
+    targets of a compressed-tensors ``quantization_config`` when a checkpoint is loaded.
+
+    ``re:<regex>``: ``re.match`` on the full module name, i.e. anchored at the start of the name
+    and not at its end, as compressed-tensors and llm-compressor read ``re:`` targets (write
+    ``re:.*down_proj`` for a name that ends in ``down_proj``, and add ``$`` to anchor the end).
+    Anything else: the exact module name, or the exact class name of ``module``
+    (``type(module).__name__``; unlike compressed-tensors, base classes do not match, so a
+    bitsandbytes ``Linear4bit`` is not a ``Linear``). ``module`` None: names only.
+    """
     if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
-    return pattern == name or pattern == type(module).__name__
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or (module is not None and pattern == type(module).__name__)
 
 
 def target_modules(model: nn.Module, cfg: PassConfig) -> Iterator[tuple[str, nn.Module]]:
-    """Modules selected by ``cfg.targets`` minus ``cfg.ignore``, in model order."""
+    """Modules selected by ``cfg.targets`` minus ``cfg.ignore`` (``matches``), in model order."""
     for name, module in model.named_modules():
         if not name:
             continue
-        if any(_matches(name, module, p) for p in cfg.ignore):
+        if any(matches(name, module, p) for p in cfg.ignore):
             continue
-        if any(_matches(name, module, p) for p in cfg.targets):
+        if any(matches(name, module, p) for p in cfg.targets):
             yield name, module
 
 
@@ -239,18 +254,6 @@ def raise_or_report_skips(cfg: PassConfig, report: PassReport, where: str) -> No
 
 
 # ---- running ------------------------------------------------------------------------------
-def peak_rss_bytes() -> int | None:
-    """Peak resident memory of this process so far (Linux/macOS), else None."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
 def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionState) -> nn.Module:
     """Run each pass in order; a failing pass's exception gets its index and name attached."""
     for index, cfg in enumerate(passes):
@@ -271,9 +274,9 @@ def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionSta
             raise
         report.seconds = time.perf_counter() - start
         if report.peak_memory_bytes is None:
-            report.peak_memory_bytes = (
-                torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_rss_bytes()
-            )
+            peaks = peak_memory_bytes()
+            cuda = peaks["peak_cuda_allocated_bytes"]
+            report.peak_memory_bytes = cuda if cuda is not None else peaks["peak_rss_bytes"]
         state.reports.append(report)
         log.info("%s", report.summary())
     return model

@@ -7,7 +7,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from compress.kernels.dispatch import KernelConstraintError
+from compress.kernels import KernelConstraintError
 
 __all__ = [
     "ConfigError",

@@ -7,6 +7,9 @@ compressed-tensors names, other tensors in the export dtype), ``config.json`` wi
 resolved ``recipe.yaml`` and ``report.json``. Plain transformers loads it when the
 ``compressed-tensors`` package is installed; ``load_compressed`` loads it with our backends.
 
+A model holding bitsandbytes layers is written in bitsandbytes' own format instead
+(transformers' ``save_pretrained``). This module imports no pass.
+
 Writes go to a temporary sibling directory that is renamed into place at the end, so a crash or
 a bad input never leaves a half-written checkpoint at the target path.
 """
@@ -15,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-import re
 import shutil
 import uuid
 from collections import defaultdict
@@ -29,12 +32,18 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compress.errors import ModelLoadError
-from compress.modules import QuantLinear, WeightScheme
+from compress.core import DTYPES, matches
+from compress.errors import ModelLoadError, RecipeError
+from compress.modules import (
+    INPUT_ACTIVATIONS,
+    QuantLinear,
+    W8A8Linear,
+    WeightScheme,
+    is_bnb_module,
+)
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TORCH_TO_NAME = {v: k for k, v in DTYPES.items()}
+log = logging.getLogger(__name__)
 
 
 def resolve_export_dtype(dtype: str, source: str | os.PathLike[str] | None = None) -> str:
@@ -72,7 +81,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     plain_linears = []
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            # W8A8 layers (compress.smoothquant) also quantize their inputs: a separate group
+            # W8A8 layers also quantize their inputs: a separate group
             by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(name)
         elif isinstance(module, nn.Linear):
             plain_linears.append(name)
@@ -86,7 +95,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
             # name each layer exactly (compressed-tensors matches exact module names).
             "targets": ["Linear"] if single else sorted(names),
             "weights": _weights_args(scheme),
-            "input_activations": _w8a8_input_args() if w8a8 else None,
+            "input_activations": dict(INPUT_ACTIVATIONS) if w8a8 else None,
             "output_activations": None,
             "format": scheme.format,
         }
@@ -102,23 +111,11 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     }
 
 
-def _w8a8_input_args() -> dict[str, Any]:
-    from compress.smoothquant import INPUT_ACTIVATIONS
-
-    return dict(INPUT_ACTIVATIONS)
-
-
 def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightScheme:
     if args.get("type", "int") != "int" or args.get("num_bits") not in (4, 8):
         raise ModelLoadError(f"unsupported weight quantization {args}: compress loads int4/int8")
     group = args.get("group_size") if args.get("strategy") == "group" else None
     return WeightScheme(args["num_bits"], group, bool(args.get("symmetric", True)), scale_dtype)
-
-
-def _matches(name: str, module: nn.Module, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or target == type(module).__name__
 
 
 # ---- writing ------------------------------------------------------------------------------
@@ -243,37 +240,60 @@ def export_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Write the checkpoint atomically to ``out_dir`` and return it. An existing ``out_dir`` is
-    replaced only when it is empty or an earlier compress output, or with ``overwrite``."""
-    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
-        # bitsandbytes layers have their own format: transformers' save_pretrained writes it.
-        from compress.bnb import export_bnb_checkpoint
+    replaced only when it is empty or an earlier compress output, or with ``overwrite``.
 
-        return export_bnb_checkpoint(
-            model, tokenizer, out_dir, dtype=dtype, recipe_yaml=recipe_yaml, report=report,
-            overwrite=overwrite,
-        )
+    A model holding bitsandbytes layers is written with transformers' ``save_pretrained`` (bnb's
+    own format, ``quantization_config.quant_method: bitsandbytes``);
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it back. Its non-quantized tensors
+    keep the model's dtype (``dtype`` is not applied: casting would change the bnb modules'
+    compute path)."""
+    bnb = any(is_bnb_module(m) for m in model.modules())
+    if bnb:
+        _check_bnb_exportable(model, dtype)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_file(
-            _state_dict_for_export(model, DTYPES[dtype]),
-            tmp / "model.safetensors",
-            metadata={"format": "pt"},
-        )
-        config = portable_config(model.config.to_dict())
-        if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
-            config["architectures"] = [type(model).__name__]
-        config["dtype"] = dtype
-        config.pop("torch_dtype", None)
-        quant = quantization_config(model)
-        if quant is not None:
-            config["quantization_config"] = quant
+        if bnb:
+            model.save_pretrained(tmp, safe_serialization=True)
+            rewrite_json(tmp / "config.json", portable_config)  # RoPE fields transformers 4.x reads
         else:
-            config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
+            _write_compressed_tensors(model, tmp, dtype)
         write_provenance(tmp, tokenizer, recipe_yaml, report)
     return out_dir
+
+
+def _write_compressed_tensors(model: nn.Module, directory: Path, dtype: str) -> None:
+    """``model.safetensors``, ``config.json`` (with ``quantization_config``) and the generation
+    config of ``model`` into ``directory``."""
+    save_file(
+        _state_dict_for_export(model, DTYPES[dtype]),
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config = portable_config(model.config.to_dict())
+    if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
+        config["architectures"] = [type(model).__name__]
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    quant = quantization_config(model)
+    if quant is not None:
+        config["quantization_config"] = quant
+    else:
+        config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+def _check_bnb_exportable(model: nn.Module, dtype: str) -> None:
+    if getattr(model, "hf_quantizer", None) is None or not hasattr(model, "save_pretrained"):
+        raise RecipeError(
+            "this model holds bitsandbytes layers without a transformers quantization config; "
+            "quantize it with the quantize.bnb pass (or load it with from_pretrained) to export it"
+        )
+    model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if DTYPES.get(dtype, model_dtype) != model_dtype:
+        log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)",
+                    model_dtype, dtype)
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -322,17 +342,17 @@ def load_compressed(
     tensors = read_tensors(path)
     ignore = quant.get("ignore", [])
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or any(_matches(name, module, t) for t in ignore):
+        if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
             continue
         for group in quant.get("config_groups", {}).values():
-            if any(_matches(name, module, t) for t in group["targets"]):
+            if any(matches(name, module, t) for t in group["targets"]):
                 scale = tensors.get(f"{name}.weight_scale")
                 if scale is None:
                     raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
                 scheme = _scheme_from_args(group["weights"], scale.dtype)
                 cls = QuantLinear
                 if (group.get("input_activations") or {}).get("strategy") == "token":
-                    from compress.smoothquant import W8A8Linear as cls  # dynamic int8 inputs
+                    cls = W8A8Linear  # dynamic int8 inputs
                 quant_linear = cls(
                     module.in_features,
                     module.out_features,

@@ -42,35 +42,22 @@ from compress.core import (
     raise_or_report_skips,
     register_pass,
     set_submodule,
-    target_modules,
 )
-from compress.errors import DataError
 from compress.modules import QuantLinear, WeightScheme
-from compress.quantize import _check_group, _RtnConfig, bits_per_weight, scheme_for_layer
-from compress.sequential import LayerFn, LayerInputs, OffloadMode, run_layer, run_sequential
+from compress.scheme import CalibratedWeightConfig
+from compress.sequential import (
+    LayerInputs,
+    OffloadMode,
+    finish_quant_report,
+    plan_layers,
+    run_calibrated,
+    run_layer,
+)
 
 log = logging.getLogger(__name__)
 
 
-class _GroupedConfig(_RtnConfig):
-    """The bits and groups of the calibrated quantization passes (GPTQ, AWQ)."""
-
-    n_bits: Literal[4, 8] = 4
-    group_size: int | None = 128  # None: one scale per output channel
-    fallback_group_size: int | None = None
-
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, value: int | None) -> int | None:
-        return _check_group(value, "group_size")
-
-    @field_validator("fallback_group_size")
-    @classmethod
-    def _fallback(cls, value: int | None) -> int | None:
-        return _check_group(value, "fallback_group_size")
-
-
-class GptqConfig(_GroupedConfig):
+class GptqConfig(CalibratedWeightConfig):
     """GPTQ settings (plus ``symmetric``, ``scale_dtype``, ``backend``, ``overrides`` of RTN).
 
     group_size: input channels per scale (None: per output channel); fallback_group_size: for
@@ -97,51 +84,6 @@ class GptqConfig(_GroupedConfig):
 
 class SingularHessianError(ValueError):
     pass
-
-
-def plan_layers(
-    model: nn.Module, cfg: _RtnConfig, n_bits: int, report: PassReport
-) -> dict[str, WeightScheme]:
-    """Targeted Linear layers inside the decoder stack -> scheme; others are reported skips."""
-    plan: dict[str, WeightScheme] = {}
-    for name, module in target_modules(model, cfg):
-        if not isinstance(module, nn.Linear):
-            continue
-        if ".layers." not in f".{name}":
-            report.skipped[name] = "outside the decoder layers (sequential calibration only)"
-            continue
-        scheme = scheme_for_layer(module, cfg, n_bits, name)
-        if isinstance(scheme, str):
-            report.skipped[name] = scheme
-        else:
-            plan[name] = scheme
-    return plan
-
-
-def run_calibrated(
-    model: nn.Module,
-    state: CompressionState,
-    process: LayerFn,
-    pass_name: str,
-    *,
-    offload: OffloadMode,
-) -> dict[str, object]:
-    """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
-    state's device and progress setting; returns its memory metrics. DataError without data."""
-    if state.calibration_batches is None:
-        raise DataError(f"{pass_name} needs calibration data: add a `calibration:` section")
-    batches = [b.reshape(1, -1) if b.dim() == 1 else b for b in state.calibration_batches()]
-    if not batches:
-        raise DataError(f"{pass_name}: the calibration data is empty; raise num_samples")
-    return run_sequential(
-        model,
-        batches,
-        process,
-        device=state.device,
-        offload=offload,
-        progress=state.progress,
-        desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
-    )
 
 
 class HessianHooks:
@@ -351,26 +293,3 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
         (v["dampening"] for v in per_layer.values()), default=None
     )
     return report
-
-
-def finish_quant_report(
-    model: nn.Module, report: PassReport, backend: str, memory: dict[str, object]
-) -> None:
-    """Switch the new QuantLinear layers to the configured backend (they ran on the reference
-    path during calibration, so later layers saw exact dequantized weights) and fill metrics."""
-    schemes: dict[str, int] = {}
-    for name in report.changed:
-        module = model.get_submodule(name)
-        assert isinstance(module, QuantLinear)
-        module.backend = backend
-        module._prepared.clear()
-        schemes[module.scheme.describe()] = schemes.get(module.scheme.describe(), 0) + 1
-    report.peak_memory_bytes = int(memory["peak_memory_bytes"])  # type: ignore[arg-type]
-    report.metrics.update(memory)
-    weight_bytes = sum(model.get_submodule(n).weight_bytes() for n in report.changed)
-    report.metrics.update(
-        layers=len(report.changed),
-        schemes=schemes,
-        weight_bytes_after=weight_bytes,
-        bits_per_weight=bits_per_weight(model, report.changed),
-    )

@@ -193,10 +193,9 @@ def load_model(
                 f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
                 "offline, pass a local directory."
             ) from exc
-    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
-        from compress.bnb import portable_cpu_layout
+    from compress.modules import portable_cpu_layout
 
-        portable_cpu_layout(model)  # same numerics on every CPU class (see there)
+    portable_cpu_layout(model)  # bitsandbytes layers: same numerics on every CPU class (see there)
     tokenizer = AutoTokenizer.from_pretrained(where)
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))

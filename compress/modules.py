@@ -1,4 +1,7 @@
-"""Runtime modules the passes swap into a model: ``QuantLinear``.
+"""The quantized layer types the passes swap into a model: ``QuantLinear`` and ``W8A8Linear``.
+
+This module imports no pass: loading a checkpoint (``compress.export.load_compressed``) builds
+these layers without importing any quantization algorithm.
 
 A ``QuantLinear`` holds exactly the tensors the compressed-tensors checkpoint stores, under the
 same names, so export is ``state_dict()`` and reload is ``load_state_dict()``:
@@ -11,10 +14,26 @@ same names, so export is ``state_dict()`` and reload is ``load_state_dict()``:
 
 The forward runs on a backend chosen per device by ``compress.kernels.dispatch``; backend
 specific repacks (the native CPU int4 layout) are made once, on first use, and not saved.
+
+``W8A8Linear`` (SmoothQuant's layer, Xiao et al. 2022) stores its weight like a symmetric
+per-channel int8 ``QuantLinear`` and also quantizes its input per token at run time:
+``y = (x_q @ w_q^T) * sx * sw``, the int8 x int8 product accumulated in int32. Backends, all
+bit-identical: ``cpu`` ``torch._int_mm`` (int8 x int8 -> int32, CPU since torch 2.2; fast only
+with VNNI int8 dot products: on an AVX2-only CPU it measured 261 ms vs 8 ms for ``float_exact``
+at [512,1536]x[1536,576]), ``float_exact`` (the int8 values widened to float32 and multiplied in
+K-chunks of at most 1040, so every partial sum is an integer below 2^24 and exact; chunks summed
+in int32), ``triton`` (``kernels.triton_ops.int8_int8_linear`` on CUDA), ``reference`` (float64,
+exact for K < 2^38 / 127^2). ``auto`` picks triton on CUDA, ``cpu`` on CPUs that report VNNI,
+else ``float_exact``. Exported as compressed-tensors ``int-quantized`` with dynamic per-token
+``input_activations``.
+
+``model_bytes`` / ``bits_per_weight`` count what the layers store, bitsandbytes layers included
+(recognised by duck typing: this module never imports bitsandbytes or the bnb pass).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -241,12 +260,146 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
+# ---- W8A8 ---------------------------------------------------------------------------------
+# compressed-tensors description of the activations of a W8A8Linear
+INPUT_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "token",
+    "dynamic": True,
+    "actorder": None,
+    "observer": None,
+    "observer_kwargs": {},
+}
+
+# float32 represents every integer below 2^24 exactly; |a*b| <= 127^2, so a dot product over at
+# most 2^24 // 127^2 = 1040 terms has exact partial sums whatever the summation order.
+FLOAT_EXACT_CHUNK = (1 << 24) // (127 * 127)
+
+
+def int8_int8_reference(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """``x_q [M, K] @ w_q [N, K]^T`` exactly, as int32 (float64 holds every partial sum)."""
+    return (x_q.to(torch.float64) @ w_q.to(torch.float64).T).to(torch.int32)
+
+
+def int8_int8_float_exact(x_q: torch.Tensor, w_q_float: torch.Tensor) -> torch.Tensor:
+    """``x_q [M, K] int8 @ w_q_float [N, K]^T`` (int8 values held as float32), exactly, as
+    int32: float32 GEMMs over K-chunks too short for any partial sum to round, added in int32."""
+    k = x_q.shape[-1]
+    acc = None
+    for start in range(0, k, FLOAT_EXACT_CHUNK):
+        stop = min(start + FLOAT_EXACT_CHUNK, k)
+        part = (x_q[:, start:stop].to(torch.float32) @ w_q_float[:, start:stop].T).to(torch.int32)
+        acc = part if acc is None else acc + part
+    assert acc is not None, "K must be positive"
+    return acc
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """The CPU advertises int8 dot-product instructions (AVX512-VNNI / AVX-VNNI / AMX), the only
+    case where ``torch._int_mm`` on CPU beats ``float_exact`` (Linux: /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.cache
+def _triton_w8a8() -> bool:
+    """kernels.triton_ops provides int8_int8_linear (triton importable)."""
+    try:
+        from compress.kernels import triton_ops
+    except ImportError:
+        return False
+    return hasattr(triton_ops, "int8_int8_linear")
+
+
+class W8A8Linear(QuantLinear):
+    """int8 per-channel weights (stored like an int8 ``QuantLinear``) x dynamic per-token int8
+    activations. backend: auto | reference | float_exact | cpu | triton (module docstring)."""
+
+    input_activations = INPUT_ACTIVATIONS
+
+    def __init__(self, in_features: int, out_features: int, scheme: WeightScheme, **kwargs) -> None:
+        if scheme.n_bits != 8 or scheme.group_size is not None or not scheme.symmetric:
+            raise ValueError(
+                f"W8A8Linear needs symmetric per-channel int8 weights, got {scheme.describe()}"
+            )
+        super().__init__(in_features, out_features, scheme, **kwargs)
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.backend != "auto":
+            if self.backend == "triton" and not (device.type == "cuda" and _triton_w8a8()):
+                raise RuntimeError(
+                    "W8A8 backend 'triton' needs CUDA and kernels.triton_ops.int8_int8_linear"
+                )
+            return self.backend
+        if device.type == "cuda" and _triton_w8a8():
+            return "triton"
+        if device.type == "cpu" and hasattr(torch, "_int_mm") and cpu_has_vnni():
+            return "cpu"
+        return "float_exact"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = self.resolved_backend(x.device)
+        x2 = x.reshape(-1, self.in_features)  # [..., K] -> [M, K]
+        w_scales = self.weight_scale.to(torch.float32).reshape(1, -1)  # [1, N]
+        if backend == "triton":
+            from compress.kernels import triton_ops
+
+            y = triton_ops.int8_int8_linear(x2, self.weight, self.weight_scale.reshape(-1, 1))
+        else:
+            x_q, x_scales = reference.quantize_per_token_int8(x2)
+            if backend == "cpu":
+                if "w_t" not in self._prepared:  # _int_mm wants B as [K, N]
+                    self._prepared["w_t"] = self.weight.T.contiguous()
+                acc = torch._int_mm(x_q, self._prepared["w_t"])  # type: ignore[arg-type]
+            elif backend == "float_exact":
+                if "w_float" not in self._prepared:
+                    self._prepared["w_float"] = self.weight.to(torch.float32)
+                acc = int8_int8_float_exact(x_q, self._prepared["w_float"])
+            else:
+                acc = int8_int8_reference(x_q, self.weight)
+            y = (acc.to(torch.float32) * x_scales * w_scales).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", activations=int8 per-token dynamic"
+
+
+def w8a8_from_linear(linear: nn.Linear, scale_dtype: torch.dtype, backend: str) -> W8A8Linear:
+    """Per-channel symmetric RTN of ``linear``'s weight into a ``W8A8Linear``."""
+    scheme = WeightScheme(8, None, True, scale_dtype)
+    return W8A8Linear.from_linear(linear, scheme, backend=backend)  # type: ignore[return-value]
+
+
+# ---- sizes --------------------------------------------------------------------------------
+def linear_weight_bytes(module: nn.Module) -> int | None:
+    """Stored bytes of a linear layer's weight (bias excluded), None for anything else:
+    a QuantLinear's codes, scales and zero points; for any other ``nn.Linear`` the tensors its
+    state_dict holds, i.e. the weight, plus the absmax / code maps of a bitsandbytes layer (what
+    ``save_pretrained`` writes for it)."""
+    if isinstance(module, QuantLinear):
+        return module.weight_bytes()
+    if isinstance(module, nn.Linear):
+        return sum(
+            t.numel() * t.element_size()
+            for k, t in module.state_dict().items()
+            if not k.startswith("bias") and torch.is_tensor(t)
+        )
+    return None
+
+
 def model_bytes(model: nn.Module) -> dict[str, int]:
     """Stored bytes of a model: ``total`` (every persistent tensor, tied ones once) and
-    ``linear`` (the Linear/QuantLinear/bitsandbytes weights inside the decoder, i.e. what
-    quantization shrinks; lm_head excluded; bnb weights counted with their absmax/code maps)."""
-    from compress.bnb import bnb_weight_bytes, is_bnb_module  # lazy: compress.bnb imports us
-
+    ``linear`` (``linear_weight_bytes`` of every linear layer, lm_head excluded: what
+    quantization shrinks)."""
     seen: set[int] = set()
     total = 0
     for tensor in model.state_dict().values():
@@ -254,17 +407,59 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
-    linear = 0
-    for name, module in model.named_modules():
-        if name.endswith("lm_head"):
-            continue
-        if isinstance(module, QuantLinear):
-            linear += module.weight_bytes()
-        elif is_bnb_module(module) and isinstance(module, nn.Linear):
-            linear += bnb_weight_bytes(module)  # before nn.Linear: Linear8bitLt subclasses it
-        elif isinstance(module, nn.Linear):
-            linear += module.weight.numel() * module.weight.element_size()
+    linear = sum(_linear_sizes(model, None)[0].values())
     return {"total": total, "linear": linear}
+
+
+def bits_per_weight(model: nn.Module, names: list[str] | None = None) -> float | None:
+    """Average stored bits per weight (codes + scales + zero points, or float bits) over the
+    named linear layers, or over every linear layer but lm_head when ``names`` is None: the
+    mixed-precision summary of a pass report and the bits/weight column of comparison tables."""
+    stored, params = _linear_sizes(model, names)
+    numel = sum(params.values())
+    return 8 * sum(stored.values()) / numel if numel else None
+
+
+def _linear_sizes(
+    model: nn.Module, names: list[str] | None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Stored bytes and weight count per linear layer (the named ones, or all but lm_head)."""
+    modules = (
+        model.named_modules()
+        if names is None
+        else ((name, model.get_submodule(name)) for name in names)
+    )
+    stored, params = {}, {}
+    for name, module in modules:
+        if names is None and name.endswith("lm_head"):
+            continue
+        size = linear_weight_bytes(module)
+        if size is not None:
+            stored[name] = size
+            params[name] = module.in_features * module.out_features
+    return stored, params
+
+
+def is_bnb_module(module: nn.Module) -> bool:
+    """True for bitsandbytes modules; checks the class's module path so nothing gets imported."""
+    return type(module).__module__.startswith("bitsandbytes")
+
+
+def portable_cpu_layout(model: nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit layer of ``model`` in the portable layout on CPU; returns
+    how many layers were set (duck-typed: bitsandbytes is not imported).
+
+    bitsandbytes repacks a Linear4bit in place on its first CPU forward where the CPU has
+    AVX512-BF16 (absmax cast to bf16), and its inverse on save does not restore the fp32
+    absmax: measured (bitsandbytes 0.50.2), exporting after one forward changed the reloaded
+    logits by 3.5%, and the same checkpoint computed different logits on AVX2 and AVX-512
+    CPUs. We store, export, count and compute with the portable layout on every CPU class."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
 
 
 def set_backend(model: nn.Module, backend: str) -> int:

@@ -29,6 +29,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
+from compress.arch import decoder_layers
 from compress.core import CompressionState, PassConfig, PassReport, register_pass
 from compress.errors import ConfigError
 from compress.modules import QuantLinear
@@ -140,9 +141,10 @@ class LayersConfig(_PruneConfig):
 
 
 # ---- model access -------------------------------------------------------------------------
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Llama-style model, or a ConfigError naming what is missing."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+def _llama_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers (``arch.decoder_layers``), checked to hold the Llama-style float
+    modules the prune passes rewrite, or a ConfigError naming what is missing."""
+    layers = decoder_layers(model)
     needed = (
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -154,11 +156,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         "input_layernorm",
         "post_attention_layernorm",
     )
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ConfigError(
-            f"prune.* supports Llama-style decoders (model.model.layers); {type(model).__name__} "
-            "has none. Use a llama/mistral/qwen2-style model."
-        )
     for name in needed:
         try:
             module = layers[0].get_submodule(name)
@@ -315,7 +312,7 @@ def _head_scores(model, layers, cfg, state, n_heads, head_dim) -> list[torch.Ten
 def prune_attention_heads(
     model: nn.Module, cfg: AttentionHeadsConfig, state: CompressionState
 ) -> PassReport:
-    layers = decoder_layers(model)
+    layers = _llama_layers(model)
     config = model.config
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = layers[0].self_attn.head_dim
@@ -406,7 +403,7 @@ def _channel_scores(model, layers, cfg, state) -> list[torch.Tensor]:
 def prune_mlp_channels(
     model: nn.Module, cfg: MlpChannelsConfig, state: CompressionState
 ) -> PassReport:
-    layers = decoder_layers(model)
+    layers = _llama_layers(model)
     current, hidden = model.config.intermediate_size, model.config.hidden_size
     before = count_params(model)
     allowed = _multiples(current, cfg.multiple_of, "prune.mlp_channels")
@@ -470,7 +467,7 @@ def _hidden_scores(model, layers, cfg, state) -> torch.Tensor:
 def prune_hidden_size(
     model: nn.Module, cfg: HiddenSizeConfig, state: CompressionState
 ) -> PassReport:
-    layers = decoder_layers(model)
+    layers = _llama_layers(model)
     config = model.config
     current = config.hidden_size
     before = count_params(model)
@@ -559,7 +556,7 @@ def layer_scores(
 
 @register_pass("prune.layers", LayersConfig)
 def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -> PassReport:
-    blocks = decoder_layers(model)
+    blocks = _llama_layers(model)
     current = len(blocks)
     before = count_params(model)
     per_layer = sum(p.numel() for p in blocks[0].parameters())

@@ -4,7 +4,7 @@ Everything is checked before any work starts, and every problem is reported at o
 the file, the location (``passes[2] (quantize.int4_rtn): group_size``), the bad value, the
 allowed values and a did-you-mean for misspelt keys and pass names. ``load_recipe`` takes a path
 only; ``parse_recipe`` takes text or a dict. ``--set a.b.0.c=value`` overrides are applied to the
-raw mapping and go through the same checks.
+raw mapping and go through the same checks. Importing this module registers every pass.
 """
 
 from __future__ import annotations
@@ -21,6 +21,17 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+# Every pass module, imported here for its @register_pass side effect: a recipe may name any
+# registered pass, so parsing or printing one needs them all (STYLE 5.3: explicit, no discovery).
+from compress import (  # noqa: F401
+    awq,
+    bnb,  # imports bitsandbytes only when run
+    distill,
+    gptq,
+    prune,
+    quantize,
+    smoothquant,
+)
 from compress.core import (
     MAX_TOKENS,
     PASSES,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compress.arch import decoder_layers
 from compress.kernels import cpu_avx2, cpu_native
 from compress.modules import QuantLinear, WeightScheme
 
@@ -388,7 +389,7 @@ class Runtime:
         with torch.no_grad():
             self.layers = nn.ModuleList(
                 _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel)
-                for i, layer in enumerate(model.model.layers)
+                for i, layer in enumerate(decoder_layers(model))
             )
             self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits)
             self.embed = embed.detach()

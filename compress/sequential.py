@@ -10,16 +10,19 @@ at a time. ``offload="cpu"`` keeps unprocessed layers on the CPU and moves each 
 temporary folder and frees them (meta tensors) until their turn, so host RAM holds only the
 processed (quantized) layers plus one float layer.
 
-Peak memory is measured, not estimated: on CUDA the allocator's peak; on CPU a background
-thread samples the process RSS every 10 ms (``/proc/self/statm``, Linux). Only decoder stacks
-that expose ``model.model.layers`` (Llama, Qwen2, Mistral, ... in transformers) are supported.
+Peak memory is measured, not estimated (``compress.memory.MemoryMonitor``). Only decoder stacks
+that ``compress.arch.decoder_layers`` finds are supported.
+
+Also the scaffolding the calibrated passes share, so that no pass imports another: which layers
+a pass plans to quantize (``plan_layers``), running it over the calibration data
+(``run_calibrated``), the common report metrics (``finish_quant_report``) and folding a
+per-channel scale into the producer of an input (``migrate_scales``, AWQ and SmoothQuant).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
+
+from compress.arch import decoder_layers
+from compress.core import CompressionState, PassReport, target_modules
+from compress.errors import DataError
+from compress.memory import MemoryMonitor
+from compress.modules import QuantLinear, WeightScheme, bits_per_weight
+from compress.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
 
 OffloadMode = Literal["none", "cpu", "disk"]
 
@@ -44,17 +54,6 @@ class LayerInputs:
 
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per sample
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """``model.model.layers`` or a clear error for an unsupported architecture."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(
-            f"{type(model).__name__} has no model.layers decoder stack; sequential calibration "
-            "supports Llama-style causal LMs (LlamaForCausalLM, Qwen2ForCausalLM, ...)"
-        )
-    return layers
 
 
 @torch.no_grad()
@@ -101,56 +100,6 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "") -> list
             )
         outs.append(out.detach())
     return outs
-
-
-class MemoryMonitor:
-    """Peak memory during a ``with`` block: CUDA allocator peak, else sampled process RSS."""
-
-    def __init__(self, device: torch.device, interval_s: float = 0.01) -> None:
-        self.device, self.interval_s = device, interval_s
-        self.peak_bytes = 0
-        self.start_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def rss_bytes() -> int:
-        try:
-            with open("/proc/self/statm") as handle:
-                return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return 0
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak_bytes = max(self.peak_bytes, self.rss_bytes())
-
-    def __enter__(self) -> MemoryMonitor:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = torch.cuda.memory_allocated(self.device)
-        else:
-            self.start_bytes = self.peak_bytes = self.rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak_bytes = max(self.peak_bytes, self.rss_bytes())
-        if self.device.type == "cuda":
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
-
-    def metrics(self) -> dict[str, Any]:
-        kind = "cuda_allocated" if self.device.type == "cuda" else "process_rss_sampled"
-        return {
-            "peak_memory_kind": kind,
-            "memory_at_start_bytes": self.start_bytes,
-            "peak_memory_bytes": self.peak_bytes,
-            "peak_memory_over_start_bytes": max(0, self.peak_bytes - self.start_bytes),
-        }
 
 
 class _DiskOffload:
@@ -223,3 +172,89 @@ def run_sequential(
     metrics["offload"] = offload
     metrics["calibration_tokens"] = int(sum(b.numel() for b in batches))
     return metrics
+
+
+# ---- shared by the calibrated passes (GPTQ, AWQ, SmoothQuant) -----------------------------
+def plan_layers(
+    model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport
+) -> dict[str, WeightScheme]:
+    """Targeted Linear layers inside the decoder stack -> scheme; others are reported skips."""
+    plan: dict[str, WeightScheme] = {}
+    targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
+    warn_unused_overrides(cfg, [n for n, _ in targeted], report.name)
+    for name, module in targeted:
+        if ".layers." not in f".{name}":
+            report.skipped[name] = "outside the decoder layers (sequential calibration only)"
+            continue
+        scheme = scheme_for_layer(module, cfg, n_bits, name)
+        if isinstance(scheme, str):
+            report.skipped[name] = scheme
+        else:
+            plan[name] = scheme
+    return plan
+
+
+def run_calibrated(
+    model: nn.Module,
+    state: CompressionState,
+    process: LayerFn,
+    pass_name: str,
+    *,
+    offload: OffloadMode,
+) -> dict[str, object]:
+    """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
+    state's device and progress setting; returns its memory metrics. DataError without data."""
+    if state.calibration_batches is None:
+        raise DataError(f"{pass_name} needs calibration data: add a `calibration:` section")
+    batches = [b.reshape(1, -1) if b.dim() == 1 else b for b in state.calibration_batches()]
+    if not batches:
+        raise DataError(f"{pass_name}: the calibration data is empty; raise num_samples")
+    return run_sequential(
+        model,
+        batches,
+        process,
+        device=state.device,
+        offload=offload,
+        progress=state.progress,
+        desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
+    )
+
+
+def finish_quant_report(
+    model: nn.Module, report: PassReport, backend: str, memory: dict[str, object]
+) -> None:
+    """Switch the new QuantLinear layers to the configured backend (they ran on the reference
+    path during calibration, so later layers saw exact dequantized weights) and fill metrics."""
+    schemes: dict[str, int] = {}
+    for name in report.changed:
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear)
+        module.backend = backend
+        module._prepared.clear()
+        schemes[module.scheme.describe()] = schemes.get(module.scheme.describe(), 0) + 1
+    report.peak_memory_bytes = int(memory["peak_memory_bytes"])  # type: ignore[arg-type]
+    report.metrics.update(memory)
+    weight_bytes = sum(model.get_submodule(n).weight_bytes() for n in report.changed)
+    report.metrics.update(
+        layers=len(report.changed),
+        schemes=schemes,
+        weight_bytes_after=weight_bytes,
+        bits_per_weight=bits_per_weight(model, report.changed),
+    )
+
+
+@torch.no_grad()
+def migrate_scales(
+    prev: nn.Module, lins: list[nn.Module], s_prev: torch.Tensor, s: torch.Tensor
+) -> None:
+    """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
+    RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
+    the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
+        if prev.bias is not None:
+            prev.bias.div_(s_prev.to(prev.bias.dtype))
+    else:  # RMSNorm-style: y = w * normalize(x)
+        prev.weight.div_(s_prev.to(prev.weight.dtype))
+    for lin in lins:
+        lin.weight.mul_(s.to(lin.weight.dtype))

@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compress.eval.latency import Slo, cost, greedy_stream, peak_memory_bytes, summarize
+from compress.eval.latency import Slo, cost, greedy_stream, summarize
 from compress.eval.report import environment, markdown_table, write_csv, write_results
 from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
 from compress.eval.workload import Lengths, lengths_bounds, make_requests, read_trace
 
 from compress.data import resolve_text_path
 from compress.errors import ConfigError, DataError
+from compress.memory import peak_memory_bytes
 
 
 @dataclass
@@ -125,19 +126,13 @@ def _check_tokenizers(names: list[str], tokenizers: list[Any]) -> None:
 
 
 def _sizes(model) -> dict[str, float]:
-    from compress.modules import model_bytes
+    from compress.modules import bits_per_weight, model_bytes
 
     sizes = model_bytes(model)
-    # model_bytes' "linear" leaves lm_head out; count the same layers' parameters.
-    linear_params = sum(
-        m.in_features * m.out_features
-        for name, m in model.named_modules()
-        if hasattr(m, "in_features") and not name.endswith("lm_head")
-    )
     return {
         "weight_mb": sizes["total"] / 1e6,
         "linear_weight_mb": sizes["linear"] / 1e6,
-        "bits_per_weight": 8 * sizes["linear"] / linear_params if linear_params else None,
+        "bits_per_weight": bits_per_weight(model),  # the same layers as sizes["linear"]
         "weight_bytes": sizes["total"],
     }
 

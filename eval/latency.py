@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -249,14 +247,6 @@ def prefill_flops(model: nn.Module, prompt_tokens: int) -> float:
     )
     t = prompt_tokens
     return 2.0 * matmul_params(model) * t + 2.0 * cfg.num_hidden_layers * t * t * width
-
-
-def peak_memory_bytes() -> dict[str, int | None]:
-    """Peak resident memory of this process (whole lifetime) and peak CUDA allocation."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
-    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return {"peak_rss_bytes": int(rss), "peak_cuda_allocated_bytes": cuda}
 
 
 def roofline(

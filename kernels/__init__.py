@@ -6,7 +6,8 @@ Public names: the backend choice (``resolve_backend``), the Triton glue used by 
 modules (``int4_gemm``, ``int8_gemm``) load on first use.
 """
 
-from .dispatch import BACKENDS, KernelConstraintError, resolve_backend
+from .dispatch import BACKENDS, resolve_backend
+from .errors import KernelConstraintError
 from .triton_ops import int4_linear, int8_int8_linear, int8_linear, load_tuned_configs
 
 __all__ = [

@@ -16,16 +16,13 @@ from typing import Literal
 import torch
 
 from . import cpu_native
+from .errors import KernelConstraintError
 
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "reference", "cpu", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cpu", "triton")
 Op = Literal["int4", "int8"]
-
-
-class KernelConstraintError(ValueError):
-    """A tensor does not meet a kernel's constraints; the message carries the shapes."""
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from .dispatch import KernelConstraintError
+from .errors import KernelConstraintError
 
 DECODE_MAX_M = 16  # M up to this takes the split-K decode path
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from .dispatch import KernelConstraintError
+from .errors import KernelConstraintError
 from .int4_gemm import (
     FLOAT_DTYPES,
     _config,

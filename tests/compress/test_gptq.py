@@ -17,7 +17,13 @@ from compress.modules import QuantLinear, WeightScheme
 from compress.quant_primitives import fake_quantize
 from compress.recipe import parse_recipe
 from compress.testing import make_tiny_llama
-from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
+from tests.compress.quant_helpers import (
+    layer0_output_errors,
+    output_error,
+    real_slice,
+    real_state,
+    tiny_state,
+)
 
 
 def _problem(n=64, k=128, tokens=1024, seed=0):
@@ -138,18 +144,28 @@ def test_pass_on_tiny_model_exports_and_reloads(tmp_path, tiny_tokenizer):
     assert report.metrics["bits_per_weight"] == pytest.approx(4 + 16 / 32)  # codes + fp16 scale
     assert report.peak_memory_bytes and report.peak_memory_bytes > 0
     ids = torch.randint(3, 300, (2, 16))
-    assert output_error(model, reference_model, ids) < 1e-2
+    assert output_error(model, reference_model, ids) < 1e-2  # sanity; the real check is below
     export_checkpoint(model, tiny_tokenizer, tmp_path / "ckpt")
     reloaded = load_compressed(tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"seed{s}")
+def test_pass_beats_rtn_on_layer_output_error(seed):
+    """GPTQ's layer 0 against RTN's, same layer, same calibration inputs (the ones GPTQ saw).
+    Measured ratio over seeds 0-29 of the tiny model: 0.28-0.51 (sink weighting on)."""
+    gptq_err, rtn_err = layer0_output_errors(
+        make_tiny_llama(seed=seed), GptqConfig(group_size=32), group_size=32, seed=seed
+    )
+    assert gptq_err < 0.7 * rtn_err, (gptq_err, rtn_err)
+
+
 def test_pass_is_deterministic_and_applies_overrides():
     cfg = GptqConfig(
         group_size=32,
         overrides=(
-            {"layers": r"re:layers\.1\.mlp\.down_proj$", "n_bits": 8, "group_size": "channel"},
+            {"layers": r"re:.*layers\.1\.mlp\.down_proj$", "n_bits": 8, "group_size": "channel"},
         ),
     )
     models = [make_tiny_llama(), make_tiny_llama()]

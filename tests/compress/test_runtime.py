@@ -62,6 +62,44 @@ def test_default_kv_cache_dtype_follows_the_cpu(model):
     )
 
 
+# Hand count of the tiny Llama's decode-phase bytes (make_tiny_llama: 2 layers, hidden 64,
+# MLP 128, 4 heads of 16 with 2 KV heads, vocab 320, tied head): per layer q, o [64, 64],
+# k, v [32, 64], gate, up [128, 64], down [64, 128] = 36,864 weights, and two fp32 norms.
+LINEAR_WEIGHTS_PER_LAYER = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64
+NORMS_PER_LAYER = 2 * 64 * 4  # fp32
+HEAD_NORM = 64 * 4
+
+
+def _hand_count(kind: str) -> int:
+    if kind == "fp32":  # every matrix in fp32, the (tied) head included
+        layer = LINEAR_WEIGHTS_PER_LAYER * 4 + NORMS_PER_LAYER
+        return 2 * layer + HEAD_NORM + 320 * 64 * 4
+    if kind == "fp32-bf16-decode":  # decode reads the bf16 copies, not the fp32 prefill ones
+        layer = LINEAR_WEIGHTS_PER_LAYER * 2 + NORMS_PER_LAYER
+        return 2 * layer + HEAD_NORM + 320 * 64 * 2
+    # int4 g32 in torch's CPU layout: codes uint8 [N, K/2] (1/2 byte per weight) and bf16
+    # (scale, zero) pairs [K/32, N, 2] (4 bytes per 32 weights = 1/8 byte); the float head is
+    # held in the decode dtype, bf16
+    layer = LINEAR_WEIGHTS_PER_LAYER // 2 + LINEAR_WEIGHTS_PER_LAYER // 8 + NORMS_PER_LAYER
+    return 2 * layer + HEAD_NORM + 320 * 64 * 2
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp32-bf16-decode", "int4-g32"])
+def test_decode_bytes_match_a_hand_count(model, kind):
+    """What the MBU column divides by: the decode-phase weights and the allocated KV cache (an
+    upper bound of what one step reads: it attends to the filled prefix of its rows)."""
+    if kind == "int4-g32":
+        quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    decode = torch.bfloat16 if kind == "fp32-bf16-decode" else None
+    rt = Runtime(model, max_seq_len=48, max_batch_size=3, compile=False, decode_dtype=decode)
+    assert rt.kv_dtype == torch.float32  # fp32 weights: fp32 prefill, so an fp32 cache on CPU
+    # K and V x 2 layers x 3 rows x 2 KV heads x 48 slots x head_dim 16 x 4 bytes
+    kv = 2 * 2 * 3 * 2 * 48 * 16 * 4
+    assert rt.decode_bytes() == {"weights": _hand_count(kind), "kv_cache": kv}
+    assert _hand_count("fp32") == 378112 and _hand_count("int4-g32") == 88320
+    assert _hand_count("fp32-bf16-decode") == 189696
+
+
 def test_batch_with_left_padding_equals_single_rows(model):
     rt = Runtime(model, max_seq_len=64, max_batch_size=3, compile=False)
     assert rt.generate(PROMPTS, 16) == [hf_greedy(model, p, 16) for p in PROMPTS]
@@ -253,7 +291,7 @@ def test_real_model_greedy_equals_transformers(smollm2):
 def test_w8a8_layers_keep_int8_activations_in_the_runtime(model):
     # A weight-only int8 kernel would give other numbers than the model that was evaluated:
     # the runtime's greedy tokens equal transformers' on the same W8A8 model.
-    from compress.smoothquant import w8a8_from_linear
+    from compress.modules import w8a8_from_linear
 
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and "layers." in name:
