@@ -48,3 +48,34 @@ def real_state(loaded, data_dir, n: int = 4, seq_len: int = 128) -> CompressionS
 def output_error(model, reference, ids: torch.Tensor) -> float:
     with torch.no_grad():
         return float((model(ids).logits - reference(ids).logits).pow(2).mean())
+
+
+def layer0_output_errors(base, cfg, *, group_size: int, seed: int = 0) -> tuple[float, float]:
+    """(error after ``cfg``, error after plain int4 RTN with the same group size): the summed
+    squared error of decoder layer 0's output against ``base``'s, on the calibration inputs the
+    calibrated pass saw (``tiny_state(seed=seed)``). Layer 0's inputs come from the embeddings
+    alone, so every variant's layer 0 sees exactly the float model's inputs."""
+    import copy
+
+    from compress.core import run_passes
+    from compress.quantize import Int4RtnConfig
+    from compress.sequential import capture_first_layer_inputs, run_layer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # microsecond ops on a shared 2-core box: 1 thread is faster
+    try:
+        inputs = capture_first_layer_inputs(
+            base, tiny_state(seed=seed).calibration_batches(), torch.device("cpu")
+        )
+        expected = run_layer(base.model.layers[0], inputs)
+        errors = []
+        for config in (cfg, Int4RtnConfig(group_size=group_size)):
+            model = copy.deepcopy(base)
+            run_passes(model, [config], tiny_state(seed=seed))
+            got = run_layer(model.model.layers[0], inputs)
+            errors.append(
+                sum(float((a - b).pow(2).sum()) for a, b in zip(got, expected, strict=True))
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return errors[0], errors[1]

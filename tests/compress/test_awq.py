@@ -13,7 +13,13 @@ from compress.modules import QuantLinear, WeightScheme
 from compress.quant_primitives import fake_quantize
 from compress.sequential import capture_first_layer_inputs, run_layer
 from compress.testing import make_tiny_llama
-from tests.compress.quant_helpers import output_error, real_slice, real_state, tiny_state
+from tests.compress.quant_helpers import (
+    layer0_output_errors,
+    output_error,
+    real_slice,
+    real_state,
+    tiny_state,
+)
 
 
 def test_search_scale_beats_rtn_with_outlier_channels():
@@ -88,7 +94,31 @@ def test_pass_on_tiny_model():
     assert len(report.changed) == 14
     assert all(isinstance(model.get_submodule(n), QuantLinear) for n in report.changed)
     assert len(report.metrics["per_group"]) == 8  # 4 groups x 2 layers
+    # sanity only (plain RTN meets it too); the comparison with RTN is the test below
     assert output_error(model, reference_model, torch.randint(3, 300, (2, 16))) < 1e-2
+
+
+def _tiny_llama_with_outlier_channels(seed: int):
+    """The tiny Llama with 4 of 64 channels of every RMSNorm weight scaled x10: activation
+    outlier channels, as LLMs have them and as AWQ is designed for (a random model has none)."""
+    model = make_tiny_llama(seed=seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:4] *= 10
+            layer.post_attention_layernorm.weight[:4] *= 10
+    return model
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"seed{s}")
+def test_pass_beats_rtn_on_layer_output_error(seed):
+    """AWQ's layer 0 against RTN's, same layer, same calibration inputs (the ones AWQ saw), with
+    activation outlier channels. Measured ratio over seeds 0-29: 0.35-0.60. (Without outliers
+    AWQ gains 0-25% and, with the coarse n_grid/clip_grid 5, is sometimes 7% worse.)"""
+    awq_err, rtn_err = layer0_output_errors(
+        _tiny_llama_with_outlier_channels(seed), AwqConfig(group_size=32), group_size=32,
+        seed=seed,
+    )
+    assert awq_err < 0.75 * rtn_err, (awq_err, rtn_err)
 
 
 @pytest.mark.real

@@ -9,7 +9,22 @@ import yaml
 
 from compress.cli import build_parser, main
 
-SUBCOMMANDS = ["run", "validate", "inspect", "eval"]
+# Every subcommand the parser has, read from the parser itself so that a new one is covered
+# too; the ones below must be among them (a removed or renamed command fails here).
+SUBCOMMANDS = sorted(
+    next(a for a in build_parser()._actions if a.dest == "command").choices
+)
+KNOWN = {"run", "validate", "inspect", "eval", "compare", "generate"}
+
+
+def test_the_known_subcommands_exist_and_top_level_help_lists_them(capsys):
+    assert KNOWN <= set(SUBCOMMANDS), SUBCOMMANDS
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for command in SUBCOMMANDS:
+        assert command in text
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)
@@ -18,12 +33,17 @@ def test_every_subcommand_has_complete_help(command, capsys):
         main([command, "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
+    assert "usage: compress " + command in text
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     for action in sub._actions:
-        if action.dest != "help":
-            assert action.help, f"{command}: {action.dest} has no help text"
-    assert "usage: compress " + command in text
+        if action.dest == "help":
+            continue
+        assert action.help, f"{command}: {action.dest} has no help text"
+        # each argument is shown: its option strings, or a positional's name
+        shown = action.option_strings or [action.metavar or action.dest]
+        for name in shown:
+            assert name in text, f"{command} --help does not show {name}"
 
 
 def test_validate_reports_three_mistakes_and_exits_2(tmp_path, capsys):
