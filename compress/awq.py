@@ -6,11 +6,13 @@ quantization group) over a grid of ``a`` in [0, 1), minimising the output error 
 quantized group ``|| X diag(1/s) Q(W diag(s))^T - X W^T ||^2``, then fold ``1/s`` into the
 operation that produces the input, so the float model is unchanged:
 
-* ``input_layernorm`` -> q/k/v; ``post_attention_layernorm`` -> gate/up (norm weight / s);
-* ``v_proj`` -> ``o_proj`` (v_proj rows / s). GQA-aware: with fewer KV heads, each v channel
-  feeds ``heads / kv_heads`` o_proj input channels, so the search runs over the v channels and
-  the scale is repeated per head group;
-* ``up_proj`` -> ``down_proj``.
+* the attention norm -> q/k/v; the MLP norm -> gate/up (norm weight / s);
+* v -> o (v rows / s). GQA-aware: with fewer KV heads, each v channel feeds ``heads / kv_heads``
+  o input channels, so the search runs over the v channels and the scale is repeated per head
+  group;
+* up -> down.
+
+Those are Llama's mappings; each family's are in ``compress.arch`` (``awq_mappings``).
 
 The error is computed through the input second moment ``H = X^T X`` accumulated over *all*
 calibration tokens (``tr(D H D^T)`` with ``D = Q(W s)/s - W``), which costs the same as a matmul
@@ -18,7 +20,7 @@ over K tokens and needs no token subsample. Optional clipping search (not for q/
 are amplified by the softmax) shrinks each group's range by up to ``max_shrink`` to minimise the
 group's own output error (cross-group terms of H ignored, as in the reference implementation).
 The weights are then rounded to nearest with the searched scale/clip and stored as ordinary
-int4/int8 ``QuantLinear`` group weights. Llama-style layers only (names as in transformers).
+int4/int8 ``QuantLinear`` group weights. Model families: those ``compress.arch`` lists.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pydantic import Field
 from torch import nn
 
 from compress import quant_primitives
+from compress.arch import NormForm, arch_for, head_dim_of
 from compress.core import (
     CompressionState,
     PassReport,
@@ -50,15 +53,6 @@ from compress.sequential import (
 )
 
 log = logging.getLogger(__name__)
-
-# (producer of the input, consumers) inside one Llama-style decoder layer
-GROUPS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("self_attn.v_proj", ("self_attn.o_proj",)),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.up_proj", ("mlp.down_proj",)),
-)
-NO_CLIP = ("q_proj", "k_proj")
 
 
 class AwqConfig(CalibratedWeightConfig):
@@ -207,14 +201,17 @@ def _scale_group(
     stats: _InputStats,
     schemes: list[WeightScheme],
     cfg: AwqConfig,
+    *,
+    norm_form: NormForm = "w",
 ) -> dict[str, float] | str:
-    """Search and fold the scale of one group; returns metrics or the reason it was skipped."""
+    """Search and fold the scale of one group; returns metrics or the reason it was skipped.
+    ``norm_form``: how a norm producer applies its weight (``compress.arch.Arch.norm_form``)."""
     point = consumers[0]
     h, x_mean = stats.h[point], stats.abs_sum[point] / max(stats.count[point], 1)
     lins = [layer.get_submodule(c) for c in consumers]
     prev = layer.get_submodule(producer)
     tie = lins[0].in_features // prev.weight.shape[0]
-    head_dim = int(getattr(getattr(layer, "self_attn", None), "head_dim", 0) or 0)
+    head_dim = head_dim_of(layer)
     if tie * prev.weight.shape[0] != lins[0].in_features or (tie > 1 and not head_dim):
         return (
             f"{producer} has {prev.weight.shape[0]} outputs, {point} {lins[0].in_features} inputs"
@@ -224,7 +221,7 @@ def _scale_group(
         weights, schemes, h, x_mean, cfg, tie=tie, head_dim=max(head_dim, 1)
     )
     s = _expand(s_prev, tie, max(head_dim, 1))  # [K] over the consumers' inputs
-    migrate_scales(prev, lins, s_prev, s)
+    migrate_scales(prev, lins, s_prev, s, norm_form=norm_form)
     # The consumers now see x / s: transform their statistics the same way.
     stats.h[point] = h / torch.outer(s, s)
     stats.abs_sum[point] = stats.abs_sum[point] / s
@@ -235,15 +232,18 @@ def _scale_group(
 def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport:
     """Scale (and clip) then round every targeted decoder Linear, one decoder layer at a time."""
     report = PassReport("quantize.awq")
+    arch = arch_for(model, "quantize.awq")
+    # q and k: no clipping search, their errors are amplified by the softmax
+    no_clip = (arch.q, arch.k)
     plan = plan_layers(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.awq")  # before any work
     per_group: dict[str, dict[str, float] | str] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
-        prefix = f"model.layers.{index}."
+        prefix = f"{arch.layer_prefix}{index}."
         mine = {n[len(prefix) :]: s for n, s in plan.items() if n.startswith(prefix)}
         groups = []
-        for producer, consumers in GROUPS:
+        for producer, consumers in ((m.producer, m.consumers) for m in arch.awq_mappings):
             present = [c for c in consumers if c in mine]
             if not present:
                 continue
@@ -264,12 +264,12 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
         for producer, consumers in groups:
             schemes = [mine[c] for c in consumers]
             per_group[prefix + producer] = _scale_group(
-                layer, producer, consumers, stats, schemes, cfg
+                layer, producer, consumers, stats, schemes, cfg, norm_form=arch.norm_form
             )
         h_of = {c: stats.h[cs[0]] for _, cs in groups for c in cs}
         for sub, scheme in mine.items():
             linear = layer.get_submodule(sub)
-            if cfg.clip and sub in h_of and not sub.endswith(NO_CLIP):
+            if cfg.clip and sub in h_of and sub not in no_clip:
                 linear.weight.data = search_clip(
                     linear.weight.detach().float(), scheme, h_of[sub], cfg
                 ).to(linear.weight.dtype)

@@ -21,6 +21,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 from torch import nn
 
+from compress.arch import DEFAULT_IGNORE
 from compress.errors import RecipeError
 from compress.memory import peak_memory_bytes
 
@@ -92,7 +93,7 @@ class PassConfig(StrictConfig):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ("lm_head",)
+    ignore: tuple[str, ...] = DEFAULT_IGNORE  # the output head
     strict: bool = False
 
     @field_validator("targets", "ignore")

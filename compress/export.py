@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from compress.arch import output_weight_key
 from compress.core import DTYPES, matches
 from compress.errors import ModelLoadError, RecipeError
 from compress.modules import (
@@ -121,10 +122,11 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
 # ---- writing ------------------------------------------------------------------------------
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    head_key = output_weight_key(model)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
+        if tied and name == head_key:
             continue  # tied to the input embedding; transformers re-ties it on load
         if tensor.is_floating_point() and not name.endswith(("weight_scale",)):
             tensor = tensor.to(dtype)
@@ -369,7 +371,7 @@ def load_compressed(
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-        missing = [m for m in missing if m != "lm_head.weight"]
+        missing = [m for m in missing if m != output_weight_key(model)]
     if missing or unexpected:
         raise ModelLoadError(
             f"{path}: checkpoint does not match its config: missing {missing[:10]}, "

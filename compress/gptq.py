@@ -36,6 +36,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from compress import quant_primitives
+from compress.arch import arch_for
 from compress.core import (
     CompressionState,
     PassReport,
@@ -259,8 +260,10 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
     raise_or_report_skips(cfg, report, "quantize.gptq")  # before any work
     per_layer: dict[str, dict[str, float]] = {}
 
+    layer_prefix = arch_for(model, "quantize.gptq").layer_prefix
+
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
-        prefix = f"model.layers.{index}."
+        prefix = f"{layer_prefix}{index}."
         linears = {name: model.get_submodule(name) for name in plan if name.startswith(prefix)}
         hooks = HessianHooks(linears, cfg.sink_token_weight)
         try:

@@ -430,8 +430,9 @@ def _linear_sizes(
         else ((name, model.get_submodule(name)) for name in names)
     )
     stored, params = {}, {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in modules:
-        if names is None and name.endswith("lm_head"):
+        if names is None and head is not None and module is head:
             continue
         size = linear_weight_bytes(module)
         if size is not None:

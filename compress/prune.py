@@ -1,19 +1,23 @@
 """Structured pruning passes (Minitron-style): attention heads, MLP channels, hidden channels and
-whole decoder layers of a Llama-style model, producing a smaller *dense* model.
+whole decoder layers, producing a smaller *dense* model. Which linears prune together comes from
+the model family's entry in ``compress.arch`` (Llama: q rows, k/v rows per KV head and o columns
+per head; gate/up rows and down columns per MLP channel).
 
 Importance follows Minitron (Muralidharan et al., 2024, "Compact Language Models via Pruning and
 Knowledge Distillation"): activations on a calibration set, captured with hooks --
-per-head L2 norm of the attention output before ``o_proj``, mean |activation| at the input of
-``down_proj`` per MLP channel, mean |activation| after every RMSNorm per hidden channel, and for
-depth the block influence of ShortGPT (Men et al., 2024): mean ``1 - cos(input, output)`` of each
-decoder layer. ``importance: magnitude`` is a weight-norm baseline for comparison.
+per-head L2 norm of the attention output before the output projection, mean |activation| at
+the input of the down projection per MLP channel, mean |activation| after every RMSNorm per
+hidden channel, and for depth the block influence of ShortGPT (Men et al., 2024): mean
+``1 - cos(input, output)`` of each decoder layer. ``importance: magnitude`` is a weight-norm
+baseline for comparison.
 
 Every layer keeps the same number of units (chosen per layer by its own scores), so the result
 is expressible by the ordinary config (``num_attention_heads``, ``num_key_value_heads``,
 ``intermediate_size``, ``hidden_size``, ``num_hidden_layers``) and loads with plain
 ``AutoModelForCausalLM.from_pretrained``. Targets: ``sparsity`` (fraction removed), an explicit
 size, or ``target_params`` (a total parameter budget such as ``90M``). Not done: per-layer
-widths (not loadable by transformers), pruning of quantized layers, non-Llama layouts.
+widths (not loadable by transformers), pruning of quantized layers, families not in
+``compress.arch``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import decoder_layers
+from compress.arch import Arch, arch_for, decoder_layers
 from compress.core import CompressionState, PassConfig, PassReport, register_pass
 from compress.errors import ConfigError
 from compress.modules import QuantLinear
@@ -113,7 +117,7 @@ class AttentionHeadsConfig(_PruneConfig):
 
 class MlpChannelsConfig(_PruneConfig):
     """intermediate_size: channels kept per layer; multiple_of: round kept counts to this
-    (e.g. 64 or 128 so int4 group sizes still divide down_proj's in_features)."""
+    (e.g. 64 or 128 so int4 group sizes still divide the down projection's in_features)."""
 
     intermediate_size: int | None = Field(None, ge=1)
     multiple_of: int = Field(1, ge=1)
@@ -133,7 +137,8 @@ class HiddenSizeConfig(_PruneConfig):
 
 class LayersConfig(_PruneConfig):
     """num_layers: decoder layers kept. Activation importance = block influence (ShortGPT);
-    magnitude = Frobenius norm of the weights that write to the residual (o_proj, down_proj)."""
+    magnitude = Frobenius norm of the weights that write to the residual (attention output and
+    MLP down projections)."""
 
     num_layers: int | None = Field(None, ge=1)
 
@@ -141,34 +146,30 @@ class LayersConfig(_PruneConfig):
 
 
 # ---- model access -------------------------------------------------------------------------
-def _llama_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers (``arch.decoder_layers``), checked to hold the Llama-style float
-    modules the prune passes rewrite, or a ConfigError naming what is missing."""
-    layers = decoder_layers(model)
-    needed = (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-        "input_layernorm",
-        "post_attention_layernorm",
-    )
-    for name in needed:
+def _layers(model: nn.Module, what: str) -> tuple[Arch, nn.ModuleList]:
+    """The family's entry and decoder layers, checked to hold the float modules the prune passes
+    rewrite, or a ConfigError naming the pass and what is missing."""
+    arch = arch_for(model, what)
+    layers = decoder_layers(model, what)
+    linears = arch.hidden_readers + arch.hidden_writers
+    for name in linears + arch.layer_norms + (arch.attention,):
         try:
             module = layers[0].get_submodule(name)
         except AttributeError:
             raise ConfigError(
-                f"prune.*: decoder layer has no {name}; Llama-style layers needed"
+                f"{what}: decoder layer has no {name}, which model_type {arch.model_type!r} "
+                "should have (compress/arch.py)"
             ) from None
-        if name.endswith("_proj") and type(module) is not nn.Linear:
+        if name in linears and type(module) is not nn.Linear:
             raise ConfigError(
-                f"prune.*: {name} is a {type(module).__name__}, not nn.Linear: prune before "
+                f"{what}: {name} is a {type(module).__name__}, not nn.Linear: prune before "
                 "quantize (put prune.* passes first in the recipe)"
             )
-    return layers
+    return arch, layers
+
+
+def _sub(layer: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    return [layer.get_submodule(n) for n in names]
 
 
 def count_params(model: nn.Module) -> int:
@@ -283,14 +284,16 @@ def _finish(model: nn.Module, report: PassReport, params_before: int) -> PassRep
 
 
 # ---- attention heads ----------------------------------------------------------------------
-def _head_scores(model, layers, cfg, state, n_heads, head_dim) -> list[torch.Tensor]:
-    """[n_heads] importance per layer."""
+def _head_scores(model, arch, layers, cfg, state, n_heads, head_dim) -> list[torch.Tensor]:
+    """[n_heads] importance per layer: magnitude of the per-query-head rows and columns, or the
+    norm of each head's output at the input of the output projection."""
+    (q_name,), (o_name,) = arch.heads.rows, arch.heads.cols
     if cfg.importance == "magnitude":
         scores = []
         for layer in layers:
-            attn = layer.self_attn
-            q = attn.q_proj.weight.detach().view(n_heads, head_dim, -1).pow(2).sum((1, 2))
-            o = attn.o_proj.weight.detach().view(-1, n_heads, head_dim).pow(2).sum((0, 2))
+            q_w, o_w = layer.get_submodule(q_name).weight, layer.get_submodule(o_name).weight
+            q = q_w.detach().view(n_heads, head_dim, -1).pow(2).sum((1, 2))
+            o = o_w.detach().view(-1, n_heads, head_dim).pow(2).sum((0, 2))
             scores.append((q + o).sqrt())
         return scores
     sums = [torch.zeros(n_heads, dtype=torch.float64) for _ in layers]
@@ -303,7 +306,7 @@ def _head_scores(model, layers, cfg, state, n_heads, head_dim) -> list[torch.Ten
 
         return hook
 
-    hooks = [(layer.self_attn.o_proj, hook_for(i), "pre") for i, layer in enumerate(layers)]
+    hooks = [(layer.get_submodule(o_name), hook_for(i), "pre") for i, layer in enumerate(layers)]
     _calibrate(model, state, hooks, "prune.attention_heads")
     return sums
 
@@ -312,10 +315,10 @@ def _head_scores(model, layers, cfg, state, n_heads, head_dim) -> list[torch.Ten
 def prune_attention_heads(
     model: nn.Module, cfg: AttentionHeadsConfig, state: CompressionState
 ) -> PassReport:
-    layers = _llama_layers(model)
+    arch, layers = _layers(model, "prune.attention_heads")
     config = model.config
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = layers[0].self_attn.head_dim
+    head_dim = layers[0].get_submodule(arch.attention).head_dim
     group = n_heads // n_kv
     hidden, n_layers = config.hidden_size, len(layers)
     before = count_params(model)
@@ -346,7 +349,7 @@ def prune_attention_heads(
     )
     if keep == n_heads:
         return _finish(model, report, before)
-    scores = _head_scores(model, layers, cfg, state, n_heads, head_dim)
+    scores = _head_scores(model, arch, layers, cfg, state, n_heads, head_dim)
     for i, layer in enumerate(layers):
         by_group = scores[i].view(n_kv, group)  # query heads h = g * group + j share KV head g
         if cfg.mode == "kv_groups":
@@ -356,15 +359,16 @@ def prune_attention_heads(
             kv_keep = torch.arange(n_kv)
             within = by_group.topk(keep // n_kv, dim=1).indices.sort(dim=1).values
             q_keep = (torch.arange(n_kv)[:, None] * group + within).flatten()
-        attn = layer.self_attn
         q_rows = (q_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
         kv_rows = (kv_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
-        _slice_linear(attn.q_proj, out_idx=q_rows)
-        _slice_linear(attn.k_proj, out_idx=kv_rows)
-        _slice_linear(attn.v_proj, out_idx=kv_rows)
-        _slice_linear(attn.o_proj, in_idx=q_rows)
-        attn.num_key_value_groups = len(q_keep) // len(kv_keep)
-        report.changed.append(f"model.layers.{i}.self_attn")
+        for lin in _sub(layer, arch.heads.rows):
+            _slice_linear(lin, out_idx=q_rows)
+        for lin in _sub(layer, arch.heads.kv_rows):
+            _slice_linear(lin, out_idx=kv_rows)
+        for lin in _sub(layer, arch.heads.cols):
+            _slice_linear(lin, in_idx=q_rows)
+        layer.get_submodule(arch.attention).num_key_value_groups = len(q_keep) // len(kv_keep)
+        report.changed.append(f"{arch.layer_prefix}{i}.{arch.attention}")
     config.head_dim = head_dim  # explicit, so hidden_size // num_attention_heads is never used
     config.num_attention_heads = keep
     config.num_key_value_heads = keep // group if cfg.mode == "kv_groups" else n_kv
@@ -375,17 +379,19 @@ def prune_attention_heads(
 
 
 # ---- MLP channels -------------------------------------------------------------------------
-def _channel_scores(model, layers, cfg, state) -> list[torch.Tensor]:
+def _channel_scores(model, arch, layers, cfg, state) -> list[torch.Tensor]:
+    group = arch.mlp_channels
+    (down,) = group.cols
     if cfg.importance == "magnitude":
-        return [
-            (
-                layer.mlp.gate_proj.weight.detach().pow(2).sum(1)
-                + layer.mlp.up_proj.weight.detach().pow(2).sum(1)
-                + layer.mlp.down_proj.weight.detach().pow(2).sum(0)
-            ).sqrt()
-            for layer in layers
-        ]
-    sums = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
+        scores = []
+        for layer in layers:
+            rows = [lin.weight.detach().pow(2).sum(1) for lin in _sub(layer, group.rows)]
+            cols = [lin.weight.detach().pow(2).sum(0) for lin in _sub(layer, group.cols)]
+            scores.append(sum(rows + cols).sqrt())
+        return scores
+    sums = [
+        torch.zeros(layer.get_submodule(down).in_features, dtype=torch.float64) for layer in layers
+    ]
 
     def hook_for(i):
         def hook(module, args, kwargs):
@@ -394,7 +400,7 @@ def _channel_scores(model, layers, cfg, state) -> list[torch.Tensor]:
 
         return hook
 
-    hooks = [(layer.mlp.down_proj, hook_for(i), "pre") for i, layer in enumerate(layers)]
+    hooks = [(layer.get_submodule(down), hook_for(i), "pre") for i, layer in enumerate(layers)]
     _calibrate(model, state, hooks, "prune.mlp_channels")
     return sums
 
@@ -403,7 +409,7 @@ def _channel_scores(model, layers, cfg, state) -> list[torch.Tensor]:
 def prune_mlp_channels(
     model: nn.Module, cfg: MlpChannelsConfig, state: CompressionState
 ) -> PassReport:
-    layers = _llama_layers(model)
+    arch, layers = _layers(model, "prune.mlp_channels")
     current, hidden = model.config.intermediate_size, model.config.hidden_size
     before = count_params(model)
     allowed = _multiples(current, cfg.multiple_of, "prune.mlp_channels")
@@ -417,38 +423,34 @@ def prune_mlp_channels(
     report = PassReport("prune.mlp_channels", metrics={"importance": cfg.importance})
     if keep == current:
         return _finish(model, report, before)
-    scores = _channel_scores(model, layers, cfg, state)
+    scores = _channel_scores(model, arch, layers, cfg, state)
     for i, layer in enumerate(layers):
         idx = scores[i].topk(keep).indices.sort().values
-        _slice_linear(layer.mlp.gate_proj, out_idx=idx)
-        _slice_linear(layer.mlp.up_proj, out_idx=idx)
-        _slice_linear(layer.mlp.down_proj, in_idx=idx)
-        report.changed.append(f"model.layers.{i}.mlp")
+        for lin in _sub(layer, arch.mlp_channels.rows):
+            _slice_linear(lin, out_idx=idx)
+        for lin in _sub(layer, arch.mlp_channels.cols):
+            _slice_linear(lin, in_idx=idx)
+        mlp = arch.mlp_channels.cols[0].rpartition(".")[0]  # the MLP module holding them
+        report.changed.append(f"{arch.layer_prefix}{i}.{mlp}")
     model.config.intermediate_size = keep
     report.metrics.update(intermediate_before=current, intermediate_after=keep)
     return _finish(model, report, before)
 
 
 # ---- hidden channels ----------------------------------------------------------------------
-def _norms(model: nn.Module, layers: nn.ModuleList) -> list[nn.Module]:
-    out = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
-    return out + [model.model.norm]
+def _norms(model: nn.Module, arch: Arch, layers: nn.ModuleList) -> list[nn.Module]:
+    out = [m for layer in layers for m in _sub(layer, arch.layer_norms)]
+    return out + [model.get_submodule(arch.final_norm)]
 
 
-def _hidden_scores(model, layers, cfg, state) -> torch.Tensor:
+def _hidden_scores(model, arch, layers, cfg, state) -> torch.Tensor:
     embed = model.get_input_embeddings().weight.detach()
     if cfg.importance == "magnitude":
         total = embed.pow(2).sum(0)
         for layer in layers:
-            for lin in (
-                layer.self_attn.q_proj,
-                layer.self_attn.k_proj,
-                layer.self_attn.v_proj,
-                layer.mlp.gate_proj,
-                layer.mlp.up_proj,
-            ):
+            for lin in _sub(layer, arch.hidden_readers):
                 total = total + lin.weight.detach().pow(2).sum(0)
-            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for lin in _sub(layer, arch.hidden_writers):
                 total = total + lin.weight.detach().pow(2).sum(1)
         return total.sqrt()
     total = torch.zeros(embed.shape[1], dtype=torch.float64)
@@ -458,7 +460,7 @@ def _hidden_scores(model, layers, cfg, state) -> torch.Tensor:
         total += output.detach().float().abs().mean(dim=(0, 1)).double().cpu()  # [B, T, H] -> [H]
 
     _calibrate(
-        model, state, [(n, hook, "post") for n in _norms(model, layers)], "prune.hidden_size"
+        model, state, [(n, hook, "post") for n in _norms(model, arch, layers)], "prune.hidden_size"
     )
     return total
 
@@ -467,19 +469,16 @@ def _hidden_scores(model, layers, cfg, state) -> torch.Tensor:
 def prune_hidden_size(
     model: nn.Module, cfg: HiddenSizeConfig, state: CompressionState
 ) -> PassReport:
-    layers = _llama_layers(model)
+    arch, layers = _layers(model, "prune.hidden_size")
     config = model.config
     current = config.hidden_size
     before = count_params(model)
-    attn, mlp = layers[0].self_attn, layers[0].mlp
+    # parameters per hidden channel in one layer: its norms, and one column of every reader and
+    # one row of every writer
     per_layer = (
-        2
-        + attn.q_proj.out_features
-        + attn.k_proj.out_features
-        + attn.v_proj.out_features
-        + attn.o_proj.in_features
-        + 2 * mlp.gate_proj.out_features
-        + mlp.down_proj.in_features
+        len(arch.layer_norms)
+        + sum(lin.out_features for lin in _sub(layers[0], arch.hidden_readers))
+        + sum(lin.in_features for lin in _sub(layers[0], arch.hidden_writers))
     )
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     vocab = config.vocab_size
@@ -493,7 +492,7 @@ def prune_hidden_size(
     report = PassReport("prune.hidden_size", metrics={"importance": cfg.importance})
     if keep == current:
         return _finish(model, report, before)
-    idx = _hidden_scores(model, layers, cfg, state).topk(keep).indices.sort().values
+    idx = _hidden_scores(model, arch, layers, cfg, state).topk(keep).indices.sort().values
     embed = model.get_input_embeddings()
     embed.weight = nn.Parameter(embed.weight.data[:, idx].contiguous().clone())
     embed.embedding_dim = keep
@@ -503,20 +502,15 @@ def prune_hidden_size(
     else:
         _slice_linear(head, in_idx=idx)
     head.in_features = keep
-    for norm in _norms(model, layers):
+    for norm in _norms(model, arch, layers):
         norm.weight = nn.Parameter(norm.weight.data[idx].clone())
     for layer in layers:
-        for lin in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-        ):
+        for lin in _sub(layer, arch.hidden_readers):
             _slice_linear(lin, in_idx=idx)
-        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        for lin in _sub(layer, arch.hidden_writers):
             _slice_linear(lin, out_idx=idx)
-    config.head_dim = attn.head_dim  # attention width is independent of the residual width now
+    # attention width is independent of the residual width now
+    config.head_dim = layers[0].get_submodule(arch.attention).head_dim
     config.hidden_size = keep
     report.changed.append("all hidden-size tensors")
     report.metrics.update(hidden_before=current, hidden_after=keep)
@@ -529,12 +523,10 @@ def layer_scores(
 ) -> torch.Tensor:
     """[n_layers] importance; low = the layer changes its input least (safest to drop)."""
     if cfg.importance == "magnitude":
+        writers = arch_for(model, "prune.layers").hidden_writers
         return torch.stack(
             [
-                (
-                    layer.self_attn.o_proj.weight.detach().pow(2).sum()
-                    + layer.mlp.down_proj.weight.detach().pow(2).sum()
-                ).sqrt()
+                sum(lin.weight.detach().pow(2).sum() for lin in _sub(layer, writers)).sqrt()
                 for layer in layers
             ]
         ).double()
@@ -556,7 +548,7 @@ def layer_scores(
 
 @register_pass("prune.layers", LayersConfig)
 def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -> PassReport:
-    blocks = _llama_layers(model)
+    arch, blocks = _layers(model, "prune.layers")
     current = len(blocks)
     before = count_params(model)
     per_layer = sum(p.numel() for p in blocks[0].parameters())
@@ -575,13 +567,14 @@ def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -
     removed = [i for i in range(current) if i not in kept]
     new_blocks = [blocks[i] for i in kept]
     for new_idx, block in enumerate(new_blocks):
-        block.self_attn.layer_idx = new_idx  # KV-cache slot
-    model.model.layers = nn.ModuleList(new_blocks)
+        block.get_submodule(arch.attention).layer_idx = new_idx  # KV-cache slot
+    parent, _, child = arch.layers.rpartition(".")
+    setattr(model.get_submodule(parent), child, nn.ModuleList(new_blocks))
     config = model.config
     if getattr(config, "layer_types", None):
         config.layer_types = [config.layer_types[i] for i in kept]
     config.num_hidden_layers = keep
-    report.changed.extend(f"model.layers.{i}" for i in removed)
+    report.changed.extend(f"{arch.layer_prefix}{i}" for i in removed)
     report.metrics.update(
         layers_before=current,
         layers_after=keep,

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch import decoder_layers
+from compress.arch import Arch, arch_for, decoder_layers, runtime_model_types
 from compress.kernels import cpu_avx2, cpu_native
 from compress.modules import QuantLinear, WeightScheme
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = runtime_model_types()  # compress.arch entries with runtime=True
 INT4_KERNELS = ("torch", "q4q8")
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
@@ -186,34 +186,35 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Layer(nn.Module):
     def __init__(
-        self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int, int4_kernel: str
+        self,
+        layer: nn.Module,
+        config,
+        prefill,
+        decode,
+        notes: list[str],
+        i: int,
+        int4_kernel: str,
+        arch: Arch,
     ):
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = float(config.rms_norm_eps)
-        self.scale = float(attn.scaling)
-        self.norm_in = nn.Buffer(layer.input_layernorm.weight.detach().float(), persistent=False)
-        self.norm_post = nn.Buffer(
-            layer.post_attention_layernorm.weight.detach().float(), persistent=False
+        self.scale = float(layer.get_submodule(arch.attention).scaling)
+        self.norm_in = nn.Buffer(
+            layer.get_submodule(arch.attn_norm).weight.detach().float(), persistent=False
         )
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(
-                self,
-                name,
-                _convert_linear(
-                    getattr(attn, name), f"layers.{i}.{name}", prefill, decode, notes, int4_kernel
-                ),
+        self.norm_post = nn.Buffer(
+            layer.get_submodule(arch.mlp_norm).weight.detach().float(), persistent=False
+        )
+        # The projections, in the order forward uses them: the runtime's own short names.
+        paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
+        paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        for name, path in paths.items():
+            linear = _convert_linear(
+                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, int4_kernel
             )
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(
-                self,
-                name,
-                _convert_linear(
-                    getattr(mlp, name), f"layers.{i}.{name}", prefill, decode, notes, int4_kernel
-                ),
-            )
+            setattr(self, name, linear)
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
         """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, S]
@@ -222,9 +223,9 @@ class _Layer(nn.Module):
         b, t, _ = x.shape
         h = _rms_norm(x, self.norm_in, self.eps)
         # [B, T, heads * D] -> [B, heads, T, D]
-        q = self.q_proj(h, decode).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q(h, decode).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
@@ -240,26 +241,32 @@ class _Layer(nn.Module):
             enable_gqa=self.n_heads != self.n_kv,
         )
         a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-        x = x + self.o_proj(a, decode)
+        x = x + self.o(a, decode)
         h = _rms_norm(x, self.norm_post, self.eps)
-        return x + self.down_proj(
-            F.silu(self.gate_proj(h, decode)) * self.up_proj(h, decode), decode
-        )
+        return x + self.down(F.silu(self.gate(h, decode)) * self.up(h, decode), decode)
 
 
 class _Head(nn.Module):
     def __init__(
-        self, model: nn.Module, decode, notes: list[str], int4_kernel: str, bits: int | None
+        self,
+        model: nn.Module,
+        decode,
+        notes: list[str],
+        int4_kernel: str,
+        bits: int | None,
+        arch: Arch,
     ) -> None:
         super().__init__()
-        self.norm = nn.Buffer(model.model.norm.weight.detach().float(), persistent=False)
+        norm = model.get_submodule(arch.final_norm)
+        self.norm = nn.Buffer(norm.weight.detach().float(), persistent=False)
         self.eps = float(model.config.rms_norm_eps)
-        head = model.lm_head
+        head = model.get_submodule(arch.lm_head)
         if bits is not None and not isinstance(head, QuantLinear):
             # A quantized copy for the head only: tied input embeddings stay as they are.
             head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
         # Only the last position's logits are needed, so both phases use the decode weights.
-        self.lm_head = _convert_linear(head, "lm_head", decode, decode, notes, int4_kernel)
+        # Named lm_head whatever the family calls it: the runtime's own name for its head.
+        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, int4_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
@@ -386,17 +393,18 @@ class Runtime:
             int4_kernel = "torch"
         self.int4_kernel = int4_kernel
         notes: list[str] = []
+        arch = arch_for(model, "compress runtime")
         with torch.no_grad():
             self.layers = nn.ModuleList(
-                _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel)
-                for i, layer in enumerate(decoder_layers(model))
+                _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel, arch)
+                for i, layer in enumerate(decoder_layers(model, "compress runtime"))
             )
-            self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits)
+            self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits, arch)
             self.embed = embed.detach()
             # cos/sin tables for every cache position, from the model's own rotary module so
             # that its rope type and attention scaling carry over: [S, D] fp32.
             pos = torch.arange(max_seq_len, device=device)[None]
-            cos, sin = model.model.rotary_emb(torch.zeros(1, device=device), pos)
+            cos, sin = model.get_submodule(arch.rotary)(torch.zeros(1, device=device), pos)
             self.cos, self.sin = cos[0].float(), sin[0].float()
         if notes:
             log.warning(

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import decoder_layers
+from compress.arch import NormForm, arch_for, decoder_layers
 from compress.core import CompressionState, PassReport, target_modules
 from compress.errors import DataError
 from compress.memory import MemoryMonitor
@@ -61,7 +61,7 @@ def capture_first_layer_inputs(
     model: nn.Module, batches: list[torch.Tensor], device: torch.device
 ) -> LayerInputs:
     """Run each batch ``[1, T]`` until decoder layer 0 and record what enters it."""
-    layer0 = decoder_layers(model)[0]
+    layer0 = decoder_layers(model, "sequential calibration")[0]
     captured = LayerInputs(hidden=[])
 
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -146,10 +146,10 @@ def run_sequential(
     layer the outputs of the already-processed previous layers. Returns memory metrics.
 
     ``process_layer`` changes the layer in place (calibrate, quantize, swap modules); it may run
-    ``run_layer(layer, inputs)`` as often as it needs. Decoder layers of Llama-style models hold
+    ``run_layer(layer, inputs)`` as often as it needs. Decoder layers of the supported models hold
     no non-persistent buffers (rotary tables live on the model), so a layer written to disk is
     restored exactly by ``to_empty`` + ``load_state_dict``."""
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, "sequential calibration")
     with MemoryMonitor(device) as monitor:
         disk = _DiskOffload(layers) if offload == "disk" else None
         try:
@@ -179,11 +179,12 @@ def plan_layers(
     model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport
 ) -> dict[str, WeightScheme]:
     """Targeted Linear layers inside the decoder stack -> scheme; others are reported skips."""
+    prefix = arch_for(model, report.name).layer_prefix
     plan: dict[str, WeightScheme] = {}
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
     warn_unused_overrides(cfg, [n for n, _ in targeted], report.name)
     for name, module in targeted:
-        if ".layers." not in f".{name}":
+        if not name.startswith(prefix):
             report.skipped[name] = "outside the decoder layers (sequential calibration only)"
             continue
         scheme = scheme_for_layer(module, cfg, n_bits, name)
@@ -245,15 +246,24 @@ def finish_quant_report(
 
 @torch.no_grad()
 def migrate_scales(
-    prev: nn.Module, lins: list[nn.Module], s_prev: torch.Tensor, s: torch.Tensor
+    prev: nn.Module,
+    lins: list[nn.Module],
+    s_prev: torch.Tensor,
+    s: torch.Tensor,
+    *,
+    norm_form: NormForm = "w",
 ) -> None:
     """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
     RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
-    the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged."""
+    the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged.
+    ``norm_form`` is the norm's (``compress.arch.Arch.norm_form``): for ``"1+w"`` (Gemma,
+    ``y = (1 + w) * normalize(x)``) the new weight is ``(1 + w) / s - 1``."""
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
         if prev.bias is not None:
             prev.bias.div_(s_prev.to(prev.bias.dtype))
+    elif norm_form == "1+w":
+        prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
     else:  # RMSNorm-style: y = w * normalize(x)
         prev.weight.div_(s_prev.to(prev.weight.dtype))
     for lin in lins:

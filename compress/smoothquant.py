@@ -3,14 +3,14 @@
 Activations of LLMs have a few outlier channels that make per-token int8 activations lossy.
 SmoothQuant moves that difficulty into the weights: per input channel j,
 ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``; the producer of the input is divided by s
-(RMSNorm weight, or the rows of ``up_proj`` for ``down_proj``) and the consumers' columns are
-multiplied by it, so the float model is unchanged. Mappings (Llama-style layers):
-input_layernorm -> q/k/v, post_attention_layernorm -> gate/up, up_proj -> down_proj
-(``smooth_down``). The pass then turns every targeted Linear into a ``W8A8Linear`` (one pass,
-no separate W8A8 pass to order): int8 symmetric per-output-channel weights and dynamic
-symmetric per-token int8 activations; the layer, its backends and its export format are in
-``compress.modules``. Only ``nn.Linear`` can become W8A8; anything else targeted is reported (or
-an error under ``strict``).
+(a norm's weight, or the rows of the up projection for the down projection) and the consumers'
+columns are multiplied by it, so the float model is unchanged. The mappings are the model
+family's (``compress.arch``; Llama: attention norm -> q/k/v, MLP norm -> gate/up, and up -> down
+with ``smooth_down``, the mapping whose producer is a Linear). The pass then turns every
+targeted Linear into a ``W8A8Linear`` (one pass, no separate W8A8 pass to order): int8 symmetric
+per-output-channel weights and dynamic symmetric per-token int8 activations; the layer, its
+backends and its export format are in ``compress.modules``. Only ``nn.Linear`` can become W8A8;
+anything else targeted is reported (or an error under ``strict``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from compress.arch import arch_for
 from compress.core import (
     DTYPES,
     CompressionState,
@@ -44,16 +45,10 @@ from compress.sequential import (
 
 log = logging.getLogger(__name__)
 
-MAPPINGS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.up_proj", ("mlp.down_proj",)),
-)
-
 
 class SmoothquantConfig(PassConfig):
     """alpha: migration strength (0 = none, 1 = all into weights); smooth_down: also migrate
-    down_proj's input into up_proj; smooth: false gives plain W8A8 (no migration)."""
+    the down projection's input into the up projection; smooth: false gives plain W8A8."""
 
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     smooth: bool = True
@@ -99,6 +94,7 @@ def smooth_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: floa
 def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionState) -> PassReport:
     """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
     report = PassReport("quantize.smoothquant")
+    arch = arch_for(model, "quantize.smoothquant")
     plan = []
     for name, module in target_modules(model, cfg):
         if type(module) is nn.Linear:
@@ -110,9 +106,11 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
     migrated: dict[str, float] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
-        prefix = f"model.layers.{index}."
+        prefix = f"{arch.layer_prefix}{index}."
         mappings = [
-            m for m in MAPPINGS if cfg.smooth and (cfg.smooth_down or m[0] != "mlp.up_proj")
+            (m.producer, m.consumers)
+            for m in arch.smoothquant_mappings
+            if cfg.smooth and (cfg.smooth_down or m.producer != arch.up)
         ]
         mappings = [m for m in mappings if all(prefix + c in plan for c in m[1])]
         hooks = _MaxHooks(layer, [c[0] for _, c in mappings])
@@ -123,7 +121,7 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
         for producer, consumers in mappings:
             lins = [layer.get_submodule(c) for c in consumers]
             s = smooth_scales(hooks.amax[consumers[0]], [lin.weight for lin in lins], cfg.alpha)
-            migrate_scales(layer.get_submodule(producer), lins, s, s)
+            migrate_scales(layer.get_submodule(producer), lins, s, s, norm_form=arch.norm_form)
             migrated[prefix + producer] = float(s.max() / s.min())
         for name in [n for n in plan if n.startswith(prefix)]:
             # exact int8 x int8 on every backend, so calibration may use the fast one
