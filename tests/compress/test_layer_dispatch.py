@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.kernels import dispatch
 
 from compress.errors import KernelConstraintError
-from compress.kernels import dispatch
 from compress.modules import QuantLinear, WeightScheme, w8a8_from_linear
 from compress.runtime import _convert_linear
 
 CPU = torch.device("cpu")
+INT4_G32 = WeightScheme(4, 32, True)
 
 
-def _layer(n=64, k=128, scheme=WeightScheme(4, 32, True), backend="auto"):
+def _layer(n=64, k=128, scheme=INT4_G32, backend="auto"):
     torch.manual_seed(0)
     return QuantLinear.from_linear(torch.nn.Linear(k, n), scheme, backend=backend)
 
