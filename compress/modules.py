@@ -33,7 +33,6 @@ else ``float_exact``. Exported as compressed-tensors ``int-quantized`` with dyna
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -200,19 +199,33 @@ class QuantLinear(nn.Module):
         )
 
     # ---- forward ------------------------------------------------------------------------
-    def resolved_backend(self, device: torch.device) -> str:
-        key = f"backend:{device}"
+    @property
+    def kind(self) -> str:
+        """The layer kind ``kernels.dispatch.plan_linear`` takes: ``int4`` or ``int8``."""
+        return "int4" if self.scheme.n_bits == 4 else "int8"
+
+    def plan(
+        self, device: torch.device, *, phase: str = "any", int4_kernel: str = "torch"
+    ) -> dispatch.Plan:
+        """This layer's backend on ``device`` (cached until ``set_quantized``/``set_backend``);
+        ``phase``/``int4_kernel`` are the generation runtime's (``kernels/dispatch.py``)."""
+        key = f"plan:{device}:{phase}:{int4_kernel}"
         if key not in self._prepared:
-            self._prepared[key] = dispatch.resolve_backend(
+            self._prepared[key] = dispatch.plan_linear(
+                self.kind,  # type: ignore[arg-type]
                 self.backend,
-                "int4" if self.scheme.n_bits == 4 else "int8",
                 device=device,
                 n=self.out_features,
                 k=self.in_features,
                 group_size=self.group_size,
                 symmetric=self.scheme.symmetric,
+                phase=phase,  # type: ignore[arg-type]
+                int4_kernel=int4_kernel,
             )
         return self._prepared[key]  # type: ignore[return-value]
+
+    def resolved_backend(self, device: torch.device) -> str:
+        return self.plan(device).backend
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.n_bits == 4:
@@ -297,28 +310,6 @@ def int8_int8_float_exact(x_q: torch.Tensor, w_q_float: torch.Tensor) -> torch.T
     return acc
 
 
-@functools.cache
-def cpu_has_vnni() -> bool:
-    """The CPU advertises int8 dot-product instructions (AVX512-VNNI / AVX-VNNI / AMX), the only
-    case where ``torch._int_mm`` on CPU beats ``float_exact`` (Linux: /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-@functools.cache
-def _triton_w8a8() -> bool:
-    """kernels.triton_ops provides int8_int8_linear (triton importable)."""
-    try:
-        from compress.kernels import triton_ops
-    except ImportError:
-        return False
-    return hasattr(triton_ops, "int8_int8_linear")
-
-
 class W8A8Linear(QuantLinear):
     """int8 per-channel weights (stored like an int8 ``QuantLinear``) x dynamic per-token int8
     activations. backend: auto | reference | float_exact | cpu | triton (module docstring)."""
@@ -332,18 +323,9 @@ class W8A8Linear(QuantLinear):
             )
         super().__init__(in_features, out_features, scheme, **kwargs)
 
-    def resolved_backend(self, device: torch.device) -> str:
-        if self.backend != "auto":
-            if self.backend == "triton" and not (device.type == "cuda" and _triton_w8a8()):
-                raise RuntimeError(
-                    "W8A8 backend 'triton' needs CUDA and kernels.triton_ops.int8_int8_linear"
-                )
-            return self.backend
-        if device.type == "cuda" and _triton_w8a8():
-            return "triton"
-        if device.type == "cpu" and hasattr(torch, "_int_mm") and cpu_has_vnni():
-            return "cpu"
-        return "float_exact"
+    @property
+    def kind(self) -> str:
+        return "w8a8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.resolved_backend(x.device)

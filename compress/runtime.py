@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch import Arch, arch_for, decoder_layers, runtime_model_types
-from compress.kernels import cpu_avx2, cpu_native
+from compress.kernels import cpu_avx2, cpu_native, dispatch
 from compress.modules import QuantLinear, WeightScheme
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = runtime_model_types()  # compress.arch entries with runtime=True
-INT4_KERNELS = ("torch", "q4q8")
+INT4_KERNELS = dispatch.INT4_KERNELS
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
 
@@ -148,29 +148,28 @@ class _ModuleLinear(nn.Module):
 def _convert_linear(
     module: nn.Module, name: str, prefill, decode, notes: list[str], int4_kernel: str = "torch"
 ) -> nn.Module:
-    if isinstance(module, QuantLinear) and hasattr(module, "input_activations"):
-        # W8A8: per-token int8 activations are part of the format. The layer runs itself, so
-        # the runtime computes what evaluation measured (a weight-only int8 kernel would not).
+    """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
+    if not isinstance(module, QuantLinear):
+        assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
+        return _FloatLinear(module.weight, module.bias, prefill, decode)
+    if module.kind == "w8a8":
+        # Per-token int8 activations are part of the format. The layer runs itself (its own
+        # plan), so the runtime computes what evaluation measured (a weight-only int8 kernel
+        # would not).
         return _ModuleLinear(module, torch.float32)
-    if isinstance(module, QuantLinear):
-        device = module.weight_scale.device
-        if device.type == "cpu":
-            if module.scheme.n_bits == 4:
-                shape = (module.out_features, module.in_features, module.group_size)
-                reason = cpu_native.int4_unsupported_reason(*shape)
-                if reason is None:
-                    q8 = int4_kernel == "q4q8" and cpu_avx2.unsupported_reason(*shape) is None
-                    return _Int4Linear(module, q8=q8)
-            elif module.scheme.symmetric and module.group_size == module.in_features:
-                return _Int8Linear(module)
-            else:
-                reason = "native int8 CPU kernel takes symmetric per-channel scales only"
-            # Correct but not compressed in memory: the reference path re-dequantizes per call.
-            notes.append(f"{name}: {reason}; dequantized once to {decode}")
-            return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
-        return _ModuleLinear(module, decode)
-    assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
-    return _FloatLinear(module.weight, module.bias, prefill, decode)
+    device = module.weight_scale.device
+    plan = module.plan(device, phase="prefill")
+    if plan.backend == "cpu":
+        if module.kind == "int4":
+            decode_plan = module.plan(device, phase="decode", int4_kernel=int4_kernel)
+            return _Int4Linear(module, q8=decode_plan.backend == "q4q8")
+        return _Int8Linear(module)
+    if plan.backend == "reference" and device.type == "cpu":
+        # Correct but not compressed in memory: the reference path re-dequantizes per call.
+        reason = plan.reason or f"backend={module.backend!r}"
+        notes.append(f"{name}: {reason}; dequantized once to {decode}")
+        return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
+    return _ModuleLinear(module, decode)
 
 
 # ---- decoder layer ---------------------------------------------------------------------
@@ -383,9 +382,10 @@ class Runtime:
             fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
             kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
-        if int4_kernel == "q4q8" and cpu_avx2.unavailable_reason() is not None:
+        q4q8_reason = dispatch.q4q8_unavailable_reason() if int4_kernel == "q4q8" else None
+        if q4q8_reason is not None:
             warnings.warn(
-                f"int4_kernel='q4q8' unavailable ({cpu_avx2.unavailable_reason()}); "
+                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); "
                 "using torch's int4 kernel",
                 RuntimeWarning,
                 stacklevel=2,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from . import cpuinfo, reference
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_q8_avx2.cpp"
 BLOCK = 32  # activation block (and code block) width
@@ -50,18 +50,10 @@ class Int4Q8Weight:
         return self.codes.shape[0]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
-
-
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the op is built and loaded, else why not (cached: builds at most once)."""
-    if "avx2" not in _cpu_flags():
+    if not cpuinfo.has_avx2(cpuinfo.cpu_flags()):
         return "the CPU does not report AVX2 (or /proc/cpuinfo is unreadable)"
     try:
         from torch.utils import cpp_extension
@@ -87,7 +79,7 @@ def unavailable_reason() -> str | None:
 
 
 def unsupported_reason(n: int, k: int, group_size: int) -> str | None:
-    """Why this kernel cannot take a layer's shape, or None if it can."""
+    """Why this kernel cannot take a layer's shape, or None if it can (asked by ``dispatch``)."""
     if group_size % BLOCK:
         return f"group_size {group_size} is not a multiple of {BLOCK}"
     if k % group_size:

@@ -63,6 +63,15 @@ def int4_unsupported_reason(n: int, k: int, group_size: int) -> str | None:
     return None
 
 
+def int8_unsupported_reason(n: int, k: int, group_size: int, symmetric: bool) -> str | None:
+    """Why ``torch._weight_int8pack_mm`` cannot take this layer, or None if it can."""
+    if not symmetric:
+        return "native int8 CPU kernel is symmetric-only"
+    if group_size != k:
+        return "native int8 CPU kernel takes per-channel scales only"
+    return None
+
+
 def prepack_int4(
     w_packed: torch.Tensor,
     scales: torch.Tensor,
