@@ -22,8 +22,8 @@ import argparse
 import json
 import logging
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from compress.eval.latency import decode_speed
