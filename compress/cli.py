@@ -254,9 +254,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    "arrival_s (seconds from the start) and optional prompt_tokens/output_tokens")
     p.add_argument("--max-batch", type=int, default=8,
                    help="poisson/trace workloads: requests decoded together at most (default 8)")
-    p.add_argument("--engine", default="hf", choices=["hf", "runtime"],
-                   help="latency engine: hf = transformers with its KV cache (batched decode); "
-                   "runtime = our static-cache runtime (concurrent requests interleaved)")
+    p.add_argument("--engine", default="runtime", choices=["runtime", "hf"],
+                   help="latency engine: runtime = our static-cache runtime, what `compress "
+                   "generate` serves (concurrent requests interleaved; models it does not run "
+                   "fall back to transformers, marked 'hf fallback'); hf = transformers with its "
+                   "KV cache (batched decode)")
     p.add_argument("--compile", action="store_true",
                    help="runtime engine: torch.compile the decode step (slow to compile on CPUs)")
     p.add_argument("--draft", metavar="MODEL", help="also run speculative decoding of the "

@@ -45,7 +45,7 @@ class JobResult:
     payload: dict[str, Any]
 
 
-LATENCY_COLUMNS = {"ttft_p50_ms": "TTFT p50 ms", "tpot_p50_ms": "TPOT p50 ms"}
+LATENCY_COLUMNS = {"ttft_p50_ms": "TTFT p50 ms", "tpot_p50_ms": "TPOT p50 ms", "engine": "engine"}
 
 
 def extra_cells(extras: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +61,8 @@ def extra_cells(extras: dict[str, Any]) -> dict[str, Any]:
     if summary:
         for key, dist in (("ttft_p50_ms", "ttft_ms"), ("tpot_p50_ms", "tpot_ms")):
             cells[key] = summary[dist]["p50"] if summary.get(dist) else None
+        # who made the timed tokens: "runtime", or "hf fallback" for a model it does not run
+        cells["engine"] = extras["latency"].get("engine")
     return cells
 
 

@@ -502,6 +502,54 @@ class Runtime:
         cache = 2 * self.k_cache.numel() * self.k_cache.element_size()
         return {"weights": weights, "kv_cache": cache}
 
+    # ---- one row, step by step (speculative decoding) ------------------------------------
+    position = 0  # tokens in row 0's cache for prefill/score/rewind
+
+    def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """Start row 0 at ``prompt``: fill its cache, return the next-token logits [V] fp32.
+        Then ``score`` feeds tokens and ``rewind`` drops them; ``position`` is the cache length."""
+        if self.fallback_reason is not None:
+            raise RuntimeError(f"the runtime does not run this model: {self.fallback_reason}")
+        self._check([list(prompt)], 1)
+        self.position = 0
+        return self.score(list(prompt))[-1]
+
+    @torch.no_grad()
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, V] fp32 after each of ``tokens``, fed in one forward from ``position``
+        (gpt-fast's verify step): row i is what greedy decoding would compute after token i.
+        A single token goes through the (compiled) decode step; several run it eager."""
+        start, t = self.position, len(tokens)
+        if t < 1 or start + t > self.max_seq_len:
+            raise ValueError(
+                f"{t} tokens at position {start} do not fit max_seq_len={self.max_seq_len}"
+            )
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        slots = torch.arange(start, start + t, device=self.device)
+        if start == 0:  # prefill: attends to its own fresh keys, as in ``_run``
+            mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
+            x = self._layers(ids, slots[None], mask, slots, 1, t, decode=False)
+        else:
+            length = start + t
+            if t == 1 and self._compiled:  # the compiled step's power-of-two key lengths
+                length = _bucket(length, self.max_seq_len)
+            keys = torch.arange(length, device=self.device)
+            mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, T, L] causal
+            if t == 1:
+                x = self._layers(ids, slots[None], mask, slots, 1, length, decode=True)
+            else:  # eager: a k-token decode step is another shape than the compiled one
+                x = self.embed[ids].float()
+                cos, sin = self.cos[slots][None], self.sin[slots][None]
+                x = self._apply(_call_layer, x, cos, sin, mask, slots, 1, length, True)
+        self.position = start + t
+        return self.head(x[0])
+
+    def rewind(self, position: int) -> None:
+        """Forget every token at or after ``position`` (their cache slots get overwritten)."""
+        if not 0 < position <= self.position:
+            raise ValueError(f"cannot rewind to {position}: the cache holds {self.position}")
+        self.position = position
+
     # ---- the loop ------------------------------------------------------------------------
     def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

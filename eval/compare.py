@@ -7,7 +7,9 @@ one warm-up request per model, in interleaved rounds (baseline, variant 1, varia
 four workloads: ``single`` (one request at a time), ``batch`` (static batches: B requests arrive
 together and are served B at a time, one row set per batch size), ``poisson`` (arrivals at a
 rate, served by the continuous-batching loop of ``workload.serve``) or ``trace`` (arrivals and
-lengths from a file). The engine is transformers (``hf``) or our static-cache ``runtime``. With a
+lengths from a file). The engine is our static-cache ``runtime`` (default; what ``compress
+generate`` serves) or transformers (``hf``); every latency row names its engine, and a model the
+runtime does not run is timed on transformers and marked ``hf fallback``. With a
 draft model, the baseline also runs speculative decoding on the same prompts. Output:
 ``compare.md``, ``compare.csv``, ``compare.json`` and ``compare.png``, each with the environment.
 Perplexity is per token, so it is only comparable between models that share a tokenizer: a
@@ -22,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compress.eval.latency import Slo, cost, greedy_stream, summarize
+from compress.eval.latency import Slo, cost, runtime_stream, seq_len_for, summarize
 from compress.eval.report import environment, markdown_table, write_csv, write_results
 from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
 from compress.eval.workload import Lengths, lengths_bounds, make_requests, read_trace
@@ -58,14 +60,14 @@ class CompareSettings:
     requests: int = 16  # poisson: requests per round
     trace: str | None = None  # trace: JSON-lines file (required)
     max_batch: int = 8  # poisson, trace: requests decoded together at most
-    engine: str = "hf"  # one of ENGINES
+    engine: str = "runtime"  # one of ENGINES
     compile: bool = False  # runtime engine: torch.compile the decode step
     draft: str | None = None  # speculative decoding of the baseline with this draft model
     draft_k: int = 4  # draft tokens proposed per target forward
 
 
 WORKLOADS = ("single", "batch", "poisson", "trace")
-ENGINES = ("hf", "runtime")
+ENGINES = ("runtime", "hf")
 
 
 def check_settings(s: CompareSettings) -> None:
@@ -255,6 +257,7 @@ def _speculative(target, draft, ids: list[int], s: CompareSettings) -> dict[str,
 
 COLUMNS = [
     ("variant", "variant"),
+    ("engine", "engine"),
     ("weight_mb", "weights MB"),
     ("bits_per_weight", "bits/weight"),
     ("perplexity", "ppl"),
@@ -331,8 +334,9 @@ def _write(
     task_cols = [(k, k) for k in rows[0] if ":" in k]
     served = settings.latency and settings.workload != "single"
     batch = SERVED_COLUMNS[:1] if served and settings.workload == "batch" else []
-    columns = COLUMNS[:1] + batch + COLUMNS[1:5] + task_cols + COLUMNS[5:10]
-    columns += (SERVED_COLUMNS[1:] if served else []) + COLUMNS[10:]
+    latency = COLUMNS[1:2] if settings.latency else []  # engine
+    columns = COLUMNS[:1] + batch + latency + COLUMNS[2:6] + task_cols + COLUMNS[6:11]
+    columns += (SERVED_COLUMNS[1:] if served else []) + COLUMNS[11:]
     env = environment()
     env.update(peak_memory_bytes())
     payload = {"environment": env, "settings": asdict(settings), "rows": rows, "details": details}
@@ -358,6 +362,12 @@ def _write(
                 notes.append(
                     f"{name}{label}: decode {r['decode_verdict']}; prefill {r['prefill_verdict']}."
                 )
+        fallback = sorted({r["variant"] for r in rows if r.get("engine") == "hf fallback"})
+        if fallback:
+            notes.append(
+                f"Engine hf fallback: {', '.join(fallback)} timed on transformers' decode loop, "
+                "not on the compress runtime (an architecture the runtime does not run)."
+            )
     if extra.get("speculative"):
         notes.append(_speculative_table(extra["speculative"]))
     markdown = markdown_table(rows, columns) + "\n\n" + "\n\n".join(notes)
@@ -395,8 +405,11 @@ def evaluate_extras(model, tokenizer, cfg: Any, data_dir: str | None = None) -> 
         requests = make_requests(
             ids, lat.prompts, prompt_tokens=lat.prompt_tokens, output_tokens=lat.output_tokens
         )
-        timings = time_rounds([greedy_stream(model)], requests, lat.rounds)[0]
+        need = seq_len_for(max(len(r.prompt) + r.max_new_tokens for r in requests))
+        stream = runtime_stream(model, max_seq_len=need)
+        timings = time_rounds([stream], requests, lat.rounds)[0]
         slo = Slo(lat.slo_ttft_ms, lat.slo_tpot_ms)
         stats = summarize(timings, sum(t.e2e for t in timings), slo)
-        out["latency"] = {"summary": stats, "cost": cost(lat.usd_per_hour, stats["goodput"])}
+        out["latency"] = {"engine": stream.engine, "summary": stats,
+                          "cost": cost(lat.usd_per_hour, stats["goodput"])}
     return out

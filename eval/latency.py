@@ -10,9 +10,11 @@ pass a fake clock and get exact numbers). From the stamps of one request:
 Distributions use numpy's default (linear-interpolation) percentiles. Goodput counts only the
 requests that meet an SLO (TTFT and/or TPOT bounds). MBU = bytes a decode step must read
 (weights + KV cache) / step time / measured bandwidth; MFU = prefill FLOPs / prefill time /
-measured matmul peak (see ``hardware.py``). Generation is greedy with a fixed number of new
-tokens (EOS ignored) so every variant does the same amount of work. Timings are never asserted
-in tests: they depend on the machine and on whatever else runs on it.
+measured matmul peak (see ``hardware.py``). Tokens come from ``compress.runtime.Runtime``
+(``runtime_stream``), the engine ``compress generate`` serves; transformers' loop
+(``hf_stream``) runs only models the runtime does not, and says so. Generation is greedy with a
+fixed number of new tokens (EOS ignored) so every variant does the same amount of work. Timings
+are never asserted in tests: they depend on the machine and on whatever else runs on it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def time_request(
     return timing
 
 
-# ---- greedy generation over a Hugging Face model ------------------------------------------
+# ---- token streams: the runtime, transformers only where the runtime cannot run the model ----
 def model_forward(model: nn.Module, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
     """Logits of ``model(ids)`` that extend ``cache`` in place. transformers >= 5.2x renamed
     ``past_key_values`` to ``cache``; older versions only know the old name."""
@@ -93,8 +95,10 @@ def new_cache(model: nn.Module) -> Any:
     return DynamicCache(config=model.config)
 
 
-def greedy_stream(model: nn.Module) -> Stream:
-    """A ``Stream`` doing plain greedy decoding with the model's KV cache, one token per step."""
+def hf_stream(model: nn.Module) -> Stream:
+    """A ``Stream`` of plain greedy decoding through transformers' forward and KV cache, one
+    token per step: the fallback for models the runtime does not run, and ``--engine hf``.
+    Its ``engine`` attribute is ``"hf"``."""
     device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -107,21 +111,72 @@ def greedy_stream(model: nn.Module) -> Stream:
             yield token
             ids = torch.tensor([[token]], dtype=torch.long, device=device)
 
+    stream.engine = "hf"
+    return stream
+
+
+def seq_len_for(longest: int) -> int:
+    """Cache slots for requests of at most ``longest`` tokens (prompt + output), rounded up to
+    64 so that nearby workloads share compiled shapes."""
+    return -(-longest // 64) * 64
+
+
+def runtime_stream(
+    model: nn.Module, *, max_seq_len: int, slots: int = 1, compile: bool = False
+) -> Stream:
+    """A greedy ``Stream`` over ``compress.runtime.Runtime`` (static KV cache): the engine
+    that ``compress generate`` serves. Its ``engine`` attribute says who made the tokens:
+    ``"runtime"``, or ``"hf fallback"`` (``hf_stream``, reason in ``fallback_reason``) for a
+    model the runtime does not run.
+
+    A Runtime has one cache, so requests open at the same time (``StreamEngine`` interleaves up
+    to ``slots`` of them) each take a fork of it; a fork is handed back as soon as its request's
+    last token is out, because ``serve`` stops advancing a finished iterator without closing it.
+    """
+    from compress.runtime import Runtime, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason is not None:
+        fallback = hf_stream(model)
+        fallback.engine, fallback.fallback_reason = "hf fallback", reason
+        return fallback
+    first = Runtime(model, max_seq_len=max_seq_len, compile=compile)
+    free = [first] + [first.fork() for _ in range(slots - 1)]
+
+    def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
+        if not free:
+            raise RuntimeError(f"more than {slots} requests open at once on the runtime pool")
+        runtime = free.pop()
+        tokens = runtime.stream(prompt, max_new_tokens)
+        try:
+            for index in range(max_new_tokens):
+                token = next(tokens)
+                if index == max_new_tokens - 1:
+                    tokens.close()
+                    free.append(runtime)
+                    runtime = None
+                yield token
+        finally:
+            if runtime is not None:  # closed early: the cache is free again
+                tokens.close()
+                free.append(runtime)
+
+    stream.engine, stream.fallback_reason = "runtime", None
     return stream
 
 
 def decode_speed(
     model: nn.Module, prompt: list[int], new_tokens: int, repeats: int
-) -> dict[str, float]:
-    """TTFT (ms) and decode tokens/s of greedy ``greedy_stream`` requests, best of ``repeats``
+) -> dict[str, Any]:
+    """TTFT (ms) and decode tokens/s of greedy ``runtime_stream`` requests, best of ``repeats``
     after one warm-up (first-call allocations and lazy inits): the least disturbed request on
-    shared cores. For distributions use ``compress compare --latency``."""
-    stream = greedy_stream(model)
+    shared cores; ``engine`` names who made the tokens. For distributions use
+    ``compress compare --latency``."""
+    stream = runtime_stream(model, max_seq_len=seq_len_for(len(prompt) + new_tokens))
     time_request(stream, prompt, 2)
     timings = [time_request(stream, prompt, new_tokens) for _ in range(repeats)]
     best = min(timings, key=lambda t: t.e2e)
-    return {"ttft_ms": 1e3 * best.ttft, "decode_tok_s": 1.0 / best.tpot}
-
+    return {"ttft_ms": 1e3 * best.ttft, "decode_tok_s": 1.0 / best.tpot, "engine": stream.engine}
 
 
 # ---- statistics ---------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 A run is a list of requests cut from real text (``workload.make_requests`` or a trace). The
 ``single`` workload times one request at a time (busy time = the sum of request latencies); the
-others go through ``workload.serve`` (wall time of the workload), with transformers' batched
-decode (``hf``) or our static-cache runtime, one cache per open request, interleaved
-(``runtime``). Models run interleaved, round by round, each after one warm-up request, so that
-load from other work on the machine hits every model alike. ``batch`` gives one run per batch
-size; its rows carry a ``batch_size`` key and its details are keyed by batch size.
+others go through ``workload.serve`` (wall time of the workload), with our static-cache runtime,
+one cache per open request, interleaved (``runtime``, the default: the engine ``compress
+generate`` serves) or transformers' batched decode (``hf``). Every row names its ``engine``; a
+model the runtime does not run is timed on transformers and marked ``hf fallback``. Models run
+interleaved, round by round, each after one warm-up request, so that load from other work on the
+machine hits every model alike. ``batch`` gives one run per batch size; its rows carry a
+``batch_size`` key and its details are keyed by batch size.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from compress.eval.hardware import matmul_peak, memory_bandwidth
 from compress.eval.latency import (
     Slo,
     cost,
-    greedy_stream,
+    hf_stream,
     kv_bytes_per_token,
     matmul_params,
     prefill_flops,
     roofline,
+    runtime_stream,
+    seq_len_for,
     summarize,
     time_request,
 )
@@ -36,7 +40,6 @@ from compress.eval.workload import (
     make_requests,
     poisson_arrivals,
     read_trace,
-    runtime_stream,
     serve,
     trace_requests,
 )
@@ -96,21 +99,23 @@ def _runs(ids: list[int], s: CompareSettings) -> list[tuple[dict[str, Any], list
 
 
 def _measure(models, requests: list[Request], max_batch: int | None, s: CompareSettings):
-    """Timings and busy/wall seconds per model for one run, on the chosen engine."""
+    """Timings, busy/wall seconds and the engine that made the tokens, per model, for one run.
+    ``runtime`` falls back to transformers (engine ``"hf fallback"``) only for a model the
+    runtime does not run."""
     if s.engine == "runtime":
-        need = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        need = seq_len_for(max(len(r.prompt) + r.max_new_tokens for r in requests))
         streams = [
-            runtime_stream(m, max_seq_len=-(-need // 64) * 64, slots=max_batch or 1,
-                           compile=s.compile)
+            runtime_stream(m, max_seq_len=need, slots=max_batch or 1, compile=s.compile)
             for m in models
         ]
     else:
-        streams = [greedy_stream(m) for m in models]
+        streams = [hf_stream(m) for m in models]
+    names = [stream.engine for stream in streams]
     if max_batch is None:  # single stream: the server is busy only inside requests
         timings = time_rounds(streams, requests, s.rounds)
-        return timings, [sum(t.e2e for t in ts) for ts in timings]
+        return timings, [sum(t.e2e for t in ts) for ts in timings], names
     engines = [HFEngine(m) for m in models] if s.engine == "hf" else map(StreamEngine, streams)
-    return _serve_rounds(list(engines), requests, max_batch, s.rounds)
+    return (*_serve_rounds(list(engines), requests, max_batch, s.rounds), names)
 
 
 def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
@@ -124,7 +129,7 @@ def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
     out_rows = []
     for run, requests in _runs(ids, s):
         started = time.perf_counter()
-        all_timings, durations = _measure(models, requests, run.get("max_batch"), s)
+        all_timings, durations, engines = _measure(models, requests, run.get("max_batch"), s)
         log.info("latency run %s took %.1f s", run, time.perf_counter() - started)
         workload["runs"].append({
             **run,
@@ -133,10 +138,11 @@ def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
             "prompt_tokens": [len(r.prompt) for r in requests],
             "output_tokens": [r.max_new_tokens for r in requests],
         })
-        for row, name, model, timings, duration in zip(
-            rows, names, models, all_timings, durations, strict=True
+        for row, name, model, timings, duration, engine in zip(
+            rows, names, models, all_timings, durations, engines, strict=True
         ):
             new = {**row, **({"batch_size": run["batch_size"]} if "batch_size" in run else {})}
+            new["engine"] = engine
             record = _latency_record(new, model, timings, duration, slo, s, bandwidth, peak)
             record["workload"] = run
             if "batch_size" in run:

@@ -14,9 +14,9 @@ Requests wait in the queue while others decode, so queueing shows up in TTFT. Wi
 ``HFEngine`` each request keeps its own KV cache; a decode step left-pads the caches to a common
 length, masks the padding, passes each request's own positions, and splits the new cache back.
 That copy per step costs time at long contexts; it keeps the loop short and exact (greedy
-tokens match plain decoding, tested). ``StreamEngine`` serves any ``Stream`` callable (e.g. a
-faster runtime) by advancing each request's iterator in turn: interleaved, not batched compute.
-``runtime_stream`` is such a callable over our static-cache runtime (one cache per open request).
+tokens match plain decoding, tested). ``StreamEngine`` serves any ``Stream`` callable by
+advancing each request's iterator in turn: interleaved, not batched compute. The product serves
+``latency.runtime_stream`` (our static-cache runtime, one cache per open request) through it.
 """
 
 from __future__ import annotations
@@ -211,41 +211,6 @@ class StreamEngine:
 
     def decode(self, states: list[Any], last_tokens: list[int]) -> list[int]:
         return [int(next(it)) for it in states]
-
-
-def runtime_stream(
-    model: nn.Module, *, max_seq_len: int, slots: int = 1, compile: bool = False
-) -> Stream:
-    """A ``Stream`` over ``compress.runtime.Runtime`` (static KV cache, greedy).
-
-    A Runtime has one cache, so requests open at the same time (``StreamEngine`` interleaves up
-    to ``slots`` of them) each take a fork of it; a fork is handed back as soon as its request's
-    last token is out, because ``serve`` stops advancing a finished iterator without closing it.
-    """
-    from compress.runtime import Runtime
-
-    first = Runtime(model, max_seq_len=max_seq_len, compile=compile)
-    free = [first] + [first.fork() for _ in range(slots - 1)]
-
-    def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
-        if not free:
-            raise RuntimeError(f"more than {slots} requests open at once on the runtime pool")
-        runtime = free.pop()
-        tokens = runtime.stream(prompt, max_new_tokens)
-        try:
-            for index in range(max_new_tokens):
-                token = next(tokens)
-                if index == max_new_tokens - 1:
-                    tokens.close()
-                    free.append(runtime)
-                    runtime = None
-                yield token
-        finally:
-            if runtime is not None:  # closed early: the cache is free again
-                tokens.close()
-                free.append(runtime)
-
-    return stream
 
 
 # ---- the serving loop ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from compress.eval.hardware import memory_bandwidth
 
 from compress.models import EMBEDDED, _gguf_location, cache_dir, load_model
 from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears
@@ -99,14 +100,8 @@ def llama_cpp_python() -> Path:
 
 
 def read_bandwidth() -> float:
-    x = torch.ones(256 * 2**20)  # 1 GiB fp32, reduced (read) a few times; best of 4
-    return max(x.nbytes / _seconds(x.sum) for _ in range(4))
-
-
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    # the product's probe (1 GiB fp32 buffer, summed; best of 4), as compare's MBU uses
+    return memory_bandwidth(size_mb=1024, repeats=4)["bytes_per_s"]
 
 
 def _clocks() -> tuple[float, float]:
@@ -116,6 +111,7 @@ def _clocks() -> tuple[float, float]:
 
 
 def time_hf(model, ids, n):
+    # The reference rows (hf-*): transformers' own generate, named as such in the table.
     x = torch.tensor([ids])
     kw = dict(do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0)
     with torch.no_grad():

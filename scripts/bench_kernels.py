@@ -6,7 +6,8 @@ For each weight shape N x K and batch M: median time (triton.testing.do_bench), 
 % of the measured copy bandwidth and bf16 matmul peak, and the speedup over torch bf16 (cuBLAS),
 ``torch._weight_int4pack_mm`` and ``torch._int_mm``. Writes bench_kernels.json (rewritten after
 every shape, so a timeout keeps what was measured) and bench_kernels.md into --out ($OUT or
-./out). --e2e adds SmolLM2-135M greedy decode tokens/s, W4 g128 on Triton vs bf16.
+./out). --e2e adds SmolLM2-135M greedy decode tokens/s on the compress runtime, W4 g128 on
+Triton vs bf16.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import logging
 import os
 import pathlib
-import time
 
 import torch
 
@@ -50,29 +50,23 @@ def bench_shapes(shapes, m_values, peaks, out_dir: pathlib.Path) -> list[dict]:
 
 
 def decode_tokens_per_s(new_tokens: int = 128) -> dict:
-    """SmolLM2-135M greedy decode, bf16 vs W4 g128 QuantLinear on Triton (HF generate)."""
+    """SmolLM2-135M greedy decode on the compress runtime (``eval.latency.decode_speed``, the
+    engine ``compress generate`` serves), bf16 vs W4 g128 QuantLinear on Triton."""
+    from compress.eval.latency import decode_speed
+
     from compress.models import load_model
     from compress.modules import QuantLinear, WeightScheme
 
-    def tokens_per_s(model) -> float:
-        prompt = torch.randint(0, 1000, (1, 16), device="cuda")
-        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        model.generate(prompt, **kwargs)  # warm-up: compiles and autotunes
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(prompt, **kwargs)
-        torch.cuda.synchronize()
-        return new_tokens / (time.perf_counter() - start)
-
-    model = load_model("smollm2-135m").to("cuda", torch.bfloat16).eval()
-    result = {"bf16_tokens_per_s": tokens_per_s(model)}
+    model = load_model("smollm2-135m").model.to("cuda", torch.bfloat16).eval()
+    prompt = torch.randint(0, 1000, (16,)).tolist()
+    result = {"bf16": decode_speed(model, prompt, new_tokens, repeats=3)}
     scheme = WeightScheme(n_bits=4, group_size=128)
     for name, linear in list(model.named_modules()):
         if isinstance(linear, torch.nn.Linear) and "lm_head" not in name:
             parent, _, child = name.rpartition(".")
             q = QuantLinear.from_linear(linear, scheme, backend="triton")
             setattr(model.get_submodule(parent), child, q)
-    result["w4_triton_tokens_per_s"] = tokens_per_s(model)
+    result["w4_triton"] = decode_speed(model, prompt, new_tokens, repeats=3)
     return result
 
 

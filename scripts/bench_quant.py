@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from compress.eval.latency import decode_speed
@@ -118,10 +119,12 @@ def main() -> None:
     tasks = [t for t in args.tasks.split(",") if t]
     columns = COLUMNS[:-1] + [(t, f"{t} acc") for t in tasks] + COLUMNS[-1:]
     if args.latency:
-        columns[-1:-1] = [("ttft_ms", "TTFT ms"), ("decode_tok_s", "decode tok/s")]
+        columns[-1:-1] = [
+            ("ttft_ms", "TTFT ms"), ("decode_tok_s", "decode tok/s"), ("engine", "engine")
+        ]
     prompt = None
 
-    def speed(model, tokenizer) -> dict[str, float]:
+    def speed(model, tokenizer) -> dict[str, Any]:  # tokens timed on the runtime (decode_speed)
         nonlocal prompt
         if not args.latency:
             return {}

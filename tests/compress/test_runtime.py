@@ -245,6 +245,30 @@ def test_bad_sampling_options_raise(model):
         rt.generate([[1, 2]], 4, temperature=1.0, top_p=1.5)
 
 
+def test_score_of_k_tokens_equals_one_token_steps_and_rewind_replays(model):
+    # What speculative decoding needs: scoring k tokens in one forward gives the logits that k
+    # single decode steps give, and after a rewind the same tokens score the same again.
+    prompt, n = PROMPTS[0], 6
+    greedy = Runtime(model, max_seq_len=64, compile=False).generate([prompt], n)[0]
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    first = rt.prefill(prompt)
+    assert int(first.argmax()) == greedy[0] and rt.position == len(prompt)
+    steps = torch.stack([rt.score([t])[-1] for t in greedy[:-1]])  # [n - 1, V]
+    assert steps.argmax(-1).tolist() == greedy[1:]
+    rt.rewind(len(prompt))
+    together = rt.score(greedy[:-1])  # one forward, [n - 1, V]
+    assert rt.position == len(prompt) + n - 1
+    torch.testing.assert_close(together, steps, rtol=1e-4, atol=1e-4)
+    rt.rewind(len(prompt) + 2)  # drop the last tokens, then feed a different one
+    other = (greedy[2] + 1) % 320
+    got = rt.score([other])[-1]
+    ref = Runtime(model, max_seq_len=64, compile=False)
+    ref.prefill(prompt + greedy[:2])
+    torch.testing.assert_close(got, ref.score([other])[-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rewind"):
+        rt.rewind(rt.position + 1)
+
+
 def test_unsupported_architecture_falls_back_with_warning():
     from transformers import GPT2Config, GPT2LMHeadModel
 

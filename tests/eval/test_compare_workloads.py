@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from compress.eval.compare import CompareSettings, compare
-from compress.eval.workload import Request, StreamEngine, runtime_stream, serve
+from compress.eval.latency import runtime_stream
+from compress.eval.workload import Request, StreamEngine, serve
 
 from compress.cli import main
 from compress.errors import DataError
@@ -111,6 +113,25 @@ def test_single_workload_on_the_runtime_engine(tmp_path, text_file, models):
     for detail in payload["details"].values():
         assert [r["output_tokens"] for r in _requests(detail)] == [3] * 4  # 2 prompts x 2 rounds
     assert payload["rows"][0]["mbu"] is not None  # single stream: TPOT is one decode step
+
+
+def test_runtime_is_the_default_engine_and_a_fallback_row_is_marked(tmp_path, text_file, models):
+    # A GPT-2 variant: the runtime does not run it, so its latency comes from transformers, and
+    # the row and a footnote say so; the Llama baseline is timed on the runtime.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_positions=64, n_embd=32, n_layer=1,
+                                      n_head=2, initializer_range=0.3)).eval()
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    make_char_tokenizer().save_pretrained(tmp_path / "gpt2")
+    settings = _settings(text_file)
+    assert settings.engine == "runtime"
+    payload = compare(models[0], [str(tmp_path / "gpt2")], settings, tmp_path / "out")
+    assert [r["engine"] for r in payload["rows"]] == ["runtime", "hf fallback"]
+    header = payload["markdown"].splitlines()[0]
+    assert "| engine |" in header
+    assert "Engine hf fallback: gpt2" in payload["markdown"]
 
 
 def test_runtime_pool_interleaves_with_own_caches():

@@ -64,5 +64,23 @@ def test_run_table_shows_requested_tasks_and_latency(tmp_path, tiny_model, tiny_
     base, comp = result.rows
     for row in (base, comp):  # cells from the eval section, for both rows
         assert row["piqa_local"].count("±") == 1 and row["ttft_p50_ms"] > 0
+        assert row["engine"] == "runtime"  # timed on what `compress generate` serves
     header = result.markdown.splitlines()[2]
     assert "piqa_local acc" in header and "TTFT p50 ms" in header and "TPOT p50 ms" in header
+    assert "engine" in header
+
+
+def test_recipe_latency_tokens_come_from_the_runtime(tiny_tokenizer, data_dir):
+    import torch
+    from compress.eval.compare import evaluate_extras
+
+    from compress.testing import make_tiny_llama
+
+    model = make_tiny_llama(initializer_range=0.3)
+    lat = {"prompts": 2, "prompt_tokens": 6, "output_tokens": 5}
+    cfg = parse_recipe({"passes": [], "eval": {"latency": lat}}).eval
+    with torch.no_grad():
+        out = evaluate_extras(model, tiny_tokenizer, cfg, data_dir=str(data_dir))
+    assert out["latency"]["engine"] == "runtime"
+    assert out["latency"]["summary"]["requests"] == 2
+    assert out["latency"]["summary"]["tpot_ms"]["n"] == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compress.eval.latency import greedy_stream
+from compress.eval.latency import hf_stream, runtime_stream
 from compress.eval.speculative import SpeculativeStats, speculative_generate
 from compress.eval.workload import (
     HFEngine,
@@ -16,6 +16,7 @@ from compress.eval.workload import (
     serve,
 )
 
+from compress.runtime import Runtime
 from compress.testing import make_tiny_llama  # noqa: E402
 
 
@@ -30,10 +31,10 @@ def _prompts():
 
 
 def _plain(model, prompt, n):
-    return list(greedy_stream(model)(prompt, n))
+    return list(hf_stream(model)(prompt, n))
 
 
-def test_greedy_stream_matches_full_forward(model64):
+def test_hf_stream_matches_full_forward(model64):
     prompt = _prompts()[1]
     tokens = _plain(model64, prompt, 6)
     seq = list(prompt)
@@ -77,7 +78,7 @@ def test_stream_engine_serves_any_stream(model64):
     requests = [Request(p, 3) for p in prompts]
     clock = StepClock()
     timings, _ = serve(
-        StreamEngine(greedy_stream(model64)), requests, max_batch=8, clock=clock, sleep=clock.sleep
+        StreamEngine(hf_stream(model64)), requests, max_batch=8, clock=clock, sleep=clock.sleep
     )
     assert [t.tokens for t in timings] == [_plain(model64, p, 3) for p in prompts]
 
@@ -117,20 +118,46 @@ def test_make_requests_lengths_and_determinism():
     assert a[1].prompt[0] == a[0].prompt[-1] + 1  # consecutive slices of the text
 
 
+def _runtime(model):
+    return Runtime(model, max_seq_len=64, compile=False)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_speculative_outputs_equal_plain_greedy(model64, k):
+def test_speculative_on_the_runtime_equals_plain_greedy(model64, k):
+    # Draft and target on runtime static caches: the tokens are the target runtime's plain
+    # greedy tokens, which are transformers' greedy tokens.
     draft = make_tiny_llama(seed=7).double()
+    target_rt, draft_rt = _runtime(model64), _runtime(draft)
     for prompt in _prompts():
         stats = SpeculativeStats()
-        out = speculative_generate(model64, draft, prompt, 9, k=k, stats=stats)
-        assert out == _plain(model64, prompt, 9)
+        out = speculative_generate(target_rt, draft_rt, prompt, 9, k=k, stats=stats)
+        plain = _runtime(model64).generate([prompt], 9)[0]
+        assert out == plain == _plain(model64, prompt, 9)
         assert stats.accepted <= stats.proposed
 
 
 def test_speculative_self_draft_accepts_everything(model64):
     stats = SpeculativeStats()
-    out = speculative_generate(model64, model64, _prompts()[0], 9, k=4, stats=stats)
+    out = speculative_generate(
+        _runtime(model64), _runtime(model64), _prompts()[0], 9, k=4, stats=stats
+    )
     assert out == _plain(model64, _prompts()[0], 9)
     assert stats.accepted == stats.proposed
     # prefill gives 1 token, then each verify gives k + 1 = 5 tokens: 1 + 5 + 3 (last, truncated)
     assert stats.target_forwards == 3
+
+
+def test_runtime_stream_names_its_engine_and_falls_back_only_when_it_must(model64):
+    stream = runtime_stream(model64, max_seq_len=64)
+    assert stream.engine == "runtime" and stream.fallback_reason is None
+    prompt = _prompts()[1]
+    assert list(stream(prompt, 6)) == _runtime(model64).generate([prompt], 6)[0]
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_positions=64, n_embd=32, n_layer=1,
+                                      n_head=2, initializer_range=0.3)).eval()
+    fallback = runtime_stream(gpt2, max_seq_len=64)
+    assert fallback.engine == "hf fallback" and "gpt2" in fallback.fallback_reason
+    assert list(fallback(prompt, 6)) == _plain(gpt2, prompt, 6)
