@@ -70,7 +70,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _evaluate(
+def evaluate_perplexity(
     model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool,
     *, label: str, resume: bool,
 ):
@@ -105,7 +105,7 @@ def _evaluate(
     return result
 
 
-def _protocol_line(result) -> str:
+def protocol_line(result) -> str:
     """The table's footnote: what the perplexity column measured, and on how much text."""
     p = result.protocol
     total = p.get("windows_in_text", p["windows"])
@@ -145,7 +145,7 @@ def recipe_state(
     return state
 
 
-def _model_folders(recipe: Recipe, model: str | None) -> list[Path]:
+def model_folders(recipe: Recipe, model: str | None) -> list[Path]:
     """Local folders the job reads models from (the model, distillation teachers): the output
     folder may not be, contain or lie inside one of them."""
     sources = [model or recipe.model]
@@ -167,12 +167,12 @@ def run_job(
     ``out/<recipe name>``). ``out_dir`` must be missing, empty or an earlier compress output
     unless ``overwrite``; it is never the model's own folder (checked before any work).
     resume: reuse perplexity windows saved by an earlier run on the same weights and protocol
-    (see ``_evaluate``); False recomputes them."""
+    (see ``evaluate_perplexity``); False recomputes them."""
     from compress.eval.report import environment, markdown_table
 
     started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
-    check_output_dir(out, overwrite=overwrite, protect=_model_folders(recipe, model))
+    check_output_dir(out, overwrite=overwrite, protect=model_folders(recipe, model))
     text, source = None, None
     if recipe.eval.perplexity is not None:
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
@@ -187,8 +187,10 @@ def run_job(
     rows: list[dict[str, Any]] = []
     baseline, baseline_extras = None, {}
     if recipe.eval.baseline:
-        baseline = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress,
-                             label="baseline perplexity", resume=resume)
+        baseline = evaluate_perplexity(
+            loaded.model, loaded.tokenizer, recipe, text, source, progress,
+            label="baseline perplexity", resume=resume,
+        )
         baseline_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
         sizes = model_bytes(loaded.model)
         rows.append({
@@ -199,8 +201,10 @@ def run_job(
             **extra_cells(baseline_extras),
         })
     run_passes(loaded.model, recipe.passes, state)
-    compressed = _evaluate(loaded.model, loaded.tokenizer, recipe, text, source, progress,
-                           label="compressed perplexity", resume=resume)
+    compressed = evaluate_perplexity(
+        loaded.model, loaded.tokenizer, recipe, text, source, progress,
+        label="compressed perplexity", resume=resume,
+    )
     compressed_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(loaded.model)
     row = {
@@ -234,7 +238,7 @@ def run_job(
         )
         row["disk_mb"] = _dir_bytes(out) / 1e6
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    protocol = _protocol_line(compressed) if compressed else ""
+    protocol = protocol_line(compressed) if compressed else ""
     extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in dict(COLUMNS)]
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
     markdown = f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol

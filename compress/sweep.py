@@ -23,7 +23,13 @@ from typing import Any
 from compress.core import PASSES, pass_name_of, run_passes
 from compress.data import resolve_text_path
 from compress.errors import RecipeError
-from compress.job import JobResult, _evaluate, _model_folders, _protocol_line, recipe_state
+from compress.job import (
+    JobResult,
+    evaluate_perplexity,
+    model_folders,
+    protocol_line,
+    recipe_state,
+)
 from compress.memory import MemoryMonitor
 from compress.models import load_model
 from compress.modules import bits_per_weight, model_bytes
@@ -112,7 +118,7 @@ def run_sweep(
             "model: pass --model to run them all on the same one"
         )
     out = Path(out_dir)
-    protect = [d for r in recipes for d in _model_folders(r, model)]
+    protect = [d for r in recipes for d in model_folders(r, model)]
     check_output_dir(out, overwrite=overwrite, protect=protect)
     protocol = _common_eval(recipes)
     text_path = resolve_text_path(protocol["dataset"], data_dir)
@@ -122,15 +128,17 @@ def run_sweep(
     done = _load_previous(out / "sweep.json", settings) if resume else {}
 
     loaded = load_model(source_model)
-    baseline = _evaluate(loaded.model, loaded.tokenizer, recipes[0], text, source, progress,
-                         label="baseline perplexity", resume=resume)
+    baseline = evaluate_perplexity(
+        loaded.model, loaded.tokenizer, recipes[0], text, source, progress,
+        label="baseline perplexity", resume=resume,
+    )
     rows = [{**_row(f"baseline ({loaded.source})", loaded.model, baseline, None),
              "recipe": None}]
     payload: dict[str, Any] = {"settings": settings, "environment": environment(), "rows": rows}
 
     def save() -> str:
         markdown = (f"## sweep on {loaded.source}\n\n" + markdown_table(rows, COLUMNS)
-                    + _protocol_line(baseline))
+                    + protocol_line(baseline))
         write_results(out, "sweep", markdown, payload, overwrite=overwrite)
         return markdown
 
@@ -150,8 +158,10 @@ def run_sweep(
         with MemoryMonitor(variant.device) as memory:
             run_passes(variant, recipe.passes, state)
         pass_s = time.perf_counter() - started
-        result = _evaluate(variant, loaded.tokenizer, recipe, text, source, progress,
-                           label=f"{recipe.name} perplexity", resume=resume)
+        result = evaluate_perplexity(
+            variant, loaded.tokenizer, recipe, text, source, progress,
+            label=f"{recipe.name} perplexity", resume=resume,
+        )
         rows.append({
             **_row(recipe.name, variant, result, baseline),
             "recipe": recipe.name,
