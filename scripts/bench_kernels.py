@@ -33,7 +33,8 @@ def bench_shapes(shapes, m_values, peaks, out_dir: pathlib.Path) -> list[dict]:
     for shape in shapes:
         n, k = map(int, shape.split("x"))
         for m in m_values:
-            rows = triton_ops.benchmark_linear(m, n, k, group_size=128)
+            group = 128 if k % 128 == 0 else 64  # "g128" is g64 where 128 does not divide K
+            rows = triton_ops.benchmark_linear(m, n, k, group_size=group)
             base = {r["method"]: r["ms"] for r in rows}
             for r in rows:
                 if r["ms"] is not None:
@@ -42,7 +43,7 @@ def bench_shapes(shapes, m_values, peaks, out_dir: pathlib.Path) -> list[dict]:
                     for ref in ("torch_bf16", "torch_int4pack", "torch_int_mm"):
                         if base.get(ref):
                             r[f"speedup_vs_{ref}"] = base[ref] / r["ms"]
-                results.append({"n": n, "k": k, "m": m, **r})
+                results.append({"n": n, "k": k, "m": m, "group_size": group, **r})
             times = ", ".join(f"{r['method']} {r['ms']:.4f} ms" for r in rows if r["ms"])
             log.info("N=%d K=%d M=%d: %s", n, k, m, times)
         _write(out_dir, {"peaks": peaks, "results": results})
