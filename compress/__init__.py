@@ -5,7 +5,7 @@ Public API: ``load`` (a model or compressed checkpoint, ready to serve with our 
 registry (``PASSES``, ``register_pass``) and the error types.
 
 Importing this package does no work and imports no submodule: each public name is imported on
-first use (module-level ``__getattr__``), so ``import compress.kernels`` or ``compress.errors``
+first use (module-level ``__getattr__``), so ``import compress.kernels`` or ``compress.core.errors``
 does not import the passes. The passes register themselves when ``compress.recipe`` is imported
 (it imports each pass module explicitly), which every way to name a pass goes through:
 ``parse_recipe`` / ``load_recipe`` / ``Recipe``, ``run_job``, the CLI and ``compress.PASSES``.
@@ -26,18 +26,18 @@ _LAZY = {
     "PassReport": "compress.core",
     "register_pass": "compress.core",
     "run_passes": "compress.core",
-    "ConfigError": "compress.errors",
-    "DataError": "compress.errors",
-    "KernelConstraintError": "compress.errors",
-    "ModelLoadError": "compress.errors",
-    "OutputError": "compress.errors",
-    "RecipeError": "compress.errors",
-    "LoadedModel": "compress.models",
-    "load_model": "compress.models",
+    "ConfigError": "compress.core.errors",
+    "DataError": "compress.core.errors",
+    "KernelConstraintError": "compress.core.errors",
+    "ModelLoadError": "compress.core.errors",
+    "OutputError": "compress.core.errors",
+    "RecipeError": "compress.core.errors",
+    "LoadedModel": "compress.io.load",
+    "load_model": "compress.io.load",
     "Recipe": "compress.recipe",
     "load_recipe": "compress.recipe",
     "parse_recipe": "compress.recipe",
-    "run_job": "compress.job",
+    "run_job": "compress.pipeline.job",
 }
 
 
@@ -57,8 +57,8 @@ def __dir__() -> list[str]:
 def load(path: str = "smollm2-135m", *, backend: str = "auto", **kwargs: Any) -> Any:
     """Load a model or an exported compressed checkpoint for serving (``.model``, ``.tokenizer``,
     ``.generate(...)``); ``backend`` picks the quantized kernels (auto|reference|cpu|triton).
-    Returns a ``compress.models.LoadedModel``."""
-    from compress.models import load_model
+    Returns a ``compress.io.load.LoadedModel``."""
+    from compress.io.load import load_model
 
     return load_model(path, backend=backend, **kwargs)
 

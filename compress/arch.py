@@ -22,7 +22,7 @@ from typing import Literal
 
 from torch import nn
 
-from compress.errors import ConfigError
+from compress.core.errors import ConfigError
 
 NormForm = Literal["w", "1+w"]  # y = w * n(x) (Llama RMSNorm), or y = (1 + w) * n(x) (Gemma)
 
@@ -74,7 +74,7 @@ class Arch:
     smoothquant_mappings: tuple[Mapping, ...]
     heads: PruneGroup
     mlp_channels: PruneGroup
-    runtime: bool  # compress.runtime runs it (else the transformers fallback)
+    runtime: bool  # compress.runtime.engine runs it (else the transformers fallback)
 
     @property
     def layer_prefix(self) -> str:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from compress.core.errors import DataError
 from compress.data import read_documents, resolve_text_path
-from compress.errors import DataError
 
 
 def calibration_sequences(

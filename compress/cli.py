@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.errors import (
+from compress.core.errors import (
     DataError,
     KernelConstraintError,
     ModelLoadError,
@@ -57,7 +57,7 @@ def _job_options(args: argparse.Namespace) -> dict:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from compress.job import run_job, with_full_eval
+    from compress.pipeline.job import run_job, with_full_eval
     from compress.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set)
@@ -70,9 +70,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from compress.job import with_full_eval
+    from compress.pipeline.job import with_full_eval
+    from compress.pipeline.sweep import run_sweep
     from compress.recipe import load_recipe
-    from compress.sweep import run_sweep
 
     recipes = [load_recipe(path, args.set) for path in args.recipes]
     if args.full_eval:
@@ -84,7 +84,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from compress.inspect import inspect_checkpoint
+    from compress.io.inspect import inspect_checkpoint
 
     summary = inspect_checkpoint(Path(args.path))
     print(json.dumps(summary, indent=2) if args.json else summary["markdown"])
@@ -95,7 +95,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from compress.data import resolve_text_path
     from compress.eval.lm_eval_tasks import check_tasks, run_tasks, task_folder, task_manager
     from compress.eval.quality import perplexity
-    from compress.models import load_model
+    from compress.io.load import load_model
 
     tasks = [t for t in (args.tasks or "").split(",") if t]
     if tasks:  # unknown names fail here, before the model loads
@@ -134,8 +134,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     """Stream the tokens as they come; timings go to stderr so stdout is the text alone."""
     import time
 
-    from compress.models import load_model
-    from compress.runtime import Runtime
+    from compress.io.load import load_model
+    from compress.runtime.engine import Runtime
 
     started = time.perf_counter()
     loaded = load_model(args.model, backend=args.backend)

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from compress.errors import DataError
+from compress.core.errors import DataError
 
 WIKITEXT2 = {
     "wikitext2": "wikitext-2-raw/wiki.test.raw",

@@ -34,7 +34,8 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.core import (
+from compress.core.errors import ConfigError, DataError
+from compress.core.registry import (
     MAX_TOKENS,
     CompressionState,
     PassConfig,
@@ -43,7 +44,6 @@ from compress.core import (
     register_pass,
 )
 from compress.data import read_documents, resolve_text_path
-from compress.errors import ConfigError, DataError
 from compress.optim import check_optimizer_name, make_optimizer, optimizer_state_bytes
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def load_checkpoint(path: Path, fingerprint: str) -> dict | None:
 def _teacher(cfg: LogitsConfig, student: nn.Module, state: CompressionState) -> nn.Module:
     teacher = state.teacher
     if cfg.teacher is not None:
-        from compress.models import load_model
+        from compress.io.load import load_model
 
         loaded = load_model(cfg.teacher)
         if (

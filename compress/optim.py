@@ -30,7 +30,7 @@ def check_optimizer_name(name: str) -> str:
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not supported; allowed values: {list(OPTIMIZERS)}")
     if name == "adamw8bit":
-        from compress.bnb import INSTALL, bitsandbytes_available
+        from compress.quant.bnb import INSTALL, bitsandbytes_available
 
         if not bitsandbytes_available():
             raise ValueError(
@@ -46,7 +46,7 @@ def adamw8bit_unsupported_reason(device_type: str) -> str | None:
 
     A capability probe run once per device type on first use: one step on a 4096-element
     parameter (the smallest size that gets 8-bit states)."""
-    from compress.bnb import import_bitsandbytes
+    from compress.quant.bnb import import_bitsandbytes
 
     bnb = import_bitsandbytes()
     param = torch.nn.Parameter(torch.zeros(4096, device=device_type))
@@ -90,7 +90,7 @@ def make_optimizer(
         device_type = first.device.type
         reason = adamw8bit_unsupported_reason(device_type)
         if reason is None:
-            from compress.bnb import import_bitsandbytes
+            from compress.quant.bnb import import_bitsandbytes
 
             bnb = import_bitsandbytes()
             cls = bnb.optim.PagedAdamW8bit if device_type == "cuda" else bnb.optim.AdamW8bit

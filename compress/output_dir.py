@@ -6,7 +6,7 @@ compress never deletes data it did not write. Every folder it writes as output (
 empty or holds that marker; any other non-empty folder is an ``OutputError`` unless the user
 passed ``--overwrite``. Even with ``--overwrite``, a folder that is, contains or lies inside a
 protected folder (the input model's own folder, the current directory, the home directory) is
-refused. Replacing a folder happens in ``compress.export.atomic_directory``: the new folder is
+refused. Replacing a folder happens in ``compress.io.export.atomic_directory``: the new folder is
 complete before the old one is removed.
 
 Files are given ordinary permissions (0644, folders 0755) after writing: safetensors and
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from compress.errors import OutputError
+from compress.core.errors import OutputError
 
 MARKER = ".compress-output"
 FILE_MODE = 0o644

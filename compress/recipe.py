@@ -23,16 +23,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 # Every pass module, imported here for its @register_pass side effect: a recipe may name any
 # registered pass, so parsing or printing one needs them all (STYLE 5.3: explicit, no discovery).
-from compress import (  # noqa: F401
-    awq,
-    bnb,  # imports bitsandbytes only when run
-    distill,
-    gptq,
-    prune,
-    quantize,
-    smoothquant,
-)
-from compress.core import (
+from compress import distill  # noqa: F401
+from compress.core.errors import RecipeError
+from compress.core.registry import (
     MAX_TOKENS,
     PASSES,
     PassConfig,
@@ -42,7 +35,14 @@ from compress.core import (
     get_pass,
     pass_name_of,
 )
-from compress.errors import RecipeError
+from compress.prune import structured  # noqa: F401
+from compress.quant import (  # noqa: F401
+    awq,
+    bnb,  # imports bitsandbytes only when run
+    gptq,
+    rtn,
+    smoothquant,
+)
 
 # Bounds on settings that cost memory or time linearly (see each `at_most` reason).
 _TOKENS = at_most(MAX_TOKENS, "longer than the context of any supported model")

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from compress.eval.report import environment, markdown_table
 
 from compress.data import resolve_text_path
-from compress.models import load_model
+from compress.eval.report import environment, markdown_table
+from compress.io.load import load_model
 from compress.optim import make_optimizer, optimizer_state_bytes
 
 OPT_COLUMNS = [(k, k) for k in ("optimizer", "class", "state_mb", "peak_rss_mb", "rss_growth_mb",

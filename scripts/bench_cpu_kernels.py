@@ -1,5 +1,6 @@
 """Per-layer CPU decode matmuls, one run, interleaved: torch fp32 and bf16 F.linear, torch's
-native int8 and int4 weight-only kernels, and our AVX2 Q4 x Q8 kernel (kernels/cpu_avx2.py).
+native int8 and int4 weight-only kernels, and our AVX2 Q4 x Q8 kernel
+(compress/kernels/cpu_avx2.py).
 
 For each weight shape N x K (out x in) and rows M: median microseconds (min-max over rounds),
 GB/s of weight bytes read, and speed vs torch's int4 kernel. Shapes: SmolLM2-135M's and a
@@ -18,10 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from compress.eval.report import environment, markdown_table
 from compress.kernels import cpu_avx2, cpu_native
-
-from compress.modules import QuantLinear, WeightScheme
+from compress.quant.linear import QuantLinear, WeightScheme
 
 SHAPES = ["576x576", "192x576", "1536x576", "576x1536", "49152x576", "2048x2048", "5632x2048"]
 

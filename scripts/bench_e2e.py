@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from compress.eval.hardware import memory_bandwidth
 
-from compress.models import EMBEDDED, _gguf_location, cache_dir, load_model
-from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears
-from compress.runtime import Runtime
+from compress.eval.hardware import memory_bandwidth
+from compress.io.load import EMBEDDED, _gguf_location, cache_dir, load_model
+from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears
+from compress.runtime.engine import Runtime
 
 LLAMA_WORKER = r"""
 import json, sys, time

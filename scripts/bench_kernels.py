@@ -61,10 +61,10 @@ def decode_tokens_per_s(
     the values, and the GPU machine cannot receive the 270 MB of weights. The report says which.
     """
     from compress.eval.latency import decode_speed
-    from compress.modules import QuantLinear, WeightScheme
+    from compress.quant.linear import QuantLinear, WeightScheme
 
     if config_path is None:
-        from compress.models import load_model
+        from compress.io.load import load_model
 
         model, weights = load_model("smollm2-135m").model, "SmolLM2-135M-Instruct (embedded GGUF)"
     else:

@@ -18,17 +18,17 @@ import time
 from pathlib import Path
 
 import torch
-from compress.eval.quality import perplexity
-from compress.eval.report import environment, markdown_table, write_results
 
 from compress.calibration import calibration_sequences
-from compress.core import CompressionState, run_passes
+from compress.core.registry import CompressionState, run_passes
 from compress.data import resolve_text_path
 from compress.distill import LogitsConfig
-from compress.models import load_model
-from compress.modules import model_bytes
-from compress.prune import LayersConfig, MlpChannelsConfig, count_params
-from compress.quantize import Int4RtnConfig
+from compress.eval.quality import perplexity
+from compress.eval.report import environment, markdown_table, write_results
+from compress.io.load import load_model
+from compress.prune.structured import LayersConfig, MlpChannelsConfig, count_params
+from compress.quant.linear import model_bytes
+from compress.quant.rtn import Int4RtnConfig
 
 COLUMNS = [
     ("variant", "variant"),

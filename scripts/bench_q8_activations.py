@@ -19,15 +19,15 @@ import json
 from pathlib import Path
 
 import torch
+
+from compress.core.registry import run_passes
+from compress.data import resolve_text_path
 from compress.eval.quality import perplexity
 from compress.eval.report import environment, markdown_table
-
-from compress.core import run_passes
-from compress.data import resolve_text_path
-from compress.job import recipe_state
-from compress.models import load_model
-from compress.modules import QuantLinear, WeightScheme, set_backend
-from compress.quant_primitives import fake_quantize
+from compress.io.load import load_model
+from compress.pipeline.job import recipe_state
+from compress.quant.linear import QuantLinear, WeightScheme, set_backend
+from compress.quant.primitives import fake_quantize
 from compress.recipe import load_recipe
 
 BLOCK = 32  # llama.cpp's q8_0 block

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from compress.core.registry import run_passes
+from compress.data import resolve_text_path
 from compress.eval.latency import decode_speed
 from compress.eval.lm_eval_tasks import run_tasks
 from compress.eval.quality import PerplexityResult, perplexity
 from compress.eval.report import environment, markdown_table
-
-from compress.core import run_passes
-from compress.data import resolve_text_path
-from compress.job import extra_cells, recipe_state
-from compress.models import load_model
-from compress.modules import QuantLinear, model_bytes
+from compress.io.load import load_model
+from compress.pipeline.job import extra_cells, recipe_state
+from compress.quant.linear import QuantLinear, model_bytes
 from compress.recipe import load_recipe
 
 ROWS = [

@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-from compress.eval.quality import perplexity
 
 from compress.calibration import calibration_sequences
-from compress.core import CompressionState, run_passes
+from compress.core.registry import CompressionState, run_passes
 from compress.data import resolve_text_path
-from compress.gptq import GptqConfig
-from compress.models import cache_dir, embedded_model_dir, load_model
-from compress.quantize import Int4RtnConfig
+from compress.eval.quality import perplexity
+from compress.io.load import cache_dir, embedded_model_dir, load_model
+from compress.quant.gptq import GptqConfig
+from compress.quant.rtn import Int4RtnConfig
 
 RUNNER = r"""
 import importlib.util, json, sys, time, torch

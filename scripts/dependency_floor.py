@@ -63,10 +63,10 @@ def _greedy(model, ids):
 def export(out: Path) -> None:
     import torch
 
-    from compress.core import CompressionState, run_passes
-    from compress.export import export_checkpoint
-    from compress.modules import set_backend
-    from compress.quantize import Int4RtnConfig, Int8RtnConfig
+    from compress.core.registry import CompressionState, run_passes
+    from compress.io.export import export_checkpoint
+    from compress.quant.linear import set_backend
+    from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig
     from compress.testing import make_char_tokenizer, make_tiny_llama
 
     passes = {

@@ -14,14 +14,13 @@ import copy
 import json
 import time
 
-from compress.eval.quality import perplexity
-
 from compress.calibration import calibration_sequences
-from compress.core import CompressionState, run_passes
+from compress.core.registry import CompressionState, run_passes
 from compress.data import resolve_text_path
-from compress.gptq import GptqConfig
-from compress.models import load_model
-from compress.quantize import Int4RtnConfig
+from compress.eval.quality import perplexity
+from compress.io.load import load_model
+from compress.quant.gptq import GptqConfig
+from compress.quant.rtn import Int4RtnConfig
 
 
 def main() -> None:

@@ -31,12 +31,12 @@ timeout 240 python3 -m pytest tests/kernels -m "not slow" -q -p no:cacheprovider
 timeout 200 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "benchmark FAILED or timed out (partial JSON kept)"; status=1; }
 
-# End-to-end decode needs compress.models and the SmolLM2 weights: optional, reported if absent.
-if python3 -c "from compress.models import load_model" 2>/dev/null; then
+# End-to-end decode needs compress.io.load and the SmolLM2 weights: optional, reported if absent.
+if python3 -c "from compress.io.load import load_model" 2>/dev/null; then
     timeout 120 python3 scripts/bench_kernels.py --out "$OUT/e2e" --shapes --e2e \
         ${SMOLLM2_CONFIG:+--config "$SMOLLM2_CONFIG"} 2>&1 \
         | tee "$OUT/e2e.log" || echo "e2e decode FAILED or timed out"
 else
-    echo "e2e decode skipped: compress.models.load_model is not available" | tee "$OUT/e2e.log"
+    echo "e2e decode skipped: compress.io.load.load_model is not available" | tee "$OUT/e2e.log"
 fi
 exit $status

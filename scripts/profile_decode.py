@@ -1,5 +1,5 @@
 """Where a runtime decode step's time goes: torch.profiler over N greedy tokens of SmolLM2-135M
-W4 (RTN, g128 with g64 fallback) through compress.runtime, after a full-length warm-up.
+W4 (RTN, g128 with g64 fallback) through compress.runtime.engine, after a full-length warm-up.
 
     python scripts/profile_decode.py --compile --int4-kernel q4q8 --lm-head-bits 4 --out out/prof
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-from compress.models import load_model
-from compress.quantize import Int4RtnConfig, quantize_linears
-from compress.runtime import Runtime
+from compress.io.load import load_model
+from compress.quant.rtn import Int4RtnConfig, quantize_linears
+from compress.runtime.engine import Runtime
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def data_dir() -> Path:
 def smollm2():
     """The embedded real model (fp32) and tokenizer, converted once into the cache."""
     pytest.importorskip("gguf")
-    from compress.models import load_model
+    from compress.io.load import load_model
 
     try:
         return load_model("smollm2-135m")

@@ -1,14 +1,15 @@
 """The package's import rules (STYLE.md section 1), read from the source with ``ast``.
 
 Every ``import`` counts, at module level or inside a function (a lazy import is still an
-import). ``eval/`` and ``kernels/`` are read as ``compress.eval`` and ``compress.kernels``, the
-names they install under (pyproject ``package-dir``). Rules:
+import). Every folder of ``compress/`` is a package and the folder graph is the import graph.
+Rules:
 
 - no import cycle between modules;
 - ``compress.kernels`` imports only torch, triton, numpy, the standard library and itself;
-- the passes (``PASS_MODULES``) never import evaluation, the runtime or the CLI, and no pass
-  algorithm imports another (they share ``scheme`` and ``sequential`` instead);
-- checkpoint I/O and the layer types it builds (``IO_MODULES``) import no pass, not even
+- the passes (``pass_algorithms``, read from the folders, and ``PASS_SHARED``) never import
+  evaluation, the runtime or the CLI, and no pass algorithm imports another (they share
+  ``quant.scheme`` and ``quant.calibrated`` instead);
+- checkpoint I/O and the layer types it builds (``io_modules``) import no pass, not even
   through other modules;
 - nothing imports the CLI.
 
@@ -29,34 +30,40 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# import name -> folder, as pyproject's [tool.setuptools] package-dir installs them
-PACKAGE_DIRS = {"compress": "compress", "compress.eval": "eval", "compress.kernels": "kernels"}
+# import name -> folder
+PACKAGE_DIRS = {"compress": "compress"}
 
-# quantization, pruning and distillation passes, their shared settings and calibration scaffolding
-PASS_ALGORITHMS = {
-    "compress.quantize",
-    "compress.gptq",
-    "compress.awq",
-    "compress.smoothquant",
-    "compress.bnb",
-    "compress.prune",
-    "compress.distill",
-}
-PASS_MODULES = PASS_ALGORITHMS | {
-    "compress.scheme",  # settings shared by the weight-quantization passes
-    "compress.sequential",  # layer-by-layer calibration scaffolding
+# Who is a pass, read from the folders (a new algorithm module is covered without a list edit):
+# every module of compress/quant/ except the shared ones below, every module of compress/prune/
+# except its shared ones, and distillation.
+QUANT_SHARED = {"scheme", "primitives", "linear", "calibrated"}  # shared by the algorithms
+PRUNE_SHARED = {"common"}  # shared by the structured-pruning passes, if split into modules
+PASS_SHARED = {
+    "compress.quant.scheme",  # settings shared by the weight-quantization passes
+    "compress.quant.calibrated",  # layer-by-layer calibration scaffolding
     "compress.calibration",  # calibration text
     "compress.optim",  # distillation's optimizers
 }
 PASS_MAY_NOT_IMPORT = ("compress.eval", "compress.runtime", "compress.cli")
-# checkpoint writing/reading/inspection, the load path and the layer types a checkpoint becomes
-IO_MODULES = {
-    "compress.export",
-    "compress.inspect",
-    "compress.models",
-    "compress.modules",
-    "compress.output_dir",
-}
+
+
+def pass_algorithms(modules: Iterable[str]) -> set[str]:
+    found = {"compress.distill"}
+    for name in modules:
+        package, _, leaf = name.rpartition(".")
+        if (package == "compress.quant" and leaf not in QUANT_SHARED) or (
+            package == "compress.prune" and leaf not in PRUNE_SHARED
+        ):
+            found.add(name)
+    return found
+
+
+def io_modules(modules: Iterable[str]) -> set[str]:
+    """Checkpoint writing/reading/inspection, the load path and the layer types it builds."""
+    io = {name for name in modules if name.startswith("compress.io.")}
+    return io | {"compress.quant.linear", "compress.output_dir"}
+
+
 KERNEL_DEPENDENCIES = {"torch", "triton", "numpy"}
 
 Edge = tuple[str, str, int]  # (importer, imported module, line)
@@ -189,6 +196,8 @@ def _reachable(start: str, edges: list[Edge]) -> dict[str, list[Edge]]:
 def violations(sources: dict[str, str]) -> list[str]:
     """Every broken import rule (see the module docstring), one line each."""
     edges = import_edges(sources)
+    algorithms = pass_algorithms(sources)
+    pass_modules = algorithms | PASS_SHARED
     problems = []
     for cycle in find_cycles(edges):
         members = set(cycle)
@@ -204,19 +213,19 @@ def violations(sources: dict[str, str]) -> list[str]:
             or root in KERNEL_DEPENDENCIES | stdlib
         ):
             problems.append(f"kernels may import only torch/triton/numpy/stdlib: {_where(edge)}")
-        if module in PASS_MODULES and target.startswith(PASS_MAY_NOT_IMPORT):
+        if module in pass_modules and target.startswith(PASS_MAY_NOT_IMPORT):
             problems.append(f"a pass may not import eval, runtime or cli: {_where(edge)}")
-        if module in PASS_ALGORITHMS and target in PASS_ALGORITHMS and target != module:
+        if module in algorithms and target in algorithms and target != module:
             problems.append(
-                f"a pass may not import another pass (share compress.scheme or "
-                f"compress.sequential): {_where(edge)}"
+                f"a pass may not import another pass (share compress.quant.scheme or "
+                f"compress.quant.calibrated): {_where(edge)}"
             )
         if target == "compress.cli" and module != "compress.cli":
             problems.append(f"nothing may import the CLI: {_where(edge)}")
-    for module in sorted(IO_MODULES & set(sources)):
+    for module in sorted(io_modules(sources) & set(sources)):
         for target, chain in _reachable(module, edges).items():
             # the first pass on each chain only: what it imports in turn adds nothing
-            if target in PASS_MODULES and not any(e[1] in PASS_MODULES for e in chain[:-1]):
+            if target in pass_modules and not any(e[1] in pass_modules for e in chain[:-1]):
                 path = " -> ".join(_where(e) for e in chain)
                 problems.append(f"checkpoint I/O may not import a pass: {path}")
     return problems
@@ -225,7 +234,10 @@ def violations(sources: dict[str, str]) -> list[str]:
 def test_package_follows_the_import_rules():
     sources = read_sources()
     assert {"compress.core", "compress.eval.latency", "compress.kernels.dispatch"} <= set(sources)
-    assert PASS_MODULES | IO_MODULES <= set(sources), "a listed module no longer exists"
+    algorithms = pass_algorithms(sources)
+    assert {"compress.quant.gptq", "compress.quant.awq", "compress.distill"} <= algorithms
+    assert "compress.quant.linear" not in algorithms  # a layer type, not a pass
+    assert PASS_SHARED | io_modules(sources) <= set(sources), "a listed module no longer exists"
     problems = violations(sources)
     assert not problems, "import rules broken:\n  " + "\n  ".join(problems)
 
@@ -238,12 +250,12 @@ def _with(sources: dict[str, str], module: str, line: str) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("compress.modules", "from compress.gptq import GptqConfig", "import cycle"),
-        ("compress.kernels.reference", "from compress.errors import DataError", "kernels may"),
+        ("compress.quant.linear", "from compress.quant.gptq import GptqConfig", "import cycle"),
+        ("compress.kernels.reference", "from compress.core.errors import DataError", "kernels may"),
         ("compress.kernels.dispatch", "import transformers", "kernels may"),
-        ("compress.quantize", "from compress.eval import latency", "pass may not import eval"),
-        ("compress.awq", "from compress.gptq import GptqConfig", "another pass"),
-        ("compress.inspect", "import compress.awq", "checkpoint I/O may not import a pass"),
+        ("compress.quant.rtn", "from compress.eval import latency", "pass may not import eval"),
+        ("compress.quant.awq", "from compress.quant.gptq import GptqConfig", "another pass"),
+        ("compress.io.inspect", "import compress.quant.awq", "I/O may not import a pass"),
         ("compress.eval.compare", "from compress import cli", "nothing may import the CLI"),
     ],
 )
@@ -253,13 +265,13 @@ def test_a_broken_rule_is_reported(module, line, expected):
 
 
 def test_importing_kernels_or_the_load_path_imports_no_pass():
-    passes = sorted(PASS_MODULES)
+    passes = sorted(pass_algorithms(read_sources()) | PASS_SHARED)
     code = (
         "import sys\n"
         "import compress.kernels\n"
         f"passes = {passes!r}\n"
         "print(sorted(m for m in passes if m in sys.modules))\n"
-        "import compress.export, compress.inspect, compress.models\n"
+        "import compress.io.export, compress.io.inspect, compress.io.load\n"
         "print(sorted(m for m in passes if m in sys.modules))\n"
     )
     out = subprocess.run(

@@ -7,10 +7,10 @@ import csv
 import json
 
 import pytest
+
+from compress.core.errors import DataError
 from compress.eval.compare import CompareSettings, compare
 from compress.eval.plot import pareto_front
-
-from compress.errors import DataError
 from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
 
 

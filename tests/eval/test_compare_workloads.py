@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
+
+from compress.cli import main
+from compress.core.errors import DataError
 from compress.eval.compare import CompareSettings, compare
 from compress.eval.latency import runtime_stream
 from compress.eval.workload import Request, StreamEngine, serve
-
-from compress.cli import main
-from compress.errors import DataError
-from compress.runtime import Runtime
+from compress.runtime.engine import Runtime
 from compress.testing import make_char_tokenizer, make_tiny_llama
 
 TINY = dict(dataset=None, context_length=32, ppl_limit=1, prompts=2, prompt_tokens=8,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import load_recipe, parse_recipe
 
 
@@ -44,7 +44,7 @@ def test_bad_eval_sections(section, match):
 def test_run_table_shows_requested_tasks_and_latency(tmp_path, tiny_model, tiny_tokenizer,
                                                      data_dir):
     pytest.importorskip("lm_eval")
-    from compress.job import run_job
+    from compress.pipeline.job import run_job
 
     model_dir = tmp_path / "tiny"
     tiny_model.save_pretrained(model_dir)
@@ -72,8 +72,8 @@ def test_run_table_shows_requested_tasks_and_latency(tmp_path, tiny_model, tiny_
 
 def test_recipe_latency_tokens_come_from_the_runtime(tiny_tokenizer, data_dir):
     import torch
-    from compress.eval.compare import evaluate_extras
 
+    from compress.eval.compare import evaluate_extras
     from compress.testing import make_tiny_llama
 
     model = make_tiny_llama(initializer_range=0.3)

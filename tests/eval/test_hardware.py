@@ -1,4 +1,5 @@
-"""The machine probes of eval/hardware.py: what they report is bytes (or FLOPs) over the best of
+"""The machine probes of compress/eval/hardware.py: what they report is bytes (or FLOPs) over
+the best of
 their repetitions, checked with a fake clock whose durations are known; on the real clock they
 report positive, finite rates (never asserted against a speed)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from compress.eval import hardware
 
 

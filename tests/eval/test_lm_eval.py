@@ -8,9 +8,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from compress.core.errors import DataError  # noqa: E402
 from compress.eval.lm_eval_tasks import run_tasks  # noqa: E402
-
-from compress.errors import DataError  # noqa: E402
 
 
 def _loglikelihood(model, tokenizer, context, continuation):

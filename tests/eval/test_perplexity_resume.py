@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from compress.eval.quality import perplexity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from compress.eval.quality import perplexity
 from torch import nn
+
+from compress.eval.quality import perplexity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12  # 540 characters = 540 tokens
 VOCAB = 320

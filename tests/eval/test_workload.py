@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from compress.eval.latency import hf_stream, runtime_stream
 from compress.eval.speculative import SpeculativeStats, speculative_generate
 from compress.eval.workload import (
@@ -15,8 +16,7 @@ from compress.eval.workload import (
     poisson_arrivals,
     serve,
 )
-
-from compress.runtime import Runtime
+from compress.runtime.engine import Runtime
 from compress.testing import make_tiny_llama  # noqa: E402
 
 

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from compress.modules import QuantLinear, set_backend, w8a8_from_linear
-from compress.quantize import Int4RtnConfig, Int8RtnConfig, quantize_linears
-from compress.runtime import Runtime
+from compress.quant.linear import QuantLinear, set_backend, w8a8_from_linear
+from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears
+from compress.runtime.engine import Runtime
 from compress.testing import make_tiny_llama
 
 PACKED = ("weight", "weight_packed", "weight_scale", "weight_zero_point")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from compress.kernels import cpu_native
 
 WORKER = Path(__file__).with_name("alignment_worker.py")

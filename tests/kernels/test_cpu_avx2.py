@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compress.kernels import cpu_avx2
 
-from compress.modules import QuantLinear, WeightScheme
+from compress.kernels import cpu_avx2
+from compress.quant.linear import QuantLinear, WeightScheme
 
 
 def quant_layer(n: int, k: int, group: int, symmetric: bool, seed: int = 0) -> QuantLinear:

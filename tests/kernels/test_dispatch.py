@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+
 from compress.kernels import KernelConstraintError, cpuinfo, dispatch
 
 CPU, META = torch.device("cpu"), torch.device("meta")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from compress.kernels import reference
 
 triton = pytest.importorskip("triton")

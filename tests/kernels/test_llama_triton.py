@@ -25,7 +25,7 @@ def _tiny_llama(dtype: torch.dtype) -> nn.Module:
 
 
 def _quantize(model: nn.Module, scheme, backend: str) -> int:
-    from compress.modules import QuantLinear
+    from compress.quant.linear import QuantLinear
 
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in linears:
@@ -50,7 +50,7 @@ CASES = {
 def test_tiny_llama_triton_matches_reference(case, device):
     import copy
 
-    from compress.modules import WeightScheme
+    from compress.quant.linear import WeightScheme
 
     n_bits, group_size, symmetric, dtype, batch = CASES[case]
     scheme = WeightScheme(n_bits=n_bits, group_size=group_size, symmetric=symmetric)

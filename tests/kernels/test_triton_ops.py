@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from compress.kernels import KernelConstraintError, dispatch, reference
 
 triton = pytest.importorskip("triton")
@@ -184,10 +185,10 @@ def test_int8_int8_linear_decode_is_exact_up_to_split_k_rounding(m, device):
 @pytest.fixture(scope="module")
 def w8a8_layer():
     """A W8A8 layer as quantize.smoothquant makes it (down_proj of the tiny Llama: K=128)."""
-    from compress.core import run_passes
+    from compress.core.registry import run_passes
     from compress.recipe import parse_recipe
     from compress.testing import make_tiny_llama
-    from tests.compress.quant_helpers import tiny_state
+    from tests.quant.quant_helpers import tiny_state
 
     model = make_tiny_llama()
     cfg = parse_recipe({"name": "t", "passes": [{"pass": "quantize.smoothquant"}]}).passes[0]

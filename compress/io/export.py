@@ -1,0 +1,381 @@
+"""Checkpoint writing in the compressed-tensors layout (atomic), and loading it back.
+
+A checkpoint directory holds ``model.safetensors`` (QuantLinear buffers under the
+compressed-tensors names, other tensors in the export dtype), ``config.json`` with a
+``quantization_config`` (``quant_method: compressed-tensors``; ``pack-quantized`` for int4,
+``int-quantized`` for int8; one config group per distinct scheme), the tokenizer files, the
+resolved ``recipe.yaml`` and ``report.json``. Plain transformers loads it when the
+``compressed-tensors`` package is installed; ``load_compressed`` loads it with our backends.
+
+A model holding bitsandbytes layers is written in bitsandbytes' own format instead
+(transformers' ``save_pretrained``). This module imports no pass.
+
+Writes go to a temporary sibling directory that is renamed into place at the end, so a crash or
+a bad input never leaves a half-written checkpoint at the target path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from compress.arch import output_weight_key
+from compress.core.errors import ModelLoadError, RecipeError
+from compress.core.matcher import matches
+from compress.core.registry import DTYPES
+from compress.output_dir import check_output_dir, set_permissions, write_marker
+from compress.quant.linear import (
+    INPUT_ACTIVATIONS,
+    QuantLinear,
+    W8A8Linear,
+    WeightScheme,
+    is_bnb_module,
+)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_export_dtype(dtype: str, source: str | os.PathLike[str] | None = None) -> str:
+    """The dtype name dense tensors are written in. ``auto``: the dtype the source checkpoint
+    (a folder with config.json) is stored in when it is 16-bit, else ``bfloat16`` (a float32
+    embedding would outweigh int4 layers; measured on SmolLM2 W4 in docs/results.md)."""
+    if dtype != "auto":
+        return dtype
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        config = {}
+    stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
+
+
+# ---- quantization_config ------------------------------------------------------------------
+def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
+    return {
+        "num_bits": scheme.n_bits,
+        "type": "int",
+        "symmetric": scheme.symmetric,
+        "group_size": scheme.group_size,
+        "strategy": "channel" if scheme.group_size is None else "group",
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+
+
+def quantization_config(model: nn.Module) -> dict[str, Any] | None:
+    """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
+    by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
+    plain_linears = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            # W8A8 layers also quantize their inputs: a separate group
+            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(name)
+        elif isinstance(module, nn.Linear):
+            plain_linears.append(name)
+    if not by_scheme:
+        return None
+    single = len(by_scheme) == 1
+    groups = {}
+    for index, ((scheme, w8a8), names) in enumerate(by_scheme.items()):
+        groups[f"group_{index}"] = {
+            # One scheme: target the class and list the rest under `ignore`; several schemes:
+            # name each layer exactly (compressed-tensors matches exact module names).
+            "targets": ["Linear"] if single else sorted(names),
+            "weights": _weights_args(scheme),
+            "input_activations": dict(INPUT_ACTIVATIONS) if w8a8 else None,
+            "output_activations": None,
+            "format": scheme.format,
+        }
+    formats = {scheme.format for scheme, _ in by_scheme}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": sorted(plain_linears),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightScheme:
+    if args.get("type", "int") != "int" or args.get("num_bits") not in (4, 8):
+        raise ModelLoadError(f"unsupported weight quantization {args}: compress loads int4/int8")
+    group = args.get("group_size") if args.get("strategy") == "group" else None
+    return WeightScheme(args["num_bits"], group, bool(args.get("symmetric", True)), scale_dtype)
+
+
+# ---- writing ------------------------------------------------------------------------------
+def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    head_key = output_weight_key(model)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tied and name == head_key:
+            continue  # tied to the input embedding; transformers re-ties it on load
+        if tensor.is_floating_point() and not name.endswith(("weight_scale",)):
+            tensor = tensor.to(dtype)
+        ptr = tensor.data_ptr()
+        tensor = tensor.detach().cpu().contiguous()
+        if ptr in seen and tensor.numel():
+            tensor = tensor.clone()
+        seen.add(ptr)
+        tensors[name] = tensor
+    return tensors
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    out_dir: str | Path, *, kind: str = "checkpoint", overwrite: bool = False
+) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename.
+
+    ``out_dir`` must be missing, empty or an earlier compress output, unless ``overwrite``
+    (``compress.output_dir.check_output_dir``). The new folder gets the compress marker and
+    ordinary permissions; an earlier folder is moved aside and deleted only once the new one is
+    in place. On any exception the temporary directory is removed and ``out_dir`` is left
+    exactly as it was, so nothing half-written ever appears at the target path.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite=overwrite)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    old = out_dir.parent / f".{out_dir.name}.old-{tag}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        write_marker(tmp, kind)
+        set_permissions(tmp)
+        check_output_dir(out_dir, overwrite=overwrite)  # again, right before replacing it
+        replacing = out_dir.exists() or out_dir.is_symlink()
+        if replacing:
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if replacing:
+                os.replace(old, out_dir)  # put the earlier folder back
+            raise
+        if old.is_symlink():
+            old.unlink()  # out_dir was a link: the folder it pointed to is left alone
+        elif replacing:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- config files that every supported transformers reads (pyproject: transformers>=4.56) --
+# Keys that describe the exporting machine (a cache path, how it was loaded), not the model.
+_LOCAL_KEYS = ("_name_or_path", "name_or_path", "is_local", "local_files_only")
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.to_dict()``) with the fields transformers 4.x reads as well.
+
+    transformers 5 keeps RoPE settings only in ``rope_parameters``; 4.x reads ``rope_theta`` and
+    ``rope_scaling`` and silently falls back to theta 10000 without them, so both are written
+    (5.x prefers ``rope_parameters``, and takes a non-null ``rope_scaling`` as the same dict).
+    Per-layer-type (nested) ``rope_parameters`` are left as they are. Local paths are dropped.
+    """
+    config = {k: v for k, v in config.items() if k not in _LOCAL_KEYS}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" in rope:
+            config["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        default = rope.get("rope_type", rope.get("type", "default")) == "default"
+        config["rope_scaling"] = None if default else dict(rope)
+    return config
+
+
+def rewrite_json(path: Path, fix: Any) -> None:
+    """Apply ``fix`` (dict -> dict) to the JSON file at ``path`` when it exists."""
+    if path.is_file():
+        path.write_text(json.dumps(fix(json.loads(path.read_text())), indent=2, sort_keys=True))
+
+
+def _portable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 names its tokenizers-backed class TokenizersBackend, which 4.x does not
+    # know; PreTrainedTokenizerFast is the same tokenizer.json loader in both (an alias in 5).
+    config = {k: v for k, v in config.items() if k not in _LOCAL_KEYS}
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return config
+
+
+def write_provenance(
+    directory: Path, tokenizer: Any, recipe_yaml: str | None, report: dict[str, Any] | None
+) -> None:
+    """Tokenizer files, the resolved recipe and report.json beside a checkpoint's weights."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+        rewrite_json(directory / "tokenizer_config.json", _portable_tokenizer_config)
+    if recipe_yaml is not None:
+        (directory / "recipe.yaml").write_text(recipe_yaml)
+    if report is not None:
+        (directory / "report.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+def export_checkpoint(
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    recipe_yaml: str | None = None,
+    report: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the checkpoint atomically to ``out_dir`` and return it. An existing ``out_dir`` is
+    replaced only when it is empty or an earlier compress output, or with ``overwrite``.
+
+    A model holding bitsandbytes layers is written with transformers' ``save_pretrained`` (bnb's
+    own format, ``quantization_config.quant_method: bitsandbytes``);
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it back. Its non-quantized tensors
+    keep the model's dtype (``dtype`` is not applied: casting would change the bnb modules'
+    compute path)."""
+    bnb = any(is_bnb_module(m) for m in model.modules())
+    if bnb:
+        _check_bnb_exportable(model, dtype)
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        if bnb:
+            model.save_pretrained(tmp, safe_serialization=True)
+            rewrite_json(tmp / "config.json", portable_config)  # RoPE fields transformers 4.x reads
+        else:
+            _write_compressed_tensors(model, tmp, dtype)
+        write_provenance(tmp, tokenizer, recipe_yaml, report)
+    return out_dir
+
+
+def _write_compressed_tensors(model: nn.Module, directory: Path, dtype: str) -> None:
+    """``model.safetensors``, ``config.json`` (with ``quantization_config``) and the generation
+    config of ``model`` into ``directory``."""
+    save_file(
+        _state_dict_for_export(model, DTYPES[dtype]),
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config = portable_config(model.config.to_dict())
+    if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
+        config["architectures"] = [type(model).__name__]
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    quant = quantization_config(model)
+    if quant is not None:
+        config["quantization_config"] = quant
+    else:
+        config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+def _check_bnb_exportable(model: nn.Module, dtype: str) -> None:
+    if getattr(model, "hf_quantizer", None) is None or not hasattr(model, "save_pretrained"):
+        raise RecipeError(
+            "this model holds bitsandbytes layers without a transformers quantization config; "
+            "quantize it with the quantize.bnb pass (or load it with from_pretrained) to export it"
+        )
+    model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if DTYPES.get(dtype, model_dtype) != model_dtype:
+        log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)",
+                    model_dtype, dtype)
+
+
+# ---- loading ------------------------------------------------------------------------------
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory; corrupt or partial files are a clear error."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{file} is corrupt or partially written ({exc}); re-export the checkpoint"
+            ) from exc
+    return tensors
+
+
+def _no_weight_init() -> contextlib.AbstractContextManager:
+    """transformers' context that skips random weight init (buffers such as rotary frequencies
+    are still computed by the modules' own code); its home moved in transformers 5."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def load_compressed(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
+) -> nn.Module:
+    """Build the model from ``config.json``, swap in QuantLinear layers, load the tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    quant = raw.get("quantization_config") or {}
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
+    # initialised by the model's own code; the float weights are then replaced by assignment.
+    with _no_weight_init():  # every weight is assigned below (or the load fails): skip the
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
+    tensors = read_tensors(path)
+    ignore = quant.get("ignore", [])
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
+            continue
+        for group in quant.get("config_groups", {}).values():
+            if any(matches(name, module, t) for t in group["targets"]):
+                scale = tensors.get(f"{name}.weight_scale")
+                if scale is None:
+                    raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
+                scheme = _scheme_from_args(group["weights"], scale.dtype)
+                cls = QuantLinear
+                if (group.get("input_activations") or {}).get("strategy") == "token":
+                    cls = W8A8Linear  # dynamic int8 inputs
+                quant_linear = cls(
+                    module.in_features,
+                    module.out_features,
+                    scheme,
+                    bias=module.bias is not None,
+                    dtype=dtype,
+                    backend=backend,
+                )
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, quant_linear)
+                break
+    tensors = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("weight_scale") else v)
+               for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [m for m in missing if m != output_weight_key(model)]
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}; re-export it"
+        )
+    return model

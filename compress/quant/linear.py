@@ -1,0 +1,456 @@
+"""The quantized layer types the passes swap into a model: ``QuantLinear`` and ``W8A8Linear``.
+
+This module imports no pass: loading a checkpoint (``compress.io.export.load_compressed``) builds
+these layers without importing any quantization algorithm.
+
+A ``QuantLinear`` holds exactly the tensors the compressed-tensors checkpoint stores, under the
+same names, so export is ``state_dict()`` and reload is ``load_state_dict()``:
+
+* int4 (``pack-quantized``): ``weight_packed`` int32 ``[N, ceil(K/8)]``, ``weight_shape`` int64
+  ``[2]``, ``weight_scale [N, K/g]``, and for asymmetric ``weight_zero_point`` int32 packed on
+  dim 0 ``[ceil(N/8), K/g]``;
+* int8 (``int-quantized``): ``weight`` int8 ``[N, K]``, ``weight_scale [N, K/g]`` (``[N, 1]``
+  per channel), asymmetric ``weight_zero_point`` int8 ``[N, K/g]``.
+
+The forward runs on a backend chosen per device by ``compress.kernels.dispatch``; backend
+specific repacks (the native CPU int4 layout) are made once, on first use, and not saved.
+
+``W8A8Linear`` (SmoothQuant's layer, Xiao et al. 2022) stores its weight like a symmetric
+per-channel int8 ``QuantLinear`` and also quantizes its input per token at run time:
+``y = (x_q @ w_q^T) * sx * sw``, the int8 x int8 product accumulated in int32. Backends, all
+bit-identical: ``cpu`` ``torch._int_mm`` (int8 x int8 -> int32, CPU since torch 2.2; fast only
+with VNNI int8 dot products: on an AVX2-only CPU it measured 261 ms vs 8 ms for ``float_exact``
+at [512,1536]x[1536,576]), ``float_exact`` (the int8 values widened to float32 and multiplied in
+K-chunks of at most 1040, so every partial sum is an integer below 2^24 and exact; chunks summed
+in int32), ``triton`` (``kernels.triton_ops.int8_int8_linear`` on CUDA), ``reference`` (float64,
+exact for K < 2^38 / 127^2). ``auto`` picks triton on CUDA, ``cpu`` on CPUs that report VNNI,
+else ``float_exact``. Exported as compressed-tensors ``int-quantized`` with dynamic per-token
+``input_activations``.
+
+``model_bytes`` / ``bits_per_weight`` count what the layers store, bitsandbytes layers included
+(recognised by duck typing: this module never imports bitsandbytes or the bnb pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compress.kernels import cpu_native, dispatch, reference
+from compress.quant import primitives as quant_primitives
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one linear layer's weight is quantized."""
+
+    n_bits: int  # 4 or 8
+    group_size: int | None  # input channels per scale; None = one scale per output channel
+    symmetric: bool = True
+    scale_dtype: torch.dtype = torch.float16
+    full_range: bool = False  # symmetric grid amax / 7.5 instead of amax / 7 (quant_primitives)
+
+    def resolved_group(self, in_features: int) -> int:
+        return in_features if self.group_size is None else self.group_size
+
+    @property
+    def format(self) -> str:
+        """compressed-tensors format name of this scheme."""
+        return "pack-quantized" if self.n_bits == 4 else "int-quantized"
+
+    def describe(self) -> str:
+        group = "channel" if self.group_size is None else f"g{self.group_size}"
+        return f"W{self.n_bits}{group}{'' if self.symmetric else '-asym'}"
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with integer weights; see the module docstring for the stored tensors."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: WeightScheme,
+        *,
+        bias: bool,
+        dtype: torch.dtype = torch.float32,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if scheme.n_bits not in (4, 8):
+            raise ValueError(f"QuantLinear supports 4 or 8 bits, not {scheme.n_bits}")
+        group = scheme.resolved_group(in_features)
+        if in_features % group:
+            raise ValueError(f"group_size {group} does not divide in_features {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.backend = scheme, backend
+        n, k, n_groups = out_features, in_features, in_features // group
+        if scheme.n_bits == 4:
+            self.register_buffer("weight_packed", torch.zeros(n, (k + 7) // 8, dtype=torch.int32))
+            self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64))
+        else:
+            self.register_buffer("weight", torch.zeros(n, k, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(n, n_groups, dtype=scheme.scale_dtype))
+        if not scheme.symmetric:
+            zp = (
+                torch.zeros((n + 7) // 8, n_groups, dtype=torch.int32)
+                if scheme.n_bits == 4
+                else torch.zeros(n, n_groups, dtype=torch.int8)
+            )
+            self.register_buffer("weight_zero_point", zp)
+        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
+        self._prepared: dict[str, object] = {}
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        scheme: WeightScheme,
+        *,
+        w_q: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+        zeros: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> QuantLinear:
+        """Quantize ``linear`` with RTN, or store given codes/scales/zeros (GPTQ, AWQ...)."""
+        w = linear.weight.detach()
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            scheme,
+            bias=linear.bias is not None,
+            dtype=w.dtype,
+            backend=backend,
+        )
+        group = scheme.resolved_group(linear.in_features)
+        if w_q is None:
+            scales, zeros = quant_primitives.compute_qparams(
+                w,
+                n_bits=scheme.n_bits,
+                group_size=group,
+                symmetric=scheme.symmetric,
+                full_range=scheme.full_range,
+            )
+            # Codes are computed against the scales as stored, so that stored = used.
+            scales = scales.to(scheme.scale_dtype)
+            w_q = quant_primitives.quantize(
+                w, scales, zeros, n_bits=scheme.n_bits, group_size=group
+            )
+        assert scales is not None
+        module.set_quantized(w_q, scales, zeros)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module.to(w.device)
+
+    def set_quantized(
+        self, w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+    ) -> None:
+        """Store signed codes ``w_q [N, K]``, ``scales [N, K/g]`` and zeros in the packed layout."""
+        if (zeros is None) != self.scheme.symmetric:
+            raise ValueError("zeros must be given exactly when the scheme is asymmetric")
+        if self.scheme.n_bits == 4:
+            self.weight_packed = reference.pack_int4(w_q.to(torch.int8).cpu()).to(w_q.device)
+            if zeros is not None:
+                zp = reference.pack_int4(zeros.to(torch.int8).cpu(), dim=0)
+                self.weight_zero_point = zp.to(w_q.device)
+        else:
+            self.weight = w_q.to(torch.int8)
+            if zeros is not None:
+                self.weight_zero_point = zeros.to(torch.int8)
+        self.weight_scale = scales.to(self.scheme.scale_dtype)
+        self._prepared.clear()
+
+    # ---- views --------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        return self.scheme.resolved_group(self.in_features)
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Signed codes ``[N, K]`` and unpacked zero points ``[N, K/g]`` (or None)."""
+        if self.scheme.n_bits == 4:
+            w_q = reference.unpack_int4(self.weight_packed, self.in_features)
+            zeros = None
+            if not self.scheme.symmetric:
+                zeros = reference.unpack_int4(self.weight_zero_point, self.out_features, dim=0)
+            return w_q, zeros
+        return self.weight, (None if self.scheme.symmetric else self.weight_zero_point)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[N, K]`` weight this layer computes with (reference definition)."""
+        w_q, zeros = self.codes()
+        return reference.dequantize(w_q, self.weight_scale, zeros, self.group_size, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight tensors (codes, scales, zero points; not bias)."""
+        names = ("weight_packed", "weight", "weight_scale", "weight_zero_point")
+        return sum(
+            t.numel() * t.element_size()
+            for name, t in self.named_buffers(recurse=False)
+            if name in names
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"scheme={self.scheme.describe()}, backend={self.backend}"
+        )
+
+    # ---- forward ------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """The layer kind ``kernels.dispatch.plan_linear`` takes: ``int4`` or ``int8``."""
+        return "int4" if self.scheme.n_bits == 4 else "int8"
+
+    def plan(
+        self, device: torch.device, *, phase: str = "any", int4_kernel: str = "torch"
+    ) -> dispatch.Plan:
+        """This layer's backend on ``device`` (cached until ``set_quantized``/``set_backend``);
+        ``phase``/``int4_kernel`` are the generation runtime's (``kernels/dispatch.py``)."""
+        key = f"plan:{device}:{phase}:{int4_kernel}"
+        if key not in self._prepared:
+            self._prepared[key] = dispatch.plan_linear(
+                self.kind,  # type: ignore[arg-type]
+                self.backend,
+                device=device,
+                n=self.out_features,
+                k=self.in_features,
+                group_size=self.group_size,
+                symmetric=self.scheme.symmetric,
+                phase=phase,  # type: ignore[arg-type]
+                int4_kernel=int4_kernel,
+            )
+        return self._prepared[key]  # type: ignore[return-value]
+
+    def resolved_backend(self, device: torch.device) -> str:
+        return self.plan(device).backend
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.n_bits == 4:
+            if "cpu_int4" not in self._prepared:
+                zp = None if self.scheme.symmetric else self.weight_zero_point
+                self._prepared["cpu_int4"] = cpu_native.prepack_int4(
+                    self.weight_packed,
+                    self.weight_scale,
+                    zp,
+                    group_size=self.group_size,
+                    k=self.in_features,
+                )
+            return cpu_native.int4_mm(x, self._prepared["cpu_int4"])  # type: ignore[arg-type]
+        if "cpu_int8_scales" not in self._prepared:
+            scales = self.weight_scale[:, 0].to(torch.bfloat16)
+            self._prepared["cpu_int8_scales"] = cpu_native.aligned(scales)
+            # A copy only when the loaded weight is misaligned (safetensors aligns to 8 bytes).
+            self._prepared["cpu_int8_weight"] = cpu_native.aligned(self.weight)
+        return cpu_native.int8_mm(
+            x, self._prepared["cpu_int8_weight"], self._prepared["cpu_int8_scales"]  # type: ignore[arg-type]
+        )
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from compress.kernels import triton_ops
+
+        x2 = x.reshape(-1, self.in_features)
+        if self.scheme.n_bits == 4:
+            zp = None if self.scheme.symmetric else self.weight_zero_point
+            y = triton_ops.int4_linear(
+                x2, self.weight_packed, self.weight_scale, zp, group_size=self.group_size
+            )
+        else:
+            zp = None if self.scheme.symmetric else self.weight_zero_point
+            y = triton_ops.int8_linear(x2, self.weight, self.weight_scale, zp)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = self.resolved_backend(x.device)
+        if backend == "cpu":
+            y = self._forward_cpu(x)
+        elif backend == "triton":
+            y = self._forward_triton(x)
+        else:
+            y = torch.nn.functional.linear(x, self.dequantized_weight(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+# ---- W8A8 ---------------------------------------------------------------------------------
+# compressed-tensors description of the activations of a W8A8Linear
+INPUT_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "token",
+    "dynamic": True,
+    "actorder": None,
+    "observer": None,
+    "observer_kwargs": {},
+}
+
+# float32 represents every integer below 2^24 exactly; |a*b| <= 127^2, so a dot product over at
+# most 2^24 // 127^2 = 1040 terms has exact partial sums whatever the summation order.
+FLOAT_EXACT_CHUNK = (1 << 24) // (127 * 127)
+
+
+def int8_int8_reference(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """``x_q [M, K] @ w_q [N, K]^T`` exactly, as int32 (float64 holds every partial sum)."""
+    return (x_q.to(torch.float64) @ w_q.to(torch.float64).T).to(torch.int32)
+
+
+def int8_int8_float_exact(x_q: torch.Tensor, w_q_float: torch.Tensor) -> torch.Tensor:
+    """``x_q [M, K] int8 @ w_q_float [N, K]^T`` (int8 values held as float32), exactly, as
+    int32: float32 GEMMs over K-chunks too short for any partial sum to round, added in int32."""
+    k = x_q.shape[-1]
+    acc = None
+    for start in range(0, k, FLOAT_EXACT_CHUNK):
+        stop = min(start + FLOAT_EXACT_CHUNK, k)
+        part = (x_q[:, start:stop].to(torch.float32) @ w_q_float[:, start:stop].T).to(torch.int32)
+        acc = part if acc is None else acc + part
+    assert acc is not None, "K must be positive"
+    return acc
+
+
+class W8A8Linear(QuantLinear):
+    """int8 per-channel weights (stored like an int8 ``QuantLinear``) x dynamic per-token int8
+    activations. backend: auto | reference | float_exact | cpu | triton (module docstring)."""
+
+    input_activations = INPUT_ACTIVATIONS
+
+    def __init__(self, in_features: int, out_features: int, scheme: WeightScheme, **kwargs) -> None:
+        if scheme.n_bits != 8 or scheme.group_size is not None or not scheme.symmetric:
+            raise ValueError(
+                f"W8A8Linear needs symmetric per-channel int8 weights, got {scheme.describe()}"
+            )
+        super().__init__(in_features, out_features, scheme, **kwargs)
+
+    @property
+    def kind(self) -> str:
+        return "w8a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = self.resolved_backend(x.device)
+        x2 = x.reshape(-1, self.in_features)  # [..., K] -> [M, K]
+        w_scales = self.weight_scale.to(torch.float32).reshape(1, -1)  # [1, N]
+        if backend == "triton":
+            from compress.kernels import triton_ops
+
+            y = triton_ops.int8_int8_linear(x2, self.weight, self.weight_scale.reshape(-1, 1))
+        else:
+            x_q, x_scales = reference.quantize_per_token_int8(x2)
+            if backend == "cpu":
+                if "w_t" not in self._prepared:  # _int_mm wants B as [K, N]
+                    self._prepared["w_t"] = self.weight.T.contiguous()
+                acc = torch._int_mm(x_q, self._prepared["w_t"])  # type: ignore[arg-type]
+            elif backend == "float_exact":
+                if "w_float" not in self._prepared:
+                    self._prepared["w_float"] = self.weight.to(torch.float32)
+                acc = int8_int8_float_exact(x_q, self._prepared["w_float"])
+            else:
+                acc = int8_int8_reference(x_q, self.weight)
+            y = (acc.to(torch.float32) * x_scales * w_scales).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", activations=int8 per-token dynamic"
+
+
+def w8a8_from_linear(linear: nn.Linear, scale_dtype: torch.dtype, backend: str) -> W8A8Linear:
+    """Per-channel symmetric RTN of ``linear``'s weight into a ``W8A8Linear``."""
+    scheme = WeightScheme(8, None, True, scale_dtype)
+    return W8A8Linear.from_linear(linear, scheme, backend=backend)  # type: ignore[return-value]
+
+
+# ---- sizes --------------------------------------------------------------------------------
+def linear_weight_bytes(module: nn.Module) -> int | None:
+    """Stored bytes of a linear layer's weight (bias excluded), None for anything else:
+    a QuantLinear's codes, scales and zero points; for any other ``nn.Linear`` the tensors its
+    state_dict holds, i.e. the weight, plus the absmax / code maps of a bitsandbytes layer (what
+    ``save_pretrained`` writes for it)."""
+    if isinstance(module, QuantLinear):
+        return module.weight_bytes()
+    if isinstance(module, nn.Linear):
+        return sum(
+            t.numel() * t.element_size()
+            for k, t in module.state_dict().items()
+            if not k.startswith("bias") and torch.is_tensor(t)
+        )
+    return None
+
+
+def model_bytes(model: nn.Module) -> dict[str, int]:
+    """Stored bytes of a model: ``total`` (every persistent tensor, tied ones once) and
+    ``linear`` (``linear_weight_bytes`` of every linear layer, lm_head excluded: what
+    quantization shrinks)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    linear = sum(_linear_sizes(model, None)[0].values())
+    return {"total": total, "linear": linear}
+
+
+def bits_per_weight(model: nn.Module, names: list[str] | None = None) -> float | None:
+    """Average stored bits per weight (codes + scales + zero points, or float bits) over the
+    named linear layers, or over every linear layer but lm_head when ``names`` is None: the
+    mixed-precision summary of a pass report and the bits/weight column of comparison tables."""
+    stored, params = _linear_sizes(model, names)
+    numel = sum(params.values())
+    return 8 * sum(stored.values()) / numel if numel else None
+
+
+def _linear_sizes(
+    model: nn.Module, names: list[str] | None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Stored bytes and weight count per linear layer (the named ones, or all but lm_head)."""
+    modules = (
+        model.named_modules()
+        if names is None
+        else ((name, model.get_submodule(name)) for name in names)
+    )
+    stored, params = {}, {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in modules:
+        if names is None and head is not None and module is head:
+            continue
+        size = linear_weight_bytes(module)
+        if size is not None:
+            stored[name] = size
+            params[name] = module.in_features * module.out_features
+    return stored, params
+
+
+def is_bnb_module(module: nn.Module) -> bool:
+    """True for bitsandbytes modules; checks the class's module path so nothing gets imported."""
+    return type(module).__module__.startswith("bitsandbytes")
+
+
+def portable_cpu_layout(model: nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit layer of ``model`` in the portable layout on CPU; returns
+    how many layers were set (duck-typed: bitsandbytes is not imported).
+
+    bitsandbytes repacks a Linear4bit in place on its first CPU forward where the CPU has
+    AVX512-BF16 (absmax cast to bf16), and its inverse on save does not restore the fp32
+    absmax: measured (bitsandbytes 0.50.2), exporting after one forward changed the reloaded
+    logits by 3.5%, and the same checkpoint computed different logits on AVX2 and AVX-512
+    CPUs. We store, export, count and compute with the portable layout on every CPU class."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Switch every QuantLinear in ``model`` to ``backend``; returns how many were switched."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.backend = backend
+            module._prepared.clear()
+            count += 1
+    return count

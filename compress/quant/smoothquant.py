@@ -1,0 +1,141 @@
+"""SmoothQuant (Xiao et al., 2022) + W8A8: ``quantize.smoothquant``.
+
+Activations of LLMs have a few outlier channels that make per-token int8 activations lossy.
+SmoothQuant moves that difficulty into the weights: per input channel j,
+``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``; the producer of the input is divided by s
+(a norm's weight, or the rows of the up projection for the down projection) and the consumers'
+columns are multiplied by it, so the float model is unchanged. The mappings are the model
+family's (``compress.arch``; Llama: attention norm -> q/k/v, MLP norm -> gate/up, and up -> down
+with ``smooth_down``, the mapping whose producer is a Linear). The pass then turns every
+targeted Linear into a ``W8A8Linear`` (one pass, no separate W8A8 pass to order): int8 symmetric
+per-output-channel weights and dynamic symmetric per-token int8 activations; the layer, its
+backends and its export format are in ``compress.quant.linear``. Only ``nn.Linear`` can become W8A8;
+anything else targeted is reported (or an error under ``strict``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from compress.arch import arch_for
+from compress.core.matcher import set_submodule, target_modules
+from compress.core.registry import (
+    DTYPES,
+    CompressionState,
+    PassConfig,
+    PassReport,
+    raise_or_report_skips,
+    register_pass,
+)
+from compress.quant.calibrated import (
+    LayerInputs,
+    OffloadMode,
+    finish_quant_report,
+    migrate_scales,
+    run_calibrated,
+    run_layer,
+)
+from compress.quant.linear import w8a8_from_linear
+
+log = logging.getLogger(__name__)
+
+
+class SmoothquantConfig(PassConfig):
+    """alpha: migration strength (0 = none, 1 = all into weights); smooth_down: also migrate
+    the down projection's input into the up projection; smooth: false gives plain W8A8."""
+
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    smooth: bool = True
+    smooth_down: bool = True
+    scale_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    backend: Literal["auto", "reference", "float_exact", "cpu", "triton"] = "auto"
+    offload: OffloadMode = "none"
+
+
+class _MaxHooks:
+    """Running per-channel max|x| of each hooked module's input."""
+
+    def __init__(self, layer: nn.Module, points: list[str]) -> None:
+        self.amax: dict[str, torch.Tensor] = {}
+        self._handles = [
+            layer.get_submodule(p).register_forward_hook(self._hook(p)) for p in points
+        ]
+
+    def _hook(self, point: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            if not torch.isfinite(x).all():
+                raise ValueError(f"{point}: calibration activations contain NaN/Inf")
+            amax = x.abs().amax(0).to(torch.float32)
+            self.amax[point] = torch.maximum(self.amax[point], amax) if point in self.amax else amax
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def smooth_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """SmoothQuant scale per input channel ``[K]`` for consumers ``weights`` (each ``[N_i, K]``)."""
+    w_amax = torch.cat([w.abs() for w in weights]).amax(0).to(torch.float32)
+    s = x_amax.clamp(min=1e-5).pow(alpha) / w_amax.clamp(min=1e-5).pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+@register_pass("quantize.smoothquant", SmoothquantConfig, needs_calibration=True)
+def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionState) -> PassReport:
+    """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
+    report = PassReport("quantize.smoothquant")
+    arch = arch_for(model, "quantize.smoothquant")
+    plan = []
+    for name, module in target_modules(model, cfg):
+        if type(module) is nn.Linear:
+            plan.append(name)
+        elif isinstance(module, nn.Module) and hasattr(module, "weight"):
+            report.skipped[name] = f"{type(module).__name__} cannot run W8A8 (only nn.Linear can)"
+    raise_or_report_skips(cfg, report, "quantize.smoothquant")
+    scale_dtype = DTYPES[cfg.scale_dtype]
+    migrated: dict[str, float] = {}
+
+    def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
+        prefix = f"{arch.layer_prefix}{index}."
+        mappings = [
+            (m.producer, m.consumers)
+            for m in arch.smoothquant_mappings
+            if cfg.smooth and (cfg.smooth_down or m.producer != arch.up)
+        ]
+        mappings = [m for m in mappings if all(prefix + c in plan for c in m[1])]
+        hooks = _MaxHooks(layer, [c[0] for _, c in mappings])
+        try:
+            run_layer(layer, inputs)
+        finally:
+            hooks.remove()
+        for producer, consumers in mappings:
+            lins = [layer.get_submodule(c) for c in consumers]
+            s = smooth_scales(hooks.amax[consumers[0]], [lin.weight for lin in lins], cfg.alpha)
+            migrate_scales(layer.get_submodule(producer), lins, s, s, norm_form=arch.norm_form)
+            migrated[prefix + producer] = float(s.max() / s.min())
+        for name in [n for n in plan if n.startswith(prefix)]:
+            # exact int8 x int8 on every backend, so calibration may use the fast one
+            set_submodule(
+                model, name, w8a8_from_linear(model.get_submodule(name), scale_dtype, cfg.backend)
+            )
+            report.changed.append(name)
+
+    memory = run_calibrated(model, state, process, "quantize.smoothquant", offload=cfg.offload)
+    for name in plan:
+        if name not in report.changed:  # outside the decoder stack (e.g. a targeted lm_head)
+            set_submodule(
+                model, name, w8a8_from_linear(model.get_submodule(name), scale_dtype, cfg.backend)
+            )
+            report.changed.append(name)
+    finish_quant_report(model, report, cfg.backend, memory)
+    report.metrics["scale_spread_max_over_min"] = migrated
+    return report

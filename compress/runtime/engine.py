@@ -1,0 +1,691 @@
+"""Generation runtime for Llama-architecture models (plain or with our QuantLinear layers).
+
+The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
+change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
+The model's weights are re-held once at construction in the layout each phase wants:
+native CPU int4/int8 kernels for QuantLinear layers (one-time repack), float weights in the
+prefill and decode dtypes. Numerics do not depend on the CPU class: by default prefill runs
+in the weights' dtype and so does decode of a float model (an fp32 model is fp32 throughout,
+its greedy tokens equal transformers'); a quantized model decodes its remaining float layers
+in bf16, as the native kernels take bf16 activations. Reduced-precision prefill is opt-in.
+The residual stream, norms and softmax stay fp32; only the matmul inputs change dtype.
+
+Compilation is regional: one decoder layer is compiled and the same code serves every layer
+(same shapes, weights as inputs), which keeps the first-call compile time to one layer's.
+Prefill runs eager by default; ``compile_prefill=True`` pads prompts to power-of-two buckets
+and compiles once per bucket. Batches are left-padded; each row has its own positions.
+
+Not supported (falls back to transformers ``generate`` with a warning): non-Llama
+architectures, sliding-window attention, rope types whose tables depend on the sequence length.
+Attention reads the whole allocated cache each step: size ``max_seq_len`` to the job.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.arch import Arch, arch_for, decoder_layers, runtime_model_types
+from compress.kernels import cpu_avx2, cpu_native, dispatch
+from compress.quant.linear import QuantLinear, WeightScheme
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = runtime_model_types()  # compress.arch entries with runtime=True
+INT4_KERNELS = dispatch.INT4_KERNELS
+LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the runtime cannot run ``model`` itself (then it falls back), or None."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rope = getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+    return None
+
+
+# ---- linear layers, re-held per phase --------------------------------------------------
+class _FloatLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prefill, decode) -> None:
+        super().__init__()
+        self.w_prefill = nn.Buffer(weight.detach().to(prefill), persistent=False)
+        self.w_decode = (
+            self.w_prefill
+            if decode == prefill
+            else nn.Buffer(weight.detach().to(decode), persistent=False)
+        )
+        self.bias = None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        w = self.w_decode if decode else self.w_prefill
+        y = F.linear(x.to(w.dtype), w).float()
+        return y if self.bias is None else y + self.bias
+
+
+class _Int4Linear(nn.Module):
+    """Native CPU int4 kernel; wants bf16 activations in both phases. With ``q8`` the decode
+    phase runs our AVX2 Q4 x Q8 kernel (``compress/kernels/cpu_avx2.py``: int8-rounded activations,
+    faster at a few rows) from a second copy of the codes; prefill stays on torch's kernel."""
+
+    def __init__(self, q: QuantLinear, q8: bool = False) -> None:
+        super().__init__()
+        zp = None if q.scheme.symmetric else q.weight_zero_point
+        w = cpu_native.prepack_int4(
+            q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+        )
+        self.packed = nn.Buffer(w.packed, persistent=False)
+        self.scale_and_zero = nn.Buffer(w.scale_and_zero, persistent=False)
+        self.group_size, self.n = w.group_size, w.n
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+        self.q8 = q8
+        if q8:
+            w8 = cpu_avx2.prepack(
+                q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+            )
+            self.q8_codes = nn.Buffer(w8.codes, persistent=False)
+            self.q8_scales = nn.Buffer(w8.scales, persistent=False)
+            self.q8_offsets = nn.Buffer(w8.offsets, persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        if decode and self.q8:
+            x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+            y = torch.ops.compress_cpu.int4_linear_q8(
+                x2, self.q8_codes, self.q8_scales, self.q8_offsets, self.group_size
+            )
+        else:
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scale_and_zero
+            )
+        y = y.float().reshape(*x.shape[:-1], self.n)
+        return y if self.bias is None else y + self.bias
+
+
+class _Int8Linear(nn.Module):
+    """Native CPU int8 kernel (symmetric, per output channel); bf16 activations."""
+
+    def __init__(self, q: QuantLinear) -> None:
+        super().__init__()
+        # Aligned once here: the kernel crashes on weights that are not 16-byte aligned.
+        self.weight = nn.Buffer(cpu_native.aligned(q.weight), persistent=False)
+        scales = q.weight_scale[:, 0].to(torch.bfloat16)
+        self.scales = nn.Buffer(cpu_native.aligned(scales), persistent=False)
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
+        # aligned, as the kernel needs (cpu_native module docstring).
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.float().reshape(*x.shape[:-1], self.weight.shape[0])
+        return y if self.bias is None else y + self.bias
+
+
+class _ModuleLinear(nn.Module):
+    """Any other layer (e.g. QuantLinear on CUDA through Triton): call it as it is."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        return self.module(x.to(self.dtype)).float()
+
+
+def _convert_linear(
+    module: nn.Module, name: str, prefill, decode, notes: list[str], int4_kernel: str = "torch"
+) -> nn.Module:
+    """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
+    if not isinstance(module, QuantLinear):
+        assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
+        return _FloatLinear(module.weight, module.bias, prefill, decode)
+    if module.kind == "w8a8":
+        # Per-token int8 activations are part of the format. The layer runs itself (its own
+        # plan), so the runtime computes what evaluation measured (a weight-only int8 kernel
+        # would not).
+        return _ModuleLinear(module, torch.float32)
+    device = module.weight_scale.device
+    plan = module.plan(device, phase="prefill")
+    if plan.backend == "cpu":
+        if module.kind == "int4":
+            decode_plan = module.plan(device, phase="decode", int4_kernel=int4_kernel)
+            return _Int4Linear(module, q8=decode_plan.backend == "q4q8")
+        return _Int8Linear(module)
+    if plan.backend == "reference" and device.type == "cpu":
+        # Correct but not compressed in memory: the reference path re-dequantizes per call.
+        reason = plan.reason or f"backend={module.backend!r}"
+        notes.append(f"{name}: {reason}; dequantized once to {decode}")
+        return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
+    return _ModuleLinear(module, decode)
+
+
+# ---- decoder layer ---------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer(nn.Module):
+    def __init__(
+        self,
+        layer: nn.Module,
+        config,
+        prefill,
+        decode,
+        notes: list[str],
+        i: int,
+        int4_kernel: str,
+        arch: Arch,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(layer.get_submodule(arch.attention).scaling)
+        self.norm_in = nn.Buffer(
+            layer.get_submodule(arch.attn_norm).weight.detach().float(), persistent=False
+        )
+        self.norm_post = nn.Buffer(
+            layer.get_submodule(arch.mlp_norm).weight.detach().float(), persistent=False
+        )
+        # The projections, in the order forward uses them: the runtime's own short names.
+        paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
+        paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        for name, path in paths.items():
+            linear = _convert_linear(
+                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, int4_kernel
+            )
+            setattr(self, name, linear)
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
+        """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, S]
+        (decode) bool; caches [B, Hkv, S, D];
+        slots [T] cache indices the T new positions are written to."""
+        b, t, _ = x.shape
+        h = _rms_norm(x, self.norm_in, self.eps)
+        # [B, T, heads * D] -> [B, heads, T, D]
+        q = self.q(h, decode).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+        # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
+        keys, values = (k_cache, v_cache) if decode else (k, v)
+        a = F.scaled_dot_product_attention(
+            q.to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv,
+        )
+        a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        x = x + self.o(a, decode)
+        h = _rms_norm(x, self.norm_post, self.eps)
+        return x + self.down(F.silu(self.gate(h, decode)) * self.up(h, decode), decode)
+
+
+class _Head(nn.Module):
+    def __init__(
+        self,
+        model: nn.Module,
+        decode,
+        notes: list[str],
+        int4_kernel: str,
+        bits: int | None,
+        arch: Arch,
+    ) -> None:
+        super().__init__()
+        norm = model.get_submodule(arch.final_norm)
+        self.norm = nn.Buffer(norm.weight.detach().float(), persistent=False)
+        self.eps = float(model.config.rms_norm_eps)
+        head = model.get_submodule(arch.lm_head)
+        if bits is not None and not isinstance(head, QuantLinear):
+            # A quantized copy for the head only: tied input embeddings stay as they are.
+            head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
+        # Only the last position's logits are needed, so both phases use the decode weights.
+        # Named lm_head whatever the family calls it: the runtime's own name for its head.
+        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, int4_kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+
+
+@dataclass
+class _Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V] (greedy when temperature is 0)."""
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    if s.top_k is not None:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
+
+
+def _call_layer(layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
+    return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode)
+
+
+def _compile_options() -> dict[str, int]:
+    """Inductor options that pin its C++ vector width to the ISA ATen dispatches to.
+
+    Why: inductor's on-disk cache key leaves out ATen's CPU capability. Measured on torch 2.13,
+    AVX-512 CPU: a decode step compiled once normally, then again under
+    ``ATEN_CPU_CAPABILITY=avx2``, reused the cached 16-lane C++ with 8-lane vectors and died
+    with SIGSEGV (a fresh cache directory ran fine). Naming the width puts it in the key."""
+    lanes = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability())
+    return {} if lanes is None else {"cpp.simdlen": lanes}
+
+
+def _bucket(n: int, cap: int) -> int:
+    return min(max(16, 1 << (n - 1).bit_length()), cap)
+
+
+class Runtime:
+    """Static-cache generation for one model; reuse it across calls (the cache is allocated once).
+
+    ``max_seq_len``: cache slots per row (prompt + new tokens); ``max_batch_size``: rows
+    allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: prefill
+    in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
+    weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (one-query
+    attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the
+    decode dtype. ``compile``: compile the
+    decode step (one layer's code, reused by all layers). ``int4_kernel``: ``"torch"`` (torch's
+    native int4 kernel, bf16 activations: the default, tokens equal transformers') or
+    ``"q4q8"`` (decode through our AVX2 kernel with activations rounded to int8 per block of
+    32, llama.cpp's scheme: faster decode, +0.2% perplexity measured on SmolLM2 W4, tokens may
+    differ; keeps a second copy of the int4 codes; falls back to "torch" with a warning where
+    the kernel cannot be built). ``lm_head_bits``: None keeps a float lm_head (in the decode
+    dtype); 4 or 8 quantizes a copy at construction (RTN, symmetric; int4 group 32, int8 per
+    channel) run by the int4/int8 kernels above: the (tied) lm_head is the largest matrix of
+    small models (SmolLM2: 49152x576, 45% of W4's decode bytes in bf16).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_seq_len: int = 512,
+        max_batch_size: int = 1,
+        prefill_dtype: torch.dtype | None = None,
+        decode_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+        compile: bool = True,
+        compile_prefill: bool = False,
+        int4_kernel: str = "torch",
+        lm_head_bits: int | None = None,
+    ) -> None:
+        if int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
+        if lm_head_bits not in (None, *LM_HEAD_SCHEMES):
+            raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected None, 4 or 8")
+        if max_seq_len < 2 or max_batch_size < 1:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} and max_batch_size={max_batch_size} must be >= 2, 1"
+            )
+        self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
+        self.fallback_reason = unsupported_reason(model)
+        if self.fallback_reason is not None:
+            warnings.warn(
+                f"compress runtime falls back to transformers generate: {self.fallback_reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        config = model.config
+        embed = model.get_input_embeddings().weight
+        device, w_dtype = embed.device, embed.dtype
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        if decode_dtype is None:
+            cpu_quant = quantized and device.type == "cpu"
+            decode_dtype = torch.bfloat16 if cpu_quant or w_dtype == torch.bfloat16 else w_dtype
+        if prefill_dtype is None:
+            # The weights' dtype on every CPU class: bf16 prefill is faster where the CPU has
+            # bf16 matmuls but changes an fp32 model's tokens, so it is opt-in.
+            prefill_dtype = w_dtype
+        self.prefill_dtype, self.decode_dtype = prefill_dtype, decode_dtype
+        if kv_dtype is None:
+            fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
+            kv_dtype = torch.float32 if fp32_prefill else decode_dtype
+        self.kv_dtype = kv_dtype
+        q4q8_reason = dispatch.q4q8_unavailable_reason() if int4_kernel == "q4q8" else None
+        if q4q8_reason is not None:
+            warnings.warn(
+                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); "
+                "using torch's int4 kernel",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            int4_kernel = "torch"
+        self.int4_kernel = int4_kernel
+        notes: list[str] = []
+        arch = arch_for(model, "compress runtime")
+        with torch.no_grad():
+            self.layers = nn.ModuleList(
+                _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel, arch)
+                for i, layer in enumerate(decoder_layers(model, "compress runtime"))
+            )
+            self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits, arch)
+            self.embed = embed.detach()
+            # cos/sin tables for every cache position, from the model's own rotary module so
+            # that its rope type and attention scaling carry over: [S, D] fp32.
+            pos = torch.arange(max_seq_len, device=device)[None]
+            cos, sin = model.get_submodule(arch.rotary)(torch.zeros(1, device=device), pos)
+            self.cos, self.sin = cos[0].float(), sin[0].float()
+        if notes:
+            log.warning(
+                "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
+            )
+        first = self.layers[0]
+        shape = (len(self.layers), max_batch_size, first.n_kv, max_seq_len, first.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.device, self.compile_prefill = device, compile_prefill
+        self._decode_fn = self._prefill_fn = _call_layer
+        self._compiled = compile
+        if compile:
+            options = _compile_options() if device.type == "cpu" else {}
+            self._decode_fn = torch.compile(_call_layer, dynamic=False, options=options)
+            if compile_prefill:
+                self._prefill_fn = torch.compile(_call_layer, dynamic=False, options=options)
+
+    # ---- public API ----------------------------------------------------------------------
+    def stream(self, input_ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
+        """Yield new tokens of one prompt as they are produced (see ``generate`` for options)."""
+        stop = set(sampling.pop("stop_tokens", None) or ())
+        if self.fallback_reason is not None:
+            yield from self.generate([input_ids], max_new_tokens, stop_tokens=stop, **sampling)[0]
+            return
+        for tokens in self._run([list(input_ids)], max_new_tokens, _make_sampling(**sampling)):
+            token = int(tokens[0])
+            yield token
+            if token in stop:
+                return
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        stop_tokens: list[int] | set[int] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """New tokens per prompt (a stop token ends its row and is included).
+
+        Greedy when ``temperature`` is 0; otherwise sampling with optional top-k/top-p and a
+        seeded generator. Rows decode together (left-padded); generation ends when every row
+        has stopped or ``max_new_tokens`` are produced.
+        """
+        prompts = [list(p) for p in prompts]
+        stop = set(stop_tokens or ())
+        sampling = _make_sampling(temperature, top_k, top_p, seed)
+        if self.fallback_reason is not None:
+            return self._hf_generate(prompts, max_new_tokens, stop, sampling)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for tokens in self._run(prompts, max_new_tokens, sampling):
+            for row, token in enumerate(tokens.tolist()):
+                if not done[row]:
+                    out[row].append(token)
+                    done[row] = token in stop
+            if all(done):
+                break
+        return out
+
+    def fork(self) -> Runtime:
+        """Another runtime with its own KV cache that shares this one's weights and compiled
+        step: one per request that must stay open while others run (interleaved serving),
+        without repacking the weights again."""
+        other = copy.copy(self)
+        if self.fallback_reason is None:  # the fallback keeps no cache
+            other.k_cache, other.v_cache = (
+                torch.zeros_like(self.k_cache),
+                torch.zeros_like(self.v_cache),
+            )
+            other.valid, other._slot = torch.zeros_like(self.valid), torch.zeros_like(self._slot)
+        return other
+
+    def decode_bytes(self) -> dict[str, int]:
+        """Bytes a decode step reads: ``weights`` (every layer's decode-phase weights and the
+        head; one embedding row is negligible) and ``kv_cache`` (the whole allocated cache)."""
+        seen: set[int] = set()
+        weights = 0
+        for module in list(self.layers.modules()) + list(self.head.modules()):
+            tensors = dict(module.named_buffers(recurse=False))
+            if isinstance(module, _FloatLinear):  # decode reads w_decode (maybe w_prefill itself)
+                tensors["w_prefill"] = module.w_decode
+            if isinstance(module, _Int4Linear) and module.q8:  # decode reads the q8 copy only
+                del tensors["packed"], tensors["scale_and_zero"]
+            for t in tensors.values():
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    weights += t.numel() * t.element_size()
+        cache = 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return {"weights": weights, "kv_cache": cache}
+
+    # ---- one row, step by step (speculative decoding) ------------------------------------
+    position = 0  # tokens in row 0's cache for prefill/score/rewind
+
+    def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """Start row 0 at ``prompt``: fill its cache, return the next-token logits [V] fp32.
+        Then ``score`` feeds tokens and ``rewind`` drops them; ``position`` is the cache length."""
+        if self.fallback_reason is not None:
+            raise RuntimeError(f"the runtime does not run this model: {self.fallback_reason}")
+        self._check([list(prompt)], 1)
+        self.position = 0
+        return self.score(list(prompt))[-1]
+
+    @torch.no_grad()
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, V] fp32 after each of ``tokens``, fed in one forward from ``position``
+        (gpt-fast's verify step): row i is what greedy decoding would compute after token i.
+        A single token goes through the (compiled) decode step; several run it eager."""
+        start, t = self.position, len(tokens)
+        if t < 1 or start + t > self.max_seq_len:
+            raise ValueError(
+                f"{t} tokens at position {start} do not fit max_seq_len={self.max_seq_len}"
+            )
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        slots = torch.arange(start, start + t, device=self.device)
+        if start == 0:  # prefill: attends to its own fresh keys, as in ``_run``
+            mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
+            x = self._layers(ids, slots[None], mask, slots, 1, t, decode=False)
+        else:
+            length = start + t
+            if t == 1 and self._compiled:  # the compiled step's power-of-two key lengths
+                length = _bucket(length, self.max_seq_len)
+            keys = torch.arange(length, device=self.device)
+            mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, T, L] causal
+            if t == 1:
+                x = self._layers(ids, slots[None], mask, slots, 1, length, decode=True)
+            else:  # eager: a k-token decode step is another shape than the compiled one
+                x = self.embed[ids].float()
+                cos, sin = self.cos[slots][None], self.sin[slots][None]
+                x = self._apply(_call_layer, x, cos, sin, mask, slots, 1, length, True)
+        self.position = start + t
+        return self.head(x[0])
+
+    def rewind(self, position: int) -> None:
+        """Forget every token at or after ``position`` (their cache slots get overwritten)."""
+        if not 0 < position <= self.position:
+            raise ValueError(f"cannot rewind to {position}: the cache holds {self.position}")
+        self.position = position
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(
+                f"batch of {len(prompts)} prompts exceeds max_batch_size={self.max_batch_size} "
+                f"allocated; create the Runtime with max_batch_size>={len(prompts)}"
+            )
+        need = max(len(p) for p in prompts) + max_new_tokens
+        if max_new_tokens < 1 or need > self.max_seq_len:
+            raise ValueError(
+                f"longest prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens "
+                f"({max_new_tokens}) must be in 1..max_seq_len={self.max_seq_len}; create the "
+                f"Runtime with max_seq_len>={need} or shorten the prompt"
+            )
+        vocab = self.embed.shape[0]
+        bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+
+    @torch.no_grad()
+    def _run(self, prompts, max_new_tokens: int, sampling: _Sampling) -> Iterator[torch.Tensor]:
+        self._check(prompts, max_new_tokens)
+        b, t = len(prompts), max(len(p) for p in prompts)
+        tb = _bucket(t, self.max_seq_len) if self.compile_prefill else t
+        tokens = torch.zeros(b, tb, dtype=torch.long)
+        pad = torch.tensor([t - len(p) for p in prompts])
+        self.valid.zero_()
+        for row, p in enumerate(prompts):  # left padding: every row's last token is at t - 1
+            tokens[row, t - len(p) : t] = torch.tensor(p)
+            self.valid[row, t - len(p) : t] = True
+        pad, tokens = pad.to(self.device), tokens.to(self.device)
+        positions = (torch.arange(tb, device=self.device)[None] - pad[:, None]).clamp(min=0)
+        keys = self.valid[:b, :tb]
+        causal = torch.ones(tb, tb, dtype=torch.bool, device=self.device).tril()
+        # Every query sees itself, so padding rows stay finite (their outputs are never read).
+        eye = torch.eye(tb, dtype=torch.bool, device=self.device)
+        mask = ((causal & keys[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
+        slots = torch.arange(tb, device=self.device)
+        x = self._layers(tokens, positions, mask, slots, b, tb, decode=False)
+        logits = self.head(x[:, t - 1])
+        pos = t
+        for step in range(max_new_tokens):
+            next_tokens = _sample(logits, sampling)
+            yield next_tokens
+            if step == max_new_tokens - 1:
+                return
+            self.valid[:b, pos] = True
+            self._slot.fill_(pos)
+            # Attend to the filled prefix only (measured: the whole 512-slot cache cost more per
+            # token than every int4 matmul together); compiled steps use power-of-two lengths so
+            # that only log2(max_seq_len) graphs exist.
+            length = _bucket(pos + 1, self.max_seq_len) if self._compiled else pos + 1
+            mask = self.valid[:b, None, None, :length]  # [B, 1, 1, L]
+            x = self._layers(
+                next_tokens[:, None],
+                (pos - pad)[:, None],
+                mask,
+                self._slot,
+                b,
+                length,
+                decode=True,
+            )
+            logits = self.head(x[:, -1])
+            pos += 1
+
+    def _layers(
+        self, tokens, positions, mask, slots, b: int, length: int, *, decode: bool
+    ) -> torch.Tensor:
+        fn = self._decode_fn if decode else self._prefill_fn
+        x = self.embed[tokens].float()  # [B, T, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        try:
+            return self._apply(fn, x, cos, sin, mask, slots, b, length, decode)
+        except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
+            if fn is _call_layer:
+                raise
+            warnings.warn(
+                f"compress runtime: torch.compile failed ({type(exc).__name__}: {exc}); "
+                "running eager from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._decode_fn = self._prefill_fn = _call_layer
+            # Re-running is safe: each layer rewrites the same cache slots from the same input.
+            return self._apply(_call_layer, x, cos, sin, mask, slots, b, length, decode)
+
+    def _apply(self, fn, x, cos, sin, mask, slots, b: int, length: int, decode: bool):
+        """All layers; each sees its cache rows ``:b`` and slots ``:length`` (views, so the
+        new keys/values written at ``slots`` land in the full cache)."""
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = self.k_cache[i, :b, :, :length], self.v_cache[i, :b, :, :length]
+            x = fn(layer, x, cos, sin, mask, k_cache, v_cache, slots, decode)
+        return x
+
+    def _hf_generate(self, prompts, max_new_tokens: int, stop: set[int], s: _Sampling):
+        pad_id = next(iter(stop), 0)
+        t = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (t - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (t - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = dict(
+            do_sample=s.temperature > 0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(stop) or None,
+            pad_token_id=pad_id,
+        )
+        if s.temperature > 0:
+            kwargs.update(temperature=s.temperature, top_k=s.top_k or 0, top_p=s.top_p or 1.0)
+        device = self.model.get_input_embeddings().weight.device
+        with torch.no_grad():
+            out = self.model.generate(
+                ids.to(device), attention_mask=attention.to(device), **kwargs
+            )[:, t:]
+        result = []
+        for row in out.tolist():
+            cut = next((i + 1 for i, tok in enumerate(row) if tok in stop), len(row))
+            result.append(row[:cut])
+        return result
+
+
+def _make_sampling(
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> _Sampling:
+    if (
+        temperature < 0
+        or (top_k is not None and top_k < 1)
+        or not (top_p is None or 0 < top_p <= 1)
+    ):
+        raise ValueError(
+            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1]"
+        )
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    return _Sampling(temperature, top_k, top_p, generator)
