@@ -83,6 +83,43 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size_bytes(text: str) -> int:
+    """``80MB``, ``1.5GiB``, ``120000000`` -> bytes (argparse type)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30}  # fmt: skip
+    number = text.strip().upper().rstrip("S")
+    for unit in sorted(units, key=len, reverse=True):
+        if unit and number.endswith(unit):
+            number, scale = number[: -len(unit)], units[unit]
+            break
+    else:
+        scale = 1
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 80MB, 1.5GiB)") from None
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from compress.pipeline.tune import DEFAULT_FORMATS, TuneTarget, run_tune
+
+    target = TuneTarget(bits_per_weight=args.bits_per_weight, max_bytes=args.max_bytes,
+                        tpot_ms=args.tpot_ms, max_dppl_pct=args.max_dppl)  # fmt: skip
+    report = run_tune(
+        args.model, target, formats=tuple(args.formats or DEFAULT_FORMATS),
+        algorithm=args.algorithm, num_samples=args.num_samples, seq_len=args.seq_len,
+        limit=None if args.full_eval else args.limit, out_dir=args.out, data_dir=args.data_dir,
+        progress=not args.no_progress, overwrite=args.overwrite,
+    )  # fmt: skip
+    from compress.pipeline.tune import tune_markdown
+
+    print(tune_markdown(report))
+    for row in report["rows"]:
+        print(f"{row['variant']}: perplexity {row.get('perplexity')}, "
+              f"Δppl {row.get('ppl_delta_pct', 0.0):+.2f}%")  # fmt: skip
+    return 0 if all(c["ok"] for c in report["checks"]) else 1
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from compress.io.inspect import inspect_checkpoint
 
@@ -336,6 +373,35 @@ def build_parser() -> argparse.ArgumentParser:
     p_sweep.add_argument("--no-resume", action="store_true",
                          help="recompute finished rows and saved perplexity windows")
     p_sweep.set_defaults(func=_cmd_sweep)
+
+    p_tune = sub.add_parser(
+        "tune", help="write and run a mixed-precision recipe from a budget (bits/weight, bytes "
+        "or TPOT), then verify the budget and the quality")
+    p_tune.add_argument("model", help="model (directory, hub id, or smollm2-135m)")
+    target = p_tune.add_mutually_exclusive_group(required=True)
+    target.add_argument("--bits-per-weight", type=float,
+                        help="average stored bits per decoder linear weight, scales and zero "
+                        "points included (e.g. 4.25)")
+    target.add_argument("--max-bytes", type=_size_bytes,
+                        help="checkpoint size, e.g. 90MB (everything counted)")
+    target.add_argument("--tpot-ms", type=float,
+                        help="decode time per token on this machine, through the runtime")
+    p_tune.add_argument("--max-dppl", type=float, metavar="PCT",
+                        help="quality ceiling checked on the result: Δ perplexity in %%")
+    p_tune.add_argument("--formats", nargs="+", metavar="FORMAT",
+                        help="candidate formats (default: float int8 int4-g32 int4-g64 "
+                        "int4-g128 int4-g32-asym int4-g128-asym)")
+    p_tune.add_argument("--algorithm", choices=["gptq", "awq"], default="gptq")
+    p_tune.add_argument("--num-samples", type=int, default=32, help="calibration sequences")
+    p_tune.add_argument("--seq-len", type=int, default=512, help="calibration sequence length")
+    p_tune.add_argument("--limit", type=int, default=16, help="perplexity windows to verify on")
+    p_tune.add_argument("--full-eval", action="store_true", help="verify on the whole test split")
+    p_tune.add_argument("--out", help="output folder (default: out/tune-<model>)")
+    p_tune.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
+                        "../shared/data)")
+    p_tune.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_tune.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p_tune.set_defaults(func=_cmd_tune)
 
     p_val = sub.add_parser("validate", help="check a recipe completely and exit (no model work)")
     add_recipe_args(p_val, optional=True)

@@ -37,12 +37,13 @@ class LayerOverride(StrictConfig):
     """A per-layer exception to the pass's scheme, e.g. keep the first and last ``down_proj`` at
     8 bits: ``{layers: "re:.*layers\\.(0|29)\\.mlp\\.down_proj$", n_bits: 8, group_size: channel}``.
     layers: exact module name or ``re:<regex>`` (matched from the start of the name, see
-    ``compress.core.matches``); n_bits / group_size: None inherits, group_size ``channel`` means
-    one scale per output channel. The first matching override wins."""
+    ``compress.core.matches``); n_bits / group_size / symmetric: None inherits, group_size
+    ``channel`` means one scale per output channel. The first matching override wins."""
 
     layers: str
     n_bits: Literal[4, 8] | None = None
     group_size: int | Literal["channel"] | None = None
+    symmetric: bool | None = None  # per-layer zero points (false) or not (true)
 
     @field_validator("layers")
     @classmethod
@@ -97,18 +98,20 @@ def scheme_for_layer(
     full_range = cfg.symmetric_grid == "full"
     group_size = getattr(cfg, "group_size", None)
     fallback = getattr(cfg, "fallback_group_size", None)
+    symmetric = cfg.symmetric
     override = next((o for o in cfg.overrides if o.matches(name)), None)
     if override is not None:
         n_bits = override.n_bits or n_bits
+        symmetric = cfg.symmetric if override.symmetric is None else override.symmetric
         if override.group_size is not None:
             group_size = None if override.group_size == "channel" else override.group_size
             fallback = None
     if group_size is None:  # one scale per output channel
-        return WeightScheme(n_bits, None, cfg.symmetric, scale_dtype, full_range)
+        return WeightScheme(n_bits, None, symmetric, scale_dtype, full_range)
     groups = [g for g in (group_size, fallback) if g]
     for group in groups:
         if k % group == 0:
-            return WeightScheme(n_bits, group, cfg.symmetric, scale_dtype, full_range)
+            return WeightScheme(n_bits, group, symmetric, scale_dtype, full_range)
     return f"in_features {k} is not divisible by group_size {' or '.join(map(str, groups))}"
 
 

@@ -1,0 +1,587 @@
+"""``compress tune``: a recipe from a budget (measure -> solve -> write -> verify).
+
+1. **Sensitivity.** For every decoder linear and every candidate format, the loss increase that
+   quantizing that layer alone to that format is expected to cause, from the empirical Fisher:
+   ``sum_t sum_n (dL/dy_tn)^2 (dy_tn)^2`` with ``dy = x (W_q - W)^T`` over calibration tokens, L
+   the next-token loss. One forward and backward per calibration batch measures every layer and
+   format at once (the second-order, diagonal-Fisher estimate of HAWQ-v2 and of the "gradient"
+   score of NVIDIA ModelOpt's ``auto_quantize``). ``W_q`` is the RTN weight of the format.
+2. **Cost.** The stored bytes of each layer in each format: the codes, scales and zero points of
+   the ``QuantLinear`` the pass builds, or the float weight in the export dtype (16 bits).
+3. **Solve** the multiple-choice knapsack "minimum total sensitivity under the byte budget"
+   exactly by dynamic programming over the budget cut into ``resolution`` units, each layer's
+   cost rounded *up* to whole units (so the answer always fits the budget).
+4. **Write** a recipe a person can read and edit: one weight-quantization pass (GPTQ by default)
+   whose default is the most chosen format, per-layer ``overrides`` grouped into one regex per
+   projection and format, float layers in ``ignore``. Then **verify**: ``run_job`` runs it, the
+   bits per weight are read back from the exported safetensors (scales and zero points
+   included), the quality is the run's perplexity on the test split, and a TPOT target is
+   measured through the runtime.
+
+Budgets: average bits per decoder linear weight; checkpoint bytes (everything that is not a
+decoder linear weight is counted at the export dtype and subtracted); or TPOT on this machine
+(decode is bandwidth-bound, so TPOT is modelled as ``a + b * linear bytes``, fitted from two
+uniform models measured through the runtime, then checked on the result). A quality ceiling
+(Δppl) is checked on the result, not searched for: a miss is reported with the numbers.
+Not done: searching the algorithm per layer (one pass for all), activation quantization.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compress.arch import DEFAULT_IGNORE
+from compress.core.errors import ConfigError
+from compress.core.matcher import matches
+from compress.quant.linear import QuantLinear, WeightScheme
+
+log = logging.getLogger(__name__)
+
+FLOAT_BITS = 16  # kept-float layers are exported in a 16-bit dtype (export dtype auto)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One candidate format of a layer: ``float`` (kept), or integer bits with a group size
+    (None: one scale per output channel) and symmetric or asymmetric grid."""
+
+    name: str
+    n_bits: int | None = None
+    group_size: int | None = None
+    symmetric: bool = True
+
+    @property
+    def is_float(self) -> bool:
+        return self.n_bits is None
+
+    def scheme(self) -> WeightScheme:
+        # float16 scales: what the passes store by default (scale_dtype)
+        return WeightScheme(self.n_bits, self.group_size, self.symmetric, torch.float16)
+
+    def fits(self, linear: nn.Linear) -> bool:
+        return self.is_float or self.group_size is None or linear.in_features % self.group_size == 0
+
+
+def parse_format(name: str) -> Format:
+    """``float``, ``int8`` (per channel), ``int8-g128``, ``int4-g32``, ``int4-g128-asym``..."""
+    if name == "float":
+        return Format("float")
+    match = re.fullmatch(r"int([48])(?:-g(32|64|128|256))?(-asym)?", name)
+    if match is None:
+        raise ConfigError(
+            f"tune: unknown format {name!r}; write float, int8, int8-g128, int4-g32, "
+            "int4-g64, int4-g128 or int4-g256, with -asym for zero points"
+        )
+    bits, group, asym = match.groups()
+    if bits == "4" and group is None:
+        raise ConfigError(f"tune: format {name!r} needs a group size (int4-g32/g64/g128/g256)")
+    return Format(name, int(bits), int(group) if group else None, asym is None)
+
+
+DEFAULT_FORMATS = (
+    "float", "int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g128-asym",
+)  # fmt: skip
+
+
+# ---- 1. sensitivity -----------------------------------------------------------------------
+def layer_costs(linear: nn.Linear, formats: list[Format]) -> tuple[dict[str, int], dict]:
+    """Stored bytes per format that fits ``linear``, and the RTN weight error ``W_q - W``
+    (float32) per integer format (what the pass would store, built by ``QuantLinear``)."""
+    sizes, deltas = {}, {}
+    weight = linear.weight.detach().float()
+    for fmt in formats:
+        if not fmt.fits(linear):
+            continue
+        if fmt.is_float:
+            sizes[fmt.name] = weight.numel() * FLOAT_BITS // 8
+            continue
+        quant = QuantLinear.from_linear(linear, fmt.scheme(), backend="reference")
+        sizes[fmt.name] = quant.weight_bytes()
+        deltas[fmt.name] = quant.dequantized_weight(torch.float32) - weight
+    return sizes, deltas
+
+
+def measure_sensitivity(
+    model: nn.Module,
+    names: list[str],
+    formats: list[Format],
+    batches: list[torch.Tensor],
+    progress: bool = False,
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
+    """Fisher estimate of the loss increase (``scores[layer][format]``, float format 0) and the
+    stored bytes (``sizes[layer][format]``) of each named linear of ``model`` (module docstring,
+    step 1). ``batches``: token ids ``[B, T]``; the loss is their next-token cross-entropy."""
+    modules = {name: model.get_submodule(name) for name in names}
+    sizes, deltas = {}, {}
+    for name, linear in modules.items():
+        sizes[name], deltas[name] = layer_costs(linear, formats)
+    scores = {name: dict.fromkeys(sizes[name], 0.0) for name in names}
+    inputs: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def keep_input(name):
+        def hook(module, args):
+            inputs[name] = args[0].detach()
+
+        return hook
+
+    def score_output_grad(name):
+        def hook(module, grad_input, grad_output):
+            grad = grad_output[0].detach().float().flatten(0, -2)  # [tokens, N]
+            x = inputs.pop(name).float().flatten(0, -2)  # [tokens, K]
+            for fmt, delta in deltas[name].items():
+                dy = x @ delta.t()  # [tokens, N]: output change of this layer alone
+                scores[name][fmt] += float((grad * dy).square().sum(dtype=torch.float64))
+
+        return hook
+
+    for name, linear in modules.items():
+        handles.append(linear.register_forward_pre_hook(keep_input(name)))
+        handles.append(linear.register_full_backward_hook(score_output_grad(name)))
+    requires = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)  # gradients w.r.t. activations only
+        embed = model.get_input_embeddings()
+        for index, ids in enumerate(batches):
+            hidden = embed(ids).detach().requires_grad_(True)
+            loss = model(inputs_embeds=hidden, labels=ids).loss
+            loss.backward()
+            if progress:
+                log.info("tune: sensitivity batch %d/%d (loss %.3f)", index + 1, len(batches),
+                         loss.item())  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, flag in requires.items():
+            p.requires_grad_(flag)
+    return scores, sizes
+
+
+# ---- 2./3. budget and solver -------------------------------------------------------------
+def solve_assignment(
+    scores: list[list[float]], costs: list[list[int]], budget: int, resolution: int = 4096
+) -> list[int] | None:
+    """Index of the chosen option per layer minimising the summed score with summed cost
+    <= ``budget``, or None when even the cheapest options do not fit. Exact for costs that are
+    multiples of ``budget / resolution``; otherwise costs are rounded up to that unit (feasible,
+    optimal up to the rounding)."""
+    unit = max(budget / resolution, 1.0)
+    units = int(budget // unit)
+    inf = float("inf")
+    best = np.full(units + 1, inf)  # best[b]: least score with exactly b units spent so far
+    best[0] = 0.0
+    choices = np.zeros((len(scores), units + 1), dtype=np.int16)
+    for layer, (layer_scores, layer_costs_) in enumerate(zip(scores, costs, strict=True)):
+        nxt = np.full(units + 1, inf)
+        for option, (score, cost) in enumerate(zip(layer_scores, layer_costs_, strict=True)):
+            c = math.ceil(cost / unit - 1e-9)
+            if c > units:
+                continue
+            candidate = best[: units + 1 - c] + score
+            better = candidate < nxt[c:]
+            nxt[c:][better] = candidate[better]
+            choices[layer, c:][better] = option
+        best = nxt
+    if not np.isfinite(best).any():
+        return None
+    spent = int(np.argmin(best))
+    picked = []
+    for layer in range(len(scores) - 1, -1, -1):
+        option = int(choices[layer, spent])
+        picked.append(option)
+        spent -= math.ceil(costs[layer][option] / unit - 1e-9)
+    return picked[::-1]
+
+
+def assign_formats(
+    scores: dict[str, dict[str, float]], sizes: dict[str, dict[str, int]], budget_bytes: int
+) -> dict[str, str]:
+    """Layer -> format name under ``budget_bytes`` of decoder linear weights (``solve_assignment``);
+    a ConfigError naming the smallest possible size when the budget is below it."""
+    names = list(scores)
+    options = [sorted(sizes[n], key=lambda f: sizes[n][f]) for n in names]
+    picked = solve_assignment(
+        [[scores[n][f] for f in opts] for n, opts in zip(names, options, strict=True)],
+        [[sizes[n][f] for f in opts] for n, opts in zip(names, options, strict=True)],
+        budget_bytes,
+    )
+    if picked is None:
+        smallest = sum(sizes[n][opts[0]] for n, opts in zip(names, options, strict=True))
+        raise ConfigError(
+            f"tune: the budget allows {budget_bytes:,} bytes of decoder linear weights, but the "
+            f"smallest candidate formats need {smallest:,}: raise the budget or add smaller "
+            "formats (--formats)"
+        )
+    return {n: opts[i] for n, opts, i in zip(names, options, picked, strict=True)}
+
+
+def bits_per_weight(assignment: dict[str, str], sizes, numels: dict[str, int]) -> float:
+    stored = sum(sizes[n][f] for n, f in assignment.items())
+    return 8 * stored / sum(numels[n] for n in assignment)
+
+
+# ---- 4. the recipe ------------------------------------------------------------------------
+def _grouped_patterns(names: list[str]) -> list[str]:
+    """Few patterns matching exactly ``names``: ``re:<prefix>\\.(0|5|9)\\.<suffix>$`` per
+    (prefix, suffix) around the layer index, exact names otherwise."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    exact = []
+    for name in names:
+        found = re.fullmatch(r"(.*)\.(\d+)\.(.*)", name)
+        if found is None:
+            exact.append(name)
+            continue
+        prefix, index, suffix = found.groups()
+        groups[(prefix, suffix)].append(index)
+    patterns = []
+    for (prefix, suffix), indices in sorted(groups.items()):
+        ordered = sorted(indices, key=int)
+        patterns.append(f"re:{re.escape(prefix)}\\.({'|'.join(ordered)})\\.{re.escape(suffix)}$")
+    return patterns + exact
+
+
+def recipe_dict(
+    *,
+    name: str,
+    model: str,
+    assignment: dict[str, str],
+    algorithm: str = "gptq",
+    calibration: dict[str, Any],
+    perplexity: dict[str, Any],
+    description: str,
+) -> dict[str, Any]:
+    """The recipe (as a dict, for ``parse_recipe`` / YAML) that quantizes each layer of
+    ``assignment`` to its format: the most chosen integer format is the pass default, the other
+    integer formats are per-layer overrides, float layers are added to ``ignore``."""
+    formats = {n: parse_format(f) for n, f in assignment.items()}
+    integer = Counter(f.name for f in formats.values() if not f.is_float)
+    if not integer:
+        raise ConfigError("tune: every layer was kept float: the budget needs no quantization")
+    default = parse_format(integer.most_common(1)[0][0])
+    by_format: dict[str, list[str]] = defaultdict(list)
+    for layer, fmt in formats.items():
+        by_format[fmt.name].append(layer)
+    overrides = []
+    for fmt_name, layers in sorted(by_format.items()):
+        fmt = parse_format(fmt_name)
+        if fmt.is_float or fmt == default:
+            continue
+        for pattern in _grouped_patterns(layers):
+            entry: dict[str, Any] = {"layers": pattern, "n_bits": fmt.n_bits,
+                                     "group_size": fmt.group_size or "channel"}  # fmt: skip
+            if fmt.symmetric != default.symmetric:
+                entry["symmetric"] = fmt.symmetric
+            overrides.append(entry)
+    ignore = list(DEFAULT_IGNORE) + _grouped_patterns(by_format.get("float", []))
+    step: dict[str, Any] = {"pass": f"quantize.{algorithm}", "n_bits": default.n_bits,
+                            "group_size": default.group_size, "symmetric": default.symmetric,
+                            "ignore": ignore, "strict": True}  # fmt: skip
+    if overrides:
+        step["overrides"] = overrides
+    return {
+        "name": name,
+        "description": description,
+        "model": model,
+        "calibration": calibration,
+        "passes": [step],
+        "export": {"dtype": "auto"},
+        "eval": {"baseline": True, "perplexity": perplexity},
+    }
+
+
+def check_recipe_matches(recipe, model: nn.Module, assignment: dict[str, str]) -> None:
+    """The written recipe gives every layer exactly its assigned format (a guard against a
+    pattern that catches the wrong layer)."""
+    from compress.quant.scheme import scheme_for_layer
+
+    cfg = recipe.passes[0]
+    for layer, fmt_name in assignment.items():
+        fmt = parse_format(fmt_name)
+        ignored = any(matches(layer, None, p) for p in cfg.ignore)
+        if fmt.is_float != ignored:
+            raise AssertionError(f"tune wrote a recipe that {'ignores' if ignored else 'keeps'} "
+                                 f"{layer} (assigned {fmt_name})")  # fmt: skip
+        if fmt.is_float:
+            continue
+        scheme = scheme_for_layer(model.get_submodule(layer), cfg, cfg.n_bits, layer)
+        got = (scheme.n_bits, scheme.group_size, scheme.symmetric)
+        if got != (fmt.n_bits, fmt.group_size, fmt.symmetric):
+            raise AssertionError(f"tune wrote a recipe giving {layer} {got}, assigned {fmt_name}")
+
+
+# ---- measurement of what was written ------------------------------------------------------
+def checkpoint_linear_bytes(folder: Path, layers: list[str]) -> dict[str, int]:
+    """Bytes the exported safetensors hold for each layer's weight (codes, scales, zero points,
+    or the float weight), read from the files' headers."""
+    from safetensors import safe_open
+
+    stored = dict.fromkeys(layers, 0)
+    keys = {"weight", "weight_packed", "weight_scale", "weight_zero_point"}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for key in handle.keys():
+                layer, _, leaf = key.rpartition(".")
+                if layer in stored and leaf in keys:
+                    tensor = handle.get_slice(key)
+                    shape, dtype = tensor.get_shape(), tensor.get_dtype()
+                    stored[layer] += math.prod(shape) * _DTYPE_BYTES[dtype]
+    return stored
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "I64": 8}
+
+
+def _cache_key(**parts: Any) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sensitivity_cache(key: str) -> Path:
+    root = Path(os.environ.get("COMPRESS_CACHE_DIR", Path.home() / ".cache" / "compress"))
+    return root / "tune" / f"{key}.json"
+
+
+def decoder_linears(model: nn.Module) -> list[str]:
+    """Every ``nn.Linear`` of the model except the default-ignored output head."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and not any(matches(name, module, p) for p in DEFAULT_IGNORE)
+    ]
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+# ---- orchestration ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TuneTarget:
+    """Exactly one size target (bits per decoder linear weight, checkpoint bytes, or decode TPOT
+    in ms on this machine) and an optional quality ceiling (Δ perplexity in %)."""
+
+    bits_per_weight: float | None = None
+    max_bytes: int | None = None
+    tpot_ms: float | None = None
+    max_dppl_pct: float | None = None
+
+    def check(self) -> None:
+        given = [v for v in (self.bits_per_weight, self.max_bytes, self.tpot_ms) if v is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                "tune: give exactly one target: --bits-per-weight, --max-bytes or --tpot-ms"
+            )
+        if any(v <= 0 for v in given) or (self.max_dppl_pct is not None and self.max_dppl_pct < 0):
+            raise ConfigError("tune: targets must be positive numbers")
+
+
+def other_export_bytes(model: nn.Module, names: list[str]) -> int:
+    """Bytes of everything the export holds besides the decoder linear weights ``names``
+    (embedding, norms, biases, an untied head): floats at 16 bits, tied tensors once."""
+    skip = {f"{n}.weight" for n in names}
+    seen, total = set(), 0
+    for key, tensor in model.state_dict().items():
+        if key in skip or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        bits = FLOAT_BITS if tensor.is_floating_point() else 8 * tensor.element_size()
+        total += tensor.numel() * bits // 8
+    return total
+
+
+def _uniform_variant(model: nn.Module, names: list[str], formats: list[Format], sizes) -> tuple:
+    """A copy with every layer in its smallest candidate format, and its linear bytes."""
+    variant = copy.deepcopy(model)
+    total = 0
+    for name in names:
+        smallest = min(sizes[name], key=lambda f: sizes[name][f])
+        total += sizes[name][smallest]
+        fmt = parse_format(smallest)
+        if fmt.is_float:
+            continue
+        linear = variant.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        quant = QuantLinear.from_linear(linear, fmt.scheme())
+        setattr(variant.get_submodule(parent) if parent else variant, child, quant)
+    return variant, total
+
+
+def fit_tpot(model, names, formats, sizes, prompt: list[int], new_tokens: int = 32) -> dict:
+    """TPOT (ms) through the runtime of the float model (bf16) and of the smallest uniform
+    model, and the line ``tpot = a + b * linear_bytes`` through the two points."""
+    from compress.eval.latency import decode_speed
+
+    float_bytes = sum(sizes[n]["float"] for n in names if "float" in sizes[n])
+    fast, fast_bytes = _uniform_variant(model, names, formats, sizes)
+    points = []
+    for variant, nbytes in ((copy.deepcopy(model).to(torch.bfloat16), float_bytes),
+                            (fast, fast_bytes)):  # fmt: skip
+        speed = decode_speed(variant, prompt, new_tokens, repeats=3)
+        points.append({"linear_bytes": nbytes, "tpot_ms": 1e3 / speed["decode_tok_s"],
+                       "engine": speed["engine"]})  # fmt: skip
+    (b0, t0), (b1, t1) = ((p["linear_bytes"], p["tpot_ms"]) for p in points)
+    slope = (t0 - t1) / (b0 - b1) if b0 != b1 else 0.0
+    return {"points": points, "a_ms": t1 - slope * b1, "b_ms_per_byte": slope}
+
+
+def run_tune(
+    model_id: str,
+    target: TuneTarget,
+    *,
+    formats: tuple[str, ...] = DEFAULT_FORMATS,
+    algorithm: str = "gptq",
+    num_samples: int = 32,
+    seq_len: int = 512,
+    calibration_mix: dict[str, float] | None = None,
+    limit: int | None = 16,
+    eval_dataset: str = "wikitext2",
+    context_length: int = 512,
+    out_dir: str | Path | None = None,
+    name: str | None = None,
+    data_dir: str | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Measure, solve, write the recipe, run it and verify (module docstring). Returns the tune
+    report (also written as ``tune.json`` / ``tune.md`` beside the run's results)."""
+    from compress.calibration import calibration_mix as draw_calibration
+    from compress.eval.report import environment, write_results
+    from compress.io.load import load_model
+    from compress.pipeline.job import run_job
+    from compress.recipe import parse_recipe
+
+    target.check()
+    if algorithm not in ("gptq", "awq"):
+        raise ConfigError(f"tune: algorithm {algorithm!r}: choose gptq or awq")
+    candidates = [parse_format(f) for f in formats]
+    loaded = load_model(model_id)
+    model = loaded.model.float().eval()
+    names = decoder_linears(model)
+    numels = {n: model.get_submodule(n).weight.numel() for n in names}
+    mix = calibration_mix or {"wikitext2-valid": 1.0}
+    calibration = {"num_samples": num_samples, "seq_len": seq_len, "seed": 0, "mix": mix}
+    key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
+                     layers=names, version=1)  # fmt: skip
+    cache = sensitivity_cache(key)
+    if cache.is_file():
+        stored = json.loads(cache.read_text())
+        scores, sizes = stored["scores"], stored["sizes"]
+        log.info("tune: sensitivities read back from %s", cache)
+    else:
+        ids = draw_calibration(mix, loaded.tokenizer, num_samples=num_samples, seq_len=seq_len,
+                               seed=0, data_dir=data_dir)  # fmt: skip
+        scores, sizes = measure_sensitivity(model, names, candidates, list(ids.split(4)), progress)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"scores": scores, "sizes": sizes}))
+        os.replace(tmp, cache)  # the measurement survives an interrupted run
+
+    tpot_fit = None
+    if target.bits_per_weight is not None:
+        budget = int(target.bits_per_weight * sum(numels.values()) / 8)
+    elif target.max_bytes is not None:
+        budget = target.max_bytes - other_export_bytes(model, names)
+    else:
+        prompt = loaded.tokenizer("The history of the city", return_tensors=None)["input_ids"]
+        tpot_fit = fit_tpot(model, names, candidates, sizes, prompt)
+        if tpot_fit["b_ms_per_byte"] <= 0:
+            raise ConfigError(f"tune: TPOT did not grow with bytes on this machine ({tpot_fit}); "
+                              "a TPOT target cannot be turned into a size here")  # fmt: skip
+        budget = int((target.tpot_ms - tpot_fit["a_ms"]) / tpot_fit["b_ms_per_byte"])
+    if budget <= 0:
+        raise ConfigError(f"tune: the target leaves no bytes for the decoder weights ({budget})")
+    assignment = assign_formats(scores, sizes, budget)
+    predicted_bits = bits_per_weight(assignment, sizes, numels)
+
+    tag = name or f"tune-{loaded.source.replace('/', '-')}"[:80]
+    perplexity = {"dataset": eval_dataset, "context_length": context_length, "limit": limit}
+    raw = recipe_dict(
+        name=tag, model=model_id, assignment=assignment, algorithm=algorithm,
+        calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
+    )  # fmt: skip
+    recipe = parse_recipe(raw, source="compress tune")
+    check_recipe_matches(recipe, model, assignment)
+    out = Path(out_dir or Path("out") / tag)
+    result = run_job(recipe, model=model_id, out_dir=out, data_dir=data_dir, progress=progress,
+                     overwrite=overwrite)  # fmt: skip
+    stored = checkpoint_linear_bytes(out, names)
+    measured_bits = 8 * sum(stored.values()) / sum(numels.values())
+    report: dict[str, Any] = {
+        "target": target.__dict__, "algorithm": algorithm, "formats": list(formats),
+        "budget_linear_bytes": budget, "predicted_bits_per_weight": predicted_bits,
+        "measured_bits_per_weight": measured_bits,
+        "measured_linear_bytes": sum(stored.values()),
+        "format_counts": dict(Counter(assignment.values())),
+        "assignment": assignment, "scores": scores, "sizes": sizes, "tpot_fit": tpot_fit,
+        "rows": result.rows, "environment": environment(),
+    }  # fmt: skip
+    compressed = result.rows[-1]
+    checks = _verify(target, report, compressed, out, prompt_tokens=loaded.tokenizer)
+    report["checks"] = checks
+    write_results(out, "tune", tune_markdown(report), report, overwrite=True)
+    return report
+
+
+def _verify(target: TuneTarget, report: dict, row: dict, out: Path, prompt_tokens) -> list[dict]:
+    """Each target compared with what was measured on the result."""
+    checks = []
+    bits = report["measured_bits_per_weight"]
+    if target.bits_per_weight is not None:
+        checks.append({"what": "bits/weight", "target": target.bits_per_weight, "got": bits,
+                       "ok": bits <= target.bits_per_weight + 1e-9})  # fmt: skip
+    if target.max_bytes is not None:
+        disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        checks.append({"what": "checkpoint bytes (safetensors)", "target": target.max_bytes,
+                       "got": disk, "ok": disk <= target.max_bytes})  # fmt: skip
+    if target.tpot_ms is not None:
+        from compress.eval.latency import decode_speed
+        from compress.io.load import load_model
+
+        served = load_model(str(out))
+        prompt = prompt_tokens("The history of the city", return_tensors=None)["input_ids"]
+        speed = decode_speed(served.model, prompt, 32, repeats=3)
+        tpot = 1e3 / speed["decode_tok_s"]
+        checks.append({"what": f"TPOT ms ({speed['engine']})", "target": target.tpot_ms,
+                       "got": tpot, "ok": tpot <= target.tpot_ms})  # fmt: skip
+    if target.max_dppl_pct is not None:
+        delta = row.get("ppl_delta_pct")
+        checks.append({"what": "Δppl %", "target": target.max_dppl_pct, "got": delta,
+                       "ok": delta is not None and delta <= target.max_dppl_pct})  # fmt: skip
+    return checks
+
+
+def tune_markdown(report: dict) -> str:
+    lines = [
+        "## compress tune", "",
+        f"target: {report['target']}; algorithm {report['algorithm']}; candidates "
+        f"{', '.join(report['formats'])}", "",
+        "| check | target | measured | ok |", "|---|---:|---:|---|",
+    ]  # fmt: skip
+    for check in report["checks"]:
+        got = check["got"]
+        cell = f"{got:.4g}" if isinstance(got, float) else str(got)
+        lines.append(f"| {check['what']} | {check['target']} | {cell} | "
+                     f"{'yes' if check['ok'] else '**no**'} |")  # fmt: skip
+    lines += ["", f"predicted bits/weight {report['predicted_bits_per_weight']:.4f}, measured "
+              f"from the checkpoint {report['measured_bits_per_weight']:.4f} (codes, scales and "
+              "zero points; kept-float layers at 16 bits)", "",
+              "| format | layers |", "|---|---:|"]  # fmt: skip
+    for fmt, count in sorted(report["format_counts"].items()):
+        lines.append(f"| {fmt} | {count} |")
+    return "\n".join(lines) + "\n"

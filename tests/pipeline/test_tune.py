@@ -1,0 +1,182 @@
+"""``compress tune``: the knapsack solver against brute force, the Fisher sensitivity against an
+independent float64 computation, the written recipe against the assignment, and one end-to-end
+run on the tiny model whose budget is checked on the exported safetensors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from compress.core.errors import ConfigError
+from compress.pipeline.tune import (
+    TuneTarget,
+    assign_formats,
+    check_recipe_matches,
+    decoder_linears,
+    measure_sensitivity,
+    parse_format,
+    recipe_dict,
+    run_tune,
+    solve_assignment,
+)
+from compress.recipe import parse_recipe
+
+
+def _brute_force(scores, costs, budget):
+    best = None
+    for pick in itertools.product(*(range(len(s)) for s in scores)):
+        if sum(costs[i][j] for i, j in enumerate(pick)) <= budget:
+            total = sum(scores[i][j] for i, j in enumerate(pick))
+            best = total if best is None else min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solver_is_optimal_on_small_instances(seed):
+    rng = random.Random(seed)
+    layers = rng.randint(2, 5)
+    costs = [[rng.randint(1, 40) for _ in range(3)] for _ in range(layers)]
+    scores = [[rng.random() for _ in range(3)] for _ in range(layers)]
+    budget = rng.randint(min(map(min, costs)) * layers, max(map(max, costs)) * layers)
+    picked = solve_assignment(scores, costs, budget)
+    expected = _brute_force(scores, costs, budget)
+    if expected is None:
+        assert picked is None
+        return
+    assert sum(costs[i][j] for i, j in enumerate(picked)) <= budget
+    assert sum(scores[i][j] for i, j in enumerate(picked)) == pytest.approx(expected, abs=1e-12)
+
+
+def test_solver_rounds_costs_up_so_the_answer_fits():
+    rng = random.Random(0)
+    costs = [[rng.randint(10**5, 10**7) for _ in range(4)] for _ in range(60)]
+    scores = [[rng.random() for _ in range(4)] for _ in range(60)]
+    budget = sum(sorted(c)[1] for c in costs)  # between the cheapest and the dearest
+    picked = solve_assignment(scores, costs, budget, resolution=512)
+    assert sum(costs[i][j] for i, j in enumerate(picked)) <= budget
+    cheapest = [min(range(4), key=lambda j, c=c: c[j]) for c in costs]
+    assert sum(scores[i][j] for i, j in enumerate(picked)) <= sum(
+        scores[i][j] for i, j in enumerate(cheapest)
+    )
+
+
+def test_a_budget_below_the_smallest_formats_is_refused():
+    scores = {"a": {"int4-g32": 1.0, "float": 0.0}}
+    sizes = {"a": {"int4-g32": 100, "float": 400}}
+    with pytest.raises(ConfigError, match="smallest candidate formats need 100"):
+        assign_formats(scores, sizes, 99)
+    assert assign_formats(scores, sizes, 400) == {"a": "float"}
+    assert assign_formats(scores, sizes, 399) == {"a": "int4-g32"}
+
+
+def test_format_names():
+    assert parse_format("int4-g128-asym") == parse_format("int4-g128-asym")
+    fmt = parse_format("int4-g32-asym")
+    assert (fmt.n_bits, fmt.group_size, fmt.symmetric) == (4, 32, False)
+    assert parse_format("int8").group_size is None and parse_format("float").is_float
+    for bad in ("int4", "int3-g32", "int4-g48", "fp8"):
+        with pytest.raises(ConfigError):
+            parse_format(bad)
+
+
+def test_sensitivity_equals_an_independent_float64_fisher(tiny_model):
+    formats = [parse_format(f) for f in ("float", "int8", "int4-g32")]
+    torch.manual_seed(0)
+    batch = torch.randint(3, 300, (2, 24))
+    names = decoder_linears(tiny_model)
+    assert len(names) == 14  # 2 layers x 7 projections; the tied head is left out
+    scores, sizes = measure_sensitivity(tiny_model, names, formats, [batch])
+
+    # independent: float64 model, output gradients by retain_grad, the RTN weights rebuilt
+    model = tiny_model.double()
+    outputs, inputs = {}, {}
+    hooks = []
+    for name in names[:4]:
+        module = model.get_submodule(name)
+
+        def keep(mod, args, out, name=name):
+            inputs[name] = args[0].detach()
+            out.retain_grad()
+            outputs[name] = out
+
+        hooks.append(module.register_forward_hook(keep))
+    hidden = model.get_input_embeddings()(batch).detach().requires_grad_(True)
+    model(inputs_embeds=hidden, labels=batch).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    from compress.quant.linear import QuantLinear
+
+    for name in names[:4]:
+        linear = tiny_model.get_submodule(name).float()
+        for fmt in formats[1:]:
+            quant = QuantLinear.from_linear(linear, fmt.scheme(), backend="reference")
+            delta = quant.dequantized_weight(torch.float32).double() - linear.weight.double()
+            dy = inputs[name] @ delta.t()
+            expected = float((outputs[name].grad * dy).square().sum().detach())
+            assert scores[name][fmt.name] == pytest.approx(expected, rel=2e-3)
+            assert sizes[name][fmt.name] == quant.weight_bytes()
+        assert scores[name]["float"] == 0.0
+    assert sum(s["int4-g32"] for s in scores.values()) > sum(s["int8"] for s in scores.values())
+
+
+def test_the_written_recipe_gives_every_layer_its_format(tiny_model):
+    names = decoder_linears(tiny_model)
+    choices = ["float", "int8", "int4-g32", "int4-g64", "int4-g32-asym"]
+    rng = random.Random(1)
+    assignment = {n: rng.choice(choices) for n in names}
+    assignment[names[0]] = "int4-g32"  # at least one integer format
+    raw = recipe_dict(
+        name="t", model="tiny", assignment=assignment, calibration={"num_samples": 2},
+        perplexity={"dataset": "wikitext2", "limit": 1}, description="test",
+    )  # fmt: skip
+    recipe = parse_recipe(yaml.safe_load(yaml.safe_dump(raw)))  # survives a YAML round trip
+    check_recipe_matches(recipe, tiny_model, assignment)
+    wrong = dict(assignment)
+    flip = next(n for n, f in assignment.items() if f == "int8")
+    wrong[flip] = "int4-g64"
+    with pytest.raises(AssertionError, match=flip.replace(".", r"\.")):
+        check_recipe_matches(recipe, tiny_model, wrong)
+
+
+def test_target_needs_exactly_one_size():
+    with pytest.raises(ConfigError, match="exactly one target"):
+        TuneTarget().check()
+    with pytest.raises(ConfigError, match="exactly one target"):
+        TuneTarget(bits_per_weight=4.5, tpot_ms=10).check()
+    with pytest.raises(ConfigError, match="positive"):
+        TuneTarget(bits_per_weight=-1).check()
+
+
+def test_tune_end_to_end_meets_the_bits_budget(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(
+        "".join(
+            f"Line {i}: the quick brown fox {i * 7 % 13} jumps over {i % 5}.\n" for i in range(80)
+        )
+    )
+    report = run_tune(
+        str(model_dir), TuneTarget(bits_per_weight=6.0, max_dppl_pct=1000.0),
+        formats=("float", "int8", "int4-g32", "int4-g64"), num_samples=4, seq_len=32,
+        calibration_mix={str(text): 1.0}, limit=2, eval_dataset=str(text), context_length=64,
+        out_dir=tmp_path / "out", progress=False,
+    )  # fmt: skip
+    assert report["measured_bits_per_weight"] <= 6.0
+    assert report["measured_bits_per_weight"] == pytest.approx(
+        report["predicted_bits_per_weight"], rel=1e-6
+    )
+    assert len(set(report["assignment"].values())) >= 2  # a real mix, not one uniform format
+    assert all(check["ok"] for check in report["checks"])
+    written = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert written["format_counts"] == report["format_counts"]
+    # the recipe a person edits and reruns with `compress run`: same formats per layer
+    rerun = parse_recipe((tmp_path / "out" / "recipe.yaml").read_text())
+    check_recipe_matches(rerun, tiny_model, report["assignment"])
