@@ -229,6 +229,7 @@ def _perplexity(lm, text: str, source: str, s: CompareSettings, variant: str, ba
     """Perplexity of one model; the baseline (``base`` None) stores its top-k log-probs, the
     variants get their KL from them. Windows are saved and resumed under the cache folder."""
     from compress.eval.quality import perplexity
+
     from compress.models import cache_dir
 
     return perplexity(

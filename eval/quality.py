@@ -156,7 +156,9 @@ def _write_state(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_k_log_probs(
+    logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, V] logits -> (ids [T, k] int64 by falling probability, their log-probs [T, k] float32,
     log of the probability outside them [T] float32; -inf when k = V)."""
     log_p = torch.log_softmax(logits.float(), dim=-1)

@@ -74,6 +74,7 @@ def test_compare_kl_equals_the_top_k_estimate_of_the_variant(tmp_path, text_file
     """The KL column is quality.perplexity's with the baseline's top-k (the same windows), and
     a variant identical to the baseline gets KL 0 and no top-1 change."""
     from compress.eval.quality import perplexity
+
     from compress.models import load_model
 
     base, var, same = _save(tmp_path, "base", 0), _save(tmp_path, "var", 1), _save(
