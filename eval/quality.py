@@ -30,7 +30,8 @@ variant moves the tail: on SmolLM2-135M W4 RTN (first 4 test windows, full KL 0.
 k = 1, 8, 32, 128, 1024 kept 33%, 62%, 76%, 86%, 96% of it. Disk: per scored token k ids (2 bytes
 when the vocabulary fits uint16, else 4) + k float32 log-probs + one float32 tail, i.e.
 6k + 4 bytes: k = 32 on SmolLM2 (vocab 49,152) over the whole WikiText-2 test split (593
-windows, 302,822 scored tokens) is 196 B/token, 59.4 MB (+ ~0.8 KB of npz headers per window).
+windows, 302,822 scored tokens) is 196 B/token, 59.4 MB (+ ~1 KB of npz headers per window,
+measured).
 The KL sums are saved and resumed per window like the NLLs.
 """
 
