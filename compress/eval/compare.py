@@ -27,7 +27,14 @@ from typing import Any
 from compress.core.errors import ConfigError, DataError
 from compress.data import resolve_text_path
 from compress.eval.latency import Slo, cost, runtime_stream, seq_len_for, summarize
-from compress.eval.report import environment, markdown_table, write_csv, write_results
+from compress.eval.report import (
+    environment,
+    kl_cells,
+    kl_note,
+    markdown_table,
+    write_csv,
+    write_results,
+)
 from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
 from compress.eval.workload import Lengths, lengths_bounds, make_requests, read_trace
 from compress.memory import peak_memory_bytes
@@ -39,6 +46,8 @@ class CompareSettings:
     context_length: int = 512
     stride: int | None = None
     ppl_limit: int | None = None  # windows
+    kl_top_k: int = 32  # baseline log-probs kept per token for KL (compress.eval.quality); 0: none
+    resume: bool = True  # reuse perplexity/KL windows saved under $COMPRESS_CACHE_DIR
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None  # examples per task
     tasks_dir: str | None = None
@@ -170,25 +179,16 @@ def compare(
         _check_draft_tokenizer(settings.draft, draft.tokenizer, baseline, loaded[0].tokenizer)
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
+    base_ppl = None
     for name, lm in zip(names, loaded, strict=True):
         row: dict[str, Any] = {"variant": Path(name).name or name, "source": name}
         row.update(_sizes(lm.model))
         details[name] = {}
         if text is not None:
-            from compress.eval.quality import perplexity
-
-            ppl = perplexity(
-                lm.model,
-                lm.tokenizer,
-                text,
-                context_length=settings.context_length,
-                stride=settings.stride,
-                limit=settings.ppl_limit,
-                source=source,
-                progress=settings.progress,
-                label=f"{row['variant']} perplexity",
-            )
+            ppl = _perplexity(lm, text, source, settings, row["variant"], base_ppl)
+            base_ppl = base_ppl or ppl
             row["perplexity"] = ppl.perplexity
+            row.update(kl_cells(ppl, base_ppl))  # the baseline's own KL is 0 by definition
             details[name]["perplexity"] = ppl.to_dict()
         if settings.tasks:
             from compress.eval.lm_eval_tasks import headline, run_tasks
@@ -222,6 +222,30 @@ def compare(
                 row[f"{key}_delta_pct"] = 100 * (row[key] / base[key] - 1)
     extra = {"workload": workload, "speculative": speculative}
     return _write(rows, details, settings, Path(out_dir), extra, overwrite=overwrite)
+
+
+def _perplexity(lm, text: str, source: str, s: CompareSettings, variant: str, base):
+    """Perplexity of one model; the baseline (``base`` None) stores its top-k log-probs, the
+    variants get their KL from them. Windows are saved and resumed under the cache folder."""
+    from compress.eval.quality import perplexity
+    from compress.io.load import cache_dir
+
+    return perplexity(
+        lm.model,
+        lm.tokenizer,
+        text,
+        context_length=s.context_length,
+        stride=s.stride,
+        limit=s.ppl_limit,
+        source=source,
+        progress=s.progress,
+        label=f"{variant} perplexity",
+        state_dir=cache_dir() / "perplexity",
+        resume=s.resume,
+        top_k=(s.kl_top_k or None) if base is None else None,
+        top_k_dir=cache_dir() / "perplexity-top-k",
+        kl_base=base.top_k_path if base is not None else None,
+    )
 
 
 def _check_draft_tokenizer(draft: str, draft_tok, baseline: str, base_tok) -> None:
@@ -261,6 +285,8 @@ COLUMNS = [
     ("bits_per_weight", "bits/weight"),
     ("perplexity", "ppl"),
     ("perplexity_delta_pct", "Δ ppl %"),
+    ("kl", "KL"),
+    ("top1_changed_pct", "top-1 changed %"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("tpot_p50_ms", "TPOT p50 ms"),
@@ -334,8 +360,8 @@ def _write(
     served = settings.latency and settings.workload != "single"
     batch = SERVED_COLUMNS[:1] if served and settings.workload == "batch" else []
     latency = COLUMNS[1:2] if settings.latency else []  # engine
-    columns = COLUMNS[:1] + batch + latency + COLUMNS[2:6] + task_cols + COLUMNS[6:11]
-    columns += (SERVED_COLUMNS[1:] if served else []) + COLUMNS[11:]
+    columns = COLUMNS[:1] + batch + latency + COLUMNS[2:8] + task_cols + COLUMNS[8:13]
+    columns += (SERVED_COLUMNS[1:] if served else []) + COLUMNS[13:]
     env = environment()
     env.update(peak_memory_bytes())
     payload = {"environment": env, "settings": asdict(settings), "rows": rows, "details": details}
@@ -348,6 +374,10 @@ def _write(
             f"Perplexity: token-level, {p['source']}, context {p['context_length']}, "
             f"stride {p['stride']}, {p['windows']} windows."
         )
+        kl = next((d["perplexity"]["kl"] for d in details.values()
+                   if d.get("perplexity", {}).get("kl")), None)
+        if kl is not None:
+            notes[-1] += " " + kl_note(kl["top_k"])
     if settings.latency:
         lat = _latency_records(first)[0][1]["roofline"]
         notes.append(

@@ -16,6 +16,23 @@ key hashes the model's tensors, the token ids and the window settings, so a late
 weights and text continues after the last saved window, or returns at once when enough windows are
 saved; any change (other weights, text, context, library versions) gives a new key. The windows
 are summed in order in both cases, so a resumed result equals a fresh one exactly.
+
+KL divergence to a baseline (as llama.cpp's ``--kl-divergence-base``): the baseline's pass
+(``top_k=k``) writes, per window, each scored token's k most likely next tokens and their
+log-probs plus the log of the remaining probability mass, to ``<top_k_dir>/<key>.top<k>/``. A
+later pass on a variant (``kl_base=<that folder>``) reads them back, so the baseline need not be
+in memory, and in the same forward as its NLL computes per token
+``KL(p || q) ~= sum_{i in top-k(p)} p_i (log p_i - log q_i) + p_tail (log p_tail - log q_tail)``
+and whether its own top-1 token differs from the baseline's. Merging the tail into one bucket
+can only lose divergence (log-sum inequality), so the estimate is a lower bound of the
+full-vocabulary KL, equal to it at k = vocabulary size. How much it loses depends on how far the
+variant moves the tail: on SmolLM2-135M W4 RTN (first 4 test windows, full KL 0.524 nats)
+k = 1, 8, 32, 128, 1024 kept 33%, 62%, 76%, 86%, 96% of it. Disk: per scored token k ids (2 bytes
+when the vocabulary fits uint16, else 4) + k float32 log-probs + one float32 tail, i.e.
+6k + 4 bytes: k = 32 on SmolLM2 (vocab 49,152) over the whole WikiText-2 test split (593
+windows, 302,822 scored tokens) is 196 B/token, 59.4 MB (+ ~1 KB of npz headers per window,
+measured).
+The KL sums are saved and resumed per window like the NLLs.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -41,14 +59,29 @@ _STATE_VERSION = 1
 
 
 @dataclass
+class KlResult:
+    """How far a model's next-token distributions are from a baseline's, over the scored tokens
+    of the perplexity windows (module docstring)."""
+
+    kl_mean: float  # nats per scored token, KL(baseline || this model), top-k + tail estimate
+    kl_stderr: float  # standard error of that mean, tokens taken as independent (llama.cpp's ±)
+    top1_changed_pct: float  # % of scored tokens whose most likely next token is not the baseline's
+    top_k: int  # baseline log-probs kept per token; the rest of its mass is one tail bucket
+    baseline: str  # the baseline's top-k folder name: "<its state key>.top<k>"
+
+
+@dataclass
 class PerplexityResult:
     perplexity: float
     nll_mean: float
     scored_tokens: int
     windows: int
     protocol: dict[str, Any]
+    kl: KlResult | None = None  # with ``kl_base``: divergence from that baseline
     # windows taken from a saved state instead of being recomputed (not part of the result)
     reused_windows: int = field(default=0, compare=False)
+    # with ``top_k``: the folder of this model's top-k log-probs, the ``kl_base`` of later runs
+    top_k_path: str | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,19 +134,20 @@ def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: 
     return digest.hexdigest()[:32]
 
 
-def _read_state(path: Path, key: str) -> tuple[list[float], list[int]]:
+def _read_state(path: Path, key: str) -> dict[str, Any]:
+    """The saved state at ``path`` when it belongs to ``key``, else {} (start over)."""
     try:
         state = json.loads(path.read_text())
-        nll = [float(x) for x in state["window_nll"]]
-        tokens = [int(x) for x in state["window_tokens"]]
+        state["window_nll"] = [float(x) for x in state["window_nll"]]
+        state["window_tokens"] = [int(x) for x in state["window_tokens"]]
     except FileNotFoundError:
-        return [], []
+        return {}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring unreadable perplexity state %s (%s); starting over", path, exc)
-        return [], []
-    if state.get("key") != key or len(nll) != len(tokens):
-        return [], []
-    return nll, tokens
+        return {}
+    if state.get("key") != key or len(state["window_nll"]) != len(state["window_tokens"]):
+        return {}
+    return state
 
 
 def _write_state(path: Path, record: dict[str, Any]) -> None:
@@ -123,30 +157,194 @@ def _write_state(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-@torch.no_grad()
-def _score_windows(model, ids, spans, nll, tokens, save, *, desc: str, progress: bool) -> None:
-    """Append each remaining window's summed NLL and scored-token count to ``nll``/``tokens``;
-    ``save()`` is called at its own pace after each window and once more on an interruption."""
-    device = next(model.parameters()).device
-    bar = tqdm(total=len(spans), initial=len(nll), desc=desc, disable=not progress)
+def top_k_log_probs(
+    logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, V] logits -> (ids [T, k] int64 by falling probability, their log-probs [T, k] float32,
+    log of the probability outside them [T] float32; -inf when k = V)."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+    return ids, values, _log_mass_outside(log_p, ids)
+
+
+def _log_mass_outside(log_p: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    # logsumexp over the rest rather than log(1 - sum): exact when the top-k hold ~all the mass.
+    # In place: log_p is a temporary of the caller, and a second [T, V] copy is ~100 MB/window.
+    return log_p.scatter_(-1, ids, float("-inf")).logsumexp(dim=-1)
+
+
+def kl_from_top_k(
+    ids: torch.Tensor, log_p: torch.Tensor, log_p_tail: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token KL(p || q) [T] float64 of a model with ``logits`` [T, V] (q) from a baseline's
+    ``top_k_log_probs`` (p), the tail bucket included, and whether q's most likely token is not
+    p's [T] bool (a tie with p's top token does not count as a change)."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_q_k = log_q.gather(-1, ids)
+    changed = log_q_k[:, 0] < log_q.max(dim=-1).values
+    log_q_tail = _log_mass_outside(log_q, ids)
+    lp = torch.cat([log_p, log_p_tail[:, None]], dim=-1).double()  # [T, k + 1]
+    lq = torch.cat([log_q_k, log_q_tail[:, None]], dim=-1).double()
+    p = lp.exp()
+    # 0 log 0 = 0: the empty tail at k = V (its -inf - -inf would be nan)
+    kl = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(dim=-1)
+    return kl, changed
+
+
+def _windows_digest(ids: torch.Tensor, context_length: int, stride: int) -> str:
+    """What the windows depend on (not the weights): a variant checks it against its baseline."""
+    digest = hashlib.sha256(repr((context_length, stride)).encode())
+    digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _window_file(folder: Path, index: int) -> Path:
+    return folder / f"{index:05d}.npz"
+
+
+def _save_top_k(folder: Path, index: int, preds: torch.Tensor, k: int, meta: dict) -> None:
+    """Window ``index``'s top-k of ``preds`` [T, V] into ``folder`` (atomically), and the
+    folder's meta.json with the first window."""
+    ids, log_p, log_tail = top_k_log_probs(preds, k)
+    vocab = preds.shape[-1]
+    if not (folder / "meta.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_state(folder / "meta.json", {**meta, "top_k": ids.shape[-1], "vocab_size": vocab})
+    # ids: 2 bytes while the vocabulary fits (SmolLM2's 49,152 does), else 4
+    id_dtype = np.uint16 if vocab <= 2**16 else np.int32
+    path = _window_file(folder, index)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        np.savez(f, ids=ids.cpu().numpy().astype(id_dtype), log_probs=log_p.cpu().numpy(),
+                 log_tail=log_tail.cpu().numpy())
+    os.replace(tmp, path)
+
+
+def _load_top_k(folder: Path, index: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    with np.load(_window_file(folder, index)) as f:
+        ids = torch.from_numpy(f["ids"].astype(np.int64))
+        return ids.to(device), torch.from_numpy(f["log_probs"]).to(device), torch.from_numpy(
+            f["log_tail"]).to(device)
+
+
+def _read_kl_base(folder: Path, windows_digest: str, spans: list, first: int) -> dict[str, Any]:
+    """The baseline's meta.json, after checking that it scored these windows and holds every
+    window from ``first`` on (before any forward)."""
     try:
-        for begin, end, first_scored in spans[len(nll) :]:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"kl_base {folder}: not a baseline top-k folder ({exc}); evaluate the "
+                         "baseline with top_k first") from None
+    if meta.get("windows_digest") != windows_digest:
+        raise ValueError(
+            f"kl_base {folder}: the baseline was scored on another text or other windows "
+            f"(context {meta.get('context_length')}, stride {meta.get('stride')}); evaluate the "
+            "baseline and the variant with the same text, context length and stride")
+    missing = [i for i in range(first, len(spans)) if not _window_file(folder, i).exists()]
+    if missing:
+        raise ValueError(
+            f"kl_base {folder}: the baseline's top-k log-probs lack {len(missing)} of the "
+            f"{len(spans)} windows (first missing: {missing[0]}); evaluate the baseline on at "
+            "least as many windows (the same limit / --full-eval) before the variant")
+    return meta
+
+
+@dataclass
+class _Scores:
+    """Per-window sums, each list a prefix of the windows (the resumable state), and what to do
+    besides the NLL: write the top-k (``top_k_folder``), compare with a baseline's
+    (``kl_folder``)."""
+
+    nll: list[float]
+    tokens: list[int]
+    top_k: int = 0
+    top_k_folder: Path | None = None
+    top_k_meta: dict[str, Any] = field(default_factory=dict)
+    kl_folder: Path | None = None
+    kl_vocab: int = 0
+    kl_top_k: int = 0
+    kl: list[float] = field(default_factory=list)  # summed KL per window
+    kl_sq: list[float] = field(default_factory=list)  # summed squared KL (for the stderr)
+    changed: list[int] = field(default_factory=list)  # tokens whose top-1 changed
+
+    def needs(self, index: int) -> bool:
+        return (index >= len(self.nll)
+                or (self.kl_folder is not None and index >= len(self.kl))
+                or (self.top_k_folder is not None
+                    and not _window_file(self.top_k_folder, index).exists()))
+
+    def add(self, index: int, preds: torch.Tensor, targets: torch.Tensor) -> None:
+        """Score window ``index``: ``preds`` [T, V] float32 logits for ``targets`` [T]."""
+        if self.top_k_folder is not None:
+            _save_top_k(self.top_k_folder, index, preds, self.top_k, self.top_k_meta)
+        if self.kl_folder is not None and index == len(self.kl):
+            if preds.shape[-1] != self.kl_vocab:
+                raise ValueError(f"kl_base {self.kl_folder}: the baseline's vocabulary has "
+                                 f"{self.kl_vocab} tokens, this model's {preds.shape[-1]}")
+            base = _load_top_k(self.kl_folder, index, preds.device)
+            assert base[0].shape[0] == targets.numel(), "same windows, same scored tokens"
+            kl, changed = kl_from_top_k(*base, preds)
+            self.changed.append(int(changed.sum()))
+            self.kl_sq.append(float(kl.square().sum()))
+            self.kl.append(float(kl.sum()))  # last: a window counts once its KL is stored
+        if index == len(self.nll):
+            value = float(torch.nn.functional.cross_entropy(preds, targets, reduction="sum"))
+            self.tokens.append(targets.numel())
+            self.nll.append(value)  # last: a window counts once its NLL is stored
+
+    def trim(self) -> None:
+        """Drop the half-stored window of an interruption between two appends."""
+        del self.tokens[len(self.nll) :]
+        del self.changed[len(self.kl) :], self.kl_sq[len(self.kl) :]
+
+
+@torch.no_grad()
+def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progress: bool) -> None:
+    """Score every window that ``scores`` still needs, in order; ``save()`` is called at its own
+    pace after each window and once more on an interruption."""
+    device = next(model.parameters()).device
+    todo = [i for i in range(len(spans)) if scores.needs(i)]
+    bar = tqdm(total=len(spans), initial=len(spans) - len(todo), desc=desc, disable=not progress)
+    try:
+        for index in todo:
+            begin, end, first_scored = spans[index]
             window = ids[begin:end].unsqueeze(0).to(device)
             logits = model(window).logits[0].float()  # [T, V]
             # logits at position t predict token t+1
             targets = window[0, first_scored - begin :]
-            preds = logits[first_scored - begin - 1 : end - begin - 1]
-            value = float(torch.nn.functional.cross_entropy(preds, targets, reduction="sum"))
-            tokens.append(targets.numel())
-            nll.append(value)  # last: a window counts once its NLL is stored
+            scores.add(index, logits[first_scored - begin - 1 : end - begin - 1], targets)
             bar.update(1)
             save(False)
     except BaseException:
-        del tokens[len(nll) :]  # an interruption between the two appends
+        scores.trim()
         save(True)
         raise
     finally:
         bar.close()
+
+
+def _attach_kl_base(scores: _Scores, folder: Path, saved: dict[str, Any], digest: str,
+                    spans: list) -> None:
+    """Make ``scores`` compare with the baseline in ``folder``, resuming the KL sums ``saved``
+    in this model's state (kept only when the three lists agree)."""
+    kl, kl_sq, changed = (saved.get(k, []) for k in ("window_kl", "window_kl_sq",
+                                                      "window_changed"))
+    if len(kl) == len(kl_sq) == len(changed):
+        scores.kl, scores.kl_sq = [float(x) for x in kl], [float(x) for x in kl_sq]
+        scores.changed = [int(x) for x in changed]
+    meta = _read_kl_base(folder, digest, spans, len(scores.kl))
+    scores.kl_folder, scores.kl_vocab, scores.kl_top_k = folder, meta["vocab_size"], meta["top_k"]
+
+
+def _kl_result(scores: _Scores, n_windows: int, n_tokens: int, name: str) -> KlResult:
+    total, total_sq, changed = 0.0, 0.0, 0
+    for kl, kl_sq, count in zip(scores.kl[:n_windows], scores.kl_sq[:n_windows],
+                                scores.changed[:n_windows], strict=True):
+        total, total_sq, changed = total + kl, total_sq + kl_sq, changed + count
+    mean = total / n_tokens
+    variance = max(total_sq / n_tokens - mean * mean, 0.0) * n_tokens / max(n_tokens - 1, 1)
+    return KlResult(mean, math.sqrt(variance / n_tokens), 100 * changed / n_tokens,
+                    scores.kl_top_k, name)
 
 
 def perplexity(
@@ -163,37 +361,69 @@ def perplexity(
     state_dir: str | os.PathLike[str] | None = None,
     resume: bool = True,
     save_every_s: float = 10.0,
+    top_k: int | None = None,
+    top_k_dir: str | os.PathLike[str] | None = None,
+    kl_base: str | os.PathLike[str] | None = None,
 ) -> PerplexityResult:
     """Token perplexity of ``model`` on ``text`` under the protocol in the module docstring.
 
     label: the progress bar's name (e.g. "baseline perplexity"); the bar adds the file name and
     the window count. state_dir: where the resumable per-window state is kept (see the module
     docstring); None keeps nothing. resume=False ignores (and then overwrites) a saved state.
+    top_k: also write this model's top-k log-probs per window into ``<top_k_dir>/<key>.top<k>``
+    (``result.top_k_path``), to serve as a later run's ``kl_base``. kl_base: such a folder of a
+    baseline scored on the same text and windows: the result gets ``kl``.
     """
     stride = stride or context_length
     if stride > context_length:
         raise ValueError(f"stride {stride} > context_length {context_length} would skip tokens")
+    if top_k is not None and (top_k < 1 or top_k_dir is None):
+        raise ValueError(f"top_k={top_k} must be >= 1 and needs top_k_dir (written to disk)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     all_spans = window_spans(len(ids), context_length, stride)
     spans = all_spans[:limit] if limit is not None else all_spans
     if not spans:
         raise ValueError(f"{source}: text too short to score ({len(ids)} tokens)")
-    nll: list[float] = []
-    tokens: list[int] = []
-    path, record = None, {}
-    if state_dir is not None:
-        key = state_key(model, ids, context_length, stride)
-        path = Path(state_dir) / f"{key}.json"
-        if resume:
-            nll, tokens = _read_state(path, key)
-        record = {"key": key, "source": source, "context_length": context_length,
-                  "stride": stride, "windows_in_text": len(all_spans),
-                  "window_nll": nll, "window_tokens": tokens}
-    reused = min(len(nll), len(spans))
+    key = state_key(model, ids, context_length, stride) if state_dir or top_k else None
+    path = Path(state_dir) / f"{key}.json" if state_dir is not None else None
+    state = _read_state(path, key) if path is not None and resume else {}
+    scores = _Scores(state.get("window_nll", []), state.get("window_tokens", []))
+    digest = _windows_digest(ids, context_length, stride)
+    if top_k is not None:
+        scores.top_k, scores.top_k_folder = top_k, Path(top_k_dir) / f"{key}.top{top_k}"
+        scores.top_k_meta = {"key": key, "windows_digest": digest, "source": source,
+                             "context_length": context_length, "stride": stride}
+    kl_name = None
+    if kl_base is not None:
+        kl_name = Path(kl_base).name
+        _attach_kl_base(scores, Path(kl_base), state.get("kl", {}).get(kl_name, {}), digest, spans)
+    record = {**state, "key": key, "source": source, "context_length": context_length,
+              "stride": stride, "windows_in_text": len(all_spans),
+              "window_nll": scores.nll, "window_tokens": scores.tokens}
+    if kl_name is not None:  # other baselines' KL sums in this state are kept
+        record["kl"] = {**state.get("kl", {}), kl_name: {
+            "window_kl": scores.kl, "window_kl_sq": scores.kl_sq, "window_changed": scores.changed}}
+    reused = sum(not scores.needs(i) for i in range(len(spans)))
+    _run_windows(model, ids, spans, scores, path, record, reused, label=label, source=source,
+                 progress=progress, save_every_s=save_every_s, context_length=context_length)
+    result = _result(scores, spans, all_spans, ids, limit, source, context_length, stride)
+    result.reused_windows = reused
+    if kl_base is not None:
+        result.kl = _kl_result(scores, len(spans), result.scored_tokens, kl_name)
+    if top_k is not None:
+        result.top_k_path = str(scores.top_k_folder)
+    return result
+
+
+def _run_windows(model, ids, spans, scores, path, record, reused, *, label, source, progress,
+                 save_every_s, context_length) -> None:
+    """Score what is missing, saving ``record`` at ``path`` (when not None) as it goes."""
     if reused == len(spans):
         log.info("%s: all %d windows already scored, result read from %s", label, reused, path)
-    elif reused:
-        log.info("%s: resuming after window %d of %d, saved in %s", label, reused, len(spans), path)
+        return
+    if reused:
+        log.info("%s: resuming after window %d of %d, saved in %s", label, reused, len(spans),
+                 path)
     last_save = [time.monotonic()]
 
     def save(now: bool) -> None:
@@ -202,13 +432,15 @@ def perplexity(
             last_save[0] = time.monotonic()
 
     name = Path(source).name or source
-    if len(nll) < len(spans):
-        _score_windows(model, ids, spans, nll, tokens, save, progress=progress,
-                       desc=f"{label} ({name}, {len(spans)} windows of {context_length})")
-        save(True)
+    _score_windows(model, ids, spans, scores, save, progress=progress,
+                   desc=f"{label} ({name}, {len(spans)} windows of {context_length})")
+    save(True)
+
+
+def _result(scores, spans, all_spans, ids, limit, source, context_length, stride):
     total_nll, total_tokens = 0.0, 0
     # summed in window order, as a fresh run sums them
-    for value, count in zip(nll[: len(spans)], tokens[: len(spans)], strict=True):
+    for value, count in zip(scores.nll[: len(spans)], scores.tokens[: len(spans)], strict=True):
         total_nll += value
         total_tokens += count
     nll_mean = total_nll / total_tokens
@@ -224,6 +456,4 @@ def perplexity(
         "total_tokens_in_text": len(ids),
         "metric": "token perplexity = exp(mean NLL over scored tokens)",
     }
-    return PerplexityResult(
-        math.exp(nll_mean), nll_mean, total_tokens, len(spans), protocol, reused_windows=reused
-    )
+    return PerplexityResult(math.exp(nll_mean), nll_mean, total_tokens, len(spans), protocol)

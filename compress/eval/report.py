@@ -25,6 +25,27 @@ def environment() -> dict[str, Any]:
     }
 
 
+def kl_cells(result: Any, baseline: Any) -> dict[str, Any]:
+    """The KL cells of a row from ``PerplexityResult``s: ``result.kl``'s, 0 for the baseline
+    itself (``result is baseline``), none when the baseline stored no top-k log-probs."""
+    if result is None or baseline is None or baseline.top_k_path is None:
+        return {}
+    if result is baseline:
+        return {"kl": 0.0, "kl_stderr": 0.0, "top1_changed_pct": 0.0}
+    kl = result.kl
+    return {"kl": kl.kl_mean, "kl_stderr": kl.kl_stderr, "top1_changed_pct": kl.top1_changed_pct}
+
+
+def kl_note(top_k: int) -> str:
+    """What the KL and top-1 changed columns measured (a table footnote sentence)."""
+    return (
+        f"KL: mean per-token KL(baseline ‖ variant) in nats over the same scored tokens, from the "
+        f"baseline's top-{top_k} log-probs plus one bucket for the rest of its mass (a lower "
+        "bound of the full-vocabulary KL); top-1 changed: share of those tokens whose most "
+        "likely next token is not the baseline's."
+    )
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "—"

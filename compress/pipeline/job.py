@@ -27,10 +27,16 @@ from compress.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
+# Baseline log-probs kept per scored token for the KL column (compress.eval.quality): 196 bytes
+# per token on disk for a vocabulary under 65,536, 59 MB for SmolLM2 on all of WikiText-2 test.
+KL_TOP_K = 32
+
 COLUMNS = [
     ("variant", "variant"),
     ("perplexity", "WikiText-2 ppl"),
     ("ppl_delta_pct", "Δ ppl %"),
+    ("kl", "KL"),
+    ("top1_changed_pct", "top-1 changed %"),
     ("linear_weight_mb", "linear weights MB"),
     ("weight_mb", "all weights MB"),
     ("disk_mb", "checkpoint on disk MB"),
@@ -72,11 +78,13 @@ def _dir_bytes(path: Path) -> int:
 
 def evaluate_perplexity(
     model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool,
-    *, label: str, resume: bool,
+    *, label: str, resume: bool, top_k: int | None = None, kl_base: str | None = None,
 ):
     """Perplexity under the recipe's protocol. Per-window results are saved as they go under
     ``<cache dir>/perplexity/`` (keyed by weights, tokens and protocol, see
-    ``compress.eval.quality``), so a rerun skips finished evaluations and resumes a cut one."""
+    ``compress.eval.quality``), so a rerun skips finished evaluations and resumes a cut one.
+    top_k: also store this model's top-k log-probs (under ``<cache dir>/perplexity-top-k/``) for
+    the KL of later variants; kl_base: the ``top_k_path`` of such a baseline, for ``result.kl``."""
     from compress.eval.quality import perplexity
     from compress.io.load import cache_dir
 
@@ -99,14 +107,20 @@ def evaluate_perplexity(
         label=label,
         state_dir=cache_dir() / "perplexity",
         resume=resume,
+        top_k=top_k or None,
+        top_k_dir=cache_dir() / "perplexity-top-k",
+        kl_base=kl_base,
     )
-    log.info("%s: %.2f over %d windows (%d scored tokens)", label, result.perplexity,
-             result.windows, result.scored_tokens)
+    log.info("%s: %.2f over %d windows (%d scored tokens)%s", label, result.perplexity,
+             result.windows, result.scored_tokens,
+             f"; KL {result.kl.kl_mean:.4g}, top-1 changed {result.kl.top1_changed_pct:.2f}%"
+             if result.kl else "")
     return result
 
 
-def protocol_line(result) -> str:
-    """The table's footnote: what the perplexity column measured, and on how much text."""
+def protocol_line(result, kl_top_k: int | None = None) -> str:
+    """The table's footnote: what the perplexity column measured, and on how much text; with
+    ``kl_top_k``, what the KL columns measured."""
     p = result.protocol
     total = p.get("windows_in_text", p["windows"])
     if p["windows"] < total:
@@ -114,10 +128,15 @@ def protocol_line(result) -> str:
                    "scores them all)")
     else:
         windows = f"all {p['windows']} windows"
-    return (
+    line = (
         f"\n\nPerplexity: token-level, {p['source']}, context {p['context_length']}, stride "
         f"{p['stride']}, {windows}; {result.scored_tokens:,} scored tokens."
     )
+    if kl_top_k:
+        from compress.eval.report import kl_note
+
+        line += " " + kl_note(kl_top_k)
+    return line
 
 
 def with_full_eval(recipe: Recipe) -> Recipe:
@@ -162,13 +181,15 @@ def run_job(
     progress: bool = True,
     overwrite: bool = False,
     resume: bool = True,
+    kl_top_k: int = KL_TOP_K,
 ) -> JobResult:
     """Run ``recipe`` and write the checkpoint and results into ``out_dir`` (default
     ``out/<recipe name>``). ``out_dir`` must be missing, empty or an earlier compress output
     unless ``overwrite``; it is never the model's own folder (checked before any work).
     resume: reuse perplexity windows saved by an earlier run on the same weights and protocol
-    (see ``evaluate_perplexity``); False recomputes them."""
-    from compress.eval.report import environment, markdown_table
+    (see ``evaluate_perplexity``); False recomputes them. kl_top_k: baseline log-probs kept per
+    token for the KL columns (needs ``eval.baseline``); 0 leaves KL out."""
+    from compress.eval.report import environment, kl_cells, markdown_table
 
     started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
@@ -189,13 +210,14 @@ def run_job(
     if recipe.eval.baseline:
         baseline = evaluate_perplexity(
             loaded.model, loaded.tokenizer, recipe, text, source, progress,
-            label="baseline perplexity", resume=resume,
+            label="baseline perplexity", resume=resume, top_k=kl_top_k,
         )
         baseline_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
         sizes = model_bytes(loaded.model)
         rows.append({
             "variant": f"baseline ({loaded.source})",
             "perplexity": baseline.perplexity if baseline else None,
+            **kl_cells(baseline, baseline),
             "linear_weight_mb": sizes["linear"] / 1e6,
             "weight_mb": sizes["total"] / 1e6,
             **extra_cells(baseline_extras),
@@ -204,12 +226,14 @@ def run_job(
     compressed = evaluate_perplexity(
         loaded.model, loaded.tokenizer, recipe, text, source, progress,
         label="compressed perplexity", resume=resume,
+        kl_base=baseline.top_k_path if baseline else None,
     )
     compressed_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(loaded.model)
     row = {
         "variant": recipe.name,
         "perplexity": compressed.perplexity if compressed else None,
+        **kl_cells(compressed, baseline),
         "linear_weight_mb": sizes["linear"] / 1e6,
         "weight_mb": sizes["total"] / 1e6,
         **extra_cells(compressed_extras),
@@ -238,8 +262,11 @@ def run_job(
         )
         row["disk_mb"] = _dir_bytes(out) / 1e6
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    protocol = protocol_line(compressed) if compressed else ""
-    extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in dict(COLUMNS)]
+    protocol = ""
+    if compressed:
+        protocol = protocol_line(compressed, compressed.kl.top_k if compressed.kl else None)
+    known = {*dict(COLUMNS), "kl_stderr"}
+    extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in known]
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
     markdown = f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
     from compress.eval.report import write_results

@@ -27,6 +27,7 @@ from compress.io.load import load_model
 from compress.memory import MemoryMonitor
 from compress.output_dir import check_output_dir
 from compress.pipeline.job import (
+    KL_TOP_K,
     JobResult,
     evaluate_perplexity,
     model_folders,
@@ -42,6 +43,8 @@ COLUMNS = [
     ("variant", "variant"),
     ("perplexity", "WikiText-2 ppl"),
     ("ppl_delta_pct", "Δ ppl %"),
+    ("kl", "KL"),
+    ("top1_changed_pct", "top-1 changed %"),
     ("bits_per_weight", "bits/weight"),
     ("linear_weight_mb", "linear weights MB"),
     ("pass_s", "passes s"),
@@ -78,10 +81,13 @@ def _load_previous(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, 
 
 
 def _row(variant: str, model, result, baseline) -> dict[str, Any]:
+    from compress.eval.report import kl_cells
+
     sizes = model_bytes(model)
     row = {
         "variant": variant,
         "perplexity": result.perplexity,
+        **kl_cells(result, baseline or result),  # the baseline row: its own baseline, KL 0
         "bits_per_weight": bits_per_weight(model),
         "linear_weight_mb": sizes["linear"] / 1e6,
         "weight_mb": sizes["total"] / 1e6,
@@ -101,9 +107,11 @@ def run_sweep(
     progress: bool = True,
     overwrite: bool = False,
     resume: bool = True,
+    kl_top_k: int = KL_TOP_K,
 ) -> JobResult:
     """Run each recipe's passes on a copy of one baseline and write ``sweep.md``/``sweep.json``
-    (and the same table so far after every row) into ``out_dir``."""
+    (and the same table so far after every row) into ``out_dir``. kl_top_k: as for
+    ``run_job`` (0 leaves the KL columns out)."""
     from compress.eval.report import environment, markdown_table, write_results
 
     if not recipes:
@@ -124,21 +132,22 @@ def run_sweep(
     text_path = resolve_text_path(protocol["dataset"], data_dir)
     text, source = text_path.read_text(encoding="utf-8"), str(text_path)
     source_model = sources.pop()
-    settings = {"model": source_model, "perplexity": protocol}
+    settings = {"model": source_model, "perplexity": protocol, "kl_top_k": kl_top_k}
     done = _load_previous(out / "sweep.json", settings) if resume else {}
 
     loaded = load_model(source_model)
     baseline = evaluate_perplexity(
         loaded.model, loaded.tokenizer, recipes[0], text, source, progress,
-        label="baseline perplexity", resume=resume,
+        label="baseline perplexity", resume=resume, top_k=kl_top_k,
     )
     rows = [{**_row(f"baseline ({loaded.source})", loaded.model, baseline, None),
              "recipe": None}]
+    kl_top_k = kl_top_k if baseline.top_k_path else None  # for the footnote
     payload: dict[str, Any] = {"settings": settings, "environment": environment(), "rows": rows}
 
     def save() -> str:
         markdown = (f"## sweep on {loaded.source}\n\n" + markdown_table(rows, COLUMNS)
-                    + protocol_line(baseline))
+                    + protocol_line(baseline, kl_top_k))
         write_results(out, "sweep", markdown, payload, overwrite=overwrite)
         return markdown
 
@@ -160,7 +169,7 @@ def run_sweep(
         pass_s = time.perf_counter() - started
         result = evaluate_perplexity(
             variant, loaded.tokenizer, recipe, text, source, progress,
-            label=f"{recipe.name} perplexity", resume=resume,
+            label=f"{recipe.name} perplexity", resume=resume, kl_base=baseline.top_k_path,
         )
         rows.append({
             **_row(recipe.name, variant, result, baseline),

@@ -208,7 +208,7 @@ class QuantLinear(nn.Module):
         self, device: torch.device, *, phase: str = "any", int4_kernel: str = "torch"
     ) -> dispatch.Plan:
         """This layer's backend on ``device`` (cached until ``set_quantized``/``set_backend``);
-        ``phase``/``int4_kernel`` are the generation runtime's (``kernels/dispatch.py``)."""
+        ``phase``/``int4_kernel`` are the generation runtime's (``compress.kernels.dispatch``)."""
         key = f"plan:{device}:{phase}:{int4_kernel}"
         if key not in self._prepared:
             self._prepared[key] = dispatch.plan_linear(

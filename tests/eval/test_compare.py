@@ -28,6 +28,12 @@ def _save(tmp_path, name, seed, tokenizer=None):
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Perplexity windows and the baseline's top-k log-probs go to the cache: a fresh one."""
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_compare_writes_table_csv_json_png(tmp_path, text_file):
     pytest.importorskip("matplotlib")
     base, var = _save(tmp_path, "base", 0), _save(tmp_path, "var", 1)
@@ -49,6 +55,11 @@ def test_compare_writes_table_csv_json_png(tmp_path, text_file):
         100 * (rows[1]["perplexity"] / rows[0]["perplexity"] - 1)
     )
     assert rows[0]["bits_per_weight"] == pytest.approx(32.0)  # fp32 linears
+    assert rows[0]["kl"] == 0.0 and rows[0]["top1_changed_pct"] == 0.0  # by definition
+    kl = payload["details"][var]["perplexity"]["kl"]
+    assert rows[1]["kl"] == kl["kl_mean"] > 0 and rows[1]["top1_changed_pct"] > 0
+    assert kl["top_k"] == 32 and "| KL | top-1 changed % |" in payload["markdown"]
+    assert "top-32 log-probs" in payload["markdown"]
     assert rows[0]["tpot_p50_ms"] > 0 and rows[0]["mbu"] > 0
     assert "memory-bandwidth-bound" in payload["markdown"] or "compute-bound" in payload["markdown"]
     saved = json.loads((out / "compare.json").read_text())
@@ -56,6 +67,33 @@ def test_compare_writes_table_csv_json_png(tmp_path, text_file):
     with (out / "compare.csv").open() as f:
         table = list(csv.DictReader(f))
     assert float(table[1]["perplexity"]) == pytest.approx(rows[1]["perplexity"])
+    assert float(table[1]["kl"]) == pytest.approx(rows[1]["kl"])
+
+
+def test_compare_kl_equals_the_top_k_estimate_of_the_variant(tmp_path, text_file):
+    """The KL column is quality.perplexity's with the baseline's top-k (the same windows), and
+    a variant identical to the baseline gets KL 0 and no top-1 change."""
+    from compress.eval.quality import perplexity
+    from compress.io.load import load_model
+
+    base, var, same = _save(tmp_path, "base", 0), _save(tmp_path, "var", 1), _save(
+        tmp_path, "same", 0)
+    settings = CompareSettings(dataset=str(text_file), context_length=64, ppl_limit=2,
+                               latency=False, kl_top_k=8)
+    rows = compare(base, [var, same], settings, tmp_path / "cmp")["rows"]
+    assert rows[2]["kl"] == 0.0 and rows[2]["top1_changed_pct"] == 0.0
+    text = text_file.read_text()
+    models = [load_model(m) for m in (base, var)]
+    kwargs = dict(context_length=64, limit=2, progress=False)
+    ref = perplexity(models[0].model, models[0].tokenizer, text, **kwargs, top_k=8,
+                     top_k_dir=tmp_path / "ref")
+    kl = perplexity(models[1].model, models[1].tokenizer, text, **kwargs,
+                    kl_base=ref.top_k_path).kl
+    assert rows[1]["kl"] == kl.kl_mean and rows[1]["top1_changed_pct"] == kl.top1_changed_pct
+    no_kl = compare(base, [var], CompareSettings(dataset=str(text_file), context_length=64,
+                                                 ppl_limit=2, latency=False, kl_top_k=0),
+                    tmp_path / "cmp0")
+    assert "kl" not in no_kl["rows"][1] and "| KL |" in no_kl["markdown"]  # column of dashes
 
 
 def test_compare_refuses_different_tokenizers(tmp_path, text_file):

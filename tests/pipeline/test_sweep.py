@@ -47,6 +47,11 @@ def test_rows_equal_each_recipe_run_alone(inputs):
         assert rows[recipe.name]["perplexity"] == pytest.approx(compressed["perplexity"], rel=1e-6)
         assert rows[recipe.name]["ppl_delta_pct"] == pytest.approx(compressed["ppl_delta_pct"])
         assert result.rows[0]["perplexity"] == pytest.approx(base["perplexity"], rel=1e-6)
+        assert rows[recipe.name]["kl"] == pytest.approx(compressed["kl"], rel=1e-6)
+        assert rows[recipe.name]["top1_changed_pct"] == compressed["top1_changed_pct"]
+        assert base["kl"] == 0.0 and alone.payload["eval"]["compressed"]["kl"]["top_k"] == 32
+    assert result.rows[0]["kl"] == 0.0 and result.rows[0]["top1_changed_pct"] == 0.0
+    assert 0 < rows["w8"]["kl"] < rows["w4"]["kl"]  # 8-bit rounding moves the outputs less
     assert rows["w4"]["bits_per_weight"] == pytest.approx(4.5)  # int4 + one fp16 scale per 32
     assert rows["w8"]["bits_per_weight"] > 8
     saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -65,6 +70,7 @@ def test_finished_rows_are_read_back_not_recomputed(inputs, monkeypatch):
     monkeypatch.setattr(sweep_module, "run_passes", must_not_run)
     again = run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False)
     assert [r["perplexity"] for r in again.rows] == [r["perplexity"] for r in first.rows]
+    assert [r["kl"] for r in again.rows] == [r["kl"] for r in first.rows]
     # a changed recipe is a new row: it runs (and here hits the spy)
     changed = [recipes[0], load_recipe(paths[1], ["passes.0.symmetric=false"])]
     with pytest.raises(AssertionError, match="ran its passes again"):
@@ -87,3 +93,7 @@ def test_cli_sweep_prints_the_table(inputs, capsys):
     assert main(["sweep", *map(str, paths), "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| baseline" in printed and "| w4 |" in printed and "| w8 |" in printed
+    assert "| KL | top-1 changed % |" in printed and "top-32 log-probs" in printed
+    assert main(["sweep", *map(str, paths), "--out", str(out), "--no-progress",
+                 "--kl-top-k", "0"]) == 0
+    assert "top-32" not in capsys.readouterr().out  # no KL: no footnote, empty columns
