@@ -104,7 +104,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from compress.pipeline.tune import DEFAULT_FORMATS, TuneTarget, run_tune
 
     target = TuneTarget(bits_per_weight=args.bits_per_weight, max_bytes=args.max_bytes,
-                        tpot_ms=args.tpot_ms, max_dppl_pct=args.max_dppl)  # fmt: skip
+                        tpot_ms=args.tpot_ms, max_dppl_pct=args.max_dppl,
+                        max_kl=args.max_kl)  # fmt: skip
     report = run_tune(
         args.model, target, formats=tuple(args.formats or DEFAULT_FORMATS),
         algorithm=args.algorithm, num_samples=args.num_samples, seq_len=args.seq_len,
@@ -116,7 +117,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(tune_markdown(report))
     for row in report["rows"]:
         print(f"{row['variant']}: perplexity {row.get('perplexity')}, "
-              f"Δppl {row.get('ppl_delta_pct', 0.0):+.2f}%")  # fmt: skip
+              f"Δppl {row.get('ppl_delta_pct', 0.0):+.2f}%, KL {row.get('kl')}")  # fmt: skip
     return 0 if all(c["ok"] for c in report["checks"]) else 1
 
 
@@ -413,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode time per token on this machine, through the runtime")
     p_tune.add_argument("--max-dppl", type=float, metavar="PCT",
                         help="quality ceiling checked on the result: Δ perplexity in %%")
+    p_tune.add_argument("--max-kl", type=float, metavar="NATS",
+                        help="quality ceiling checked on the result: mean KL to the baseline")
     p_tune.add_argument("--formats", nargs="+", metavar="FORMAT",
                         help="candidate formats (default: float int8 int4-g32 int4-g64 "
                         "int4-g128 int4-g32-asym int4-g128-asym)")

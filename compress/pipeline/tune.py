@@ -374,12 +374,14 @@ def copy_model(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class TuneTarget:
     """Exactly one size target (bits per decoder linear weight, checkpoint bytes, or decode TPOT
-    in ms on this machine) and an optional quality ceiling (Δ perplexity in %)."""
+    in ms on this machine) and optional quality ceilings (Δ perplexity in %, mean KL in nats
+    from the baseline's top-k, a lower bound of the full KL: see ``compress.eval.quality``)."""
 
     bits_per_weight: float | None = None
     max_bytes: int | None = None
     tpot_ms: float | None = None
     max_dppl_pct: float | None = None
+    max_kl: float | None = None
 
     def check(self) -> None:
         given = [v for v in (self.bits_per_weight, self.max_bytes, self.tpot_ms) if v is not None]
@@ -387,7 +389,8 @@ class TuneTarget:
             raise ConfigError(
                 "tune: give exactly one target: --bits-per-weight, --max-bytes or --tpot-ms"
             )
-        if any(v <= 0 for v in given) or (self.max_dppl_pct is not None and self.max_dppl_pct < 0):
+        ceilings = [v for v in (self.max_dppl_pct, self.max_kl) if v is not None]
+        if any(v <= 0 for v in given) or any(v < 0 for v in ceilings):
             raise ConfigError("tune: targets must be positive numbers")
 
 
@@ -563,6 +566,10 @@ def _verify(target: TuneTarget, report: dict, row: dict, out: Path, prompt_token
         delta = row.get("ppl_delta_pct")
         checks.append({"what": "Δppl %", "target": target.max_dppl_pct, "got": delta,
                        "ok": delta is not None and delta <= target.max_dppl_pct})  # fmt: skip
+    if target.max_kl is not None:
+        kl = row.get("kl")
+        checks.append({"what": "KL (nats, top-k lower bound)", "target": target.max_kl,
+                       "got": kl, "ok": kl is not None and kl <= target.max_kl})  # fmt: skip
     return checks
 
 

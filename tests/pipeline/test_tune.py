@@ -164,7 +164,7 @@ def test_tune_end_to_end_meets_the_bits_budget(tiny_model, tiny_tokenizer, tmp_p
         )
     )
     report = run_tune(
-        str(model_dir), TuneTarget(bits_per_weight=6.0, max_dppl_pct=1000.0),
+        str(model_dir), TuneTarget(bits_per_weight=6.0, max_dppl_pct=1000.0, max_kl=100.0),
         formats=("float", "int8", "int4-g32", "int4-g64"), num_samples=4, seq_len=32,
         calibration_mix={str(text): 1.0}, limit=2, eval_dataset=str(text), context_length=64,
         out_dir=tmp_path / "out", progress=False,
@@ -175,6 +175,7 @@ def test_tune_end_to_end_meets_the_bits_budget(tiny_model, tiny_tokenizer, tmp_p
     )
     assert len(set(report["assignment"].values())) >= 2  # a real mix, not one uniform format
     assert all(check["ok"] for check in report["checks"])
+    assert {c["what"].split()[0] for c in report["checks"]} == {"bits/weight", "Δppl", "KL"}
     written = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert written["format_counts"] == report["format_counts"]
     # the recipe a person edits and reruns with `compress run`: same formats per layer
