@@ -5,8 +5,9 @@ process): optimizer-state bytes, peak RSS, losses and step time, JSON + markdown
 
     python scripts/bench_bnb.py --train-steps 3 --train-seq 128 --out out/bench_bnb
 
-The bitsandbytes NF4 / LLM.int8 quality and speed rows are part of scripts/bench_quant.py's
-table (same windows, tasks and decode loop as our RTN/GPTQ/AWQ rows).
+The bitsandbytes NF4 / LLM.int8 quality and speed rows come from `compress sweep` over
+recipes/smollm2-nf4-bnb.yaml and recipes/smollm2-int8-bnb.yaml beside the other recipes (same
+windows, tasks and runtime timing as our RTN/GPTQ/AWQ rows).
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ from compress.memory import MemoryMonitor
 from compress.output_dir import check_output_dir
 from compress.pipeline.job import (
     KL_TOP_K,
+    LATENCY_COLUMNS,
     JobResult,
     evaluate_perplexity,
+    extra_cells,
     model_folders,
     protocol_line,
     recipe_state,
@@ -140,13 +142,27 @@ def run_sweep(
         loaded.model, loaded.tokenizer, recipes[0], text, source, progress,
         label="baseline perplexity", resume=resume, top_k=kl_top_k,
     )
+    from compress.eval.compare import evaluate_extras
+
+    # lm-eval tasks / latency when the recipes' eval asks for them (the first recipe's section
+    # for the baseline): the columns bench scripts used to add, now from the product
+    extra_keys: list[str] = []
+
+    def extras(model, recipe: Recipe) -> dict[str, Any]:
+        cells = extra_cells(evaluate_extras(model, loaded.tokenizer, recipe.eval, data_dir))
+        extra_keys.extend(k for k in cells if k not in extra_keys)
+        return cells
+
     rows = [{**_row(f"baseline ({loaded.source})", loaded.model, baseline, None),
-             "recipe": None}]
+             **extras(loaded.model, recipes[0]), "recipe": None}]
     kl_top_k = kl_top_k if baseline.top_k_path else None  # for the footnote
     payload: dict[str, Any] = {"settings": settings, "environment": environment(), "rows": rows}
 
     def save() -> str:
-        markdown = (f"## sweep on {loaded.source}\n\n" + markdown_table(rows, COLUMNS)
+        for row in rows:  # rows read back from an earlier run bring their extra columns
+            extra_keys.extend(k for k in row.get("extra_keys", ()) if k not in extra_keys)
+        columns = COLUMNS + [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in extra_keys]
+        markdown = (f"## sweep on {loaded.source}\n\n" + markdown_table(rows, columns)
                     + protocol_line(baseline, kl_top_k))
         write_results(out, "sweep", markdown, payload, overwrite=overwrite)
         return markdown
@@ -171,8 +187,11 @@ def run_sweep(
             variant, loaded.tokenizer, recipe, text, source, progress,
             label=f"{recipe.name} perplexity", resume=resume, kl_base=baseline.top_k_path,
         )
+        cells = extras(variant, recipe)
         rows.append({
             **_row(recipe.name, variant, result, baseline),
+            **cells,
+            "extra_keys": list(cells),
             "recipe": recipe.name,
             "recipe_yaml": key,
             "pass_s": round(pass_s, 1),

@@ -97,3 +97,20 @@ def test_cli_sweep_prints_the_table(inputs, capsys):
     assert main(["sweep", *map(str, paths), "--out", str(out), "--no-progress",
                  "--kl-top-k", "0"]) == 0
     assert "top-32" not in capsys.readouterr().out  # no KL: no footnote, empty columns
+
+
+def test_latency_columns_come_from_the_runtime_for_every_row(inputs, monkeypatch):
+    """A recipe's eval.latency adds TTFT/TPOT columns, timed through the runtime (the engine
+    column says so), for the baseline and each row: what scripts/bench_quant.py used to add."""
+    model_dir, paths, tmp_path = inputs
+    latency = {"prompts": 1, "prompt_tokens": 8, "output_tokens": 4}
+    recipes = [load_recipe(p, [f"eval.latency={json.dumps(latency)}"]) for p in paths]
+    result = run_sweep(recipes, out_dir=tmp_path / "sweep-latency", progress=False)
+    for row in result.rows:
+        assert row["engine"] == "runtime"
+        assert row["tpot_p50_ms"] > 0 and row["ttft_p50_ms"] > 0
+    assert "TPOT p50 ms" in result.markdown
+    # a rerun reads the rows back and still shows their latency columns
+    again = run_sweep(recipes, out_dir=tmp_path / "sweep-latency", progress=False)
+    assert "TPOT p50 ms" in again.markdown
+    assert again.rows[1]["tpot_p50_ms"] == result.rows[1]["tpot_p50_ms"]
