@@ -21,9 +21,10 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 from torch import nn
 
-from compress.arch import DEFAULT_IGNORE
+from compress.arch import ARCHS, DEFAULT_IGNORE, model_type
 from compress.errors import RecipeError
 from compress.memory import peak_memory_bytes
+from compress.modules import QuantExperts, quantization_coverage
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +234,55 @@ def target_modules(model: nn.Module, cfg: PassConfig) -> Iterator[tuple[str, nn.
             yield name, module
 
 
+def target_experts(model: nn.Module, cfg: PassConfig) -> list[tuple[str, nn.Module]]:
+    """The float fused-experts modules of an MoE model (``compress.arch.Moe``) that ``cfg``
+    targets, in layer order. Experts are the MLP's linear layers in fused form, so a pass
+    that targets ``Linear`` targets them too; otherwise a target must name them (exact name,
+    class name or ``re:``). ``ignore`` applies to the experts module's name."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None:
+        return []
+    found = []
+    for index in range(len(model.get_submodule(arch.layers))):
+        name = f"{arch.layer_prefix}{index}.{arch.moe.experts}"
+        module = model.get_submodule(name)
+        if isinstance(module, QuantExperts) or any(matches(name, module, p) for p in cfg.ignore):
+            continue
+        if "Linear" in cfg.targets or any(matches(name, module, p) for p in cfg.targets):
+            found.append((name, module))
+    return found
+
+
+def report_coverage(model: nn.Module, cfg: PassConfig, report: PassReport) -> None:
+    """Put the quantization coverage of ``model`` (``modules.quantization_coverage``) into the
+    report after a quantization pass: ``quantized_share`` of the targets' weight elements,
+    ``bits_per_weight`` and ``weight_bytes_after`` over every weight matrix, quantized or
+    not. Targets left in float that ``cfg.ignore`` does not name: a WARNING naming them, or
+    under ``strict`` a RecipeError (the router and norms are never targets)."""
+    coverage = quantization_coverage(model)
+    left = {n: k for n, k in coverage.pop("unquantized").items()  # type: ignore[union-attr]
+            if not any(matches(n, None, p) or matches(n.rpartition(".")[0], None, p)
+                       for p in cfg.ignore)}
+    report.metrics.update(coverage)
+    report.metrics["weight_bytes_after"] = report.metrics.pop("weight_bytes")
+    report.metrics["unquantized"] = left
+    if not left:
+        return
+    share = coverage["quantized_share"] or 0.0
+    listing = "; ".join(f"{n} ({k:,} elements)" for n, k in list(left.items())[:20])
+    more = f" (and {len(left) - 20} more)" if len(left) > 20 else ""
+    message = (
+        f"{report.name}: quantized {share:.1%} of the decoder's weight elements; left in "
+        f"float: {listing}{more}"
+    )
+    if cfg.strict:
+        raise RecipeError(
+            f"{message}. Fix: use a pass that quantizes them, add them to `ignore`, or set "
+            "strict: false."
+        )
+    log.warning("%s", message)
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -273,6 +323,8 @@ def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionSta
         except Exception as exc:
             exc.add_note(f"while running passes[{index}] ({spec.name})")
             raise
+        if spec.name.startswith("quantize.") and "quantized_share" not in report.metrics:
+            report_coverage(model, cfg, report)  # every quantization pass reports its coverage
         report.seconds = time.perf_counter() - start
         if report.peak_memory_bytes is None:
             peaks = peak_memory_bytes()

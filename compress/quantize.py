@@ -4,6 +4,12 @@ Each targeted ``nn.Linear`` becomes a ``QuantLinear`` whose scales come from the
 each group (see ``quant_primitives``). RTN needs no data; it is the baseline the calibrated
 passes (GPTQ, AWQ) must beat. Layers whose in_features the group size does not divide are
 reported by name (or use ``fallback_group_size``), and ``strict: true`` turns skips into errors.
+
+Mixture-of-experts models (``compress.arch.Moe``): every expert is quantized too. transformers
+5 keeps the experts as fused 3-D parameters, not ``nn.Linear``; the targeted experts module
+becomes a ``QuantExperts`` (per expert, group-wise gate/up/down ``QuantLinear``). The router is
+never quantized. The report counts every weight matrix of the model (``quantized_share``,
+``bits_per_weight``, ``weight_bytes_*``: ``compress.core.report_coverage``).
 """
 
 from __future__ import annotations
@@ -12,15 +18,18 @@ import torch
 from pydantic import field_validator
 from torch import nn
 
+from compress.arch import Moe, arch_for
 from compress.core import (
     CompressionState,
     PassReport,
     raise_or_report_skips,
     register_pass,
+    report_coverage,
     set_submodule,
+    target_experts,
     target_modules,
 )
-from compress.modules import QuantLinear, WeightScheme, bits_per_weight
+from compress.modules import QuantExperts, QuantLinear, WeightScheme, quantization_coverage
 from compress.scheme import (
     WeightQuantConfig,
     check_group_size,
@@ -65,7 +74,8 @@ def quantize_linears(
     name: str,
     make: callable = QuantLinear.from_linear,  # type: ignore[valid-type]
 ) -> PassReport:
-    """Swap every targeted Linear for a QuantLinear built by ``make(linear, scheme, backend=)``."""
+    """Swap every targeted Linear for a QuantLinear built by ``make(linear, scheme, backend=)``
+    and every targeted fused-experts module for a ``QuantExperts`` (RTN)."""
     report = PassReport(name)
     plan: list[tuple[str, nn.Linear, WeightScheme]] = []
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
@@ -76,8 +86,9 @@ def quantize_linears(
             report.skipped[layer_name] = scheme
         else:
             plan.append((layer_name, module, scheme))
+    experts = plan_experts(model, cfg, n_bits, report)
     raise_or_report_skips(cfg, report, name)  # before any work: strict fails with nothing changed
-    bytes_before = bytes_after = 0
+    bytes_before = quantization_coverage(model)["weight_bytes"]
     err_num = err_den = 0.0
     schemes: dict[str, int] = {}
     for layer_name, linear, scheme in plan:
@@ -85,20 +96,80 @@ def quantize_linears(
         w = linear.weight.detach().to(torch.float32)
         err_num += float((quant.dequantized_weight() - w).pow(2).sum())
         err_den += float(w.pow(2).sum())
-        bytes_before += w.numel() * linear.weight.element_size()
-        bytes_after += quant.weight_bytes()
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
         schemes[scheme.describe()] = schemes.get(scheme.describe(), 0) + 1
+    for layer_name, (module, pair) in experts.items():
+        quant, num, den = rtn_experts(model, layer_name, module, pair, cfg.backend)
+        err_num, err_den = err_num + num, err_den + den
+        report.changed.append(layer_name)
+        for scheme, count in zip(pair, (2, 1), strict=True):  # gate and up, down: per expert
+            key = scheme.describe()
+            schemes[key] = schemes.get(key, 0) + count * quant.num_experts
     report.metrics.update(
         layers=len(plan),
+        expert_modules=len(experts),
         schemes=schemes,
         weight_bytes_before=bytes_before,
-        weight_bytes_after=bytes_after,
         relative_weight_error=(err_num / err_den) ** 0.5 if err_den else 0.0,
-        bits_per_weight=bits_per_weight(model, [n for n, _, _ in plan]),
     )
+    report_coverage(model, cfg, report)
     return report
+
+
+ExpertPlan = dict[str, tuple[nn.Module, tuple[WeightScheme, WeightScheme]]]
+
+
+def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport
+                 ) -> ExpertPlan:
+    """Targeted fused-experts modules -> (module, (gate/up scheme, down scheme)); one whose
+    group size divides neither input width is a reported skip (``scheme_for_layer``; per-layer
+    ``overrides`` match ``<experts>.<gate_up>`` and ``<experts>.<down>``)."""
+    found = target_experts(model, cfg)
+    if not found:
+        return {}
+    moe = _moe(model, report.name)
+    plan: ExpertPlan = {}
+    for name, module in found:
+        gate_up, down = getattr(module, moe.gate_up), getattr(module, moe.down)
+        pair = []
+        for param, width in ((moe.gate_up, gate_up.shape[2]), (moe.down, down.shape[2])):
+            probe = nn.Linear(width, 1, bias=False, device="meta")  # scheme_for_layer reads K
+            pair.append(scheme_for_layer(probe, cfg, n_bits, f"{name}.{param}"))
+        reasons = [f"{p}: {s}" for p, s in zip((moe.gate_up, moe.down), pair) if isinstance(s, str)]
+        if reasons:
+            report.skipped[name] = "; ".join(reasons)
+        else:
+            plan[name] = (module, (pair[0], pair[1]))  # type: ignore[assignment]
+    return plan
+
+
+def _moe(model: nn.Module, what: str) -> Moe:
+    moe = arch_for(model, what).moe
+    assert moe is not None, "target_experts finds experts only in MoE families"
+    return moe
+
+
+def rtn_experts(
+    model: nn.Module,
+    name: str,
+    module: nn.Module,
+    schemes: tuple[WeightScheme, WeightScheme],
+    backend: str,
+) -> tuple[QuantExperts, float, float]:
+    """Swap the fused experts at ``name`` for their RTN ``QuantExperts``; returns it and the
+    squared weight error and squared weight norm (for ``relative_weight_error``)."""
+    moe = _moe(model, "quantize experts")
+    gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
+    quant = QuantExperts.from_fused(
+        gate_up, down, schemes, moe.checkpoint_projections, getattr(module, moe.act),
+        backend=backend,
+    )
+    q_gate_up, q_down = quant.dequantized_weights()
+    num = float((q_gate_up - gate_up.float()).pow(2).sum() + (q_down - down.float()).pow(2).sum())
+    den = float(gate_up.float().pow(2).sum() + down.float().pow(2).sum())
+    set_submodule(model, name, quant)
+    return quant, num, den
 
 
 @register_pass("quantize.int4_rtn", Int4RtnConfig)
