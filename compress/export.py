@@ -32,11 +32,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compress.arch import output_weight_key
+from compress.arch import ARCHS, Arch, model_type, output_weight_key
 from compress.core import DTYPES, matches
 from compress.errors import ModelLoadError, RecipeError
 from compress.modules import (
     INPUT_ACTIVATIONS,
+    QuantExperts,
     QuantLinear,
     W8A8Linear,
     WeightScheme,
@@ -79,13 +80,14 @@ def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
 def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
-    plain_linears = []
+    rename = checkpoint_renamer(model)
+    plain_linears = [rename(n) for n in moe_float_linears(model)]  # routers, float experts
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             # W8A8 layers also quantize their inputs: a separate group
-            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(name)
+            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(rename(name))
         elif isinstance(module, nn.Linear):
-            plain_linears.append(name)
+            plain_linears.append(rename(name))
     if not by_scheme:
         return None
     single = len(by_scheme) == 1
@@ -119,8 +121,78 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
     return WeightScheme(args["num_bits"], group, bool(args.get("symmetric", True)), scale_dtype)
 
 
+# ---- mixture-of-experts checkpoint names -------------------------------------------------
+def _moe_arch(model: nn.Module) -> Arch | None:
+    arch = ARCHS.get(model_type(model))
+    return arch if arch is not None and arch.moe is not None else None
+
+
+def checkpoint_renamer(model: nn.Module):
+    """``name -> checkpoint name``: the MoE block's name as checkpoints (vLLM, the hub) spell
+    it (Mixtral: ``block_sparse_moe``; transformers 5 renames it back on load); identity for
+    other families."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None or arch.moe.block == arch.moe.checkpoint_block:
+        return lambda name: name
+    old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
+
+    def rename(name: str) -> str:
+        if not name.startswith(arch.layer_prefix):
+            return name
+        head, sep, rest = name[len(arch.layer_prefix):].partition(".")
+        return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
+
+    return rename
+
+
+def moe_float_linears(model: nn.Module) -> list[str]:
+    """Module names (transformers 5 tree) of the Linears a vLLM-style checkpoint of an MoE model
+    holds in float: every router, and each expert's projections when the experts module is
+    not quantized (``<experts>.<e>.<gate|up|down>``)."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return []
+    names = []
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}."
+        names.append(prefix + arch.moe.router)
+        experts = model.get_submodule(prefix + arch.moe.experts)
+        if not isinstance(experts, QuantExperts):
+            count = getattr(experts, arch.moe.down).shape[0]
+            names += [f"{prefix}{arch.moe.experts}.{e}.{p}"
+                      for e in range(count) for p in arch.moe.checkpoint_projections]
+    return names
+
+
+def _split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
+    and projection, the layout checkpoints (and vLLM) read."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return
+    gate, up, down = arch.moe.checkpoint_projections
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}.{arch.moe.experts}"
+        fused_gate_up = tensors.pop(f"{prefix}.{arch.moe.gate_up}", None)
+        fused_down = tensors.pop(f"{prefix}.{arch.moe.down}", None)
+        if fused_gate_up is None or fused_down is None:
+            continue
+        inter = fused_gate_up.shape[1] // 2
+        for e in range(fused_gate_up.shape[0]):
+            tensors[f"{prefix}.{e}.{gate}.weight"] = fused_gate_up[e, :inter].contiguous()
+            tensors[f"{prefix}.{e}.{up}.weight"] = fused_gate_up[e, inter:].contiguous()
+            tensors[f"{prefix}.{e}.{down}.weight"] = fused_down[e].contiguous()
+
+
 # ---- writing ------------------------------------------------------------------------------
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors = _plain_state_dict(model, dtype)
+    _split_float_experts(model, tensors)
+    rename = checkpoint_renamer(model)
+    return {rename(name): tensor for name, tensor in tensors.items()}
+
+
+def _plain_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     head_key = output_weight_key(model)
     tensors: dict[str, torch.Tensor] = {}
