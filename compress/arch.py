@@ -52,14 +52,14 @@ class PruneGroup:
 @dataclass(frozen=True)
 class Moe:
     """A sparse mixture-of-experts MLP (transformers 5 layout). Paths are from one decoder
-    layer. ``experts`` holds the fused 3-D parameters ``gate_up [E, 2I, H]`` (gate rows first,
-    then up rows) and ``down [E, H, I]`` and is called ``experts(x [T, H], top_k_index [T, k],
+    layer. ``fused`` (the experts module) holds the 3-D parameters ``gate_up [E, 2I, H]``
+    (gate rows first, then up rows) and ``down [E, H, I]`` and is called ``experts(x [T, H], top_k_index [T, k],
     top_k_weights [T, k])``; ``router`` picks the experts and is never quantized. Checkpoints
     (the compressed-tensors export, vLLM, the hub) store one Linear per expert and projection:
     ``<checkpoint_block>.experts.<e>.<gate|up|down name>.weight``."""
 
     block: str  # the sparse MoE block (its name in the transformers 5 module tree)
-    experts: str
+    fused: str  # the fused experts module
     router: str
     gate_up: str  # attribute of the experts module
     down: str
@@ -172,7 +172,7 @@ def _moe_arch(model_type: str, moe: Moe) -> Arch:
         down="",
         awq_mappings=LLAMA.awq_mappings[:2],
         smoothquant_mappings=LLAMA.smoothquant_mappings[:1],
-        mlp_channels=PruneGroup(rows=(moe.experts,), cols=(moe.experts,)),
+        mlp_channels=PruneGroup(rows=(moe.fused,), cols=(moe.fused,)),
         runtime=False,
         moe=moe,
     )
@@ -182,7 +182,7 @@ def _moe_arch(model_type: str, moe: Moe) -> Arch:
 # w1/w2/w3 under block_sparse_moe, which transformers renames and fuses on load).
 _MOE = Moe(
     block="mlp",
-    experts="mlp.experts",
+    fused="mlp.experts",
     router="mlp.gate",
     gate_up="gate_up_proj",
     down="down_proj",

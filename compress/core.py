@@ -244,7 +244,7 @@ def target_experts(model: nn.Module, cfg: PassConfig) -> list[tuple[str, nn.Modu
         return []
     found = []
     for index in range(len(model.get_submodule(arch.layers))):
-        name = f"{arch.layer_prefix}{index}.{arch.moe.experts}"
+        name = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
         module = model.get_submodule(name)
         if isinstance(module, QuantExperts) or any(matches(name, module, p) for p in cfg.ignore):
             continue

@@ -156,10 +156,10 @@ def moe_float_linears(model: nn.Module) -> list[str]:
     for index in range(len(model.get_submodule(arch.layers))):
         prefix = f"{arch.layer_prefix}{index}."
         names.append(prefix + arch.moe.router)
-        experts = model.get_submodule(prefix + arch.moe.experts)
+        experts = model.get_submodule(prefix + arch.moe.fused)
         if not isinstance(experts, QuantExperts):
             count = getattr(experts, arch.moe.down).shape[0]
-            names += [f"{prefix}{arch.moe.experts}.{e}.{p}"
+            names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
                       for e in range(count) for p in arch.moe.checkpoint_projections]
     return names
 
@@ -172,7 +172,7 @@ def _split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
         return
     gate, up, down = arch.moe.checkpoint_projections
     for index in range(len(model.get_submodule(arch.layers))):
-        prefix = f"{arch.layer_prefix}{index}.{arch.moe.experts}"
+        prefix = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
         fused_gate_up = tensors.pop(f"{prefix}.{arch.moe.gate_up}", None)
         fused_down = tensors.pop(f"{prefix}.{arch.moe.down}", None)
         if fused_gate_up is None or fused_down is None:

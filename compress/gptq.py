@@ -301,7 +301,7 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
     report.metrics["max_dampening_used"] = max(
         (v["dampening"] for v in per_layer.values()), default=None
     )
-    report.metrics["experts"] = expert_info
+    report.metrics["per_expert"] = expert_info
     report_coverage(model, cfg, report)
     return report
 
@@ -329,7 +329,7 @@ def gptq_experts(
     reason?}}``."""
     arch = arch_for(model, "quantize.gptq")
     assert arch.moe is not None or not plan
-    name = f"{arch.layer_prefix}{index}.{arch.moe.experts}" if arch.moe else ""
+    name = f"{arch.layer_prefix}{index}.{arch.moe.fused}" if arch.moe else ""
     if name not in plan:
         return {}
     fused, schemes = plan[name]
@@ -380,7 +380,7 @@ def _expert_inputs(
         handle.remove()
     x = torch.cat(xs)
     if not torch.isfinite(x).all():
-        raise ValueError("quantize.gptq: calibration activations entering the experts are NaN/Inf")
+        raise ValueError("quantize.gptq: calibration activations entering the MoE block are NaN/Inf")
     return x, torch.cat(picks)
 
 
@@ -406,7 +406,7 @@ def _gptq_expert(
         for layer, w in ((gate, weights[0]), (up, weights[1])):
             w_q, scales, zeros, _ = gptq_quantize(w, h, layer.scheme, cfg, name)
             layer.set_quantized(w_q, scales, zeros)
-        hidden = quant.act_fn(gate(xe)) * up(xe)  # down's inputs, from the quantized gate/up
+        hidden = quant.activation(gate(xe)) * up(xe)  # down's inputs, from the quantized gate/up
         w_q, scales, zeros, _ = gptq_quantize(
             weights[2], hidden.T @ hidden * (2.0 / n), down.scheme, cfg, name
         )

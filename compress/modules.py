@@ -388,14 +388,14 @@ class QuantExperts(nn.Module):
         intermediate: int,
         schemes: tuple[WeightScheme, WeightScheme],  # (gate and up, down)
         names: tuple[str, str, str],  # (gate, up, down) child names
-        act_fn: nn.Module,
+        activation: nn.Module,
         *,
         dtype: torch.dtype = torch.float32,
         backend: str = "auto",
     ) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.names, self.act_fn = names, act_fn
+        self.names, self.activation = names, activation
         gate, up, down = names
         for e in range(num_experts):
             self.add_module(str(e), nn.ModuleDict({
@@ -414,14 +414,14 @@ class QuantExperts(nn.Module):
         down: torch.Tensor,
         schemes: tuple[WeightScheme, WeightScheme],
         names: tuple[str, str, str],
-        act_fn: nn.Module,
+        activation: nn.Module,
         *,
         backend: str = "auto",
     ) -> QuantExperts:
         """RTN of the fused ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` weights."""
         e_count, two_i, hidden = gate_up.shape
         inter = two_i // 2
-        module = cls(e_count, hidden, inter, schemes, names, act_fn, dtype=gate_up.dtype,
+        module = cls(e_count, hidden, inter, schemes, names, activation, dtype=gate_up.dtype,
                      backend=backend)
         for e in range(e_count):
             halves = (gate_up[e, :inter], gate_up[e, inter:], down[e])
@@ -465,7 +465,7 @@ class QuantExperts(nn.Module):
                 continue
             gate, up, down = self.projections(e)
             x = hidden[token_idx]
-            y = down(self.act_fn(gate(x)) * up(x)) * top_k_weights[token_idx, pos, None]
+            y = down(self.activation(gate(x)) * up(x)) * top_k_weights[token_idx, pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 

@@ -146,7 +146,7 @@ def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: 
 
 def _moe(model: nn.Module, what: str) -> Moe:
     moe = arch_for(model, what).moe
-    assert moe is not None, "target_experts finds experts only in MoE families"
+    assert moe is not None, "target_experts finds nothing outside MoE families"
     return moe
 
 
@@ -159,7 +159,7 @@ def rtn_experts(
 ) -> tuple[QuantExperts, float, float]:
     """Swap the fused experts at ``name`` for their RTN ``QuantExperts``; returns it and the
     squared weight error and squared weight norm (for ``relative_weight_error``)."""
-    moe = _moe(model, "quantize experts")
+    moe = _moe(model, "RTN of MoE layers")
     gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
     quant = QuantExperts.from_fused(
         gate_up, down, schemes, moe.checkpoint_projections, getattr(module, moe.act),
