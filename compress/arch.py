@@ -9,9 +9,10 @@ the runtime runs it. Passes and the runtime take every name from here (a test fa
 architecture name anywhere else), so a new family is one entry.
 
 Llama (SmolLM2) is the fully tested entry. Mixtral and Qwen3-MoE (``Arch.moe``) are quantized
-and exported with every expert (tests/compress/test_moe.py). Qwen2, Qwen3, Mistral and Granite share its module
-names and ran every pass before this adapter existed, so they keep doing so (runtime: fallback);
-their own tests and the other families (Gemma, Phi-3, OLMo2, MoE) are issue 17. Any other
+and exported with every expert (tests/compress/test_moe.py); pruning refuses them. Qwen2, Qwen3,
+Mistral and Granite share Llama's module names and ran every pass before this adapter existed,
+so they keep doing so (runtime: fallback); their own tests and the other families (Gemma,
+Phi-3, OLMo2) are issue 17. Any other
 ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
 
@@ -53,9 +54,10 @@ class PruneGroup:
 class Moe:
     """A sparse mixture-of-experts MLP (transformers 5 layout). Paths are from one decoder
     layer. ``fused`` (the experts module) holds the 3-D parameters ``gate_up [E, 2I, H]``
-    (gate rows first, then up rows) and ``down [E, H, I]`` and is called ``experts(x [T, H], top_k_index [T, k],
-    top_k_weights [T, k])``; ``router`` picks the experts and is never quantized. Checkpoints
-    (the compressed-tensors export, vLLM, the hub) store one Linear per expert and projection:
+    (gate rows first, then up rows) and ``down [E, H, I]`` and is called
+    ``experts(x [T, H], top_k_index [T, k], top_k_weights [T, k])``; ``router`` picks the
+    experts and is never quantized. Checkpoints (the compressed-tensors export, vLLM, the hub)
+    store one Linear per expert and projection:
     ``<checkpoint_block>.experts.<e>.<gate|up|down name>.weight``."""
 
     block: str  # the sparse MoE block (its name in the transformers 5 module tree)

@@ -397,6 +397,68 @@ def _no_weight_init() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+def _load_moe_experts(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    quant: dict[str, Any],
+    dtype: torch.dtype,
+    backend: str,
+) -> dict[str, torch.Tensor]:
+    """For an MoE model: ``tensors`` renamed from checkpoint to module names, each quantized
+    experts module swapped for an empty ``QuantExperts`` of the checkpoint's schemes, and
+    per-expert float weights fused back into transformers 5's 3-D parameters."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return tensors
+    moe, rename = arch.moe, checkpoint_renamer(model)
+    names = {rename(n): n for n in model.state_dict()}
+    names.update({rename(n): n for n, _ in model.named_modules()})
+    tensors = {_module_name(k, names, rename): v for k, v in tensors.items()}
+    gate, up, down = moe.checkpoint_projections
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
+        fused = model.get_submodule(prefix)
+        count, hidden, inter = getattr(fused, moe.down).shape
+        if f"{prefix}.0.{gate}.weight_scale" in tensors:
+            first = f"{prefix}.0."
+            schemes = tuple(
+                _expert_scheme(quant, rename(first + p), tensors[f"{first}{p}.weight_scale"])
+                for p in (gate, down)
+            )
+            experts = QuantExperts(
+                count, hidden, inter, schemes, moe.checkpoint_projections,  # type: ignore[arg-type]
+                getattr(fused, moe.act), dtype=dtype, backend=backend,
+            )
+            parent, _, child = prefix.rpartition(".")
+            setattr(model.get_submodule(parent), child, experts)
+        elif f"{prefix}.0.{gate}.weight" in tensors:
+            per = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in (gate, up, down)]
+                   for e in range(count)]
+            tensors[f"{prefix}.{moe.gate_up}"] = torch.stack([torch.cat(w[:2]) for w in per])
+            tensors[f"{prefix}.{moe.down}"] = torch.stack([w[2] for w in per])
+    return tensors
+
+
+def _module_name(key: str, names: dict[str, str], rename) -> str:
+    """Checkpoint key -> module tree key (per-expert keys keep their tail)."""
+    if key in names:
+        return names[key]
+    head, _, tail = key.rpartition(".")
+    inverse = {v: k for k, v in ((m, rename(m)) for m in names.values())}
+    for n in (head, head.rpartition(".")[0], head.rpartition(".")[0].rpartition(".")[0]):
+        if n in inverse:
+            return inverse[n] + key[len(n):]
+    return key
+
+
+def _expert_scheme(quant: dict[str, Any], name: str, scale: torch.Tensor) -> WeightScheme:
+    """The scheme of the config group targeting the per-expert Linear ``name``."""
+    for group in quant.get("config_groups", {}).values():
+        if any(t == "Linear" or matches(name, None, t) for t in group["targets"]):
+            return _scheme_from_args(group["weights"], scale.dtype)
+    raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
+
+
 def load_compressed(
     path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> nn.Module:
@@ -413,7 +475,7 @@ def load_compressed(
     # initialised by the model's own code; the float weights are then replaced by assignment.
     with _no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
-    tensors = read_tensors(path)
+    tensors = _load_moe_experts(model, read_tensors(path), quant, dtype, backend)
     ignore = quant.get("ignore", [])
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):

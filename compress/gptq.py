@@ -380,7 +380,7 @@ def _expert_inputs(
         handle.remove()
     x = torch.cat(xs)
     if not torch.isfinite(x).all():
-        raise ValueError("quantize.gptq: calibration activations entering the MoE block are NaN/Inf")
+        raise ValueError("quantize.gptq: calibration activations entering an MoE block are NaN/Inf")
     return x, torch.cat(picks)
 
 

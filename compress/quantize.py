@@ -136,7 +136,8 @@ def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: 
         for param, width in ((moe.gate_up, gate_up.shape[2]), (moe.down, down.shape[2])):
             probe = nn.Linear(width, 1, bias=False, device="meta")  # scheme_for_layer reads K
             pair.append(scheme_for_layer(probe, cfg, n_bits, f"{name}.{param}"))
-        reasons = [f"{p}: {s}" for p, s in zip((moe.gate_up, moe.down), pair) if isinstance(s, str)]
+        params = (moe.gate_up, moe.down)
+        reasons = [f"{p}: {s}" for p, s in zip(params, pair, strict=True) if isinstance(s, str)]
         if reasons:
             report.skipped[name] = "; ".join(reasons)
         else:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from compress.arch import arch_for
-from compress.core import CompressionState, PassConfig, report_coverage, PassReport
+from compress.core import CompressionState, PassConfig, PassReport, report_coverage
 from compress.errors import RecipeError
 from compress.export import export_checkpoint
 from compress.gptq import GptqConfig, gptq
@@ -215,7 +215,8 @@ def test_gptq_reaches_every_expert_and_falls_back_to_rtn_without_tokens(moe, gpt
     # the never-routed expert is exactly RTN
     rtn = copy.deepcopy(moe)
     int4_rtn(rtn, Int4RtnConfig(group_size=32), CompressionState())
-    for ours, theirs in zip(_experts(model).projections(3), _experts(rtn).projections(3)):
+    pairs = zip(_experts(model).projections(3), _experts(rtn).projections(3), strict=True)
+    for ours, theirs in pairs:
         assert torch.equal(ours.weight_packed, theirs.weight_packed)
 
 
