@@ -145,6 +145,22 @@ def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: 
     return plan
 
 
+def quantize_experts_rtn(
+    model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport, why: str
+) -> dict[str, str]:
+    """RTN of every targeted float experts module, for a pass that has no method of its own
+    for experts (AWQ: its scale search needs a producer that feeds one linear group; routed
+    experts have none). Each is listed in ``report.changed``; returns ``{experts module:
+    "<why> -> RTN"}`` for the report. Skips (group sizes) are added to ``report.skipped``."""
+    plan = plan_experts(model, cfg, n_bits, report)
+    done = {}
+    for name, (module, pair) in plan.items():
+        rtn_experts(model, name, module, pair, cfg.backend)
+        report.changed.append(name)
+        done[name] = f"{why} -> RTN"
+    return done
+
+
 def _moe(model: nn.Module, what: str) -> Moe:
     moe = arch_for(model, what).moe
     assert moe is not None, "target_experts finds nothing outside MoE families"
