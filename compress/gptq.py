@@ -307,9 +307,17 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
 
 
 # ---- mixture-of-experts -------------------------------------------------------------------
+# Each expert is calibrated on the tokens its router sends it (as at inference), not on all
+# tokens: forcing every token through every expert would fit experts to inputs they never see.
 # An expert gets GPTQ only with at least as many routed calibration tokens as its inputs have
 # channels (K): below that its Hessian X^T X is rank-deficient and only the dampening holds
-# it up, so GPTQ fits the few tokens it saw; RTN is used instead, and the report says so.
+# it up, so GPTQ fits the few tokens it saw; RTN is used instead, and the report says so
+# (``per_expert``). ``sink_token_weight`` is not applied to experts (tokens are regrouped).
+# Measured on the tiny random models (tests/compress/test_moe.py, 192 calibration tokens):
+# gate/up output error on the routed tokens is 0.73-0.84x RTN's; the held-out logit error
+# is the same as with RTN experts (Mixtral 0.0849 vs 0.0848, Qwen3-MoE 0.1181 vs 0.1175):
+# random weights and tokens give near-isotropic Hessians, so a real MoE is needed to measure
+# the end-to-end gain.
 MIN_TOKENS_PER_CHANNEL = 1.0
 
 
