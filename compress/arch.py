@@ -8,9 +8,11 @@ which linears (the AWQ and SmoothQuant scale-folding mappings) and the form of i
 the runtime runs it. Passes and the runtime take every name from here (a test fails on an
 architecture name anywhere else), so a new family is one entry.
 
-Llama (SmolLM2) is the fully tested entry. Qwen2, Qwen3, Mistral and Granite share its module
-names and ran every pass before this adapter existed, so they keep doing so (runtime: fallback);
-their own tests and the other families (Gemma, Phi-3, OLMo2, MoE) are issue 17. Any other
+Llama (SmolLM2) is the fully tested entry. Mixtral and Qwen3-MoE (``Arch.moe``) are quantized
+and exported with every expert (tests/quant/test_moe.py); pruning refuses them. Qwen2, Qwen3,
+Mistral and Granite share Llama's module names and ran every pass before this adapter existed,
+so they keep doing so (runtime: fallback); their own tests and the other families (Gemma,
+Phi-3, OLMo2) are issue 17. Any other
 ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
 
@@ -49,6 +51,26 @@ class PruneGroup:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """A sparse mixture-of-experts MLP (transformers 5 layout). Paths are from one decoder
+    layer. ``fused`` (the experts module) holds the 3-D parameters ``gate_up [E, 2I, H]``
+    (gate rows first, then up rows) and ``down [E, H, I]`` and is called
+    ``experts(x [T, H], top_k_index [T, k], top_k_weights [T, k])``; ``router`` picks the
+    experts and is never quantized. Checkpoints (the compressed-tensors export, vLLM, the hub)
+    store one Linear per expert and projection:
+    ``<checkpoint_block>.experts.<e>.<gate|up|down name>.weight``."""
+
+    block: str  # the sparse MoE block (its name in the transformers 5 module tree)
+    fused: str  # the fused experts module
+    router: str
+    gate_up: str  # attribute of the experts module
+    down: str
+    act: str  # the experts module's activation (applied to gate)
+    checkpoint_block: str  # the block's name in checkpoints
+    checkpoint_projections: tuple[str, str, str]  # (gate, up, down) per-expert Linear names
+
+
+@dataclass(frozen=True)
 class Arch:
     """One family's layout. Model-level paths are from the ``*ForCausalLM`` module; layer-level
     paths are from one decoder layer."""
@@ -75,6 +97,7 @@ class Arch:
     heads: PruneGroup
     mlp_channels: PruneGroup
     runtime: bool  # compress.runtime.engine runs it (else the transformers fallback)
+    moe: Moe | None = None  # the MLP is a sparse mixture of experts (then gate/up/down are "")
 
     @property
     def layer_prefix(self) -> str:
@@ -138,6 +161,44 @@ LLAMA = Arch(
     runtime=True,
 )
 
+def _moe_arch(model_type: str, moe: Moe) -> Arch:
+    """Llama attention (same names) with ``moe`` as the MLP: the MLP has no dense projections,
+    so no MLP mappings (AWQ/SmoothQuant smooth the attention inputs only). Pruning does not
+    know experts yet: the experts module stands in the MLP prune group so that the prune
+    passes' nn.Linear check refuses the model instead of leaving the experts unpruned."""
+    return dataclasses.replace(
+        LLAMA,
+        model_type=model_type,
+        gate="",
+        up="",
+        down="",
+        awq_mappings=LLAMA.awq_mappings[:2],
+        smoothquant_mappings=LLAMA.smoothquant_mappings[:1],
+        mlp_channels=PruneGroup(rows=(moe.fused,), cols=(moe.fused,)),
+        runtime=False,
+        moe=moe,
+    )
+
+
+# transformers 5 names both families' MoE modules alike; their checkpoints differ (Mixtral's
+# w1/w2/w3 under block_sparse_moe, which transformers renames and fuses on load).
+_MOE = Moe(
+    block="mlp",
+    fused="mlp.experts",
+    router="mlp.gate",
+    gate_up="gate_up_proj",
+    down="down_proj",
+    act="act_fn",
+    checkpoint_block="mlp",
+    checkpoint_projections=("gate_proj", "up_proj", "down_proj"),
+)
+MIXTRAL = _moe_arch(
+    "mixtral",
+    dataclasses.replace(_MOE, checkpoint_block="block_sparse_moe",
+                        checkpoint_projections=("w1", "w3", "w2")),
+)
+QWEN3_MOE = _moe_arch("qwen3_moe", _MOE)
+
 ARCHS: dict[str, Arch] = {
     a.model_type: a
     for a in (
@@ -149,6 +210,8 @@ ARCHS: dict[str, Arch] = {
             dataclasses.replace(LLAMA, model_type=t, runtime=False)
             for t in ("qwen2", "qwen3", "mistral", "granite")
         ),
+        MIXTRAL,
+        QWEN3_MOE,
     )
 }
 

@@ -36,10 +36,14 @@ PACKAGE_DIRS = {"compress": "compress"}
 # Who is a pass, read from the folders (a new algorithm module is covered without a list edit):
 # every module of compress/quant/ except the shared ones below, every module of compress/prune/
 # except its shared ones, and distillation.
-QUANT_SHARED = {"scheme", "primitives", "linear", "calibrated"}  # shared by the algorithms
+QUANT_SHARED = {  # shared by the algorithms
+    "scheme", "primitives", "linear", "calibrated", "coverage", "experts",
+}  # fmt: skip
 PRUNE_SHARED = {"common"}  # shared by the structured-pruning passes, if split into modules
 PASS_SHARED = {
     "compress.quant.scheme",  # settings shared by the weight-quantization passes
+    "compress.quant.coverage",  # what a quantization pass reached (reports, strict)
+    "compress.quant.experts",  # fused MoE experts: targets, schemes, RTN
     "compress.quant.calibrated",  # layer-by-layer calibration scaffolding
     "compress.calibration",  # calibration text
     "compress.optim",  # distillation's optimizers

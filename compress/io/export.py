@@ -32,13 +32,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compress.arch import output_weight_key
+from compress.arch import ARCHS, Arch, model_type, output_weight_key
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 from compress.quant.linear import (
     INPUT_ACTIVATIONS,
+    QuantExperts,
     QuantLinear,
     W8A8Linear,
     WeightScheme,
@@ -80,13 +81,14 @@ def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
 def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
-    plain_linears = []
+    rename = checkpoint_renamer(model)
+    plain_linears = [rename(n) for n in moe_float_linears(model)]  # routers, float experts
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             # W8A8 layers also quantize their inputs: a separate group
-            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(name)
+            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(rename(name))
         elif isinstance(module, nn.Linear):
-            plain_linears.append(name)
+            plain_linears.append(rename(name))
     if not by_scheme:
         return None
     single = len(by_scheme) == 1
@@ -120,8 +122,78 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
     return WeightScheme(args["num_bits"], group, bool(args.get("symmetric", True)), scale_dtype)
 
 
+# ---- mixture-of-experts checkpoint names -------------------------------------------------
+def _moe_arch(model: nn.Module) -> Arch | None:
+    arch = ARCHS.get(model_type(model))
+    return arch if arch is not None and arch.moe is not None else None
+
+
+def checkpoint_renamer(model: nn.Module):
+    """``name -> checkpoint name``: the MoE block's name as checkpoints (vLLM, the hub) spell
+    it (Mixtral: ``block_sparse_moe``; transformers 5 renames it back on load); identity for
+    other families."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None or arch.moe.block == arch.moe.checkpoint_block:
+        return lambda name: name
+    old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
+
+    def rename(name: str) -> str:
+        if not name.startswith(arch.layer_prefix):
+            return name
+        head, sep, rest = name[len(arch.layer_prefix):].partition(".")
+        return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
+
+    return rename
+
+
+def moe_float_linears(model: nn.Module) -> list[str]:
+    """Module names (transformers 5 tree) of the Linears a vLLM-style checkpoint of an MoE model
+    holds in float: every router, and each expert's projections when the experts module is
+    not quantized (``<experts>.<e>.<gate|up|down>``)."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return []
+    names = []
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}."
+        names.append(prefix + arch.moe.router)
+        experts = model.get_submodule(prefix + arch.moe.fused)
+        if not isinstance(experts, QuantExperts):
+            count = getattr(experts, arch.moe.down).shape[0]
+            names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
+                      for e in range(count) for p in arch.moe.checkpoint_projections]
+    return names
+
+
+def _split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
+    and projection, the layout checkpoints (and vLLM) read."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return
+    gate, up, down = arch.moe.checkpoint_projections
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
+        fused_gate_up = tensors.pop(f"{prefix}.{arch.moe.gate_up}", None)
+        fused_down = tensors.pop(f"{prefix}.{arch.moe.down}", None)
+        if fused_gate_up is None or fused_down is None:
+            continue
+        inter = fused_gate_up.shape[1] // 2
+        for e in range(fused_gate_up.shape[0]):
+            tensors[f"{prefix}.{e}.{gate}.weight"] = fused_gate_up[e, :inter].contiguous()
+            tensors[f"{prefix}.{e}.{up}.weight"] = fused_gate_up[e, inter:].contiguous()
+            tensors[f"{prefix}.{e}.{down}.weight"] = fused_down[e].contiguous()
+
+
 # ---- writing ------------------------------------------------------------------------------
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors = _plain_state_dict(model, dtype)
+    _split_float_experts(model, tensors)
+    rename = checkpoint_renamer(model)
+    return {rename(name): tensor for name, tensor in tensors.items()}
+
+
+def _plain_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     head_key = output_weight_key(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -326,6 +398,68 @@ def _no_weight_init() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+def _load_moe_experts(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    quant: dict[str, Any],
+    dtype: torch.dtype,
+    backend: str,
+) -> dict[str, torch.Tensor]:
+    """For an MoE model: ``tensors`` renamed from checkpoint to module names, each quantized
+    experts module swapped for an empty ``QuantExperts`` of the checkpoint's schemes, and
+    per-expert float weights fused back into transformers 5's 3-D parameters."""
+    arch = _moe_arch(model)
+    if arch is None or arch.moe is None:
+        return tensors
+    moe, rename = arch.moe, checkpoint_renamer(model)
+    names = {rename(n): n for n in model.state_dict()}
+    names.update({rename(n): n for n, _ in model.named_modules()})
+    tensors = {_module_name(k, names, rename): v for k, v in tensors.items()}
+    gate, up, down = moe.checkpoint_projections
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
+        fused = model.get_submodule(prefix)
+        count, hidden, inter = getattr(fused, moe.down).shape
+        if f"{prefix}.0.{gate}.weight_scale" in tensors:
+            first = f"{prefix}.0."
+            schemes = tuple(
+                _expert_scheme(quant, rename(first + p), tensors[f"{first}{p}.weight_scale"])
+                for p in (gate, down)
+            )
+            experts = QuantExperts(
+                count, hidden, inter, schemes, moe.checkpoint_projections,  # type: ignore[arg-type]
+                getattr(fused, moe.act), dtype=dtype, backend=backend,
+            )
+            parent, _, child = prefix.rpartition(".")
+            setattr(model.get_submodule(parent), child, experts)
+        elif f"{prefix}.0.{gate}.weight" in tensors:
+            per = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in (gate, up, down)]
+                   for e in range(count)]
+            tensors[f"{prefix}.{moe.gate_up}"] = torch.stack([torch.cat(w[:2]) for w in per])
+            tensors[f"{prefix}.{moe.down}"] = torch.stack([w[2] for w in per])
+    return tensors
+
+
+def _module_name(key: str, names: dict[str, str], rename) -> str:
+    """Checkpoint key -> module tree key (per-expert keys keep their tail)."""
+    if key in names:
+        return names[key]
+    head, _, tail = key.rpartition(".")
+    inverse = {v: k for k, v in ((m, rename(m)) for m in names.values())}
+    for n in (head, head.rpartition(".")[0], head.rpartition(".")[0].rpartition(".")[0]):
+        if n in inverse:
+            return inverse[n] + key[len(n):]
+    return key
+
+
+def _expert_scheme(quant: dict[str, Any], name: str, scale: torch.Tensor) -> WeightScheme:
+    """The scheme of the config group targeting the per-expert Linear ``name``."""
+    for group in quant.get("config_groups", {}).values():
+        if any(t == "Linear" or matches(name, None, t) for t in group["targets"]):
+            return _scheme_from_args(group["weights"], scale.dtype)
+    raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
+
+
 def load_compressed(
     path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> nn.Module:
@@ -342,7 +476,7 @@ def load_compressed(
     # initialised by the model's own code; the float weights are then replaced by assignment.
     with _no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
-    tensors = read_tensors(path)
+    tensors = _load_moe_experts(model, read_tensors(path), quant, dtype, backend)
     ignore = quant.get("ignore", [])
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):

@@ -49,6 +49,8 @@ from compress.quant.calibrated import (
     run_calibrated,
     run_layer,
 )
+from compress.quant.coverage import report_coverage
+from compress.quant.experts import quantize_experts_rtn
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.quant.scheme import CalibratedWeightConfig
 
@@ -280,4 +282,9 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
+    # routed experts have no producer feeding one linear group, so no scale search: RTN, said so
+    report.metrics["per_expert"] = quantize_experts_rtn(
+        model, cfg, cfg.n_bits, report, "AWQ: no scale search for routed experts"
+    )
+    report_coverage(model, cfg, report)
     return report

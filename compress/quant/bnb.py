@@ -39,6 +39,7 @@ from compress.core.registry import (
     raise_or_report_skips,
     register_pass,
 )
+from compress.quant.coverage import report_coverage
 from compress.quant.linear import (
     QuantLinear,
     is_bnb_module,
@@ -200,6 +201,7 @@ def bnb_quantize(model: nn.Module, cfg: BnbConfig, state: CompressionState) -> P
         weight_bytes_after=bytes_after,
         relative_weight_error=(err_num / err_den) ** 0.5 if err_den else 0.0,
     )
+    report_coverage(model, cfg, report)
     return report
 
 

@@ -4,6 +4,12 @@ Each targeted ``nn.Linear`` becomes a ``QuantLinear`` whose scales come from the
 each group (see ``quant_primitives``). RTN needs no data; it is the baseline the calibrated
 passes (GPTQ, AWQ) must beat. Layers whose in_features the group size does not divide are
 reported by name (or use ``fallback_group_size``), and ``strict: true`` turns skips into errors.
+
+Mixture-of-experts models (``compress.arch.Moe``): every expert is quantized too. transformers
+5 keeps the experts as fused 3-D parameters, not ``nn.Linear``; the targeted experts module
+becomes a ``QuantExperts`` (per expert, group-wise gate/up/down ``QuantLinear``). The router is
+never quantized. The report counts every weight matrix of the model (``quantized_share``,
+``bits_per_weight``, ``weight_bytes_*``: ``compress.quant.coverage.report_coverage``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from compress.core.registry import (
     raise_or_report_skips,
     register_pass,
 )
-from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
+from compress.quant.coverage import report_coverage
+from compress.quant.experts import plan_experts, rtn_experts
+from compress.quant.linear import QuantLinear, WeightScheme, quantization_coverage
 from compress.quant.scheme import (
     WeightQuantConfig,
     check_group_size,
@@ -64,7 +72,8 @@ def quantize_linears(
     name: str,
     make: callable = QuantLinear.from_linear,  # type: ignore[valid-type]
 ) -> PassReport:
-    """Swap every targeted Linear for a QuantLinear built by ``make(linear, scheme, backend=)``."""
+    """Swap every targeted Linear for a QuantLinear built by ``make(linear, scheme, backend=)``
+    and every targeted fused-experts module for a ``QuantExperts`` (RTN)."""
     report = PassReport(name)
     plan: list[tuple[str, nn.Linear, WeightScheme]] = []
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
@@ -75,8 +84,9 @@ def quantize_linears(
             report.skipped[layer_name] = scheme
         else:
             plan.append((layer_name, module, scheme))
+    experts = plan_experts(model, cfg, n_bits, report)
     raise_or_report_skips(cfg, report, name)  # before any work: strict fails with nothing changed
-    bytes_before = bytes_after = 0
+    bytes_before = quantization_coverage(model)["weight_bytes"]
     err_num = err_den = 0.0
     schemes: dict[str, int] = {}
     for layer_name, linear, scheme in plan:
@@ -84,19 +94,24 @@ def quantize_linears(
         w = linear.weight.detach().to(torch.float32)
         err_num += float((quant.dequantized_weight() - w).pow(2).sum())
         err_den += float(w.pow(2).sum())
-        bytes_before += w.numel() * linear.weight.element_size()
-        bytes_after += quant.weight_bytes()
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
         schemes[scheme.describe()] = schemes.get(scheme.describe(), 0) + 1
+    for layer_name, (module, pair) in experts.items():
+        quant, num, den = rtn_experts(model, layer_name, module, pair, cfg.backend)
+        err_num, err_den = err_num + num, err_den + den
+        report.changed.append(layer_name)
+        for scheme, count in zip(pair, (2, 1), strict=True):  # gate and up, down: per expert
+            key = scheme.describe()
+            schemes[key] = schemes.get(key, 0) + count * quant.num_experts
     report.metrics.update(
         layers=len(plan),
+        expert_modules=len(experts),
         schemes=schemes,
         weight_bytes_before=bytes_before,
-        weight_bytes_after=bytes_after,
         relative_weight_error=(err_num / err_den) ** 0.5 if err_den else 0.0,
-        bits_per_weight=bits_per_weight(model, [n for n, _, _ in plan]),
     )
+    report_coverage(model, cfg, report)
     return report
 
 

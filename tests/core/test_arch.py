@@ -28,6 +28,7 @@ NAMES = {
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
     "post_feedforward_layernorm", "q_norm", "k_norm",
     "embed_tokens", "lm_head", "self_attn", "mlp", "rotary_emb",
+    "experts", "block_sparse_moe", "w1", "w2", "w3", "act_fn",
 }  # fmt: skip
 # (file, name): why the name may stay there.
 ALLOWED = {

@@ -1,0 +1,111 @@
+"""Fused MoE experts for the weight-quantization passes: which expert modules a pass config
+targets (``target_experts``: experts are an MLP's linears in fused 3-D form, transformers 5's
+``[E, 2I, H]`` / ``[E, H, I]`` parameters, so a pass targeting ``Linear`` targets them), their
+per-expert schemes (``plan_experts``) and their RTN (``rtn_experts``, ``quantize_experts_rtn``)
+into a ``QuantExperts``. Shared by RTN, GPTQ (which falls back to it for experts the router sends
+too few calibration tokens) and AWQ (which has no scale search for routed experts).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from compress.arch import ARCHS, Moe, arch_for, model_type
+from compress.core.matcher import matches, set_submodule
+from compress.core.registry import PassConfig, PassReport
+from compress.quant.linear import QuantExperts, WeightScheme
+from compress.quant.scheme import WeightQuantConfig, scheme_for_layer
+
+
+def target_experts(model: nn.Module, cfg: PassConfig) -> list[tuple[str, nn.Module]]:
+    """The float fused-experts modules of an MoE model (``compress.arch.Moe``) that ``cfg``
+    targets, in layer order. Experts are the MLP's linear layers in fused form, so a pass
+    that targets ``Linear`` targets them too; otherwise a target must name them (exact name,
+    class name or ``re:``). ``ignore`` applies to the experts module's name."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None:
+        return []
+    found = []
+    for index in range(len(model.get_submodule(arch.layers))):
+        name = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
+        module = model.get_submodule(name)
+        if isinstance(module, QuantExperts) or any(matches(name, module, p) for p in cfg.ignore):
+            continue
+        if "Linear" in cfg.targets or any(matches(name, module, p) for p in cfg.targets):
+            found.append((name, module))
+    return found
+
+
+
+ExpertPlan = dict[str, tuple[nn.Module, tuple[WeightScheme, WeightScheme]]]
+
+
+def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport
+                 ) -> ExpertPlan:
+    """Targeted fused-experts modules -> (module, (gate/up scheme, down scheme)); one whose
+    group size divides neither input width is a reported skip (``scheme_for_layer``; per-layer
+    ``overrides`` match ``<experts>.<gate_up>`` and ``<experts>.<down>``)."""
+    found = target_experts(model, cfg)
+    if not found:
+        return {}
+    moe = _moe(model, report.name)
+    plan: ExpertPlan = {}
+    for name, module in found:
+        gate_up, down = getattr(module, moe.gate_up), getattr(module, moe.down)
+        pair = []
+        for param, width in ((moe.gate_up, gate_up.shape[2]), (moe.down, down.shape[2])):
+            probe = nn.Linear(width, 1, bias=False, device="meta")  # scheme_for_layer reads K
+            pair.append(scheme_for_layer(probe, cfg, n_bits, f"{name}.{param}"))
+        params = (moe.gate_up, moe.down)
+        reasons = [f"{p}: {s}" for p, s in zip(params, pair, strict=True) if isinstance(s, str)]
+        if reasons:
+            report.skipped[name] = "; ".join(reasons)
+        else:
+            plan[name] = (module, (pair[0], pair[1]))  # type: ignore[assignment]
+    return plan
+
+
+def quantize_experts_rtn(
+    model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport, why: str
+) -> dict[str, str]:
+    """RTN of every targeted float experts module, for a pass that has no method of its own
+    for experts (AWQ: its scale search needs a producer that feeds one linear group; routed
+    experts have none). Each is listed in ``report.changed``; returns ``{experts module:
+    "<why> -> RTN"}`` for the report. Skips (group sizes) are added to ``report.skipped``."""
+    plan = plan_experts(model, cfg, n_bits, report)
+    done = {}
+    for name, (module, pair) in plan.items():
+        rtn_experts(model, name, module, pair, cfg.backend)
+        report.changed.append(name)
+        done[name] = f"{why} -> RTN"
+    return done
+
+
+def _moe(model: nn.Module, what: str) -> Moe:
+    moe = arch_for(model, what).moe
+    assert moe is not None, "target_experts finds nothing outside MoE families"
+    return moe
+
+
+def rtn_experts(
+    model: nn.Module,
+    name: str,
+    module: nn.Module,
+    schemes: tuple[WeightScheme, WeightScheme],
+    backend: str,
+) -> tuple[QuantExperts, float, float]:
+    """Swap the fused experts at ``name`` for their RTN ``QuantExperts``; returns it and the
+    squared weight error and squared weight norm (for ``relative_weight_error``)."""
+    moe = _moe(model, "RTN of MoE layers")
+    gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
+    quant = QuantExperts.from_fused(
+        gate_up, down, schemes, moe.checkpoint_projections, getattr(module, moe.act),
+        backend=backend,
+    )
+    q_gate_up, q_down = quant.dequantized_weights()
+    num = float((q_gate_up - gate_up.float()).pow(2).sum() + (q_down - down.float()).pow(2).sum())
+    den = float(gate_up.float().pow(2).sum() + down.float().pow(2).sum())
+    set_submodule(model, name, quant)
+    return quant, num, den
+
+
