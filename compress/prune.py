@@ -18,6 +18,14 @@ is expressible by the ordinary config (``num_attention_heads``, ``num_key_value_
 size, or ``target_params`` (a total parameter budget such as ``90M``). Not done: per-layer
 widths (not loadable by transformers), pruning of quantized layers, families not in
 ``compress.arch``.
+
+Per family (``compress.arch``): fused linears (Phi-3's ``[q; k; v]`` and ``[gate; up]``) lose
+the same heads/channels in every part; q/k norms over one head (Qwen3, Gemma3) are untouched by
+head pruning, OLMo2's over all heads lose the pruned heads' entries (its q/k RMS then runs over
+the kept heads only, so a head-pruned OLMo2 is not exactly the head-masked model); post-norms
+(Gemma, OLMo2) are sliced with the hidden size; Gemma's embedding factor ``sqrt(hidden_size)``
+is reset to what a reload computes, with every post-norm scaled by the same ratio so that the
+residual stream's scale, to which the pre-norms are invariant, is all that changes.
 """
 
 from __future__ import annotations
@@ -320,7 +328,12 @@ def _head_scores(model, arch, layers, cfg, state, n_heads, head_dim) -> list[tor
 
 
 def _slice_heads(
-    layer: nn.Module, arch: Arch, q_rows: torch.Tensor, kv_rows: torch.Tensor, q_dim: int,
+    layer: nn.Module,
+    arch: Arch,
+    q_rows: torch.Tensor,
+    kv_rows: torch.Tensor,
+    *,
+    q_dim: int,
     kv_dim: int,
 ) -> None:
     """Keep q rows ``q_rows`` (of ``q_dim`` = H * D) and k/v rows ``kv_rows`` (of ``kv_dim``) in
@@ -395,7 +408,7 @@ def prune_attention_heads(
             q_keep = (torch.arange(n_kv)[:, None] * group + within).flatten()
         q_rows = (q_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
         kv_rows = (kv_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
-        _slice_heads(layer, arch, q_rows, kv_rows, n_heads * head_dim, n_kv * head_dim)
+        _slice_heads(layer, arch, q_rows, kv_rows, q_dim=n_heads * head_dim, kv_dim=n_kv * head_dim)
         report.changed.append(f"{arch.layer_prefix}{i}.{arch.attention}")
     config.head_dim = head_dim  # explicit, so hidden_size // num_attention_heads is never used
     config.num_attention_heads = keep

@@ -95,7 +95,11 @@ def smooth_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: floa
 
 
 def _layer_mappings(
-    layer: nn.Module, arch: Arch, mine: set[str], cfg: SmoothquantConfig, prefix: str,
+    layer: nn.Module,
+    arch: Arch,
+    mine: set[str],
+    cfg: SmoothquantConfig,
+    prefix: str,
     notes: dict[str, float | str],
 ) -> list[Mapping]:
     """The family's mappings to smooth in one layer (``mine``: its targeted linears); partly

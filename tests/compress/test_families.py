@@ -273,6 +273,29 @@ def test_structured_prune_equals_the_masked_model(model_type, what):
     torch.testing.assert_close(_logits(model), _logits(masked), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("model_type", [t for t in FAMILIES if ARCHS[t].qk_norms])
+@torch.no_grad()
+def test_head_prune_keeps_the_q_k_norms_of_the_kept_heads(model_type):
+    """q/k norms over one head (Qwen3, Gemma3) are unchanged; norms over all heads (OLMo2) keep
+    the entries of the kept q rows and k rows (found from the kept o columns and k rows)."""
+    model = _model(model_type)
+    original = copy.deepcopy(model)
+    arch = arch_for(model, "test")
+    run_passes(model, [AttentionHeadsConfig(num_attention_heads=2, importance="magnitude")],
+               tiny_state())  # fmt: skip
+    for layer, ref in zip(decoder_layers(model), decoder_layers(original), strict=True):
+        (q_norm, k_norm), (q_ref, k_ref) = (
+            [x.get_submodule(n).weight for n in arch.qk_norms] for x in (layer, ref)
+        )
+        if arch.qk_norm_span == "head":
+            assert torch.equal(q_norm, q_ref) and torch.equal(k_norm, k_ref)
+            continue
+        q_rows = _kept(layer.get_submodule(arch.o).weight, ref.get_submodule(arch.o).weight)
+        k_rows = _kept(layer.get_submodule(arch.k).weight.T, ref.get_submodule(arch.k).weight.T)
+        assert len(q_rows) == 32 and len(k_rows) == 16
+        assert torch.equal(q_norm, q_ref[q_rows]) and torch.equal(k_norm, k_ref[k_rows])
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     """Heads, MLP channels, hidden size and layers (activation importance), then a plain
