@@ -100,7 +100,7 @@ def test_entry_names_every_linear_and_norm_of_the_layer(model_type):
         width = layer.get_submodule(m.producer).weight[rows or slice(None)].shape[0]
         for consumer in m.consumers:
             k = layer.get_submodule(consumer).in_features
-            assert k % width == 0 and (k // width) * width == k, (m, width, k)
+            assert k % width == 0, (m, width, k)
     scaled = {c for m in arch.awq_mappings for c in m.consumers}
     gaps = {c for g in arch.scale_gaps for c in g.consumers}
     assert scaled | gaps == linears and not scaled & gaps  # every linear: scaled or reported
@@ -143,11 +143,11 @@ def test_gemma_fold_needs_the_one_plus_w_form(model_type):
 
 
 def _fold_only(model: nn.Module, fold) -> dict:
-    """Run ``fold(layer, arch, inputs, notes)`` layer by layer on the calibration data."""
+    """Run ``fold(layer, arch, inputs, prefix, notes)`` layer by layer on the calibration data."""
     arch, notes = arch_for(model, "test"), {}
 
     def process(index, layer, inputs):
-        fold(layer, arch, inputs, notes)
+        fold(layer, arch, inputs, f"{arch.layer_prefix}{index}.", notes)
 
     run_calibrated(model, tiny_state(), process, "fold", offload="none")
     return notes
@@ -160,9 +160,9 @@ def test_awq_scale_fold_keeps_the_logits(model_type):
     cfg = AwqConfig(group_size=32, n_grid=10)
     scheme = WeightScheme(4, 32, True, torch.float16)
 
-    def fold(layer, arch, inputs, notes):
+    def fold(layer, arch, inputs, prefix, notes):
         mine = dict.fromkeys(arch.linears, scheme)
-        scale_layer(layer, arch, mine, inputs, cfg, prefix=f"{len(notes)}.", notes=notes)
+        scale_layer(layer, arch, mine, inputs, cfg, prefix=prefix, notes=notes)
 
     notes = _fold_only(model, fold)
     scaled = {k: v for k, v in notes.items() if isinstance(v, dict)}
@@ -179,9 +179,8 @@ def test_smoothquant_scale_fold_keeps_the_logits(model_type):
     before = _logits(model)
     cfg = SmoothquantConfig()
 
-    def fold(layer, arch, inputs, notes):
-        smooth_layer(layer, arch, set(arch.linears), inputs, cfg, prefix=f"{len(notes)}.",
-                     notes=notes)  # fmt: skip
+    def fold(layer, arch, inputs, prefix, notes):
+        smooth_layer(layer, arch, set(arch.linears), inputs, cfg, prefix=prefix, notes=notes)
 
     notes = _fold_only(model, fold)
     spreads = [v for v in notes.values() if isinstance(v, float)]
@@ -208,9 +207,9 @@ def _quantized(model_type: str, cfg, seed: int, cls=QuantLinear):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_awq_kl_is_not_far_worse_than_rtn(model_type):
-    """Summed over 2 seeds. Measured AWQ / RTN: 0.43-1.03 (Gemma3 1.03); with Gemma's norms
-    folded as ``w`` it was 1.9 (Gemma2 and Gemma3)."""
+def test_awq_kl_is_not_worse_than_rtn(model_type):
+    """KL summed over 2 seeds. Measured AWQ / RTN: 0.48-0.81 (Gemma2 0.81); with Gemma's norms
+    folded as ``w * n(x)`` (the bug of issue 17): 1.67 (Gemma2), 1.51 (Gemma3)."""
     kls = {"awq": 0.0, "rtn": 0.0}
     for seed in (0, 1):
         for name, cfg in (
@@ -219,13 +218,13 @@ def test_awq_kl_is_not_far_worse_than_rtn(model_type):
         ):
             base, model, _ = _quantized(model_type, cfg, seed)
             kls[name] += _kl(model, base)
-    assert kls["awq"] <= 1.5 * kls["rtn"], kls
+    assert kls["awq"] <= 1.25 * kls["rtn"], kls
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_smoothquant_kl_is_not_worse_than_plain_w8a8(model_type):
-    """Measured SmoothQuant / plain W8A8: 0.3-0.7 (OLMo2 1.0: only up -> down can be smoothed);
-    with Gemma's norms folded as ``w``: 470-1090."""
+    """Measured SmoothQuant / plain W8A8: 0.31-0.68 (OLMo2 0.97: only up -> down can be
+    smoothed); with Gemma's norms folded as ``w * n(x)``: 566 (Gemma3), 1317 (Gemma2)."""
     base, model, report = _quantized(model_type, SmoothquantConfig(), 0, W8A8Linear)
     _, plain, _ = _quantized(model_type, SmoothquantConfig(smooth=False), 0, W8A8Linear)
     assert _kl(model, base) <= 1.5 * _kl(plain, base)
@@ -233,9 +232,11 @@ def test_smoothquant_kl_is_not_worse_than_plain_w8a8(model_type):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_gptq_quantizes_every_decoder_linear(model_type):
+def test_gptq_kl_is_not_far_worse_than_rtn(model_type):
+    """Fused linears are plain Linears to GPTQ. Measured GPTQ / RTN (one seed): 0.67-1.17."""
     base, model, _ = _quantized(model_type, GptqConfig(group_size=32), 0)
-    assert torch.isfinite(_logits(model)).all()
+    _, rtn, _ = _quantized(model_type, Int4RtnConfig(group_size=32), 0)
+    assert _kl(model, base) <= 1.5 * _kl(rtn, base)
 
 
 # ---- pruning -----------------------------------------------------------------------------
