@@ -53,32 +53,54 @@ class _StopForward(Exception):
 @dataclass
 class LayerInputs:
     """Hidden states entering one decoder layer, one tensor ``[1, T, hidden]`` per sample, and
-    the keyword arguments the model passes to every layer (rotary embeddings, mask)."""
+    the keyword arguments the model passes to that layer (rotary embeddings, mask), one dict per
+    sample. ``per_layer[i]`` holds layer i's keyword arguments: hybrid models give each layer
+    type its own mask and rotary tables (Gemma2/3 sliding and global layers, Qwen2's sliding
+    layers), so layer i must not be run with layer 0's."""
 
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per sample
+    per_layer: list[list[dict[str, Any]]] = field(default_factory=list)  # [layer][sample]
+
+
+def _layer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "use_cache")}
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
 
 
 @torch.no_grad()
 def capture_first_layer_inputs(
     model: nn.Module, batches: list[torch.Tensor], device: torch.device
 ) -> LayerInputs:
-    """Run each batch ``[1, T]`` until decoder layer 0 and record what enters it."""
-    layer0 = decoder_layers(model, "sequential calibration")[0]
-    captured = LayerInputs(hidden=[])
+    """Run each batch ``[1, T]`` through the model with every decoder layer replaced by the
+    identity and record what enters layer 0 and the keyword arguments of every layer; the
+    forward stops at the final norm. The layers' weights are not touched (they may be on the
+    meta device, ``offload="disk"``)."""
+    layers = decoder_layers(model, "sequential calibration")
+    final_norm = model.get_submodule(arch_for(model, "sequential calibration").final_norm)
+    captured = LayerInputs(hidden=[], per_layer=[[] for _ in layers])
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        if not torch.isfinite(hidden).all():
-            raise ValueError("calibration activations contain NaN/Inf before decoder layer 0")
-        captured.hidden.append(hidden.detach())
-        keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
-        keep = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
-        captured.kwargs.append(keep)
+    def identity_for(index: int):
+        def identity(*args: Any, **kwargs: Any) -> torch.Tensor:
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if index == 0:
+                if not torch.isfinite(hidden).all():
+                    raise ValueError(
+                        "calibration activations contain NaN/Inf before decoder layer 0"
+                    )
+                captured.hidden.append(hidden.detach())
+            captured.per_layer[index].append(_layer_kwargs(kwargs))
+            return hidden
+
+        return identity
+
+    def stop(module: nn.Module, args: tuple) -> None:
         raise _StopForward
 
-    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = final_norm.register_forward_pre_hook(stop)
     try:
+        for index, layer in enumerate(layers):
+            layer.forward = identity_for(index)  # instance attribute: shadows the class method
         for ids in batches:
             try:
                 model(ids.to(device), use_cache=False)
@@ -86,6 +108,13 @@ def capture_first_layer_inputs(
                 pass
     finally:
         handle.remove()
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+    if any(len(k) != len(batches) for k in captured.per_layer):
+        raise ValueError(
+            "sequential calibration: the model did not call every decoder layer once per batch"
+        )
+    captured.kwargs = captured.per_layer[0]
     return captured
 
 
@@ -164,6 +193,7 @@ def run_sequential(
                 if disk is not None:
                     disk.restore(layer, index, device)
                 layer.to(device)
+                inputs.kwargs = inputs.per_layer[index]
                 process_layer(index, layer, inputs)
                 inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
                 if offload != "none":
@@ -295,8 +325,11 @@ def migrate_scales(
         prev.weight[part].div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
         if prev.bias is not None:
             prev.bias[part].div_(s_prev.to(prev.bias.dtype))
-    elif rows is not None:
-        raise ValueError(f"rows={rows} given for a {type(prev).__name__} producer (not a Linear)")
+    elif rows is not None or prev.weight.dim() != 1:
+        raise ValueError(
+            f"{type(prev).__name__} cannot absorb a scale: a producer is an nn.Linear (rows "
+            "divided) or a norm with a 1-D weight (rows=None)"
+        )
     elif norm_form == "1+w":
         prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
     else:  # RMSNorm-style: y = w * normalize(x)

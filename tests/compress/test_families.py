@@ -38,7 +38,7 @@ from compress.prune import (
     _scale_post_norms,
 )
 from compress.quantize import Int4RtnConfig
-from compress.sequential import migrate_scales, run_calibrated
+from compress.sequential import migrate_scales, run_calibrated, run_layer, run_sequential
 from compress.smoothquant import SmoothquantConfig, smooth_layer
 from compress.testing import TINY_MODEL_TYPES, make_tiny_model
 from tests.compress.quant_helpers import tiny_state
@@ -104,6 +104,36 @@ def test_entry_names_every_linear_and_norm_of_the_layer(model_type):
     scaled = {c for m in arch.awq_mappings for c in m.consumers}
     gaps = {c for g in arch.scale_gaps for c in g.consumers}
     assert scaled | gaps == linears and not scaled & gaps  # every linear: scaled or reported
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@torch.no_grad()
+def test_sequential_calibration_runs_each_layer_as_the_model_does(model_type):
+    """Every layer's output in the layer-by-layer calibration equals its output in the model's
+    own forward: Gemma2/3 give sliding and global layers different masks (and Gemma3 different
+    rotary tables), so replaying layer 0's arguments for every layer would be wrong."""
+    model = _model(model_type, dtype=torch.float32)
+    batches = tiny_state().calibration_batches()  # 32 tokens: beyond the 8-token windows
+    layers = decoder_layers(model)
+    expected: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = [
+        layer.register_forward_hook(lambda m, a, out, i=i: expected[i].append(out))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    got: list[list[torch.Tensor]] = []
+    run_sequential(
+        model, batches, lambda i, layer, inputs: got.append(run_layer(layer, inputs)),
+        device=torch.device("cpu"), progress=False,
+    )  # fmt: skip
+    for mine, theirs in zip(got, expected, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---- scale folds keep the function -------------------------------------------------------
@@ -187,6 +217,21 @@ def test_smoothquant_scale_fold_keeps_the_logits(model_type):
     assert len(spreads) == 2 * len(arch_for(model, "test").smoothquant_mappings)
     assert min(spreads) > 1.5
     assert _rel(_logits(model), before) < 1e-5
+
+
+@pytest.mark.parametrize("cfg", [AwqConfig(group_size=32, n_grid=5), SmoothquantConfig()],
+                         ids=["awq", "smoothquant"])  # fmt: skip
+def test_olmo2_unscaled_groups_are_reported(cfg, caplog):
+    """OLMo2's q/k/v and gate/up read the residual stream: quantized unscaled, and the report
+    and a WARNING say so (v -> o and up -> down are still scaled)."""
+    model = _model("olmo2", dtype=torch.float32)
+    state = tiny_state()
+    with caplog.at_level("WARNING"):
+        run_passes(model, [cfg], state)
+    unscaled = state.reports[-1].metrics["unscaled"]
+    assert len(unscaled) == 4  # 2 groups x 2 layers
+    assert all("residual stream" in reason for reason in unscaled.values())
+    assert any("olmo2" in r.message and "4 groups" in r.message for r in caplog.records)
 
 
 # ---- quantized: every decoder linear, and no worse than the plain method ----------------
