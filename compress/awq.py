@@ -42,6 +42,7 @@ int4/int8 ``QuantLinear`` group weights. Model families: those ``compress.arch``
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from pydantic import Field
@@ -257,7 +258,7 @@ def _scale_group(
 
 
 def _layer_groups(
-    arch: Arch, mine: dict[str, WeightScheme], prefix: str, notes: dict[str, str]
+    arch: Arch, mine: dict[str, WeightScheme], prefix: str, notes: dict[str, Any]
 ) -> tuple[list[Mapping], list[tuple[str, ...]]]:
     """(mappings of one layer to scale, consumer groups to quantize unscaled): a mapping whose
     consumers are only partly targeted is not scaled (it would break the equivalence), and the
@@ -293,9 +294,7 @@ def scale_layer(
     Returns each consumer's input second moment ``H [K, K]`` as the consumer sees it after the
     fold (for the clipping search); per-group metrics and notes go to ``notes``."""
     notes = {} if notes is None else notes
-    gaps: dict[str, str] = {}
-    mappings, unscaled = _layer_groups(arch, mine, prefix, gaps)
-    notes.update(gaps)
+    mappings, unscaled = _layer_groups(arch, mine, prefix, notes)
     points = [m.consumers[0] for m in mappings] + [g[0] for g in unscaled]
     stats = _InputStats(layer, list(dict.fromkeys(points)))
     try:

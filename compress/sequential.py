@@ -1,7 +1,9 @@
 """Sequential (layer-by-layer) calibration in bounded memory, shared by GPTQ, AWQ, SmoothQuant.
 
-The calibration batch runs through the embeddings once; the inputs of decoder layer 0 are
-captured (a hook that stops the forward), then for each layer i: the pass calibrates and
+The calibration batch runs through the embeddings once, with every decoder layer standing in as
+the identity: the inputs of decoder layer 0 are captured, and the keyword arguments (mask,
+rotary tables) the model gives each layer, which differ between layer types in hybrid models
+(Gemma2/3 sliding and global layers). Then for each layer i: the pass calibrates and
 quantizes layer i on its captured inputs, and the *quantized* layer is run to produce the
 inputs of layer i+1 (so later layers see, and compensate for, earlier layers' errors, as in
 GPTQ). Only one layer's statistics and one set of hidden states ``[n, T, hidden]`` are alive
