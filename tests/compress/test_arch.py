@@ -163,3 +163,19 @@ def test_one_plus_w_norm_fold_keeps_the_output():
     s = torch.rand(8) + 0.5
     migrate_scales(norm, [lin], s, s, norm_form="1+w")
     torch.testing.assert_close(lin((1 + norm.weight) * x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_part_that_does_not_split_is_a_config_error():
+    """``producer_rows`` on a layer whose fused linear does not have the rows its entry implies
+    ([gate; up] must be twice the down projection's inputs): a ConfigError, not a bad slice."""
+    from compress.arch import PHI3, producer_rows
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.gate_up_proj = torch.nn.Linear(8, 10)  # 10 rows: not 2 x 4
+    layer.mlp.down_proj = torch.nn.Linear(4, 8)
+    (up_down,) = [m for m in PHI3.awq_mappings if m.part == "up"]
+    with pytest.raises(ConfigError, match="do not split into a 'up' part"):
+        producer_rows(layer, up_down)
+    layer.mlp.gate_up_proj = torch.nn.Linear(8, 8)
+    assert producer_rows(layer, up_down) == slice(4, 8)
