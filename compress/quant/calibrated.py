@@ -1,7 +1,9 @@
 """Sequential (layer-by-layer) calibration in bounded memory, shared by GPTQ, AWQ, SmoothQuant.
 
-The calibration batch runs through the embeddings once; the inputs of decoder layer 0 are
-captured (a hook that stops the forward), then for each layer i: the pass calibrates and
+The calibration batch runs through the embeddings once, with every decoder layer standing in as
+the identity: the inputs of decoder layer 0 are captured, and the keyword arguments (mask,
+rotary tables) the model gives each layer, which differ between layer types in hybrid models
+(Gemma2/3 sliding and global layers). Then for each layer i: the pass calibrates and
 quantizes layer i on its captured inputs, and the *quantized* layer is run to produce the
 inputs of layer i+1 (so later layers see, and compensate for, earlier layers' errors, as in
 GPTQ). Only one layer's statistics and one set of hidden states ``[n, T, hidden]`` are alive
@@ -21,6 +23,7 @@ per-channel scale into the producer of an input (``migrate_scales``, AWQ and Smo
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -33,13 +36,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import NormForm, arch_for, decoder_layers
+from compress.arch import Arch, NormForm, arch_for, decoder_layers
 from compress.core.errors import DataError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
 from compress.memory import MemoryMonitor
 from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
+
+log = logging.getLogger(__name__)
 
 OffloadMode = Literal["none", "cpu", "disk"]
 
@@ -51,32 +56,54 @@ class _StopForward(Exception):
 @dataclass
 class LayerInputs:
     """Hidden states entering one decoder layer, one tensor ``[1, T, hidden]`` per sample, and
-    the keyword arguments the model passes to every layer (rotary embeddings, mask)."""
+    the keyword arguments the model passes to that layer (rotary embeddings, mask), one dict per
+    sample. ``per_layer[i]`` holds layer i's keyword arguments: hybrid models give each layer
+    type its own mask and rotary tables (Gemma2/3 sliding and global layers, Qwen2's sliding
+    layers), so layer i must not be run with layer 0's."""
 
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per sample
+    per_layer: list[list[dict[str, Any]]] = field(default_factory=list)  # [layer][sample]
+
+
+def _layer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "use_cache")}
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
 
 
 @torch.no_grad()
 def capture_first_layer_inputs(
     model: nn.Module, batches: list[torch.Tensor], device: torch.device
 ) -> LayerInputs:
-    """Run each batch ``[1, T]`` until decoder layer 0 and record what enters it."""
-    layer0 = decoder_layers(model, "sequential calibration")[0]
-    captured = LayerInputs(hidden=[])
+    """Run each batch ``[1, T]`` through the model with every decoder layer replaced by the
+    identity and record what enters layer 0 and the keyword arguments of every layer; the
+    forward stops at the final norm. The layers' weights are not touched (they may be on the
+    meta device, ``offload="disk"``)."""
+    layers = decoder_layers(model, "sequential calibration")
+    final_norm = model.get_submodule(arch_for(model, "sequential calibration").final_norm)
+    captured = LayerInputs(hidden=[], per_layer=[[] for _ in layers])
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        if not torch.isfinite(hidden).all():
-            raise ValueError("calibration activations contain NaN/Inf before decoder layer 0")
-        captured.hidden.append(hidden.detach())
-        keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
-        keep = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
-        captured.kwargs.append(keep)
+    def identity_for(index: int):
+        def identity(*args: Any, **kwargs: Any) -> torch.Tensor:
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if index == 0:
+                if not torch.isfinite(hidden).all():
+                    raise ValueError(
+                        "calibration activations contain NaN/Inf before decoder layer 0"
+                    )
+                captured.hidden.append(hidden.detach())
+            captured.per_layer[index].append(_layer_kwargs(kwargs))
+            return hidden
+
+        return identity
+
+    def stop(module: nn.Module, args: tuple) -> None:
         raise _StopForward
 
-    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = final_norm.register_forward_pre_hook(stop)
     try:
+        for index, layer in enumerate(layers):
+            layer.forward = identity_for(index)  # instance attribute: shadows the class method
         for ids in batches:
             try:
                 model(ids.to(device), use_cache=False)
@@ -84,6 +111,13 @@ def capture_first_layer_inputs(
                 pass
     finally:
         handle.remove()
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+    if any(len(k) != len(batches) for k in captured.per_layer):
+        raise ValueError(
+            "sequential calibration: the model did not call every decoder layer once per batch"
+        )
+    captured.kwargs = captured.per_layer[0]
     return captured
 
 
@@ -162,6 +196,7 @@ def run_sequential(
                 if disk is not None:
                     disk.restore(layer, index, device)
                 layer.to(device)
+                inputs.kwargs = inputs.per_layer[index]
                 process_layer(index, layer, inputs)
                 inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
                 if offload != "none":
@@ -245,6 +280,27 @@ def finish_quant_report(
     )
 
 
+def warn_unscaled(report: PassReport, notes: dict[str, Any], arch: Arch) -> None:
+    """Collect the groups a scale pass (AWQ, SmoothQuant) quantized without folding a scale (the
+    string entries of ``notes``: group -> reason) into ``report.metrics["unscaled"]`` and log a
+    WARNING per reason: never a silent gap (OLMo2's q/k/v and gate/up have no producer)."""
+    unscaled = {k: v for k, v in notes.items() if isinstance(v, str)}
+    report.metrics["unscaled"] = unscaled
+    by_reason: dict[str, list[str]] = {}
+    for group, reason in unscaled.items():
+        by_reason.setdefault(reason, []).append(group)
+    for reason, groups in by_reason.items():
+        log.warning(
+            "%s: %d groups of linears (model_type %r) unscaled: %s; groups: %s%s",
+            report.name,
+            len(groups),
+            arch.model_type,
+            reason,
+            " | ".join(groups[:3]),
+            f" | ... ({len(groups)} in all)" if len(groups) > 3 else "",
+        )
+
+
 @torch.no_grad()
 def migrate_scales(
     prev: nn.Module,
@@ -253,16 +309,30 @@ def migrate_scales(
     s: torch.Tensor,
     *,
     norm_form: NormForm = "w",
+    rows: slice | None = None,
 ) -> None:
     """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
     RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
     the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged.
+
     ``norm_form`` is the norm's (``compress.arch.Arch.norm_form``): for ``"1+w"`` (Gemma,
-    ``y = (1 + w) * normalize(x)``) the new weight is ``(1 + w) / s - 1``."""
+    ``y = (1 + w) * normalize(x)``) the effective weight ``1 + w`` is what is divided, so the
+    new weight is ``(1 + w) / s - 1`` (dividing ``w`` alone would leave the 1 unscaled).
+    ``rows``: for a fused Linear producer, the rows that feed the consumers (Phi-3's v rows of
+    ``[q; k; v]``, up half of ``[gate; up]``, ``compress.arch.producer_rows``); the other rows
+    feed other operations and stay as they are."""
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
+        part = slice(None) if rows is None else rows
+        if s_prev.shape[0] != prev.weight[part].shape[0]:
+            raise ValueError(f"scale of {s_prev.shape[0]} for {prev.weight[part].shape[0]} rows")
+        prev.weight[part].div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
         if prev.bias is not None:
-            prev.bias.div_(s_prev.to(prev.bias.dtype))
+            prev.bias[part].div_(s_prev.to(prev.bias.dtype))
+    elif rows is not None or prev.weight.dim() != 1:
+        raise ValueError(
+            f"{type(prev).__name__} cannot absorb a scale: a producer is an nn.Linear (rows "
+            "divided) or a norm with a 1-D weight (rows=None)"
+        )
     elif norm_form == "1+w":
         prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
     else:  # RMSNorm-style: y = w * normalize(x)

@@ -29,6 +29,7 @@ NAMES = {
     "post_feedforward_layernorm", "q_norm", "k_norm",
     "embed_tokens", "lm_head", "self_attn", "mlp", "rotary_emb",
     "experts", "block_sparse_moe", "w1", "w2", "w3", "act_fn",
+    "embed_scale", "scalar_embed_scale",
 }  # fmt: skip
 # (file, name): why the name may stay there.
 ALLOWED = {
@@ -108,7 +109,8 @@ def test_llama_entry_names_modules_of_a_real_llama():
         arch.q, arch.k, arch.v, arch.o, arch.gate, arch.up, arch.down
     }  # fmt: skip
     assert output_weight_key(model) == f"{arch.lm_head}.weight"
-    assert set(ARCHS) >= {"llama"}
+    assert set(ARCHS) >= {"llama", "qwen2", "qwen3", "mistral", "granite", "gemma2", "gemma3_text",
+                          "phi3", "olmo2"}  # fmt: skip
 
 
 def test_unsupported_family_is_refused_by_pass_and_model_type():
@@ -162,3 +164,19 @@ def test_one_plus_w_norm_fold_keeps_the_output():
     s = torch.rand(8) + 0.5
     migrate_scales(norm, [lin], s, s, norm_form="1+w")
     torch.testing.assert_close(lin((1 + norm.weight) * x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_part_that_does_not_split_is_a_config_error():
+    """``producer_rows`` on a layer whose fused linear does not have the rows its entry implies
+    ([gate; up] must be twice the down projection's inputs): a ConfigError, not a bad slice."""
+    from compress.arch import PHI3, producer_rows
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.gate_up_proj = torch.nn.Linear(8, 10)  # 10 rows: not 2 x 4
+    layer.mlp.down_proj = torch.nn.Linear(4, 8)
+    (up_down,) = [m for m in PHI3.awq_mappings if m.part == "up"]
+    with pytest.raises(ConfigError, match="do not split into a 'up' part"):
+        producer_rows(layer, up_down)
+    layer.mlp.gate_up_proj = torch.nn.Linear(8, 8)
+    assert producer_rows(layer, up_down) == slice(4, 8)
