@@ -143,10 +143,10 @@ ARCHS: dict[str, Arch] = {
     for a in (
         LLAMA,
         # Same module names as Llama; they ran every pass before this table existed (issue 17's
-        # survey). Not run by the runtime: Qwen3's q/k norms and Granite's multipliers are not
-        # in it, and no runtime test covers Qwen2/Mistral yet.
+        # survey). The runtime runs them with the per-family facts in RUNTIME_SPECS below
+        # (Qwen2's biases, Qwen3's q/k norms, Mistral's window, Granite's multipliers).
         *(
-            dataclasses.replace(LLAMA, model_type=t, runtime=False)
+            dataclasses.replace(LLAMA, model_type=t)
             for t in ("qwen2", "qwen3", "mistral", "granite")
         ),
     )
@@ -204,3 +204,85 @@ def output_weight_key(model: nn.Module) -> str | None:
     if head is None:
         return None
     return next((f"{n}.weight" for n, m in model.named_modules() if m is head), None)
+
+
+# ---- runtime facts per family ------------------------------------------------------------
+# What compress.runtime needs beyond the module names above: the decoder-layer arithmetic that
+# differs between families. Module paths are from one decoder layer; the other strings name
+# attributes of the transformers config.
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """How one family's decoder computes, for the runtime (``compress/runtime.py``).
+
+    Norms take ``Arch.norm_form``; every layer is pre-norm (``attn_norm``, ``mlp_norm``) with an
+    optional post-norm of the block's output before the residual add (Gemma 2/3). Sliding-window
+    layers come from the config (``sliding_window``, ``layer_types``), not from here.
+    """
+
+    query_norm: str | None = None  # RMSNorm over head_dim of each query head, before RoPE (Qwen3)
+    key_norm: str | None = None  # the same for keys
+    post_attn_norm: str | None = None  # norm of the attention output, before the residual add
+    post_mlp_norm: str | None = None  # norm of the MLP output, before the residual add
+    activation_key: str = "hidden_act"  # config attribute naming the gated MLP's activation
+    embed_sqrt_hidden: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
+    embed_multiplier: str | None = None  # config attribute multiplying the embeddings
+    residual_multiplier: str | None = None  # config attribute scaling each block's output
+    logits_divisor: str | None = None  # config attribute dividing the logits
+    attn_softcap: str | None = None  # config attribute: scores -> cap * tanh(scores / cap)
+    final_softcap: str | None = None  # config attribute: logits -> cap * tanh(logits / cap)
+    rope_per_layer_type: bool = False  # rotary module takes the layer type (own base per type)
+
+
+_LLAMA_RT = RuntimeSpec()
+_GEMMA2_RT = RuntimeSpec(
+    post_attn_norm="post_attention_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+    activation_key="hidden_activation",
+    embed_sqrt_hidden=True,
+    attn_softcap="attn_logit_softcapping",
+    final_softcap="final_logit_softcapping",
+)
+RUNTIME_SPECS: dict[str, RuntimeSpec] = {
+    "llama": _LLAMA_RT,
+    "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
+    "mistral": _LLAMA_RT,  # sliding window from the config
+    "qwen3": RuntimeSpec(query_norm="self_attn.q_norm", key_norm="self_attn.k_norm"),
+    # attention_multiplier is the attention module's own scaling
+    "granite": RuntimeSpec(
+        embed_multiplier="embedding_multiplier",
+        residual_multiplier="residual_multiplier",
+        logits_divisor="logits_scaling",
+    ),
+    "gemma2": _GEMMA2_RT,
+    "gemma3_text": dataclasses.replace(
+        _GEMMA2_RT,
+        query_norm="self_attn.q_norm",
+        key_norm="self_attn.k_norm",
+        rope_per_layer_type=True,
+    ),
+}
+
+# Gemma 2/3 layouts for the runtime where no entry above names them yet. Their pre-attention norm
+# is input_layernorm, the pre-MLP norm pre_feedforward_layernorm (post_attention_layernorm is the
+# attention output's post-norm), both (1 + w). An entry defined above wins (setdefault).
+for _t in ("gemma2", "gemma3_text"):
+    _mlp_norm = "pre_feedforward_layernorm"
+    ARCHS.setdefault(
+        _t,
+        dataclasses.replace(
+            LLAMA,
+            model_type=_t,
+            mlp_norm=_mlp_norm,
+            norm_form="1+w",
+            awq_mappings=(
+                LLAMA.awq_mappings[:2]
+                + (_mapping(_mlp_norm, LLAMA.gate, LLAMA.up),)
+                + LLAMA.awq_mappings[3:]
+            ),
+            smoothquant_mappings=(
+                LLAMA.smoothquant_mappings[:1]
+                + (_mapping(_mlp_norm, LLAMA.gate, LLAMA.up),)
+                + LLAMA.smoothquant_mappings[2:]
+            ),
+        ),
+    )
