@@ -1,4 +1,6 @@
-"""Generation runtime for Llama-architecture models (plain or with our QuantLinear layers).
+"""Generation runtime for decoder-only models (plain or with our QuantLinear layers): Llama and
+the families whose arithmetic ``compress.arch.RUNTIME_SPECS`` describes (Qwen2/3, Mistral,
+Granite, Gemma 2/3 text: q/k norms, post-norms, multipliers, softcaps, sliding windows).
 
 The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
 change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
@@ -15,9 +17,11 @@ Compilation is regional: one decoder layer is compiled and the same code serves 
 Prefill runs eager by default; ``compile_prefill=True`` pads prompts to power-of-two buckets
 and compiles once per bucket. Batches are left-padded; each row has its own positions.
 
-Not supported (falls back to transformers ``generate`` with a warning): non-Llama
-architectures, sliding-window attention, rope types whose tables depend on the sequence length.
-Attention reads the whole allocated cache each step: size ``max_seq_len`` to the job.
+Sliding-window layers mask keys ``sliding_window`` or more slots behind the query; the cache
+keeps every slot (no ring buffer). Not supported (falls back to transformers ``generate`` with
+a warning; ``unsupported_reason`` says why): families without a ``RuntimeSpec``, rope types
+whose tables depend on the sequence length, other activations and layer types, bidirectional
+attention. Attention reads the filled cache prefix each step: size ``max_seq_len`` to the job.
 """
 
 from __future__ import annotations
@@ -43,16 +47,20 @@ from compress.arch import (
 )
 from compress.kernels import cpu_avx2, cpu_native, dispatch
 from compress.modules import QuantLinear, WeightScheme
+from compress.runtime_families import (
+    ACTIVATIONS,
+    config_unsupported_reason,
+    config_value,
+    embed_scale,
+    layer_window,
+    rope_tables,
+    softcapped_attention,
+    window_mask,
+)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = runtime_model_types()  # compress.arch entries with runtime=True
-# MLP activations by the names transformers' configs use (gelu_pytorch_tanh: Gemma's).
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-LAYER_TYPES = ("full_attention", "sliding_attention")
 INT4_KERNELS = dispatch.INT4_KERNELS
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
@@ -63,28 +71,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    spec = RUNTIME_SPECS[model_type]
-    act = getattr(config, spec.activation_key, "silu")
-    if act not in ACTIVATIONS:
-        return f"{spec.activation_key} {act!r} is not one of {tuple(ACTIVATIONS)}"
-    for rope in _rope_settings(config):
-        if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
-            return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
-    other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
-    if other:
-        return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "use_bidirectional_attention=True (the runtime's attention is causal)"
-    return None
-
-
-def _rope_settings(config) -> list[dict]:
-    """Every rope settings dict of ``config``: ``rope_scaling``, and ``rope_parameters`` either
-    flat or per layer type (Gemma 3)."""
-    found = [getattr(config, "rope_scaling", None) or {}]
-    params = getattr(config, "rope_parameters", None) or {}
-    found += [v for v in params.values() if isinstance(v, dict)] or [params]
-    return found
+    return config_unsupported_reason(config, RUNTIME_SPECS[model_type])
 
 
 # ---- linear layers, re-held per phase --------------------------------------------------
@@ -219,33 +206,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """Attention with ``cap * tanh(scores / cap)`` before masking (Gemma 2), which SDPA cannot
-    do. q [B, H, T, D], k/v [B, Hkv, S, D], mask bool broadcastable to [B, H, T, S]."""
-    groups = q.shape[1] // k.shape[1]
-    # [B, Hkv, S, D] -> [B, H, S, D]: query head h reads KV head h // groups
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
-
-
-def _window(config, i: int) -> int | None:
-    """Layer ``i``'s sliding window (keys at most window - 1 slots behind the query), or None.
-    Without ``layer_types`` (Mistral) a set ``sliding_window`` holds for every layer."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if window is None or (types is not None and types[i] != "sliding_attention"):
-        return None
-    return int(window)
-
-
-def _config_value(config, key: str | None) -> float | None:
-    value = None if key is None else getattr(config, key, None)
-    return None if value is None else float(value)
-
-
 class _Layer(nn.Module):
     def __init__(
         self,
@@ -266,11 +226,11 @@ class _Layer(nn.Module):
         self.eps = float(config.rms_norm_eps)
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
-        self.window = _window(config, i)
+        self.window = layer_window(config, i)
         self.rope_key = config.layer_types[i] if spec.rope_per_layer_type else None
         self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
-        self.softcap = _config_value(config, spec.attn_softcap)
-        self.residual_multiplier = _config_value(config, spec.residual_multiplier)
+        self.softcap = config_value(config, spec.attn_softcap)
+        self.residual_multiplier = config_value(config, spec.residual_multiplier)
         form = arch.norm_form
         self.norm_in = _norm_weight(layer.get_submodule(arch.attn_norm), form)
         self.norm_post = _norm_weight(layer.get_submodule(arch.mlp_norm), form)
@@ -317,7 +277,7 @@ class _Layer(nn.Module):
                 enable_gqa=self.n_heads != self.n_kv,
             )
         else:
-            a = _softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
+            a = softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
         a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = _rms_norm(x, self.norm_post, self.eps)
@@ -349,8 +309,8 @@ class _Head(nn.Module):
         super().__init__()
         self.norm = _norm_weight(model.get_submodule(arch.final_norm), arch.norm_form)
         self.eps = float(model.config.rms_norm_eps)
-        self.divisor = _config_value(model.config, spec.logits_divisor)
-        self.softcap = _config_value(model.config, spec.final_softcap)
+        self.divisor = config_value(model.config, spec.logits_divisor)
+        self.softcap = config_value(model.config, spec.final_softcap)
         head = model.get_submodule(arch.lm_head)
         if bits is not None and not isinstance(head, QuantLinear):
             # A quantized copy for the head only: tied input embeddings stay as they are.
@@ -482,8 +442,7 @@ class Runtime:
         q4q8_reason = dispatch.q4q8_unavailable_reason() if int4_kernel == "q4q8" else None
         if q4q8_reason is not None:
             warnings.warn(
-                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); "
-                "using torch's int4 kernel",
+                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); using torch's int4 kernel",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -495,7 +454,14 @@ class Runtime:
         with torch.no_grad():
             self.layers = nn.ModuleList(
                 _Layer(
-                    layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel, arch,
+                    layer,
+                    config,
+                    prefill_dtype,
+                    decode_dtype,
+                    notes,
+                    i,
+                    int4_kernel,
+                    arch,
                     spec=spec,
                 )  # fmt: skip
                 for i, layer in enumerate(decoder_layers(model, "compress runtime"))
@@ -504,8 +470,8 @@ class Runtime:
                 model, decode_dtype, notes, int4_kernel, lm_head_bits, arch, spec=spec
             )
             self.embed = embed.detach()
-            self.embed_scale = _embed_scale(config, spec, w_dtype)
-            self.rope = _rope_tables(model, arch, spec, max_seq_len)
+            self.embed_scale = embed_scale(config, spec, w_dtype)
+            self.rope = rope_tables(model, arch, spec, max_seq_len)
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
             layer.window for layer in self.layers if layer.window and layer.window < max_seq_len
@@ -752,7 +718,7 @@ class Runtime:
         new keys/values written at ``slots`` land in the full cache). positions [B, T] index
         the rope tables; slots [T] are the queries' cache slots (for sliding windows)."""
         ropes = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}
-        masks = {window: _window_mask(mask, slots, window) for window in self._windows}
+        masks = {window: window_mask(mask, slots, window) for window in self._windows}
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i, :b, :, :length], self.v_cache[i, :b, :, :length]
             cos, sin = ropes[layer.rope_key]  # [B, T, D]
@@ -783,39 +749,6 @@ class Runtime:
             cut = next((i + 1 for i, tok in enumerate(row) if tok in stop), len(row))
             result.append(row[:cut])
         return result
-
-
-def _embed_scale(config, spec: RuntimeSpec, dtype: torch.dtype) -> torch.Tensor | float | None:
-    """The embedding multiplier as transformers applies it: Gemma's sqrt(hidden) as a tensor
-    rounded to the model dtype first, Granite's config float as a Python scalar."""
-    if spec.embed_sqrt_hidden:
-        return torch.tensor(config.hidden_size**0.5).to(dtype)
-    return _config_value(config, spec.embed_multiplier)
-
-
-def _rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: int) -> dict:
-    """cos/sin tables [S, D] fp32 for every cache position, from the model's own rotary module
-    so that its rope type and attention scaling carry over; keyed by ``_Layer.rope_key``
-    (the layer type where each type has its own base, Gemma 3's local vs global; else None)."""
-    rotary = model.get_submodule(arch.rotary)
-    device = model.get_input_embeddings().weight.device
-    pos = torch.arange(max_seq_len, device=device)[None]
-    x = torch.zeros(1, device=device)
-    if not spec.rope_per_layer_type:
-        keys, tables = [None], [rotary(x, pos)]
-    else:
-        keys = sorted(set(model.config.layer_types))
-        tables = [rotary(x, pos, key) for key in keys]
-    return {key: (cos[0].float(), sin[0].float()) for key, (cos, sin) in zip(keys, tables)}
-
-
-def _window_mask(mask: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
-    """``mask`` [B, 1, T, L] (or [B, 1, 1, L]) with keys ``window`` or more slots behind their
-    query cut (transformers' ``kv_idx > q_idx - sliding_window``). Slot distance is token
-    distance for every row: left padding shifts a row's queries and keys alike."""
-    keys = torch.arange(mask.shape[-1], device=mask.device)
-    near = keys[None, :] > slots[:, None] - window  # [T, L]
-    return mask & near
 
 
 def _make_sampling(
