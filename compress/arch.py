@@ -3,15 +3,36 @@ knows module names.
 
 An ``Arch`` entry says where the decoder layers, embedding, final norm, lm_head and rotary tables
 are; the names of the attention and MLP projections inside a decoder layer; which producer feeds
-which linears (the AWQ and SmoothQuant scale-folding mappings) and the form of its norms
-(``y = w * n(x)``, or Gemma's ``y = (1 + w) * n(x)``); which linears prune together; and whether
-the runtime runs it. Passes and the runtime take every name from here (a test fails on an
-architecture name anywhere else), so a new family is one entry.
+which linears (the AWQ and SmoothQuant scale-folding mappings) and the form of its norms; which
+linears prune together; and whether the runtime runs it. Passes and the runtime take every name
+from here (a test fails on an architecture name anywhere else), so a new family is one entry.
 
-Llama (SmolLM2) is the fully tested entry. Qwen2, Qwen3, Mistral and Granite share its module
-names and ran every pass before this adapter existed, so they keep doing so (runtime: fallback);
-their own tests and the other families (Gemma, Phi-3, OLMo2, MoE) are issue 17. Any other
-``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
+How each family's peculiarities are handled (scale folds: ``compress.sequential.migrate_scales``;
+pruning: ``compress.prune``):
+
+* Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Granite (embedding, attention,
+  residual and logit multipliers: constants no fold or slice touches), Qwen3 (q_norm/k_norm over
+  one head's ``head_dim``: after the projections, shared by all heads, so neither the folds nor
+  head pruning touch them).
+* Gemma2/Gemma3 text: ``(1 + w)`` RMSNorms (``norm_form="1+w"``): dividing the effective weight
+  by s gives ``w' = (1 + w) / s - 1``. The MLP reads ``pre_feedforward_layernorm``; the
+  ``post_*`` norms sit on a block's output before the residual add (``post_norms``), feed no
+  linear, and are sliced with the hidden size. The embedding is multiplied by
+  ``sqrt(hidden_size)`` (``embed_scaling``): hidden-size pruning sets the new factor and
+  multiplies every post-norm by the same ratio, which scales the whole residual stream, to which
+  the pre-norms and the final norm are invariant. Soft-capping and sliding windows are config
+  constants.
+* Phi-3: fused ``qkv_proj`` (rows ``[q; k; v]``) and ``gate_up_proj`` (rows ``[gate; up]``). The
+  entry's q/k/v (gate/up) name the fused linear; ``Mapping.part`` selects the rows that feed a
+  consumer (v -> o uses the v rows, up -> down the up half; ``producer_rows``), and
+  ``PruneGroup.fused`` slices heads/channels in every part consistently.
+* OLMo2: norms *after* attention and MLP (``post_norms``), none before: q/k/v and gate/up read
+  the residual stream itself, so no operation can absorb a scale for them. Those mappings are
+  absent and listed in ``scale_gaps``; AWQ and SmoothQuant report them (the linears are still
+  quantized, unscaled). q_norm/k_norm span all heads (``qk_norm_span="heads"``): head pruning
+  slices them with the q/k rows.
+
+Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
 
 from __future__ import annotations
@@ -20,38 +41,57 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 from compress.errors import ConfigError
 
 NormForm = Literal["w", "1+w"]  # y = w * n(x) (Llama RMSNorm), or y = (1 + w) * n(x) (Gemma)
+# Rows of a fused producer that feed a mapping's consumers: "" all of it; "v": the v rows of a
+# fused [q; k; v] linear; "up": the up rows of a fused [gate; up] linear.
+FusedPart = Literal["", "v", "up"]
 
 
 @dataclass(frozen=True)
 class Mapping:
-    """The output of ``producer`` is the input of every ``consumers`` linear, so a per-channel
-    scale can be divided out of the producer and multiplied into the consumers' columns. Paths
-    are relative to one decoder layer; the producer is a norm or a Linear."""
+    """The output of ``producer`` (its ``part`` rows if fused) is the input of every
+    ``consumers`` linear, so a per-channel scale can be divided out of the producer and multiplied
+    into the consumers' columns. Paths are relative to one decoder layer; the producer is a norm
+    or a Linear."""
 
     producer: str
     consumers: tuple[str, ...]
+    part: FusedPart = ""
+
+
+@dataclass(frozen=True)
+class ScaleGap:
+    """Consumers whose input no operation can absorb a scale for (``reason`` says why): the scale
+    passes quantize them unscaled and report it."""
+
+    consumers: tuple[str, ...]
+    reason: str
 
 
 @dataclass(frozen=True)
 class PruneGroup:
     """Linears (paths inside a decoder layer) that lose the same units together: output rows of
     ``rows`` and ``kv_rows``, input columns of ``cols``. For heads, ``rows`` are indexed by query
-    head and ``kv_rows`` by KV head; elsewhere ``kv_rows`` is empty."""
+    head and ``kv_rows`` by KV head; elsewhere ``kv_rows`` is empty. ``fused`` linears stack
+    their parts' rows (heads: ``[q; k; v]``; MLP channels: ``[gate; up]``) and lose the same
+    units in every part."""
 
     rows: tuple[str, ...]
     cols: tuple[str, ...]
     kv_rows: tuple[str, ...] = ()
+    fused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Arch:
     """One family's layout. Model-level paths are from the ``*ForCausalLM`` module; layer-level
-    paths are from one decoder layer."""
+    paths are from one decoder layer. With fused projections q/k/v (gate/up) name the fused
+    linear."""
 
     model_type: str
     layers: str  # the decoder nn.ModuleList
@@ -67,14 +107,20 @@ class Arch:
     gate: str
     up: str
     down: str
-    attn_norm: str  # norm before attention
-    mlp_norm: str  # norm before the MLP
+    attn_norm: str | None  # norm before attention (None: there is none, OLMo2)
+    mlp_norm: str | None  # norm before the MLP
     norm_form: NormForm
     awq_mappings: tuple[Mapping, ...]
     smoothquant_mappings: tuple[Mapping, ...]
     heads: PruneGroup
     mlp_channels: PruneGroup
     runtime: bool  # compress.runtime runs it (else the transformers fallback)
+    post_norms: tuple[str, ...] = ()  # hidden-size norms on a block's output (Gemma, OLMo2)
+    qk_norms: tuple[str, ...] = ()  # norms on the q and k projections' outputs
+    # "head": their weight is [head_dim], shared by the heads; "heads": [H * D] and [KVH * D]
+    qk_norm_span: Literal["head", "heads"] = "head"
+    scale_gaps: tuple[ScaleGap, ...] = ()  # consumers no fold can reach, with the reason
+    embed_scaling: Literal["none", "sqrt_hidden"] = "none"  # embedding output x sqrt(hidden)
 
     @property
     def layer_prefix(self) -> str:
@@ -83,21 +129,29 @@ class Arch:
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
-        return (self.attn_norm, self.mlp_norm)
+        """Every hidden-size norm of a decoder layer (before and after the blocks)."""
+        pre = tuple(n for n in (self.attn_norm, self.mlp_norm) if n is not None)
+        return pre + self.post_norms
 
     @property
     def hidden_readers(self) -> tuple[str, ...]:
         """Linears whose input columns are the residual (hidden) channels."""
-        return self.heads.rows + self.heads.kv_rows + self.mlp_channels.rows
+        h, m = self.heads, self.mlp_channels
+        return h.rows + h.kv_rows + h.fused + m.rows + m.fused
 
     @property
     def hidden_writers(self) -> tuple[str, ...]:
         """Linears whose output rows write to the residual stream."""
         return self.heads.cols + self.mlp_channels.cols
 
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """Every Linear of a decoder layer, once."""
+        return tuple(dict.fromkeys(self.hidden_readers + self.hidden_writers))
 
-def _mapping(producer: str, *consumers: str) -> Mapping:
-    return Mapping(producer, consumers)
+
+def _mapping(producer: str, *consumers: str, part: FusedPart = "") -> Mapping:
+    return Mapping(producer, consumers, part)
 
 
 LLAMA = Arch(
@@ -138,18 +192,88 @@ LLAMA = Arch(
     runtime=True,
 )
 
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+# Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
+QWEN2, MISTRAL, GRANITE = (
+    dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
+)
+QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", qk_norms=_QK_NORMS)
+
+# Gemma2: (1 + w) norms; attention -> post_attention_layernorm -> residual,
+# pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> residual.
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    model_type="gemma2",
+    mlp_norm="pre_feedforward_layernorm",
+    norm_form="1+w",
+    awq_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    embed_scaling="sqrt_hidden",
+)
+GEMMA3_TEXT = dataclasses.replace(GEMMA2, model_type="gemma3_text", qk_norms=_QK_NORMS)
+
+PHI3 = dataclasses.replace(
+    LLAMA,
+    model_type="phi3",
+    q="self_attn.qkv_proj",
+    k="self_attn.qkv_proj",
+    v="self_attn.qkv_proj",
+    gate="mlp.gate_up_proj",
+    up="mlp.gate_up_proj",
+    awq_mappings=(
+        _mapping("input_layernorm", "self_attn.qkv_proj"),
+        _mapping("self_attn.qkv_proj", "self_attn.o_proj", part="v"),
+        _mapping("post_attention_layernorm", "mlp.gate_up_proj"),
+        _mapping("mlp.gate_up_proj", "mlp.down_proj", part="up"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "self_attn.qkv_proj"),
+        _mapping("post_attention_layernorm", "mlp.gate_up_proj"),
+        _mapping("mlp.gate_up_proj", "mlp.down_proj", part="up"),
+    ),
+    heads=PruneGroup(rows=(), cols=("self_attn.o_proj",), fused=("self_attn.qkv_proj",)),
+    mlp_channels=PruneGroup(rows=(), cols=("mlp.down_proj",), fused=("mlp.gate_up_proj",)),
+    runtime=False,
+)
+
+_RESIDUAL_INPUT = (
+    "OLMo2 has no norm before attention/MLP (its norms come after them), so these read the "
+    "residual stream directly and no operation can absorb a per-channel scale"
+)
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    model_type="olmo2",
+    attn_norm=None,
+    mlp_norm=None,
+    awq_mappings=(
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(_mapping("mlp.up_proj", "mlp.down_proj"),),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    qk_norms=_QK_NORMS,
+    qk_norm_span="heads",
+    scale_gaps=(
+        ScaleGap(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _RESIDUAL_INPUT),
+        ScaleGap(("mlp.gate_proj", "mlp.up_proj"), _RESIDUAL_INPUT),
+    ),
+    runtime=False,
+)
+
 ARCHS: dict[str, Arch] = {
     a.model_type: a
-    for a in (
-        LLAMA,
-        # Same module names as Llama; they ran every pass before this table existed (issue 17's
-        # survey). The runtime runs them with the per-family facts in RUNTIME_SPECS below
-        # (Qwen2's biases, Qwen3's q/k norms, Mistral's window, Granite's multipliers).
-        *(
-            dataclasses.replace(LLAMA, model_type=t)
-            for t in ("qwen2", "qwen3", "mistral", "granite")
-        ),
-    )
+    for a in (LLAMA, QWEN2, QWEN3, MISTRAL, GRANITE, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2)
 }
 
 # The default ``ignore`` of every pass config: the output head is never compressed by default.
@@ -206,25 +330,74 @@ def output_weight_key(model: nn.Module) -> str | None:
     return next((f"{n}.weight" for n, m in model.named_modules() if m is head), None)
 
 
+def producer_rows(layer: nn.Module, mapping: Mapping) -> slice | None:
+    """Rows of ``mapping.producer`` that feed its consumers (None: all of them), from the shapes
+    of one decoder layer: a fused ``[q; k; v]`` has ``o.in_features`` q rows and equal k and v
+    parts; a fused ``[gate; up]`` has two halves of ``down.in_features`` rows."""
+    if not mapping.part:
+        return None
+    n_out = layer.get_submodule(mapping.producer).weight.shape[0]
+    n_in = layer.get_submodule(mapping.consumers[0]).weight.shape[1]
+    width = (n_out - n_in) // 2 if mapping.part == "v" else n_in  # kv rows, or I
+    if width <= 0 or (mapping.part == "up" and n_out != 2 * n_in):
+        raise ConfigError(
+            f"{mapping.producer} has {n_out} rows, which do not split into a {mapping.part!r} "
+            f"part feeding {mapping.consumers[0]} ({n_in} inputs): the compress/arch.py entry "
+            "does not match this model"
+        )
+    return slice(n_out - width, n_out)
+
+
+def check_paths(model: nn.Module, arch: Arch, paths: tuple[str, ...], what: str) -> None:
+    """ConfigError naming ``what``, the model_type and every path of ``paths`` (inside a decoder
+    layer) that layer 0 lacks: the entry and the model disagree, found before any work."""
+    layer = decoder_layers(model, what)[0]
+    missing = []
+    for path in dict.fromkeys(paths):
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            missing.append(path)
+    if missing:
+        raise ConfigError(
+            f"{what}: model_type {arch.model_type!r} ({type(model).__name__}): the decoder layer "
+            f"has no {', '.join(missing)}, which the compress/arch.py entry names; the checkpoint "
+            "is a variant the entry does not describe (fix the entry or the model)"
+        )
+
+
+def mapping_paths(mappings: tuple[Mapping, ...]) -> tuple[str, ...]:
+    return tuple(p for m in mappings for p in (m.producer, *m.consumers))
+
+
+@torch.no_grad()
+def set_embedding_scale(model: nn.Module, arch: Arch) -> float:
+    """For ``embed_scaling="sqrt_hidden"`` (Gemma): set the embedding's factor to
+    ``sqrt(config.hidden_size)``, what ``from_pretrained`` builds from the config, and return
+    new / old factor (1.0 for other families). The factor is a non-persistent buffer, so a
+    changed hidden size must update it here or the in-memory model and its reload disagree."""
+    if arch.embed_scaling == "none":
+        return 1.0
+    embed = model.get_submodule(arch.embed)
+    old, new = float(embed.embed_scale), float(model.config.hidden_size) ** 0.5
+    embed.embed_scale.fill_(new)
+    embed.scalar_embed_scale = new
+    return new / old
+
+
 # ---- runtime facts per family ------------------------------------------------------------
 # What compress.runtime needs beyond the module names above: the decoder-layer arithmetic that
 # differs between families. Module paths are from one decoder layer; the other strings name
 # attributes of the transformers config.
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """How one family's decoder computes, for the runtime (``compress/runtime.py``).
-
-    Norms take ``Arch.norm_form``; every layer is pre-norm (``attn_norm``, ``mlp_norm``) with an
-    optional post-norm of the block's output before the residual add (Gemma 2/3). Sliding-window
-    layers come from the config (``sliding_window``, ``layer_types``), not from here.
+    """How one family's decoder computes, for the runtime (``compress/runtime.py``), beyond its
+    ``Arch`` (which has the norms: ``norm_form``, ``qk_norms``, ``post_norms``, and
+    ``embed_scaling``). Sliding-window layers come from the config (``sliding_window``,
+    ``layer_types``), not from here.
     """
 
-    query_norm: str | None = None  # RMSNorm over head_dim of each query head, before RoPE (Qwen3)
-    key_norm: str | None = None  # the same for keys
-    post_attn_norm: str | None = None  # norm of the attention output, before the residual add
-    post_mlp_norm: str | None = None  # norm of the MLP output, before the residual add
     activation_key: str = "hidden_act"  # config attribute naming the gated MLP's activation
-    embed_sqrt_hidden: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
     embed_multiplier: str | None = None  # config attribute multiplying the embeddings
     residual_multiplier: str | None = None  # config attribute scaling each block's output
     logits_divisor: str | None = None  # config attribute dividing the logits
@@ -235,10 +408,7 @@ class RuntimeSpec:
 
 _LLAMA_RT = RuntimeSpec()
 _GEMMA2_RT = RuntimeSpec(
-    post_attn_norm="post_attention_layernorm",
-    post_mlp_norm="post_feedforward_layernorm",
     activation_key="hidden_activation",
-    embed_sqrt_hidden=True,
     attn_softcap="attn_logit_softcapping",
     final_softcap="final_logit_softcapping",
 )
@@ -246,7 +416,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "llama": _LLAMA_RT,
     "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
     "mistral": _LLAMA_RT,  # sliding window from the config
-    "qwen3": RuntimeSpec(query_norm="self_attn.q_norm", key_norm="self_attn.k_norm"),
+    "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
     # attention_multiplier is the attention module's own scaling
     "granite": RuntimeSpec(
         embed_multiplier="embedding_multiplier",
@@ -254,35 +424,5 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
         logits_divisor="logits_scaling",
     ),
     "gemma2": _GEMMA2_RT,
-    "gemma3_text": dataclasses.replace(
-        _GEMMA2_RT,
-        query_norm="self_attn.q_norm",
-        key_norm="self_attn.k_norm",
-        rope_per_layer_type=True,
-    ),
+    "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
 }
-
-# Gemma 2/3 layouts for the runtime where no entry above names them yet. Their pre-attention norm
-# is input_layernorm, the pre-MLP norm pre_feedforward_layernorm (post_attention_layernorm is the
-# attention output's post-norm), both (1 + w). An entry defined above wins (setdefault).
-for _t in ("gemma2", "gemma3_text"):
-    _mlp_norm = "pre_feedforward_layernorm"
-    ARCHS.setdefault(
-        _t,
-        dataclasses.replace(
-            LLAMA,
-            model_type=_t,
-            mlp_norm=_mlp_norm,
-            norm_form="1+w",
-            awq_mappings=(
-                LLAMA.awq_mappings[:2]
-                + (_mapping(_mlp_norm, LLAMA.gate, LLAMA.up),)
-                + LLAMA.awq_mappings[3:]
-            ),
-            smoothquant_mappings=(
-                LLAMA.smoothquant_mappings[:1]
-                + (_mapping(_mlp_norm, LLAMA.gate, LLAMA.up),)
-                + LLAMA.smoothquant_mappings[2:]
-            ),
-        ),
-    )

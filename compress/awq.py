@@ -12,7 +12,23 @@ operation that produces the input, so the float model is unchanged:
   group;
 * up -> down.
 
-Those are Llama's mappings; each family's are in ``compress.arch`` (``awq_mappings``).
+Those are Llama's mappings; each family's are in ``compress.arch`` (``awq_mappings``), and the
+fold (``compress.sequential.migrate_scales``) handles what differs:
+
+* Gemma's ``(1 + w)`` norms: the effective weight is divided, ``w' = (1 + w) / s - 1``; its MLP
+  reads ``pre_feedforward_layernorm`` (the ``post_*`` norms feed no linear and are left alone).
+* Phi-3's fused linears: norm -> ``qkv_proj`` and norm -> ``gate_up_proj`` as one consumer
+  each; v -> o divides only the v rows of ``qkv_proj``, up -> down only the up half of
+  ``gate_up_proj`` (``compress.arch.producer_rows``). q/k are not clip-searched, so neither is
+  the fused ``qkv_proj``.
+* OLMo2: q/k/v and gate/up read the residual stream (its norms come after the blocks), so no
+  scale can be folded for them: they are clip-searched and rounded unscaled, and the report
+  lists them (``metrics["unscaled"]``, a WARNING). v -> o and up -> down are scaled.
+* Qwen2's q/k/v biases are divided with their rows; Qwen3/Gemma3 per-head q/k norms come after
+  the projections and are unaffected; Granite's multipliers are constants outside every fold.
+
+``scale_layer`` is the search and fold alone (no rounding); the tests use it to check that the
+float model's logits do not change.
 
 The error is computed through the input second moment ``H = X^T X`` accumulated over *all*
 calibration tokens (``tr(D H D^T)`` with ``D = Q(W s)/s - W``), which costs the same as a matmul
@@ -32,7 +48,16 @@ from pydantic import Field
 from torch import nn
 
 from compress import quant_primitives
-from compress.arch import NormForm, arch_for, head_dim_of
+from compress.arch import (
+    Arch,
+    Mapping,
+    NormForm,
+    arch_for,
+    check_paths,
+    head_dim_of,
+    mapping_paths,
+    producer_rows,
+)
 from compress.core import (
     CompressionState,
     PassReport,
@@ -50,6 +75,7 @@ from compress.sequential import (
     plan_layers,
     run_calibrated,
     run_layer,
+    warn_unscaled,
 )
 
 log = logging.getLogger(__name__)
@@ -203,29 +229,92 @@ def _scale_group(
     cfg: AwqConfig,
     *,
     norm_form: NormForm = "w",
+    rows: slice | None = None,
 ) -> dict[str, float] | str:
     """Search and fold the scale of one group; returns metrics or the reason it was skipped.
-    ``norm_form``: how a norm producer applies its weight (``compress.arch.Arch.norm_form``)."""
+    ``norm_form``: how a norm producer applies its weight (``compress.arch.Arch.norm_form``);
+    ``rows``: the rows of a fused Linear producer that feed the consumers
+    (``compress.arch.producer_rows``)."""
     point = consumers[0]
     h, x_mean = stats.h[point], stats.abs_sum[point] / max(stats.count[point], 1)
     lins = [layer.get_submodule(c) for c in consumers]
     prev = layer.get_submodule(producer)
-    tie = lins[0].in_features // prev.weight.shape[0]
+    width = prev.weight.shape[0] if rows is None else rows.stop - rows.start
+    tie = lins[0].in_features // width
     head_dim = head_dim_of(layer)
-    if tie * prev.weight.shape[0] != lins[0].in_features or (tie > 1 and not head_dim):
-        return (
-            f"{producer} has {prev.weight.shape[0]} outputs, {point} {lins[0].in_features} inputs"
-        )
+    if tie * width != lins[0].in_features or (tie > 1 and not head_dim):
+        return f"{producer} has {width} outputs, {point} {lins[0].in_features} inputs"
     weights = [lin.weight.detach().float() for lin in lins]
     s_prev, base, best = search_scale(
         weights, schemes, h, x_mean, cfg, tie=tie, head_dim=max(head_dim, 1)
     )
     s = _expand(s_prev, tie, max(head_dim, 1))  # [K] over the consumers' inputs
-    migrate_scales(prev, lins, s_prev, s, norm_form=norm_form)
+    migrate_scales(prev, lins, s_prev, s, norm_form=norm_form, rows=rows)
     # The consumers now see x / s: transform their statistics the same way.
     stats.h[point] = h / torch.outer(s, s)
     stats.abs_sum[point] = stats.abs_sum[point] / s
-    return {"rtn_error": base, "awq_error": best}
+    return {"rtn_error": base, "awq_error": best, "scale_spread": float(s.max() / s.min())}
+
+
+def _layer_groups(
+    arch: Arch, mine: dict[str, WeightScheme], prefix: str, notes: dict[str, str]
+) -> tuple[list[Mapping], list[tuple[str, ...]]]:
+    """(mappings of one layer to scale, consumer groups to quantize unscaled): a mapping whose
+    consumers are only partly targeted is not scaled (it would break the equivalence), and the
+    family's scale gaps have no producer; both are noted in ``notes``."""
+    mappings, unscaled = [], []
+    for m in arch.awq_mappings:
+        present = [c for c in m.consumers if c in mine]
+        if present and len(present) != len(m.consumers):
+            notes[prefix + m.producer] = f"not all of {m.consumers} are targeted; not scaled"
+            unscaled.append(tuple(present))
+        elif present:
+            mappings.append(m)
+    for gap in arch.scale_gaps:
+        present = tuple(c for c in gap.consumers if c in mine)
+        if present:
+            notes[", ".join(prefix + c for c in present)] = gap.reason
+            unscaled.append(present)
+    return mappings, unscaled
+
+
+def scale_layer(
+    layer: nn.Module,
+    arch: Arch,
+    mine: dict[str, WeightScheme],
+    inputs: LayerInputs,
+    cfg: AwqConfig,
+    *,
+    prefix: str = "",
+    notes: dict[str, dict[str, float] | str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """AWQ's scale search and fold for one decoder layer, without rounding (the float layer's
+    function is unchanged). ``mine``: targeted linears of the layer (paths inside it) -> scheme.
+    Returns each consumer's input second moment ``H [K, K]`` as the consumer sees it after the
+    fold (for the clipping search); per-group metrics and notes go to ``notes``."""
+    notes = {} if notes is None else notes
+    gaps: dict[str, str] = {}
+    mappings, unscaled = _layer_groups(arch, mine, prefix, gaps)
+    notes.update(gaps)
+    points = [m.consumers[0] for m in mappings] + [g[0] for g in unscaled]
+    stats = _InputStats(layer, list(dict.fromkeys(points)))
+    try:
+        run_layer(layer, inputs)
+    finally:
+        stats.remove()
+    for m in mappings:
+        notes[prefix + m.producer + (f"[{m.part}]" if m.part else "")] = _scale_group(
+            layer,
+            m.producer,
+            list(m.consumers),
+            stats,
+            [mine[c] for c in m.consumers],
+            cfg,
+            norm_form=arch.norm_form,
+            rows=producer_rows(layer, m),
+        )
+    groups = [m.consumers for m in mappings] + unscaled
+    return {c: stats.h[g[0]] for g in groups for c in g}
 
 
 @register_pass("quantize.awq", AwqConfig, needs_calibration=True)
@@ -233,7 +322,9 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     """Scale (and clip) then round every targeted decoder Linear, one decoder layer at a time."""
     report = PassReport("quantize.awq")
     arch = arch_for(model, "quantize.awq")
-    # q and k: no clipping search, their errors are amplified by the softmax
+    check_paths(model, arch, mapping_paths(arch.awq_mappings), "quantize.awq")
+    # q and k: no clipping search, their errors are amplified by the softmax (with a fused
+    # qkv_proj the whole fused linear, since its q and k rows are in it)
     no_clip = (arch.q, arch.k)
     plan = plan_layers(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.awq")  # before any work
@@ -242,31 +333,7 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
         prefix = f"{arch.layer_prefix}{index}."
         mine = {n[len(prefix) :]: s for n, s in plan.items() if n.startswith(prefix)}
-        groups = []
-        for producer, consumers in ((m.producer, m.consumers) for m in arch.awq_mappings):
-            present = [c for c in consumers if c in mine]
-            if not present:
-                continue
-            if len(present) != len(consumers):  # scaling only some consumers breaks equivalence
-                per_group[prefix + producer] = f"not all of {consumers} are targeted; not scaled"
-                continue
-            try:
-                layer.get_submodule(producer)
-            except AttributeError:
-                per_group[prefix + producer] = f"layer has no {producer}; not scaled"
-                continue
-            groups.append((producer, list(consumers)))
-        stats = _InputStats(layer, [c[0] for _, c in groups])
-        try:
-            run_layer(layer, inputs)
-        finally:
-            stats.remove()
-        for producer, consumers in groups:
-            schemes = [mine[c] for c in consumers]
-            per_group[prefix + producer] = _scale_group(
-                layer, producer, consumers, stats, schemes, cfg, norm_form=arch.norm_form
-            )
-        h_of = {c: stats.h[cs[0]] for _, cs in groups for c in cs}
+        h_of = scale_layer(layer, arch, mine, inputs, cfg, prefix=prefix, notes=per_group)
         for sub, scheme in mine.items():
             linear = layer.get_submodule(sub)
             if cfg.clip and sub in h_of and sub not in no_clip:
@@ -280,4 +347,5 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
+    warn_unscaled(report, per_group, arch)
     return report

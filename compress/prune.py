@@ -18,6 +18,14 @@ is expressible by the ordinary config (``num_attention_heads``, ``num_key_value_
 size, or ``target_params`` (a total parameter budget such as ``90M``). Not done: per-layer
 widths (not loadable by transformers), pruning of quantized layers, families not in
 ``compress.arch``.
+
+Per family (``compress.arch``): fused linears (Phi-3's ``[q; k; v]`` and ``[gate; up]``) lose
+the same heads/channels in every part; q/k norms over one head (Qwen3, Gemma3) are untouched by
+head pruning, OLMo2's over all heads lose the pruned heads' entries (its q/k RMS then runs over
+the kept heads only, so a head-pruned OLMo2 is not exactly the head-masked model); post-norms
+(Gemma, OLMo2) are sliced with the hidden size; Gemma's embedding factor ``sqrt(hidden_size)``
+is reset to what a reload computes, with every post-norm scaled by the same ratio so that the
+residual stream's scale, to which the pre-norms are invariant, is all that changes.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import Arch, arch_for, decoder_layers
+from compress.arch import Arch, arch_for, check_paths, decoder_layers, set_embedding_scale
 from compress.core import CompressionState, PassConfig, PassReport, register_pass
 from compress.errors import ConfigError
 from compress.modules import QuantLinear
@@ -151,16 +159,11 @@ def _layers(model: nn.Module, what: str) -> tuple[Arch, nn.ModuleList]:
     rewrite, or a ConfigError naming the pass and what is missing."""
     arch = arch_for(model, what)
     layers = decoder_layers(model, what)
-    linears = arch.hidden_readers + arch.hidden_writers
-    for name in linears + arch.layer_norms + (arch.attention,):
-        try:
-            module = layers[0].get_submodule(name)
-        except AttributeError:
-            raise ConfigError(
-                f"{what}: decoder layer has no {name}, which model_type {arch.model_type!r} "
-                "should have (compress/arch.py)"
-            ) from None
-        if name in linears and type(module) is not nn.Linear:
+    paths = arch.linears + arch.layer_norms + arch.qk_norms + (arch.attention,)
+    check_paths(model, arch, paths, what)
+    for name in arch.linears:
+        module = layers[0].get_submodule(name)
+        if type(module) is not nn.Linear:
             raise ConfigError(
                 f"{what}: {name} is a {type(module).__name__}, not nn.Linear: prune before "
                 "quantize (put prune.* passes first in the recipe)"
@@ -193,6 +196,17 @@ def _slice_linear(linear: nn.Linear, *, out_idx=None, in_idx=None) -> None:
         w = w[:, in_idx]
         linear.in_features = len(in_idx)
     linear.weight = nn.Parameter(w.contiguous().clone())
+
+
+def _slice_norm(norm: nn.Module, idx: torch.Tensor) -> None:
+    norm.weight = nn.Parameter(norm.weight.data[idx].clone())
+
+
+def _fused_rows(parts: list[int], idx: list[torch.Tensor]) -> torch.Tensor:
+    """Rows to keep of a fused linear whose rows stack parts of ``parts[i]`` rows each
+    (``[q; k; v]`` or ``[gate; up]``), keeping rows ``idx[i]`` of part i."""
+    offsets = [0, *torch.tensor(parts).cumsum(0).tolist()[:-1]]
+    return torch.cat([off + i for off, i in zip(offsets, idx, strict=True)])
 
 
 def _calibrate(model: nn.Module, state: CompressionState, hooks: list, what: str) -> None:
@@ -287,11 +301,13 @@ def _finish(model: nn.Module, report: PassReport, params_before: int) -> PassRep
 def _head_scores(model, arch, layers, cfg, state, n_heads, head_dim) -> list[torch.Tensor]:
     """[n_heads] importance per layer: magnitude of the per-query-head rows and columns, or the
     norm of each head's output at the input of the output projection."""
-    (q_name,), (o_name,) = arch.heads.rows, arch.heads.cols
+    (o_name,) = arch.heads.cols
     if cfg.importance == "magnitude":
         scores = []
         for layer in layers:
-            q_w, o_w = layer.get_submodule(q_name).weight, layer.get_submodule(o_name).weight
+            # q rows: the q projection, or the first H * D rows of a fused [q; k; v]
+            q_w = layer.get_submodule((arch.heads.rows + arch.heads.fused)[0]).weight
+            q_w, o_w = q_w[: n_heads * head_dim], layer.get_submodule(o_name).weight
             q = q_w.detach().view(n_heads, head_dim, -1).pow(2).sum((1, 2))
             o = o_w.detach().view(-1, n_heads, head_dim).pow(2).sum((0, 2))
             scores.append((q + o).sqrt())
@@ -309,6 +325,37 @@ def _head_scores(model, arch, layers, cfg, state, n_heads, head_dim) -> list[tor
     hooks = [(layer.get_submodule(o_name), hook_for(i), "pre") for i, layer in enumerate(layers)]
     _calibrate(model, state, hooks, "prune.attention_heads")
     return sums
+
+
+def _slice_heads(
+    layer: nn.Module,
+    arch: Arch,
+    q_rows: torch.Tensor,
+    kv_rows: torch.Tensor,
+    *,
+    q_dim: int,
+    kv_dim: int,
+) -> None:
+    """Keep q rows ``q_rows`` (of ``q_dim`` = H * D) and k/v rows ``kv_rows`` (of ``kv_dim``) in
+    every part of the layer's attention, and the attention module's head counts in step."""
+    for lin in _sub(layer, arch.heads.rows):
+        _slice_linear(lin, out_idx=q_rows)
+    for lin in _sub(layer, arch.heads.kv_rows):
+        _slice_linear(lin, out_idx=kv_rows)
+    for lin in _sub(layer, arch.heads.fused):  # [q; k; v]
+        _slice_linear(lin, out_idx=_fused_rows([q_dim, kv_dim, kv_dim], [q_rows, kv_rows, kv_rows]))
+    for lin in _sub(layer, arch.heads.cols):
+        _slice_linear(lin, in_idx=q_rows)
+    if arch.qk_norm_span == "heads":  # OLMo2: q_norm over all H * D, k_norm over KVH * D
+        q_norm, k_norm = _sub(layer, arch.qk_norms)
+        _slice_norm(q_norm, q_rows)
+        _slice_norm(k_norm, kv_rows)
+    # per-head q/k norms ([head_dim], Qwen3, Gemma3) are shared by the heads: unchanged
+    attention = layer.get_submodule(arch.attention)
+    head_dim = attention.head_dim
+    attention.num_key_value_groups = len(q_rows) // len(kv_rows)
+    if hasattr(attention, "num_key_value_heads"):  # Phi-3 splits its fused output with it
+        attention.num_key_value_heads = len(kv_rows) // head_dim
 
 
 @register_pass("prune.attention_heads", AttentionHeadsConfig)
@@ -361,13 +408,7 @@ def prune_attention_heads(
             q_keep = (torch.arange(n_kv)[:, None] * group + within).flatten()
         q_rows = (q_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
         kv_rows = (kv_keep[:, None] * head_dim + torch.arange(head_dim)).flatten()
-        for lin in _sub(layer, arch.heads.rows):
-            _slice_linear(lin, out_idx=q_rows)
-        for lin in _sub(layer, arch.heads.kv_rows):
-            _slice_linear(lin, out_idx=kv_rows)
-        for lin in _sub(layer, arch.heads.cols):
-            _slice_linear(lin, in_idx=q_rows)
-        layer.get_submodule(arch.attention).num_key_value_groups = len(q_keep) // len(kv_keep)
+        _slice_heads(layer, arch, q_rows, kv_rows, q_dim=n_heads * head_dim, kv_dim=n_kv * head_dim)
         report.changed.append(f"{arch.layer_prefix}{i}.{arch.attention}")
     config.head_dim = head_dim  # explicit, so hidden_size // num_attention_heads is never used
     config.num_attention_heads = keep
@@ -386,6 +427,11 @@ def _channel_scores(model, arch, layers, cfg, state) -> list[torch.Tensor]:
         scores = []
         for layer in layers:
             rows = [lin.weight.detach().pow(2).sum(1) for lin in _sub(layer, group.rows)]
+            # a fused [gate; up]: the two halves' rows of one channel add up
+            rows += [
+                lin.weight.detach().pow(2).sum(1).view(2, -1).sum(0)
+                for lin in _sub(layer, group.fused)
+            ]
             cols = [lin.weight.detach().pow(2).sum(0) for lin in _sub(layer, group.cols)]
             scores.append(sum(rows + cols).sqrt())
         return scores
@@ -428,6 +474,8 @@ def prune_mlp_channels(
         idx = scores[i].topk(keep).indices.sort().values
         for lin in _sub(layer, arch.mlp_channels.rows):
             _slice_linear(lin, out_idx=idx)
+        for lin in _sub(layer, arch.mlp_channels.fused):  # [gate; up]
+            _slice_linear(lin, out_idx=_fused_rows([current, current], [idx, idx]))
         for lin in _sub(layer, arch.mlp_channels.cols):
             _slice_linear(lin, in_idx=idx)
         mlp = arch.mlp_channels.cols[0].rpartition(".")[0]  # the MLP module holding them
@@ -465,11 +513,30 @@ def _hidden_scores(model, arch, layers, cfg, state) -> torch.Tensor:
     return total
 
 
+@torch.no_grad()
+def _scale_post_norms(layers: nn.ModuleList, arch: Arch, ratio: float) -> None:
+    """Multiply every post-norm's output by ``ratio``. With the embedding factor changed by the
+    same ratio, the whole residual stream is scaled by it (in Gemma every block writes through a
+    post-norm), and the pre-norms and the final norm are invariant to that scale (up to eps), so
+    the pruned model keeps its function with the factor a reload computes from hidden_size."""
+    for norm in (n for layer in layers for n in _sub(layer, arch.post_norms)):
+        if arch.norm_form == "1+w":
+            norm.weight.copy_((1 + norm.weight.float()) * ratio - 1)
+        else:
+            norm.weight.mul_(ratio)
+
+
 @register_pass("prune.hidden_size", HiddenSizeConfig)
 def prune_hidden_size(
     model: nn.Module, cfg: HiddenSizeConfig, state: CompressionState
 ) -> PassReport:
     arch, layers = _layers(model, "prune.hidden_size")
+    if arch.embed_scaling != "none" and len(arch.post_norms) != 2:
+        raise ConfigError(
+            f"prune.hidden_size: model_type {arch.model_type!r} scales its embedding by "
+            "sqrt(hidden_size) but not every block writes through a post-norm, so the changed "
+            "factor cannot be compensated; prune heads, MLP channels or layers instead"
+        )
     config = model.config
     current = config.hidden_size
     before = count_params(model)
@@ -503,7 +570,7 @@ def prune_hidden_size(
         _slice_linear(head, in_idx=idx)
     head.in_features = keep
     for norm in _norms(model, arch, layers):
-        norm.weight = nn.Parameter(norm.weight.data[idx].clone())
+        _slice_norm(norm, idx)
     for layer in layers:
         for lin in _sub(layer, arch.hidden_readers):
             _slice_linear(lin, in_idx=idx)
@@ -512,6 +579,10 @@ def prune_hidden_size(
     # attention width is independent of the residual width now
     config.head_dim = layers[0].get_submodule(arch.attention).head_dim
     config.hidden_size = keep
+    ratio = set_embedding_scale(model, arch)  # Gemma: sqrt(hidden_size), what a reload builds
+    if ratio != 1.0:
+        _scale_post_norms(layers, arch, ratio)
+        report.metrics["embedding_scale_ratio"] = ratio
     report.changed.append("all hidden-size tensors")
     report.metrics.update(hidden_before=current, hidden_after=keep)
     return _finish(model, report, before)

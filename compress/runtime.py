@@ -51,7 +51,7 @@ from compress.runtime_families import (
     ACTIVATIONS,
     config_unsupported_reason,
     config_value,
-    embed_scale,
+    embed_factor,
     layer_window,
     rope_tables,
     softcapped_attention,
@@ -71,6 +71,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    arch = arch_for(model, "compress runtime")
+    if arch.attn_norm is None or arch.mlp_norm is None or arch.qk_norm_span != "head":
+        return (
+            f"model_type {model_type!r}: the runtime's layer needs pre-norms and per-head q/k norms"
+        )
     return config_unsupported_reason(config, RUNTIME_SPECS[model_type])
 
 
@@ -234,8 +239,13 @@ class _Layer(nn.Module):
         form = arch.norm_form
         self.norm_in = _norm_weight(layer.get_submodule(arch.attn_norm), form)
         self.norm_post = _norm_weight(layer.get_submodule(arch.mlp_norm), form)
-        norms = {"norm_q": spec.query_norm, "norm_k": spec.key_norm}
-        norms.update(attn_out_norm=spec.post_attn_norm, mlp_out_norm=spec.post_mlp_norm)
+        qk, post = arch.qk_norms or (None, None), arch.post_norms or (None, None)
+        norms = {
+            "norm_q": qk[0],
+            "norm_k": qk[1],
+            "attn_out_norm": post[0],
+            "mlp_out_norm": post[1],
+        }
         for name, path in norms.items():
             weight = None if path is None else _norm_weight(layer.get_submodule(path), form)
             setattr(self, name, weight)
@@ -470,7 +480,7 @@ class Runtime:
                 model, decode_dtype, notes, int4_kernel, lm_head_bits, arch, spec=spec
             )
             self.embed = embed.detach()
-            self.embed_scale = embed_scale(config, spec, w_dtype)
+            self.embed_factor = embed_factor(config, arch, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
@@ -709,8 +719,8 @@ class Runtime:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, H] fp32, scaled in the model dtype where the family scales."""
         x = self.embed[tokens]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if self.embed_factor is not None:
+            x = x * self.embed_factor
         return x.float()
 
     def _apply(self, fn, x, positions, mask, slots, b: int, length: int, decode: bool):

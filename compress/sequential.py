@@ -21,6 +21,7 @@ per-channel scale into the producer of an input (``migrate_scales``, AWQ and Smo
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -33,12 +34,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import NormForm, arch_for, decoder_layers
+from compress.arch import Arch, NormForm, arch_for, decoder_layers
 from compress.core import CompressionState, PassReport, target_modules
 from compress.errors import DataError
 from compress.memory import MemoryMonitor
 from compress.modules import QuantLinear, WeightScheme, bits_per_weight
 from compress.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
+
+log = logging.getLogger(__name__)
 
 OffloadMode = Literal["none", "cpu", "disk"]
 
@@ -244,6 +247,27 @@ def finish_quant_report(
     )
 
 
+def warn_unscaled(report: PassReport, notes: dict[str, Any], arch: Arch) -> None:
+    """Collect the groups a scale pass (AWQ, SmoothQuant) quantized without folding a scale (the
+    string entries of ``notes``: group -> reason) into ``report.metrics["unscaled"]`` and log a
+    WARNING per reason: never a silent gap (OLMo2's q/k/v and gate/up have no producer)."""
+    unscaled = {k: v for k, v in notes.items() if isinstance(v, str)}
+    report.metrics["unscaled"] = unscaled
+    by_reason: dict[str, list[str]] = {}
+    for group, reason in unscaled.items():
+        by_reason.setdefault(reason, []).append(group)
+    for reason, groups in by_reason.items():
+        log.warning(
+            "%s: %d groups of linears (model_type %r) unscaled: %s; groups: %s%s",
+            report.name,
+            len(groups),
+            arch.model_type,
+            reason,
+            " | ".join(groups[:3]),
+            f" | ... ({len(groups)} in all)" if len(groups) > 3 else "",
+        )
+
+
 @torch.no_grad()
 def migrate_scales(
     prev: nn.Module,
@@ -252,16 +276,27 @@ def migrate_scales(
     s: torch.Tensor,
     *,
     norm_form: NormForm = "w",
+    rows: slice | None = None,
 ) -> None:
     """Divide the outputs of ``prev`` by ``s_prev`` (rows of a Linear, or the weight of an
     RMSNorm-style norm) and multiply the consumers' input columns by ``s [K]``, the same scale as
     the consumers see it (AWQ repeats it per head under GQA): the float model is unchanged.
+
     ``norm_form`` is the norm's (``compress.arch.Arch.norm_form``): for ``"1+w"`` (Gemma,
-    ``y = (1 + w) * normalize(x)``) the new weight is ``(1 + w) / s - 1``."""
+    ``y = (1 + w) * normalize(x)``) the effective weight ``1 + w`` is what is divided, so the
+    new weight is ``(1 + w) / s - 1`` (dividing ``w`` alone would leave the 1 unscaled).
+    ``rows``: for a fused Linear producer, the rows that feed the consumers (Phi-3's v rows of
+    ``[q; k; v]``, up half of ``[gate; up]``, ``compress.arch.producer_rows``); the other rows
+    feed other operations and stay as they are."""
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
+        part = slice(None) if rows is None else rows
+        if s_prev.shape[0] != prev.weight[part].shape[0]:
+            raise ValueError(f"scale of {s_prev.shape[0]} for {prev.weight[part].shape[0]} rows")
+        prev.weight[part].div_(s_prev.unsqueeze(1).to(prev.weight.dtype))  # rows = its outputs
         if prev.bias is not None:
-            prev.bias.div_(s_prev.to(prev.bias.dtype))
+            prev.bias[part].div_(s_prev.to(prev.bias.dtype))
+    elif rows is not None:
+        raise ValueError(f"rows={rows} given for a {type(prev).__name__} producer (not a Linear)")
     elif norm_form == "1+w":
         prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
     else:  # RMSNorm-style: y = w * normalize(x)

@@ -6,7 +6,10 @@ SmoothQuant moves that difficulty into the weights: per input channel j,
 (a norm's weight, or the rows of the up projection for the down projection) and the consumers'
 columns are multiplied by it, so the float model is unchanged. The mappings are the model
 family's (``compress.arch``; Llama: attention norm -> q/k/v, MLP norm -> gate/up, and up -> down
-with ``smooth_down``, the mapping whose producer is a Linear). The pass then turns every
+with ``smooth_down``, the mapping whose producer is a Linear). The folds per family are those of
+AWQ (``compress.awq``): Gemma's ``(1 + w)`` norms, Phi-3's fused producers (the up half of
+``gate_up_proj``); OLMo2's q/k/v and gate/up have no producer and are W8A8 unsmoothed, listed
+in the report's ``unscaled`` metric with a WARNING. The pass then turns every
 targeted Linear into a ``W8A8Linear`` (one pass, no separate W8A8 pass to order): int8 symmetric
 per-output-channel weights and dynamic symmetric per-token int8 activations; the layer, its
 backends and its export format are in ``compress.modules``. Only ``nn.Linear`` can become W8A8;
@@ -22,7 +25,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compress.arch import arch_for
+from compress.arch import Arch, Mapping, arch_for, check_paths, mapping_paths, producer_rows
 from compress.core import (
     DTYPES,
     CompressionState,
@@ -41,6 +44,7 @@ from compress.sequential import (
     migrate_scales,
     run_calibrated,
     run_layer,
+    warn_unscaled,
 )
 
 log = logging.getLogger(__name__)
@@ -90,11 +94,76 @@ def smooth_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: floa
     return s.clamp(min=1e-5)
 
 
+def _layer_mappings(
+    layer: nn.Module,
+    arch: Arch,
+    mine: set[str],
+    cfg: SmoothquantConfig,
+    prefix: str,
+    notes: dict[str, float | str],
+) -> list[Mapping]:
+    """The family's mappings to smooth in one layer (``mine``: its targeted linears); partly
+    targeted mappings and the family's scale gaps are noted (they are W8A8 without a scale)."""
+    if not cfg.smooth:
+        return []
+    mappings = []
+    for m in arch.smoothquant_mappings:
+        if not cfg.smooth_down and isinstance(layer.get_submodule(m.producer), nn.Linear):
+            continue  # the up -> down mapping, the one whose producer is a Linear
+        present = [c for c in m.consumers if c in mine]
+        if present and len(present) != len(m.consumers):
+            notes[prefix + m.producer] = f"not all of {m.consumers} are targeted; not smoothed"
+        elif present:
+            mappings.append(m)
+    for gap in arch.scale_gaps:
+        present = [prefix + c for c in gap.consumers if c in mine]
+        if present:
+            notes[", ".join(present)] = gap.reason
+    return mappings
+
+
+@torch.no_grad()
+def smooth_layer(
+    layer: nn.Module,
+    arch: Arch,
+    mine: set[str],
+    inputs: LayerInputs,
+    cfg: SmoothquantConfig,
+    *,
+    prefix: str = "",
+    notes: dict[str, float | str] | None = None,
+) -> None:
+    """SmoothQuant's scales for one decoder layer, folded into the family's producers without any
+    rounding (the float layer's function is unchanged). ``mine``: the layer's targeted linears
+    (paths inside it). ``notes`` gets ``max(s) / min(s)`` per producer, or why a group was left
+    unsmoothed."""
+    notes = {} if notes is None else notes
+    mappings = _layer_mappings(layer, arch, mine, cfg, prefix, notes)
+    hooks = _MaxHooks(layer, list(dict.fromkeys(m.consumers[0] for m in mappings)))
+    try:
+        run_layer(layer, inputs)
+    finally:
+        hooks.remove()
+    for m in mappings:
+        lins = [layer.get_submodule(c) for c in m.consumers]
+        s = smooth_scales(hooks.amax[m.consumers[0]], [lin.weight for lin in lins], cfg.alpha)
+        migrate_scales(
+            layer.get_submodule(m.producer),
+            lins,
+            s,
+            s,
+            norm_form=arch.norm_form,
+            rows=producer_rows(layer, m),
+        )
+        notes[prefix + m.producer + (f"[{m.part}]" if m.part else "")] = float(s.max() / s.min())
+
+
 @register_pass("quantize.smoothquant", SmoothquantConfig, needs_calibration=True)
 def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionState) -> PassReport:
     """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
     report = PassReport("quantize.smoothquant")
     arch = arch_for(model, "quantize.smoothquant")
+    check_paths(model, arch, mapping_paths(arch.smoothquant_mappings), "quantize.smoothquant")
     plan = []
     for name, module in target_modules(model, cfg):
         if type(module) is nn.Linear:
@@ -103,26 +172,12 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
             report.skipped[name] = f"{type(module).__name__} cannot run W8A8 (only nn.Linear can)"
     raise_or_report_skips(cfg, report, "quantize.smoothquant")
     scale_dtype = DTYPES[cfg.scale_dtype]
-    migrated: dict[str, float] = {}
+    notes: dict[str, float | str] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
         prefix = f"{arch.layer_prefix}{index}."
-        mappings = [
-            (m.producer, m.consumers)
-            for m in arch.smoothquant_mappings
-            if cfg.smooth and (cfg.smooth_down or m.producer != arch.up)
-        ]
-        mappings = [m for m in mappings if all(prefix + c in plan for c in m[1])]
-        hooks = _MaxHooks(layer, [c[0] for _, c in mappings])
-        try:
-            run_layer(layer, inputs)
-        finally:
-            hooks.remove()
-        for producer, consumers in mappings:
-            lins = [layer.get_submodule(c) for c in consumers]
-            s = smooth_scales(hooks.amax[consumers[0]], [lin.weight for lin in lins], cfg.alpha)
-            migrate_scales(layer.get_submodule(producer), lins, s, s, norm_form=arch.norm_form)
-            migrated[prefix + producer] = float(s.max() / s.min())
+        mine = {n[len(prefix) :] for n in plan if n.startswith(prefix)}
+        smooth_layer(layer, arch, mine, inputs, cfg, prefix=prefix, notes=notes)
         for name in [n for n in plan if n.startswith(prefix)]:
             # exact int8 x int8 on every backend, so calibration may use the fast one
             set_submodule(
@@ -138,5 +193,7 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
             )
             report.changed.append(name)
     finish_quant_report(model, report, cfg.backend, memory)
-    report.metrics["scale_spread_max_over_min"] = migrated
+    spread = {k: v for k, v in notes.items() if isinstance(v, float)}
+    report.metrics["scale_spread_max_over_min"] = spread
+    warn_unscaled(report, notes, arch)
     return report

@@ -1,8 +1,10 @@
 """Small, deterministic models and tokenizers for tests and examples (no downloads).
 
 ``make_tiny_llama`` builds a random Llama from a config (2 layers, hidden 64, 4 heads, 2 KV
-heads, vocab 320) with a fixed seed; ``make_char_tokenizer`` builds a character-level tokenizer
-in code. Both are public so that downstream tests and the docs can use them.
+heads, vocab 320) with a fixed seed; ``make_tiny_model`` does the same for every dense family of
+``compress.arch`` (same sizes, head_dim 16, each family's own features switched on: sliding
+windows, Granite's multipliers); ``make_char_tokenizer`` builds a character-level tokenizer in
+code. All are public so that downstream tests and the docs can use them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,67 @@ def make_tiny_llama(seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings))
     return model.eval()
+
+
+# model_type -> (config class, model class, family settings on top of the shared tiny sizes).
+# Sliding windows of 8 tokens so that sequences of 16+ tokens exercise them; Granite's
+# multipliers away from 1 so that a pass that ignored them would show.
+_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),  # = tiny_llama
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            embedding_multiplier=4.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+    ),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 8}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+TINY_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def make_tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A random ``*ForCausalLM`` of ``model_type`` (a key of ``TINY_MODEL_TYPES``; Gemma3 is
+    its text model, ``gemma3_text``): 2 layers, hidden 64, intermediate 128, 4 heads of 16, 2 KV
+    heads, vocab 320, in eval mode. ``overrides`` go to the config."""
+    import transformers
+
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"make_tiny_model: unknown model_type {model_type!r}; known: {', '.join(_FAMILIES)}"
+        )
+    config_name, model_name, family = _FAMILIES[model_type]
+    settings = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    settings.update(family)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**settings)
+    return getattr(transformers, model_name)(config).eval()
 
 
 def make_char_tokenizer():

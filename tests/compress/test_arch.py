@@ -28,6 +28,7 @@ NAMES = {
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
     "post_feedforward_layernorm", "q_norm", "k_norm",
     "embed_tokens", "lm_head", "self_attn", "mlp", "rotary_emb",
+    "embed_scale", "scalar_embed_scale",
 }  # fmt: skip
 # (file, name): why the name may stay there.
 ALLOWED = {
@@ -107,7 +108,8 @@ def test_llama_entry_names_modules_of_a_real_llama():
         arch.q, arch.k, arch.v, arch.o, arch.gate, arch.up, arch.down
     }  # fmt: skip
     assert output_weight_key(model) == f"{arch.lm_head}.weight"
-    assert set(ARCHS) >= {"llama"}
+    assert set(ARCHS) >= {"llama", "qwen2", "qwen3", "mistral", "granite", "gemma2", "gemma3_text",
+                          "phi3", "olmo2"}  # fmt: skip
 
 
 def test_unsupported_family_is_refused_by_pass_and_model_type():
