@@ -51,7 +51,7 @@ from compress.runtime_families import (
     ACTIVATIONS,
     config_unsupported_reason,
     config_value,
-    embed_scale,
+    embed_factor,
     layer_window,
     rope_tables,
     softcapped_attention,
@@ -470,7 +470,7 @@ class Runtime:
                 model, decode_dtype, notes, int4_kernel, lm_head_bits, arch, spec=spec
             )
             self.embed = embed.detach()
-            self.embed_scale = embed_scale(config, spec, w_dtype)
+            self.embed_factor = embed_factor(config, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
@@ -709,8 +709,8 @@ class Runtime:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, H] fp32, scaled in the model dtype where the family scales."""
         x = self.embed[tokens]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if self.embed_factor is not None:
+            x = x * self.embed_factor
         return x.float()
 
     def _apply(self, fn, x, positions, mask, slots, b: int, length: int, decode: bool):

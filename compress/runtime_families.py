@@ -73,7 +73,7 @@ def config_value(config, key: str | None) -> float | None:
     return None if value is None else float(value)
 
 
-def embed_scale(config, spec: RuntimeSpec, dtype: torch.dtype) -> torch.Tensor | float | None:
+def embed_factor(config, spec: RuntimeSpec, dtype: torch.dtype) -> torch.Tensor | float | None:
     """The embedding multiplier as transformers applies it: Gemma's sqrt(hidden) as a tensor
     rounded to the model dtype first, Granite's config float as a Python scalar."""
     if spec.embed_sqrt_hidden:
