@@ -11,8 +11,8 @@ architecture name anywhere else), so a new family is one entry.
 Llama (SmolLM2) is the fully tested entry. Qwen2, Qwen3, Mistral and Granite share its module
 names and ran every pass before this adapter existed, so they keep doing so; the runtime runs
 them and Gemma 2/3 (``RUNTIME_SPECS``). Pass tests for them and the other families (Gemma,
-Phi-3, OLMo2, MoE) are issue 17. Any other
-``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
+Phi-3, OLMo2, MoE) are issue 17. Any other ``model_type`` is refused by ``arch_for`` with the
+pass and the model_type named.
 """
 
 from __future__ import annotations
