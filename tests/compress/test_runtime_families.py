@@ -212,8 +212,18 @@ def test_compiled_decode_step_equals_transformers_gemma3():
     [
         ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional"),
+        (
+            "gemma3_text",  # a per-layer-type rope: the global layers' type is checked too
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            ),
+            "rope_type 'dynamic' depends on the sequence length",
+        ),
     ],
-    ids=["activation", "bidirectional"],
+    ids=["activation", "bidirectional", "dynamic-rope"],
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
@@ -221,6 +231,16 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
     with pytest.warns(RuntimeWarning, match=match):
         rt = Runtime(model, max_seq_len=48)
     assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
+
+
+def test_a_family_without_runtime_facts_falls_back_by_model_type():
+    config = transformers.Phi3Config(**{**COMMON, "num_hidden_layers": 1, "eos_token_id": 2})
+    torch.manual_seed(0)
+    phi3 = transformers.Phi3ForCausalLM(config).eval()
+    assert "model_type 'phi3' is not one of" in unsupported_reason(phi3)
+    with pytest.warns(RuntimeWarning, match="model_type 'phi3'"):
+        rt = Runtime(phi3, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(phi3, PROMPTS[1], 8)]
 
 
 def test_runtime_families_have_runtime_facts():
