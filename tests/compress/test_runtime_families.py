@@ -16,7 +16,7 @@ import transformers
 
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quantize import Int4RtnConfig, quantize_linears
-from compress.runtime import Runtime, unsupported_reason
+from compress.runtime import Runtime, _call_layer, unsupported_reason
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
@@ -205,6 +205,7 @@ def test_compiled_decode_step_equals_transformers_gemma3():
     rt = Runtime(model, max_seq_len=32, compile=True)
     prompt = PROMPTS[0]
     assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+    assert rt._decode_fn is not _call_layer  # compiled, not the eager fallback after a failure
 
 
 @pytest.mark.parametrize(
