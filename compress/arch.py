@@ -260,9 +260,9 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
 QWEN2, MISTRAL, GRANITE = (
-    dataclasses.replace(LLAMA, model_type=t, runtime=False) for t in ("qwen2", "mistral", "granite")
+    dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
 )
-QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", runtime=False, qk_norms=_QK_NORMS)
+QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", qk_norms=_QK_NORMS)
 
 # Gemma2: (1 + w) norms; attention -> post_attention_layernorm -> residual,
 # pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> residual.
@@ -284,7 +284,6 @@ GEMMA2 = dataclasses.replace(
     ),
     post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
     embed_scaling="sqrt_hidden",
-    runtime=False,
 )
 GEMMA3_TEXT = dataclasses.replace(GEMMA2, model_type="gemma3_text", qk_norms=_QK_NORMS)
 
@@ -460,3 +459,46 @@ def set_embedding_scale(model: nn.Module, arch: Arch) -> float:
     embed.embed_scale.fill_(new)
     embed.scalar_embed_scale = new
     return new / old
+
+
+# ---- runtime facts per family ------------------------------------------------------------
+# What compress.runtime needs beyond the module names above: the decoder-layer arithmetic that
+# differs between families. Module paths are from one decoder layer; the other strings name
+# attributes of the transformers config.
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """How one family's decoder computes, for the runtime (``compress.runtime.engine``), beyond its
+    ``Arch`` (which has the norms: ``norm_form``, ``qk_norms``, ``post_norms``, and
+    ``embed_scaling``). Sliding-window layers come from the config (``sliding_window``,
+    ``layer_types``), not from here.
+    """
+
+    activation_key: str = "hidden_act"  # config attribute naming the gated MLP's activation
+    embed_multiplier: str | None = None  # config attribute multiplying the embeddings
+    residual_multiplier: str | None = None  # config attribute scaling each block's output
+    logits_divisor: str | None = None  # config attribute dividing the logits
+    attn_softcap: str | None = None  # config attribute: scores -> cap * tanh(scores / cap)
+    final_softcap: str | None = None  # config attribute: logits -> cap * tanh(logits / cap)
+    rope_per_layer_type: bool = False  # rotary module takes the layer type (own base per type)
+
+
+_LLAMA_RT = RuntimeSpec()
+_GEMMA2_RT = RuntimeSpec(
+    activation_key="hidden_activation",
+    attn_softcap="attn_logit_softcapping",
+    final_softcap="final_logit_softcapping",
+)
+RUNTIME_SPECS: dict[str, RuntimeSpec] = {
+    "llama": _LLAMA_RT,
+    "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
+    "mistral": _LLAMA_RT,  # sliding window from the config
+    "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
+    # attention_multiplier is the attention module's own scaling
+    "granite": RuntimeSpec(
+        embed_multiplier="embedding_multiplier",
+        residual_multiplier="residual_multiplier",
+        logits_divisor="logits_scaling",
+    ),
+    "gemma2": _GEMMA2_RT,
+    "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
+}

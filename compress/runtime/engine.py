@@ -1,4 +1,6 @@
-"""Generation runtime for Llama-architecture models (plain or with our QuantLinear layers).
+"""Generation runtime for decoder-only models (plain or with our QuantLinear layers): Llama and
+the families whose arithmetic ``compress.arch.RUNTIME_SPECS`` describes (Qwen2/3, Mistral,
+Granite, Gemma 2/3 text: q/k norms, post-norms, multipliers, softcaps, sliding windows).
 
 The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
 change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
@@ -15,9 +17,11 @@ Compilation is regional: one decoder layer is compiled and the same code serves 
 Prefill runs eager by default; ``compile_prefill=True`` pads prompts to power-of-two buckets
 and compiles once per bucket. Batches are left-padded; each row has its own positions.
 
-Not supported (falls back to transformers ``generate`` with a warning): non-Llama
-architectures, sliding-window attention, rope types whose tables depend on the sequence length.
-Attention reads the whole allocated cache each step: size ``max_seq_len`` to the job.
+Sliding-window layers mask keys ``sliding_window`` or more slots behind the query; the cache
+keeps every slot (no ring buffer). Not supported (falls back to transformers ``generate`` with
+a warning; ``unsupported_reason`` says why): families without a ``RuntimeSpec``, rope types
+whose tables depend on the sequence length, other activations and layer types, bidirectional
+attention. Attention reads the filled cache prefix each step: size ``max_seq_len`` to the job.
 """
 
 from __future__ import annotations
@@ -32,9 +36,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch import Arch, arch_for, decoder_layers, runtime_model_types
+from compress.arch import (
+    RUNTIME_SPECS,
+    Arch,
+    NormForm,
+    RuntimeSpec,
+    arch_for,
+    decoder_layers,
+    runtime_model_types,
+)
 from compress.kernels import cpu_avx2, cpu_native, dispatch
 from compress.quant.linear import QuantLinear, WeightScheme
+from compress.runtime.families import (
+    ACTIVATIONS,
+    config_unsupported_reason,
+    config_value,
+    embed_factor,
+    layer_window,
+    rope_tables,
+    softcapped_attention,
+    window_mask,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +71,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} is not silu"
-    rope = getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
-        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
-    return None
+    arch = arch_for(model, "compress runtime")
+    if arch.attn_norm is None or arch.mlp_norm is None or arch.qk_norm_span != "head":
+        return (
+            f"model_type {model_type!r}: the runtime's layer needs pre-norms and per-head q/k norms"
+        )
+    return config_unsupported_reason(config, RUNTIME_SPECS[model_type])
 
 
 # ---- linear layers, re-held per phase --------------------------------------------------
@@ -177,6 +199,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
+    """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
+    w = norm.weight.detach().float()
+    return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -194,18 +222,33 @@ class _Layer(nn.Module):
         i: int,
         int4_kernel: str,
         arch: Arch,
+        *,
+        spec: RuntimeSpec,
     ):
         super().__init__()
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = float(config.rms_norm_eps)
         self.scale = float(layer.get_submodule(arch.attention).scaling)
-        self.norm_in = nn.Buffer(
-            layer.get_submodule(arch.attn_norm).weight.detach().float(), persistent=False
-        )
-        self.norm_post = nn.Buffer(
-            layer.get_submodule(arch.mlp_norm).weight.detach().float(), persistent=False
-        )
+        # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
+        self.window = layer_window(config, i)
+        self.rope_key = config.layer_types[i] if spec.rope_per_layer_type else None
+        self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
+        self.softcap = config_value(config, spec.attn_softcap)
+        self.residual_multiplier = config_value(config, spec.residual_multiplier)
+        form = arch.norm_form
+        self.norm_in = _norm_weight(layer.get_submodule(arch.attn_norm), form)
+        self.norm_post = _norm_weight(layer.get_submodule(arch.mlp_norm), form)
+        qk, post = arch.qk_norms or (None, None), arch.post_norms or (None, None)
+        norms = {
+            "norm_q": qk[0],
+            "norm_k": qk[1],
+            "attn_out_norm": post[0],
+            "mlp_out_norm": post[1],
+        }
+        for name, path in norms.items():
+            weight = None if path is None else _norm_weight(layer.get_submodule(path), form)
+            setattr(self, name, weight)
         # The projections, in the order forward uses them: the runtime's own short names.
         paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
         paths.update(gate=arch.gate, up=arch.up, down=arch.down)
@@ -221,9 +264,12 @@ class _Layer(nn.Module):
         slots [T] cache indices the T new positions are written to."""
         b, t, _ = x.shape
         h = _rms_norm(x, self.norm_in, self.eps)
-        # [B, T, heads * D] -> [B, heads, T, D]
-        q = self.q(h, decode).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q(h, decode).view(b, t, self.n_heads, self.head_dim)
+        k = self.k(h, decode).view(b, t, self.n_kv, self.head_dim)
+        if self.norm_q is not None:  # per head, over D, before RoPE
+            q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
+        # [B, T, heads, D] -> [B, heads, T, D]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -231,18 +277,31 @@ class _Layer(nn.Module):
         v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
         # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
         keys, values = (k_cache, v_cache) if decode else (k, v)
-        a = F.scaled_dot_product_attention(
-            q.to(keys.dtype),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.n_heads != self.n_kv,
-        )
+        if self.softcap is None:
+            a = F.scaled_dot_product_attention(
+                q.to(keys.dtype),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.n_heads != self.n_kv,
+            )
+        else:
+            a = softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
         a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-        x = x + self.o(a, decode)
+        x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = _rms_norm(x, self.norm_post, self.eps)
-        return x + self.down(F.silu(self.gate(h, decode)) * self.up(h, decode), decode)
+        y = self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
+        return x + self._block_out(y, self.mlp_out_norm)
+
+    def _block_out(self, y: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """What a block adds to the residual: its output, post-normed (Gemma) and scaled
+        (Granite) where the family does."""
+        if norm is not None:
+            y = _rms_norm(y, norm, self.eps)
+        if self.residual_multiplier is not None:
+            y = y * self.residual_multiplier
+        return y
 
 
 class _Head(nn.Module):
@@ -254,11 +313,14 @@ class _Head(nn.Module):
         int4_kernel: str,
         bits: int | None,
         arch: Arch,
+        *,
+        spec: RuntimeSpec,
     ) -> None:
         super().__init__()
-        norm = model.get_submodule(arch.final_norm)
-        self.norm = nn.Buffer(norm.weight.detach().float(), persistent=False)
+        self.norm = _norm_weight(model.get_submodule(arch.final_norm), arch.norm_form)
         self.eps = float(model.config.rms_norm_eps)
+        self.divisor = config_value(model.config, spec.logits_divisor)
+        self.softcap = config_value(model.config, spec.final_softcap)
         head = model.get_submodule(arch.lm_head)
         if bits is not None and not isinstance(head, QuantLinear):
             # A quantized copy for the head only: tied input embeddings stay as they are.
@@ -268,7 +330,12 @@ class _Head(nn.Module):
         self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, int4_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+        logits = self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 @dataclass
@@ -385,8 +452,7 @@ class Runtime:
         q4q8_reason = dispatch.q4q8_unavailable_reason() if int4_kernel == "q4q8" else None
         if q4q8_reason is not None:
             warnings.warn(
-                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); "
-                "using torch's int4 kernel",
+                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); using torch's int4 kernel",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -394,18 +460,32 @@ class Runtime:
         self.int4_kernel = int4_kernel
         notes: list[str] = []
         arch = arch_for(model, "compress runtime")
+        spec = RUNTIME_SPECS[arch.model_type]
         with torch.no_grad():
             self.layers = nn.ModuleList(
-                _Layer(layer, config, prefill_dtype, decode_dtype, notes, i, int4_kernel, arch)
+                _Layer(
+                    layer,
+                    config,
+                    prefill_dtype,
+                    decode_dtype,
+                    notes,
+                    i,
+                    int4_kernel,
+                    arch,
+                    spec=spec,
+                )  # fmt: skip
                 for i, layer in enumerate(decoder_layers(model, "compress runtime"))
             )
-            self.head = _Head(model, decode_dtype, notes, int4_kernel, lm_head_bits, arch)
+            self.head = _Head(
+                model, decode_dtype, notes, int4_kernel, lm_head_bits, arch, spec=spec
+            )
             self.embed = embed.detach()
-            # cos/sin tables for every cache position, from the model's own rotary module so
-            # that its rope type and attention scaling carry over: [S, D] fp32.
-            pos = torch.arange(max_seq_len, device=device)[None]
-            cos, sin = model.get_submodule(arch.rotary)(torch.zeros(1, device=device), pos)
-            self.cos, self.sin = cos[0].float(), sin[0].float()
+            self.embed_factor = embed_factor(config, arch, spec, w_dtype)
+            self.rope = rope_tables(model, arch, spec, max_seq_len)
+        # Windows at or beyond the cache length never cut a key, so they need no mask.
+        self._windows = {
+            layer.window for layer in self.layers if layer.window and layer.window < max_seq_len
+        }
         if notes:
             log.warning(
                 "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
@@ -538,9 +618,8 @@ class Runtime:
             if t == 1:
                 x = self._layers(ids, slots[None], mask, slots, 1, length, decode=True)
             else:  # eager: a k-token decode step is another shape than the compiled one
-                x = self.embed[ids].float()
-                cos, sin = self.cos[slots][None], self.sin[slots][None]
-                x = self._apply(_call_layer, x, cos, sin, mask, slots, 1, length, True)
+                x = self._embed(ids)
+                x = self._apply(_call_layer, x, slots[None], mask, slots, 1, length, True)
         self.position = start + t
         return self.head(x[0])
 
@@ -621,10 +700,9 @@ class Runtime:
         self, tokens, positions, mask, slots, b: int, length: int, *, decode: bool
     ) -> torch.Tensor:
         fn = self._decode_fn if decode else self._prefill_fn
-        x = self.embed[tokens].float()  # [B, T, H]
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        x = self._embed(tokens)  # [B, T, H]
         try:
-            return self._apply(fn, x, cos, sin, mask, slots, b, length, decode)
+            return self._apply(fn, x, positions, mask, slots, b, length, decode)
         except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
             if fn is _call_layer:
                 raise
@@ -636,14 +714,26 @@ class Runtime:
             )
             self._decode_fn = self._prefill_fn = _call_layer
             # Re-running is safe: each layer rewrites the same cache slots from the same input.
-            return self._apply(_call_layer, x, cos, sin, mask, slots, b, length, decode)
+            return self._apply(_call_layer, x, positions, mask, slots, b, length, decode)
 
-    def _apply(self, fn, x, cos, sin, mask, slots, b: int, length: int, decode: bool):
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, T, H] fp32, scaled in the model dtype where the family scales."""
+        x = self.embed[tokens]
+        if self.embed_factor is not None:
+            x = x * self.embed_factor
+        return x.float()
+
+    def _apply(self, fn, x, positions, mask, slots, b: int, length: int, decode: bool):
         """All layers; each sees its cache rows ``:b`` and slots ``:length`` (views, so the
-        new keys/values written at ``slots`` land in the full cache)."""
+        new keys/values written at ``slots`` land in the full cache). positions [B, T] index
+        the rope tables; slots [T] are the queries' cache slots (for sliding windows)."""
+        ropes = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}
+        masks = {window: window_mask(mask, slots, window) for window in self._windows}
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i, :b, :, :length], self.v_cache[i, :b, :, :length]
-            x = fn(layer, x, cos, sin, mask, k_cache, v_cache, slots, decode)
+            cos, sin = ropes[layer.rope_key]  # [B, T, D]
+            layer_mask = masks.get(layer.window, mask)
+            x = fn(layer, x, cos, sin, layer_mask, k_cache, v_cache, slots, decode)
         return x
 
     def _hf_generate(self, prompts, max_new_tokens: int, stop: set[int], s: _Sampling):

@@ -1,0 +1,109 @@
+"""The arithmetic that differs between the families the runtime runs (``runtime/engine.py``),
+driven by each family's ``compress.arch.RuntimeSpec`` and its transformers config: which
+configs it can run, sliding-window masks, per-layer-type rope tables, Gemma 2's softcapped
+attention, embedding multipliers. Everything here matches transformers' own computation in
+fp32 (``tests/runtime/test_runtime_families.py``); it knows no module names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.arch import Arch, RuntimeSpec
+
+# MLP activations by the names transformers' configs use (gelu_pytorch_tanh: Gemma's).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
+    """Why the runtime cannot run a supported family with this ``config``, or None."""
+    act = getattr(config, spec.activation_key, "silu")
+    if act not in ACTIVATIONS:
+        return f"{spec.activation_key} {act!r} is not one of {tuple(ACTIVATIONS)}"
+    for rope in rope_settings(config):
+        if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+            return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+    other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
+    if other:
+        return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True (the runtime's attention is causal)"
+    return None
+
+
+def rope_settings(config) -> list[dict]:
+    """Every rope settings dict of ``config``: ``rope_scaling``, and ``rope_parameters`` either
+    flat or per layer type (Gemma 3)."""
+    found = [getattr(config, "rope_scaling", None) or {}]
+    params = getattr(config, "rope_parameters", None) or {}
+    found += [v for v in params.values() if isinstance(v, dict)] or [params]
+    return found
+
+
+def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with ``cap * tanh(scores / cap)`` before masking (Gemma 2), which SDPA cannot
+    do. q [B, H, T, D], k/v [B, Hkv, S, D], mask bool broadcastable to [B, H, T, S]."""
+    groups = q.shape[1] // k.shape[1]
+    # [B, Hkv, S, D] -> [B, H, S, D]: query head h reads KV head h // groups
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def layer_window(config, i: int) -> int | None:
+    """Layer ``i``'s sliding window (keys at most window - 1 slots behind the query), or None.
+    Without ``layer_types`` (Mistral) a set ``sliding_window`` holds for every layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and types[i] != "sliding_attention"):
+        return None
+    return int(window)
+
+
+def config_value(config, key: str | None) -> float | None:
+    value = None if key is None else getattr(config, key, None)
+    return None if value is None else float(value)
+
+
+def embed_factor(
+    config, arch: Arch, spec: RuntimeSpec, dtype: torch.dtype
+) -> torch.Tensor | float | None:
+    """The embedding multiplier as transformers applies it: Gemma's sqrt(hidden) as a tensor
+    rounded to the model dtype first, Granite's config float as a Python scalar."""
+    if arch.embed_scaling == "sqrt_hidden":
+        return torch.tensor(config.hidden_size**0.5).to(dtype)
+    return config_value(config, spec.embed_multiplier)
+
+
+def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: int) -> dict:
+    """cos/sin tables [S, D] fp32 for every cache position, from the model's own rotary module
+    so that its rope type and attention scaling carry over; keyed by ``_Layer.rope_key``
+    (the layer type where each type has its own base, Gemma 3's local vs global; else None)."""
+    rotary = model.get_submodule(arch.rotary)
+    device = model.get_input_embeddings().weight.device
+    pos = torch.arange(max_seq_len, device=device)[None]
+    x = torch.zeros(1, device=device)
+    if not spec.rope_per_layer_type:
+        keys, tables = [None], [rotary(x, pos)]
+    else:
+        keys = sorted(set(model.config.layer_types))
+        tables = [rotary(x, pos, key) for key in keys]
+    pairs = zip(keys, tables, strict=True)
+    return {key: (cos[0].float(), sin[0].float()) for key, (cos, sin) in pairs}
+
+
+def window_mask(mask: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [B, 1, T, L] (or [B, 1, 1, L]) with keys ``window`` or more slots behind their
+    query cut (transformers' ``kv_idx > q_idx - sliding_window``). Slot distance is token
+    distance for every row: left padding shifts a row's queries and keys alike."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    near = keys[None, :] > slots[:, None] - window  # [T, L]
+    return mask & near

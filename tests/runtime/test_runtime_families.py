@@ -1,0 +1,250 @@
+"""The runtime on every family it runs besides Llama: Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
+multipliers), Gemma 2 (softcapped attention and logits) and Gemma 3 (local/global rope bases,
+post-norms, (1 + w) norms, scaled embeddings). The reference is transformers itself in fp32:
+greedy tokens and the logits of each prefill and decode step, float and int4-RTN quantized.
+
+Tiny random models: 2 layers, hidden 64, vocab 320, sliding window 8 (prompts + generation run
+past it), every 1-d parameter (norm weights, biases) randomised so that a wrong norm form, a
+missing bias or a missing norm changes the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
+from compress.quant.rtn import Int4RtnConfig, quantize_linears
+from compress.runtime.engine import Runtime, _call_layer, unsupported_reason
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
+WINDOW = 8
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    initializer_range=0.3,  # the default 0.02 makes a random model repeat one token
+)
+# model class, config class, settings on top of COMMON. Sliding layers: Qwen2/3 from layer
+# max_window_layers on (layer 1), Mistral every layer, Gemma 2/3 layer 0 (layer 1 global).
+# Gemma's head is untied: with embeddings scaled by sqrt(64) a tied random head predicts the
+# last input token forever.
+FAMILIES = {
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),
+    "granite": (
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=2.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=False,
+            attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def make_model(family: str, seed: int = 0, **overrides):
+    """Tiny random ``family`` model in fp32, eval mode, eager attention (the reference)."""
+    model_cls, config_cls, settings = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **settings, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms start at 1 (or 0 for 1 + w) and biases at 0: move them
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def step_logits(rt: Runtime, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Runtime logits [1 + n, V]: after the prompt (prefill), then after each continuation
+    token fed alone (decode steps)."""
+    rows = [rt.prefill(prompt)] + [rt.score([t])[-1] for t in continuation]
+    return torch.stack(rows)
+
+
+def hf_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """transformers' logits [1 + n, V] at the same positions, from one forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + continuation])).logits[0]
+    return logits[len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_is_run_by_the_runtime(family):
+    model = make_model(family)
+    assert model.config.model_type == family
+    assert unsupported_reason(model) is None
+    assert ARCHS[family].runtime
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_fp32(family):
+    model = make_model(family)
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    for prompt in PROMPTS[:2]:
+        ref = hf_greedy(model, prompt, 20)
+        assert len(set(ref)) > 5  # the reference itself is not degenerate
+        assert rt.generate([prompt], 20) == [ref]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_logits_equal_transformers_fp32(family):
+    # Logits, not only argmax: Granite's logits_scaling and Gemma 2's final softcap are
+    # monotonic, so greedy tokens alone could not see them. 11 + 12 tokens > window 8.
+    model = make_model(family)
+    prompt, continuation = PROMPTS[0], list(range(40, 280, 20))
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    got = step_logits(rt, prompt, continuation)
+    torch.testing.assert_close(got, hf_logits(model, prompt, continuation), rtol=1e-4, atol=1e-4)
+    rt.rewind(len(prompt))  # the continuation in one forward (speculative decoding's verify)
+    torch.testing.assert_close(rt.score(continuation), got[1:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_the_window_changes_the_logits(family):
+    # The equality tests above see the window: the same runtime without its window mask gives
+    # other logits once a query is 8 or more tokens past a key.
+    model = make_model(family)
+    prompt, continuation = PROMPTS[0], list(range(40, 280, 20))
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    assert rt._windows == {WINDOW}
+    rt._windows = set()
+    got = step_logits(rt, prompt, continuation)
+    assert (got - hf_logits(model, prompt, continuation)).abs().max() > 1e-2
+
+
+def test_a_window_beyond_the_cache_needs_no_mask():
+    model = make_model("mistral", sliding_window=64)
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    assert rt._windows == set()
+    assert rt.generate([PROMPTS[0]], 16) == [hf_greedy(model, PROMPTS[0], 16)]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_batch_with_left_padding_equals_single_rows(family):
+    # Slot distance is token distance in a left-padded row, so the window holds per row.
+    model = make_model(family)
+    rt = Runtime(model, max_seq_len=48, max_batch_size=3, compile=False)
+    assert rt.generate(PROMPTS, 16) == [hf_greedy(model, p, 16) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
+    model = make_model(family)
+    report = quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    assert report is not None
+    # fp32 decode keeps the head in fp32 as transformers does; the int4 layers run the same
+    # native kernel (bf16 activations) on both sides.
+    rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False)
+    assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 14
+    for prompt in PROMPTS[:2]:
+        assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
+
+
+def test_compiled_decode_step_equals_transformers_gemma3():
+    # The one compiled family test: alternating sliding/global layers share one compiled
+    # layer (their masks and rope tables are inputs).
+    torch._dynamo.reset()
+    model = make_model("gemma3_text")
+    rt = Runtime(model, max_seq_len=32, compile=True)
+    prompt = PROMPTS[0]
+    assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+    assert rt._decode_fn is not _call_layer  # compiled, not the eager fallback after a failure
+
+
+@pytest.mark.parametrize(
+    "family,overrides,match",
+    [
+        ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional"),
+        (
+            "gemma3_text",  # a per-layer-type rope: the global layers' type is checked too
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            ),
+            "rope_type 'dynamic' depends on the sequence length",
+        ),
+    ],
+    ids=["activation", "bidirectional", "dynamic-rope"],
+)
+def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
+    model = make_model(family, **overrides)
+    assert match in unsupported_reason(model)
+    with pytest.warns(RuntimeWarning, match=match):
+        rt = Runtime(model, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
+
+
+def test_a_family_without_runtime_facts_falls_back_by_model_type():
+    config = transformers.Phi3Config(**{**COMMON, "num_hidden_layers": 1, "eos_token_id": 2})
+    torch.manual_seed(0)
+    phi3 = transformers.Phi3ForCausalLM(config).eval()
+    assert "model_type 'phi3' is not one of" in unsupported_reason(phi3)
+    with pytest.warns(RuntimeWarning, match="model_type 'phi3'"):
+        rt = Runtime(phi3, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(phi3, PROMPTS[1], 8)]
+
+
+def test_runtime_families_have_runtime_facts():
+    # A family flagged runtime=True needs its RuntimeSpec, and a spec is only worth having
+    # for a family the runtime runs (catches an arch.py merge that loses either side).
+    assert set(runtime_model_types()) == set(RUNTIME_SPECS)
