@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.arch import DEFAULT_IGNORE
+from compress.arch import ARCHS, DEFAULT_IGNORE, model_type
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches
 from compress.quant.linear import QuantLinear, WeightScheme
@@ -475,6 +475,14 @@ def run_tune(
     candidates = [parse_format(f) for f in formats]
     loaded = load_model(model_id)
     model = loaded.model.float().eval()
+    arch = ARCHS.get(model_type(model))
+    if arch is not None and arch.moe is not None:
+        # fused experts are not nn.Linear: the sensitivity and the budget would miss them
+        raise ConfigError(
+            f"tune: {arch.model_type} is a mixture-of-expert model; tune measures nn.Linear "
+            "layers only and would leave the fused expert weights out of the budget. Write "
+            "the recipe by hand"
+        )
     names = decoder_linears(model)
     numels = {n: model.get_submodule(n).weight.numel() for n in names}
     mix = calibration_mix or {"wikitext2-valid": 1.0}
