@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import torch
 
+# The sizes every tiny model shares (the families add head_dim 16 and their own features).
+TINY_SIZES = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
 
 def make_tiny_llama(seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    settings = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    settings = dict(TINY_SIZES, tie_word_embeddings=True)
     settings.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings))
@@ -75,19 +77,7 @@ def make_tiny_model(model_type: str, seed: int = 0, **overrides):
             f"make_tiny_model: unknown model_type {model_type!r}; known: {', '.join(_FAMILIES)}"
         )
     config_name, model_name, family = _FAMILIES[model_type]
-    settings = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    settings = dict(TINY_SIZES, head_dim=16)
     settings.update(family)
     settings.update(overrides)
     torch.manual_seed(seed)
@@ -119,20 +109,7 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     vocab 320. Experts are the fused 3-D parameters transformers 5 builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(
-        vocab_size=320,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        num_experts_per_tok=2,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    settings = dict(TINY_SIZES, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=True)
     if model_type == "mixtral":
         settings.update(num_local_experts=4, intermediate_size=64)
     elif model_type == "qwen3_moe":

@@ -12,86 +12,50 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _call_layer, unsupported_reason
+from compress.testing import make_tiny_model
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-    initializer_range=0.3,  # the default 0.02 makes a random model repeat one token
-)
-# model class, config class, settings on top of COMMON. Sliding layers: Qwen2/3 from layer
+# settings on top of compress.testing's tiny sizes (random init wider than the default 0.02,
+# which makes a random model repeat one token). Sliding layers: Qwen2/3 from layer
 # max_window_layers on (layer 1), Mistral every layer, Gemma 2/3 layer 0 (layer 1 global).
 # Gemma's head is untied: with embeddings scaled by sqrt(64) a tied random head predicts the
 # last input token forever.
 FAMILIES = {
-    "qwen2": (
-        "Qwen2ForCausalLM",
-        "Qwen2Config",
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "mistral": dict(sliding_window=WINDOW),
+    "granite": dict(
+        embedding_multiplier=2.0,
+        attention_multiplier=0.125,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
     ),
-    "qwen3": (
-        "Qwen3ForCausalLM",
-        "Qwen3Config",
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "gemma2": dict(
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+        tie_word_embeddings=False,
+        attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
+        final_logit_softcapping=3.0,
     ),
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),
-    "granite": (
-        "GraniteForCausalLM",
-        "GraniteConfig",
-        dict(
-            embedding_multiplier=2.0,
-            attention_multiplier=0.125,
-            residual_multiplier=0.5,
-            logits_scaling=4.0,
-        ),
-    ),
-    "gemma2": (
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
-        dict(
-            sliding_window=WINDOW,
-            query_pre_attn_scalar=16,
-            tie_word_embeddings=False,
-            attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
-            final_logit_softcapping=3.0,
-        ),
-    ),
-    "gemma3_text": (
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        dict(
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-            query_pre_attn_scalar=16,
-            tie_word_embeddings=False,
-        ),
+    "gemma3_text": dict(
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        tie_word_embeddings=False,
     ),
 }
 
 
 def make_model(family: str, seed: int = 0, **overrides):
     """Tiny random ``family`` model in fp32, eval mode, eager attention (the reference)."""
-    model_cls, config_cls, settings = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **settings, **overrides})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
+    settings = {"initializer_range": 0.3, "tie_word_embeddings": True, **FAMILIES[family]}
+    model = make_tiny_model(family, seed, **{**settings, **overrides})
+    model.config._attn_implementation = "eager"
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:  # norms start at 1 (or 0 for 1 + w) and biases at 0: move them
@@ -235,9 +199,7 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
 
 
 def test_a_family_without_runtime_facts_falls_back_by_model_type():
-    config = transformers.Phi3Config(**{**COMMON, "num_hidden_layers": 1, "eos_token_id": 2})
-    torch.manual_seed(0)
-    phi3 = transformers.Phi3ForCausalLM(config).eval()
+    phi3 = make_tiny_model("phi3", num_hidden_layers=1, initializer_range=0.3)
     assert "model_type 'phi3' is not one of" in unsupported_reason(phi3)
     with pytest.warns(RuntimeWarning, match="model_type 'phi3'"):
         rt = Runtime(phi3, max_seq_len=48)
