@@ -45,7 +45,8 @@ def _one_thread():
 
 
 @pytest.mark.parametrize(
-    ("symmetric", "full_range"), [(True, False), (True, True), (False, False)],
+    ("symmetric", "full_range"),
+    [(True, False), (True, True), (False, False)],
     ids=["sym", "sym-full-grid", "asym"],
 )
 def test_initial_parameters_fake_quantize_like_rtn(symmetric, full_range):
@@ -82,7 +83,9 @@ def test_zero_iters_equals_rtn_code_for_code(case):
 def _layer0_problem(seed: int = 0):
     model = make_tiny_llama(seed=seed)
     layer = model.model.layers[0]
-    inputs = capture_first_layer_inputs(model, tiny_state().calibration_batches(), torch.device("cpu"))
+    inputs = capture_first_layer_inputs(
+        model, tiny_state().calibration_batches(), torch.device("cpu")
+    )
     linears = {
         n: (m, WeightScheme(4, 32, False, torch.float16))
         for n, m in layer.named_modules()
@@ -109,6 +112,15 @@ def test_tuned_parameters_stay_in_range_and_lower_the_block_loss():
         assert scales.shape == (w_q.shape[0], w_q.shape[1] // 32)
     assert moved > 0  # the parameters did move (to the edges of their boxes)
     assert all(not t.requires_grad or t.grad is None for t in layer.parameters())
+
+
+def test_tune_clipping_false_learns_rounding_only():
+    layer, inputs, linears = _layer0_problem()
+    cfg = AutoroundConfig(iters=5, lr=0.05, tune_clipping=False)
+    params, _ = tune_block(layer, linears, inputs, run_layer(layer, inputs), cfg, torch.Generator())
+    assert all(torch.equal(p.alpha, torch.ones_like(p.alpha)) for p in params.values())
+    assert all(torch.equal(p.beta, torch.ones_like(p.beta)) for p in params.values())
+    assert any(bool((p.v != 0).any()) for p in params.values())
 
 
 def _heldout_layer0_error(base, cfg) -> float:
@@ -150,8 +162,11 @@ def test_report_counts_and_lm_head_untouched():
     assert not isinstance(model.lm_head, QuantLinear)
     assert set(report.metrics["per_block"]) == {"model.layers.0", "model.layers.1"}
     with pytest.raises(RecipeError, match="not divisible"):
-        run_passes(make_tiny_llama(intermediate_size=96),
-                   [AutoroundConfig(group_size=64, strict=True)], tiny_state())
+        run_passes(
+            make_tiny_llama(intermediate_size=96),
+            [AutoroundConfig(group_size=64, strict=True)],
+            tiny_state(),
+        )
 
 
 PLAIN_LOAD = textwrap.dedent(
@@ -192,19 +207,34 @@ def test_export_reloads_in_our_loader_and_in_plain_transformers(tiny_tokenizer, 
         assert torch.equal(reloaded, expected[name]), name
         dirs.append(str(out))
     env = {**os.environ, "PYTHONPATH": ""}
-    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, *dirs], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, *dirs],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, ckpt in zip(cases, dirs, strict=True):
         # same codes and scales; the tolerance covers compressed-tensors' fp16-scale arithmetic
-        torch.testing.assert_close(torch.load(ckpt + ".plain.pt"), expected[name],
-                                   atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(
+            torch.load(ckpt + ".plain.pt"), expected[name], atol=1e-4, rtol=1e-4, msg=name
+        )
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("iters", -1), ("lr", 0), ("clipping_lr", 2.0), ("batch_size", 0), ("group_size", 100),
-     ("n_bits", 3), ("tune_clipping", "maybe"), ("iter", 10)],
+    [
+        ("iters", -1),
+        ("lr", 0),
+        ("clipping_lr", 2.0),
+        ("batch_size", 0),
+        ("group_size", 100),
+        ("n_bits", 3),
+        ("tune_clipping", "maybe"),
+        ("iter", 10),
+    ],
     ids=lambda v: str(v),
 )
 def test_bad_settings_are_recipe_errors_naming_the_key(key, value):
