@@ -37,6 +37,7 @@ from compress.core.registry import (
 )
 from compress.prune import structured  # noqa: F401
 from compress.quant import (  # noqa: F401
+    autoround,
     awq,
     bnb,  # imports bitsandbytes only when run
     gptq,

@@ -368,3 +368,19 @@ def test_awq_quantizes_every_expert_with_rtn_and_says_so():
     assert len(metrics["per_expert"]) == 2  # one fused experts module per layer
     assert all("no scale search" in why for why in metrics["per_expert"].values())
     assert metrics["bits_per_weight"] < 6
+
+
+def test_autoround_quantizes_every_expert_with_rtn_and_says_so():
+    """AutoRound tunes the dense linears block by block; routed experts are quantized with RTN,
+    reported per expert, and the pass covers 100% of the targets."""
+    import compress.quant.autoround  # noqa: F401  (registers the pass)
+    from compress.core.registry import get_pass, run_passes
+
+    model = make_tiny_moe("qwen3_moe")
+    state = _calibration(n=2)
+    config = get_pass("quantize.autoround").config_cls(group_size=32, iters=2, strict=True)
+    run_passes(model, [config], state)
+    metrics = state.reports[-1].metrics
+    assert metrics["quantized_share"] == 1.0 and metrics["unquantized"] == {}
+    assert len(metrics["per_expert"]) == 2
+    assert all("not tuned" in why for why in metrics["per_expert"].values())

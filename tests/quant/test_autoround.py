@@ -1,0 +1,242 @@
+"""AutoRound: zero steps is RTN code for code, tuned parameters stay in their boxes, the tuned
+layer beats RTN on held-out tokens (and is compared with GPTQ), export reloads with the same
+logits in our loader and in plain transformers, bad settings are clear recipe errors."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from compress.core.errors import RecipeError
+from compress.core.registry import run_passes
+from compress.io.export import export_checkpoint, load_compressed
+from compress.quant.autoround import (
+    AutoroundConfig,
+    RoundingParams,
+    fake_quantize_learned,
+    quantize_learned,
+    tune_block,
+)
+from compress.quant.calibrated import capture_first_layer_inputs, run_layer
+from compress.quant.gptq import GptqConfig
+from compress.quant.linear import QuantLinear, WeightScheme
+from compress.quant.primitives import fake_quantize
+from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig
+from compress.recipe import parse_recipe
+from compress.testing import make_tiny_llama
+from tests.quant.quant_helpers import tiny_state
+
+LAYER0 = (r"re:.*layers\.0\.",)  # tune one decoder layer only: keeps the tests fast
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Microsecond ops on a shared 2-core box: one thread is faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("symmetric", "full_range"),
+    [(True, False), (True, True), (False, False)],
+    ids=["sym", "sym-full-grid", "asym"],
+)
+def test_initial_parameters_fake_quantize_like_rtn(symmetric, full_range):
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    scheme = WeightScheme(4, 32, symmetric, torch.float32, full_range)
+    got = fake_quantize_learned(w, RoundingParams.initial(w, 32), scheme)
+    expected = fake_quantize(w, n_bits=4, group_size=32, symmetric=symmetric, full_range=full_range)
+    assert torch.equal(got, expected)
+
+
+RTN_CASES = {
+    "w4g32-sym": (AutoroundConfig(iters=0, group_size=32), Int4RtnConfig(group_size=32)),
+    "w4g64-asym": (
+        AutoroundConfig(iters=0, group_size=64, symmetric=False),
+        Int4RtnConfig(group_size=64, symmetric=False),
+    ),
+    "w8-channel": (AutoroundConfig(iters=0, n_bits=8, group_size=None), Int8RtnConfig()),
+}
+
+
+@pytest.mark.parametrize("case", list(RTN_CASES), ids=list(RTN_CASES))
+def test_zero_iters_equals_rtn_code_for_code(case):
+    ours, rtn = RTN_CASES[case]
+    models = [make_tiny_llama(), make_tiny_llama()]
+    run_passes(models[0], [ours], tiny_state())
+    run_passes(models[1], [rtn], tiny_state())
+    a, b = models[0].state_dict(), models[1].state_dict()
+    assert a.keys() == b.keys()
+    assert sum(k.endswith(("weight_packed", "weight_scale")) for k in a) >= 14
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _layer0_problem(seed: int = 0):
+    model = make_tiny_llama(seed=seed)
+    layer = model.model.layers[0]
+    inputs = capture_first_layer_inputs(
+        model, tiny_state().calibration_batches(), torch.device("cpu")
+    )
+    linears = {
+        n: (m, WeightScheme(4, 32, False, torch.float16))
+        for n, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    return layer, inputs, linears
+
+
+def test_tuned_parameters_stay_in_range_and_lower_the_block_loss():
+    layer, inputs, linears = _layer0_problem()
+    targets = run_layer(layer, inputs)
+    cfg = AutoroundConfig(iters=60, batch_size=2, lr=0.05)  # large steps: reach the box edges
+    params, info = tune_block(layer, linears, inputs, targets, cfg, torch.Generator())
+    assert info["loss_tuned"] < 0.8 * info["loss_rtn"], info
+    moved = 0
+    for name, p in params.items():
+        assert p.v.min() >= -0.5 and p.v.max() <= 0.5, name
+        for t in (p.alpha, p.beta):
+            assert t.min() >= 0.5 and t.max() <= 1.0, name
+        moved += int((p.v.abs() == 0.5).sum()) + int((p.alpha < 1).sum())
+        w_q, scales, zeros = quantize_learned(linears[name][0].weight, p, linears[name][1])
+        assert w_q.dtype == torch.int8 and int(w_q.min()) >= -8 and int(w_q.max()) <= 7, name
+        assert zeros is not None and int(zeros.min()) >= -8 and int(zeros.max()) <= 7, name
+        assert scales.shape == (w_q.shape[0], w_q.shape[1] // 32)
+    assert moved > 0  # the parameters did move (to the edges of their boxes)
+    assert all(not t.requires_grad or t.grad is None for t in layer.parameters())
+
+
+def test_tune_clipping_false_learns_rounding_only():
+    layer, inputs, linears = _layer0_problem()
+    cfg = AutoroundConfig(iters=5, lr=0.05, tune_clipping=False)
+    params, _ = tune_block(layer, linears, inputs, run_layer(layer, inputs), cfg, torch.Generator())
+    assert all(torch.equal(p.alpha, torch.ones_like(p.alpha)) for p in params.values())
+    assert all(torch.equal(p.beta, torch.ones_like(p.beta)) for p in params.values())
+    assert any(bool((p.v != 0).any()) for p in params.values())
+
+
+def _heldout_layer0_error(base, cfg) -> float:
+    """Summed squared error of decoder layer 0's output against the float model's, on tokens the
+    calibration never saw (layer 0's inputs come from the embeddings alone)."""
+    heldout = capture_first_layer_inputs(
+        base, tiny_state(n=8, seed=123).calibration_batches(), torch.device("cpu")
+    )
+    expected = run_layer(base.model.layers[0], heldout)
+    model = copy.deepcopy(base)
+    run_passes(model, [cfg], tiny_state(n=16, seq_len=64))
+    got = run_layer(model.model.layers[0], heldout)
+    return sum(float((a - b).pow(2).sum()) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_beats_rtn_on_heldout_tokens_and_is_near_gptq(symmetric):
+    """Layer 0's output error on held-out tokens after 100 steps (16 x 64 calibration tokens,
+    group 32). Measured on tiny-model seeds 0/1/2, as ratios to RTN: sym 0.62/0.58/0.66 (GPTQ
+    0.98/0.94/1.07), asym 0.90/0.89/0.88 (GPTQ 1.00/0.88/1.03). On so few tokens GPTQ barely
+    generalises beyond its calibration set here; the tuned rounding does."""
+    base = make_tiny_llama()
+    common = dict(group_size=32, symmetric=symmetric, targets=LAYER0)
+    ours = _heldout_layer0_error(base, AutoroundConfig(iters=100, **common))
+    rtn = _heldout_layer0_error(base, AutoroundConfig(iters=0, **common))
+    gptq = _heldout_layer0_error(base, GptqConfig(**common))
+    numbers = f"autoround {ours:.4g}, rtn {rtn:.4g}, gptq {gptq:.4g}"
+    assert ours < 0.95 * rtn, numbers
+    assert ours < gptq, numbers
+
+
+def test_report_counts_and_lm_head_untouched():
+    model = make_tiny_llama(intermediate_size=96)  # down_proj in_features 96: g64 does not divide
+    state = tiny_state()
+    run_passes(model, [AutoroundConfig(iters=2, group_size=64)], state)
+    report = state.reports[-1]
+    assert set(report.skipped) == {f"model.layers.{i}.mlp.down_proj" for i in (0, 1)}
+    assert len(report.changed) == 12
+    assert not isinstance(model.lm_head, QuantLinear)
+    assert set(report.metrics["per_block"]) == {"model.layers.0", "model.layers.1"}
+    with pytest.raises(RecipeError, match="not divisible"):
+        run_passes(
+            make_tiny_llama(intermediate_size=96),
+            [AutoroundConfig(group_size=64, strict=True)],
+            tiny_state(),
+        )
+
+
+PLAIN_LOAD = textwrap.dedent(
+    """
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    for ckpt in sys.argv[1:]:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([[1, 40, 41, 42, 43, 50, 60, 70, 80, 90]])).logits
+        torch.save(logits, ckpt + ".plain.pt")
+    assert "compress" not in sys.modules, "plain transformers must not need our package"
+    """
+)
+
+
+def test_export_reloads_in_our_loader_and_in_plain_transformers(tiny_tokenizer, tmp_path):
+    """Asymmetric int4 is left out of the plain load: upstream zero-point shape bug, see
+    tests/quant/test_foundation_quantize_export.py."""
+    pytest.importorskip("compressed_tensors")
+    ids = torch.tensor([[1, 40, 41, 42, 43, 50, 60, 70, 80, 90]])
+    cases = {
+        # reference backend: exact comparisons (the CPU kernels compute in bf16)
+        "w4g32-sym": AutoroundConfig(iters=10, group_size=32, backend="reference"),
+        "w8-channel-asym": AutoroundConfig(
+            iters=10, n_bits=8, group_size=None, symmetric=False, backend="reference"
+        ),
+    }
+    expected, dirs = {}, []
+    for name, cfg in cases.items():
+        model = make_tiny_llama()
+        run_passes(model, [cfg], tiny_state())
+        with torch.no_grad():
+            expected[name] = model(ids).logits
+        out = export_checkpoint(model, tiny_tokenizer, tmp_path / name)
+        with torch.no_grad():
+            reloaded = load_compressed(out, backend="reference")(ids).logits
+        assert torch.equal(reloaded, expected[name]), name
+        dirs.append(str(out))
+    env = {**os.environ, "PYTHONPATH": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, *dirs],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, ckpt in zip(cases, dirs, strict=True):
+        # same codes and scales; the tolerance covers compressed-tensors' fp16-scale arithmetic
+        torch.testing.assert_close(
+            torch.load(ckpt + ".plain.pt"), expected[name], atol=1e-4, rtol=1e-4, msg=name
+        )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("iters", -1),
+        ("lr", 0),
+        ("clipping_lr", 2.0),
+        ("batch_size", 0),
+        ("group_size", 100),
+        ("n_bits", 3),
+        ("tune_clipping", "maybe"),
+        ("iter", 10),
+    ],
+    ids=lambda v: str(v),
+)
+def test_bad_settings_are_recipe_errors_naming_the_key(key, value):
+    with pytest.raises(RecipeError, match=key):
+        parse_recipe({"passes": [{"pass": "quantize.autoround", key: value}]})
