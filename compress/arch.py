@@ -32,7 +32,8 @@ How each family's peculiarities are handled (scale folds:
   quantized, unscaled). q_norm/k_norm span all heads (``qk_norm_span="heads"``): head pruning
   slices them with the q/k rows.
 * Mixtral and Qwen3-MoE (``Arch.moe``): quantized and exported with every expert
-  (tests/quant/test_moe.py); pruning refuses them.
+  (tests/quant/test_moe.py); prune.layers drops their layers, the passes that would slice
+  the fused experts refuse them.
 
 Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """

@@ -41,6 +41,7 @@ PASSES = [  # (column, pass name, settings)
     ("RTN W8", "quantize.int8_rtn", {}),
     ("GPTQ W4", "quantize.gptq", {"group_size": 32}),
     ("AWQ W4", "quantize.awq", {"group_size": 32}),
+    ("AutoRound W4", "quantize.autoround", {"group_size": 32, "iters": 20}),
     ("SmoothQuant W8A8", "quantize.smoothquant", {}),
     ("bnb nf4", "quantize.bnb", {"format": "nf4"}),
     ("prune heads", "prune.attention_heads", {"sparsity": 0.5}),
@@ -90,8 +91,9 @@ def run_pass(model_type: str, name: str, settings: dict) -> tuple[str, bool]:
     if name.startswith("quantize."):
         share = metrics.get("quantized_share")
         left = metrics.get("unquantized") or {}
-        note = f", {len(left)} float (named)" if left else ""
-        return (f"✓ {share:.0%}{note}" if share is not None else "✓"), False
+        if left:  # a partial pass: named in its report and a warning; strict refuses it
+            return f"partial: {share:.0%} ({len(left)} float, named; strict refuses)", False
+        return (f"✓ {share:.0%}" if share is not None else "✓"), False
     kept = sum(p.numel() for p in model.parameters()) / params
     return f"✓ {kept:.0%} params", False
 
@@ -170,6 +172,11 @@ def main() -> int:
             bugs += [f"{family} / {column}: {cells[column]}"] if bug else []
         rows.append({"family": family, "cells": cells})
         print(f"{family}: {cells}", flush=True)
+    previous = args.out / "family_matrix.json"
+    if args.families and previous.is_file():  # a partial rerun replaces only its rows
+        fresh = {row["family"]: row for row in rows}
+        old = json.loads(previous.read_text())
+        rows = [fresh.pop(row["family"], row) for row in old] + list(fresh.values())
     table = markdown(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "family_matrix.json").write_text(json.dumps(rows, indent=1, ensure_ascii=False))

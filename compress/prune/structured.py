@@ -154,14 +154,25 @@ class LayersConfig(_PruneConfig):
 
 
 # ---- model access -------------------------------------------------------------------------
-def _layers(model: nn.Module, what: str) -> tuple[Arch, nn.ModuleList]:
+def _layers(
+    model: nn.Module, what: str, *, whole_layers: bool = False
+) -> tuple[Arch, nn.ModuleList]:
     """The family's entry and decoder layers, checked to hold the float modules the prune passes
-    rewrite, or a ConfigError naming the pass and what is missing."""
+    rewrite, or a ConfigError naming the pass and what is missing. ``whole_layers``: the pass
+    drops decoder layers and slices nothing (then MoE models are fine)."""
     arch = arch_for(model, what)
     layers = decoder_layers(model, what)
+    if arch.moe is not None and not whole_layers:
+        raise ConfigError(
+            f"{what}: {arch.model_type} is a mixture-of-expert model; slicing its fused expert "
+            "weights (one [E, 2I, H] tensor per layer) is not implemented, so this pass "
+            "refuses it. prune.layers (whole decoder layers) works on it"
+        )
     paths = arch.linears + arch.layer_norms + arch.qk_norms + (arch.attention,)
     check_paths(model, arch, paths, what)
     for name in arch.linears:
+        if arch.moe is not None and name == arch.moe.fused:
+            continue  # dropped whole with its layer
         module = layers[0].get_submodule(name)
         if type(module) is not nn.Linear:
             raise ConfigError(
@@ -619,7 +630,7 @@ def layer_scores(
 
 @register_pass("prune.layers", LayersConfig)
 def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -> PassReport:
-    arch, blocks = _layers(model, "prune.layers")
+    arch, blocks = _layers(model, "prune.layers", whole_layers=True)
     current = len(blocks)
     before = count_params(model)
     per_layer = sum(p.numel() for p in blocks[0].parameters())

@@ -384,3 +384,28 @@ def test_autoround_quantizes_every_expert_with_rtn_and_says_so():
     assert metrics["quantized_share"] == 1.0 and metrics["unquantized"] == {}
     assert len(metrics["per_expert"]) == 2
     assert all("not tuned" in why for why in metrics["per_expert"].values())
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, tmp_path):
+    """prune.layers drops whole decoder layers (experts with them) and plain transformers
+    reloads the result with the same logits; passes that would slice the fused experts refuse
+    with the reason instead of leaving them unpruned."""
+    import compress.prune.structured  # noqa: F401  (registers the passes)
+    from transformers import AutoModelForCausalLM
+
+    from compress.core.errors import ConfigError
+    from compress.core.registry import get_pass, run_passes
+
+    model = make_tiny_moe(model_type)
+    run_passes(model, [get_pass("prune.layers").config_cls(sparsity=0.5)], _calibration(n=2))
+    assert model.config.num_hidden_layers == 1
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    for name in ("prune.attention_heads", "prune.mlp_channels", "prune.hidden_size"):
+        with pytest.raises(ConfigError, match="mixture-of-expert model; slicing"):
+            run_passes(make_tiny_moe(model_type), [get_pass(name).config_cls(sparsity=0.5)],
+                       _calibration(n=2))  # fmt: skip
