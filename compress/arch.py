@@ -33,7 +33,8 @@ How each family's peculiarities are handled (scale folds:
   slices them with the q/k rows.
 * Mixtral and Qwen3-MoE (``Arch.moe``): quantized and exported with every expert
   (tests/quant/test_moe.py); prune.layers drops their layers, the passes that would slice
-  the fused experts refuse them.
+  the fused experts refuse them; the runtime runs its attention around the family's own sparse
+  block (Qwen3-MoE with its q/k norms).
 
 Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
@@ -220,8 +221,9 @@ LLAMA = Arch(
 def _moe_arch(model_type: str, moe: Moe) -> Arch:
     """Llama attention (same names) with ``moe`` as the MLP: the MLP has no dense projections,
     so no MLP mappings (AWQ/SmoothQuant smooth the attention inputs only). Pruning does not
-    know experts yet: the experts module stands in the MLP prune group so that the prune
-    passes' nn.Linear check refuses the model instead of leaving the experts unpruned."""
+    slice experts: the experts module stands in the MLP prune group, and the slicing prune
+    passes refuse MoE models (prune.layers drops whole layers). The runtime runs the
+    attention itself and the family's own sparse block (router + experts) as the MLP."""
     return dataclasses.replace(
         LLAMA,
         model_type=model_type,
@@ -231,7 +233,7 @@ def _moe_arch(model_type: str, moe: Moe) -> Arch:
         awq_mappings=LLAMA.awq_mappings[:2],
         smoothquant_mappings=LLAMA.smoothquant_mappings[:1],
         mlp_channels=PruneGroup(rows=(moe.fused,), cols=(moe.fused,)),
-        runtime=False,
+        runtime=True,
         moe=moe,
     )
 
@@ -254,10 +256,8 @@ MIXTRAL = _moe_arch(
         _MOE, checkpoint_block="block_sparse_moe", checkpoint_projections=("w1", "w3", "w2")
     ),
 )
-QWEN3_MOE = _moe_arch("qwen3_moe", _MOE)
-
-
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
 QWEN2, MISTRAL, GRANITE = (
@@ -502,4 +502,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     ),
     "gemma2": _GEMMA2_RT,
     "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
+    # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block
+    "mixtral": _LLAMA_RT,
+    "qwen3_moe": _LLAMA_RT,
 }

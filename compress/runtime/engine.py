@@ -251,7 +251,11 @@ class _Layer(nn.Module):
             setattr(self, name, weight)
         # The projections, in the order forward uses them: the runtime's own short names.
         paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
-        paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        if arch.moe is None:
+            paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        # MoE: the family's own sparse block (router + experts, QuantExperts when quantized):
+        # routing is data-dependent, so it runs as transformers' module inside our layer
+        self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
         for name, path in paths.items():
             linear = _convert_linear(
                 layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, int4_kernel
@@ -291,8 +295,17 @@ class _Layer(nn.Module):
         a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = _rms_norm(x, self.norm_post, self.eps)
-        y = self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
+        if self.sparse_mlp is not None:
+            y = self._routed(h)
+        else:
+            y = self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
         return x + self._block_out(y, self.mlp_out_norm)
+
+    def _routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The sparse MoE block on ``h [B, T, H]``, in its router's dtype, back to fp32."""
+        dtype = next(self.sparse_mlp.parameters()).dtype
+        out = self.sparse_mlp(h.to(dtype))
+        return (out[0] if isinstance(out, tuple) else out).float()
 
     def _block_out(self, y: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """What a block adds to the residual: its output, post-normed (Gemma) and scaled

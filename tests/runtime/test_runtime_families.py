@@ -16,7 +16,7 @@ import torch
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _call_layer, unsupported_reason
-from compress.testing import make_tiny_model
+from compress.testing import make_tiny_model, make_tiny_moe
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
@@ -25,6 +25,7 @@ WINDOW = 8
 # max_window_layers on (layer 1), Mistral every layer, Gemma 2/3 layer 0 (layer 1 global).
 # Gemma's head is untied: with embeddings scaled by sqrt(64) a tied random head predicts the
 # last input token forever.
+MOE = ("mixtral", "qwen3_moe")
 FAMILIES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -42,6 +43,9 @@ FAMILIES = {
         attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
         final_logit_softcapping=3.0,
     ),
+    # sparse MoE: the runtime's attention around the family's own router + experts block
+    "mixtral": dict(),
+    "qwen3_moe": dict(),
     "gemma3_text": dict(
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
@@ -54,7 +58,8 @@ FAMILIES = {
 def make_model(family: str, seed: int = 0, **overrides):
     """Tiny random ``family`` model in fp32, eval mode, eager attention (the reference)."""
     settings = {"initializer_range": 0.3, "tie_word_embeddings": True, **FAMILIES[family]}
-    model = make_tiny_model(family, seed, **{**settings, **overrides})
+    build = make_tiny_moe if family in MOE else make_tiny_model
+    model = build(family, seed, **{**settings, **overrides})
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for p in model.parameters():
@@ -156,7 +161,8 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
     # fp32 decode keeps the head in fp32 as transformers does; the int4 layers run the same
     # native kernel (bf16 activations) on both sides.
     rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False)
-    assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 14
+    linears = 4 if family in MOE else 7  # MoE: the experts are QuantExperts in the block
+    assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
 
