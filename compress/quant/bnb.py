@@ -40,6 +40,7 @@ from compress.core.registry import (
     register_pass,
 )
 from compress.quant.coverage import report_coverage
+from compress.quant.experts import refuse_targeted_experts
 from compress.quant.linear import (
     QuantLinear,
     is_bnb_module,
@@ -172,6 +173,9 @@ def bnb_quantize(model: nn.Module, cfg: BnbConfig, state: CompressionState) -> P
             f"{name}: the model already holds QuantLinear layers from another quantize.* pass; "
             "one checkpoint format per model: use quantize.bnb alone or drop it"
         )
+    refuse_targeted_experts(
+        model, cfg, name, "bitsandbytes quantizes nn.Linear layers only, not 3-D expert weights"
+    )
     plan = []
     for layer_name, module in target_modules(model, cfg):
         if type(module) is nn.Linear:

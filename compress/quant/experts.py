@@ -8,9 +8,12 @@ too few calibration tokens) and AWQ (which has no scale search for routed expert
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from compress.arch import ARCHS, Moe, arch_for, model_type
+from compress.core.errors import ConfigError
 from compress.core.matcher import matches, set_submodule
 from compress.core.registry import PassConfig, PassReport
 from compress.quant.linear import QuantExperts, WeightScheme
@@ -109,3 +112,19 @@ def rtn_experts(
     return quant, num, den
 
 
+
+
+def refuse_targeted_experts(model: nn.Module, cfg: PassConfig, what: str, why: str) -> None:
+    """A ConfigError, before any work, when ``cfg`` targets fused experts that the pass ``what``
+    cannot quantize (``why``): it would leave most of an MoE decoder float. The message gives
+    the ``ignore`` entry that quantizes the rest and leaves the experts float on purpose."""
+    found = target_experts(model, cfg)
+    if not found:
+        return
+    moe = _moe(model, what)
+    raise ConfigError(
+        f"{what}: {len(found)} fused expert modules are targeted ({found[0][0]}, ...) and {why}. "
+        f"To quantize everything else and keep them float on purpose, add "
+        f"'re:.*{re.escape(moe.fused)}$' to `ignore`; or use quantize.gptq / quantize.int4_rtn "
+        "/ quantize.int8_rtn, which quantize every expert"
+    )

@@ -45,6 +45,7 @@ from compress.quant.calibrated import (
     warn_unscaled,
 )
 from compress.quant.coverage import report_coverage
+from compress.quant.experts import refuse_targeted_experts
 from compress.quant.linear import w8a8_from_linear
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,9 @@ def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionStat
     """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
     report = PassReport("quantize.smoothquant")
     arch = arch_for(model, "quantize.smoothquant")
+    refuse_targeted_experts(
+        model, cfg, "quantize.smoothquant", "W8A8 has no kernel for routed expert weights"
+    )
     check_paths(model, arch, mapping_paths(arch.smoothquant_mappings), "quantize.smoothquant")
     plan = []
     for name, module in target_modules(model, cfg):
