@@ -174,7 +174,7 @@ def measure_sensitivity(
 
 # ---- 2./3. budget and solver -------------------------------------------------------------
 def solve_assignment(
-    scores: list[list[float]], costs: list[list[int]], budget: int, resolution: int = 4096
+    scores: list[list[float]], costs: list[list[int]], budget: int, resolution: int = 1 << 16
 ) -> list[int] | None:
     """Index of the chosen option per layer minimising the summed score with summed cost
     <= ``budget``, or None when even the cheapest options do not fit. Exact for costs that are
@@ -291,6 +291,8 @@ def recipe_dict(
     step: dict[str, Any] = {"pass": f"quantize.{algorithm}", "n_bits": default.n_bits,
                             "group_size": default.group_size, "symmetric": default.symmetric,
                             "ignore": ignore, "strict": True}  # fmt: skip
+    if algorithm == "gptq":
+        step["act_order"] = True  # as the shipped GPTQ recipes: better on SmolLM2 (results.md)
     if overrides:
         step["overrides"] = overrides
     return {
