@@ -8,7 +8,7 @@ linears prune together; and whether the runtime runs it. Passes and the runtime 
 from here (a test fails on an architecture name anywhere else), so a new family is one entry.
 
 How each family's peculiarities are handled (scale folds:
-``compress.quant.calibrated.migrate_scales``; pruning: ``compress.prune.structured``):
+``compress.quant.calibrated.migrate_scales``; pruning: ``compress.prune``):
 
 * Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Granite (embedding, attention,
   residual and logit multipliers: constants no fold or slice touches), Qwen3 (q_norm/k_norm over

@@ -35,7 +35,7 @@ from compress.core.registry import (
     get_pass,
     pass_name_of,
 )
-from compress.prune import structured  # noqa: F401
+from compress.prune import depth, heads, hidden, mlp  # noqa: F401
 from compress.quant import (  # noqa: F401
     autoround,
     awq,
@@ -520,8 +520,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         path, _, text = item.partition("=")
         keys = path.strip().split(".")
         target: Any = data
-        for depth, key in enumerate(keys[:-1]):
-            where = ".".join(keys[: depth + 1])
+        for level, key in enumerate(keys[:-1]):
+            where = ".".join(keys[: level + 1])
             if isinstance(target, list):
                 if not key.isdigit() or int(key) >= len(target):
                     raise RecipeError(

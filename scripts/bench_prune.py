@@ -26,7 +26,8 @@ from compress.distill import LogitsConfig
 from compress.eval.quality import perplexity
 from compress.eval.report import environment, markdown_table, write_results
 from compress.io.load import load_model
-from compress.prune.structured import LayersConfig, MlpChannelsConfig, count_params
+from compress.prune.config import LayersConfig, MlpChannelsConfig
+from compress.prune.slicing import count_params
 from compress.quant.linear import model_bytes
 from compress.quant.rtn import Int4RtnConfig
 

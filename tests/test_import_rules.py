@@ -39,7 +39,7 @@ PACKAGE_DIRS = {"compress": "compress"}
 QUANT_SHARED = {  # shared by the algorithms
     "scheme", "primitives", "linear", "calibrated", "coverage", "experts",
 }  # fmt: skip
-PRUNE_SHARED = {"common"}  # shared by the structured-pruning passes, if split into modules
+PRUNE_SHARED = {"config", "slicing"}  # shared by the structured-pruning passes
 PASS_SHARED = {
     "compress.quant.scheme",  # settings shared by the weight-quantization passes
     "compress.quant.coverage",  # what a quantization pass reached (reports, strict)

@@ -126,7 +126,8 @@ def test_unsupported_family_is_refused_by_pass_and_model_type():
 
 
 def _passes():
-    from compress.prune.structured import MlpChannelsConfig, prune_mlp_channels
+    from compress.prune.config import MlpChannelsConfig
+    from compress.prune.mlp import prune_mlp_channels
     from compress.quant.awq import AwqConfig, awq
     from compress.quant.gptq import GptqConfig, gptq
     from compress.quant.smoothquant import SmoothquantConfig, smoothquant

@@ -17,7 +17,8 @@ import torch
 
 import compress.distill as distill  # noqa: E402
 from compress.core.registry import CompressionState
-from compress.prune.structured import MlpChannelsConfig, prune_mlp_channels  # noqa: E402
+from compress.prune.config import MlpChannelsConfig  # noqa: E402
+from compress.prune.mlp import prune_mlp_channels  # noqa: E402
 from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402
 
 

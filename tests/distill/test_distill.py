@@ -22,7 +22,8 @@ from compress.distill import (
     layer_map,
     lr_factor,
 )
-from compress.prune.structured import HiddenSizeConfig, prune_hidden_size
+from compress.prune.config import HiddenSizeConfig
+from compress.prune.hidden import prune_hidden_size
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distill_worker import tiny_setup  # noqa: E402

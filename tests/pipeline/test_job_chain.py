@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import compress.distill
 from compress.io.export import load_compressed
 from compress.pipeline.job import run_job
-from compress.prune.structured import count_params
+from compress.prune.slicing import count_params
 from compress.quant.linear import QuantLinear
 from compress.recipe import parse_recipe
 

@@ -10,18 +10,18 @@ import torch
 
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState
-from compress.prune.structured import (
+from compress.prune.config import (
     AttentionHeadsConfig,
     HiddenSizeConfig,
     LayersConfig,
     MlpChannelsConfig,
-    count_params,
     parse_param_count,
-    prune_attention_heads,
-    prune_hidden_size,
-    prune_layers,
-    prune_mlp_channels,
 )
+from compress.prune.depth import prune_layers
+from compress.prune.heads import prune_attention_heads
+from compress.prune.hidden import prune_hidden_size
+from compress.prune.mlp import prune_mlp_channels
+from compress.prune.slicing import count_params
 from compress.testing import make_tiny_llama
 
 TOKENS = torch.randint(3, 100, (4, 24), generator=torch.Generator().manual_seed(0))

@@ -27,13 +27,13 @@ from torch import nn
 from compress.arch import ARCHS, arch_for, decoder_layers, head_dim_of, producer_rows
 from compress.core.errors import ConfigError
 from compress.core.registry import run_passes
-from compress.prune.structured import (
+from compress.prune.config import (
     AttentionHeadsConfig,
     HiddenSizeConfig,
     LayersConfig,
     MlpChannelsConfig,
-    _scale_post_norms,
 )
+from compress.prune.hidden import scale_post_norms
 from compress.quant.awq import AwqConfig, _expand, scale_layer
 from compress.quant.calibrated import migrate_scales, run_calibrated, run_layer, run_sequential
 from compress.quant.gptq import GptqConfig
@@ -376,7 +376,7 @@ def test_gemma_residual_rescale_is_invisible(model_type):
     before = _logits(model)
     model.get_submodule(arch.embed).embed_scale.mul_(0.5)
     changed = _logits(model)
-    _scale_post_norms(decoder_layers(model), arch, 0.5)
+    scale_post_norms(decoder_layers(model), arch, 0.5)
     assert _rel(changed, before) > 1e-2
     assert _rel(_logits(model), before) < 1e-4  # the norms' eps: 1e-6 against mean(x^2)
 

@@ -399,7 +399,10 @@ def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, 
     with the reason instead of leaving them unpruned."""
     from transformers import AutoModelForCausalLM
 
-    import compress.prune.structured  # noqa: F401  (registers the passes)
+    import compress.prune.depth  # noqa: F401  (registers the passes)
+    import compress.prune.heads  # noqa: F401
+    import compress.prune.hidden  # noqa: F401
+    import compress.prune.mlp  # noqa: F401
     from compress.core.errors import ConfigError
     from compress.core.registry import get_pass, run_passes
 

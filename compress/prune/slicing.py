@@ -1,0 +1,177 @@
+"""What every structured-pruning pass shares: the family's decoder layers checked to hold the
+float modules the passes rewrite, slicing of linears, norms and fused parts, calibration with
+hooks, the number of units to keep, and the report (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from compress.arch import Arch, arch_for, check_paths, decoder_layers
+from compress.core.errors import ConfigError
+from compress.core.registry import CompressionState, PassReport
+from compress.prune.config import (
+    PruneConfig,
+)
+from compress.quant.linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+
+def checked_layers(
+    model: nn.Module, what: str, *, whole_layers: bool = False
+) -> tuple[Arch, nn.ModuleList]:
+    """The family's entry and decoder layers, checked to hold the float modules the prune passes
+    rewrite, or a ConfigError naming the pass and what is missing. ``whole_layers``: the pass
+    drops decoder layers and slices nothing (then MoE models are fine)."""
+    arch = arch_for(model, what)
+    layers = decoder_layers(model, what)
+    if arch.moe is not None and not whole_layers:
+        raise ConfigError(
+            f"{what}: {arch.model_type} is a mixture-of-expert model; slicing its fused expert "
+            "weights (one [E, 2I, H] tensor per layer) is not implemented, so this pass "
+            "refuses it. prune.layers (whole decoder layers) works on it"
+        )
+    paths = arch.linears + arch.layer_norms + arch.qk_norms + (arch.attention,)
+    check_paths(model, arch, paths, what)
+    for name in arch.linears:
+        if arch.moe is not None and name == arch.moe.fused:
+            continue  # dropped whole with its layer
+        module = layers[0].get_submodule(name)
+        if type(module) is not nn.Linear:
+            raise ConfigError(
+                f"{what}: {name} is a {type(module).__name__}, not nn.Linear: prune before "
+                "quantize (put prune.* passes first in the recipe)"
+            )
+    return arch, layers
+
+
+def submodules(layer: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    return [layer.get_submodule(n) for n in names]
+
+
+def count_params(model: nn.Module) -> int:
+    """Logical parameter count: float parameters (tied weights once) plus the weights that
+    quantized layers hold as integer buffers (a QuantLinear of [N, K] counts N x K)."""
+    quantized = sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantLinear)
+    )
+    return sum(p.numel() for p in model.parameters()) + quantized
+
+
+def slice_linear(linear: nn.Linear, *, out_idx=None, in_idx=None) -> None:
+    """Keep rows ``out_idx`` and columns ``in_idx`` of a Linear, in place (same module object)."""
+    w = linear.weight.data
+    if out_idx is not None:
+        w = w[out_idx]
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.data[out_idx].clone())
+        linear.out_features = len(out_idx)
+    if in_idx is not None:
+        w = w[:, in_idx]
+        linear.in_features = len(in_idx)
+    linear.weight = nn.Parameter(w.contiguous().clone())
+
+
+def slice_norm(norm: nn.Module, idx: torch.Tensor) -> None:
+    norm.weight = nn.Parameter(norm.weight.data[idx].clone())
+
+
+def fused_rows(parts: list[int], idx: list[torch.Tensor]) -> torch.Tensor:
+    """Rows to keep of a fused linear whose rows stack parts of ``parts[i]`` rows each
+    (``[q; k; v]`` or ``[gate; up]``), keeping rows ``idx[i]`` of part i."""
+    offsets = [0, *torch.tensor(parts).cumsum(0).tolist()[:-1]]
+    return torch.cat([off + i for off, i in zip(offsets, idx, strict=True)])
+
+
+def calibrate(model: nn.Module, state: CompressionState, hooks: list, what: str) -> None:
+    """Run the calibration batches through the model with the given (module, hook) pairs."""
+    if state.calibration_batches is None:
+        raise ConfigError(
+            f"{what} with importance: activation needs calibration data: add a `calibration:` "
+            "section to the recipe, or set importance: magnitude"
+        )
+    handles = []
+    try:
+        for module, fn, kind in hooks:
+            if kind == "pre":
+                handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(fn, with_kwargs=True))
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            batches = state.calibration_batches()
+            desc = f"{what}: calibration forwards"
+            for batch in tqdm(batches, desc=desc, disable=not state.progress):
+                model(batch.to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def hidden_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def resolve_keep(
+    cfg: PruneConfig,
+    current: int,
+    allowed: list[int],
+    params_after: Callable[[int], int],
+    what: str,
+) -> int:
+    """How many units to keep, from whichever target the config gives."""
+    size = getattr(cfg, cfg.size_field)
+    if size is not None:
+        if size not in allowed and size != current:
+            shown = ", ".join(map(str, allowed[:20])) + (" ..." if len(allowed) > 20 else "")
+            raise ConfigError(
+                f"{what}: {cfg.size_field}={size} is not expressible (currently {current}); "
+                f"allowed values: {shown}"
+            )
+        return size
+    if cfg.sparsity is not None:
+        want = current * (1 - cfg.sparsity)
+        return min(allowed, key=lambda k: (abs(k - want), -k))
+    fits = [k for k in allowed if params_after(k) <= cfg.target_params]
+    if not fits:
+        smallest = min(allowed)
+        raise ConfigError(
+            f"{what}: target_params={cfg.target_params:,} is below what this structure allows: "
+            f"the smallest {what} ({cfg.size_field}={smallest}) leaves "
+            f"{params_after(smallest):,} parameters. Raise target_params or add another "
+            "prune.* pass."
+        )
+    return max(fits)
+
+
+def multiples_of(current: int, multiple_of: int, what: str) -> list[int]:
+    allowed = list(range(multiple_of, current, multiple_of))
+    if not allowed:
+        raise ConfigError(
+            f"{what}: multiple_of={multiple_of} leaves nothing to prune below {current}"
+        )
+    return allowed
+
+
+def finish_report(model: nn.Module, report: PassReport, params_before: int) -> PassReport:
+    """Check the pruned model against a fresh model built from its config, then report."""
+    with torch.device("meta"):
+        fresh = type(model)(model.config)
+    expected = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
+    actual = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    diff = set(expected.items()) ^ set(actual.items())
+    assert not diff, f"pruned model disagrees with its config: {sorted(diff)[:10]}"
+    report.metrics.update(params_before=params_before, params_after=count_params(model))
+    log.info(
+        "%s: %s -> %s parameters",
+        report.name,
+        f"{params_before:,}",
+        f"{report.metrics['params_after']:,}",
+    )
+    return report
