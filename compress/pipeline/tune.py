@@ -179,7 +179,7 @@ def solve_assignment(
     """Index of the chosen option per layer minimising the summed score with summed cost
     <= ``budget``, or None when even the cheapest options do not fit. Exact for costs that are
     multiples of ``budget / resolution``; otherwise costs are rounded up to that unit (feasible,
-    optimal up to the rounding)."""
+    optimal up to the rounding) and the budget the rounding left is then spent greedily."""
     unit = max(budget / resolution, 1.0)
     units = int(budget // unit)
     inf = float("inf")
@@ -197,15 +197,42 @@ def solve_assignment(
             nxt[c:][better] = candidate[better]
             choices[layer, c:][better] = option
         best = nxt
-    if not np.isfinite(best).any():
-        return None
-    spent = int(np.argmin(best))
-    picked = []
-    for layer in range(len(scores) - 1, -1, -1):
-        option = int(choices[layer, spent])
-        picked.append(option)
-        spent -= math.ceil(costs[layer][option] / unit - 1e-9)
-    return picked[::-1]
+    if np.isfinite(best).any():
+        spent = int(np.argmin(best))
+        picked = []
+        for layer in range(len(scores) - 1, -1, -1):
+            option = int(choices[layer, spent])
+            picked.append(option)
+            spent -= math.ceil(costs[layer][option] / unit - 1e-9)
+        picked = picked[::-1]
+    else:  # the rounding up made it infeasible: start from the cheapest options, if they fit
+        picked = [min(range(len(c)), key=c.__getitem__) for c in costs]
+        if sum(c[i] for c, i in zip(costs, picked, strict=True)) > budget:
+            return None
+    return _spend_the_rest(scores, costs, budget, picked)
+
+
+def _spend_the_rest(
+    scores: list[list[float]], costs: list[list[int]], budget: int, picked: list[int]
+) -> list[int]:
+    """Upgrade layers while the exact (unrounded) costs leave budget: each step takes the change
+    with the largest score drop per byte that still fits (what the rounding up left unused)."""
+    left = budget - sum(c[i] for c, i in zip(costs, picked, strict=True))
+    while True:
+        best_gain, best_move = 0.0, None
+        for layer, (layer_scores, layer_costs) in enumerate(zip(scores, costs, strict=True)):
+            now = picked[layer]
+            for option, (score, cost) in enumerate(zip(layer_scores, layer_costs, strict=True)):
+                extra, drop = cost - layer_costs[now], layer_scores[now] - score
+                if drop <= 0 or extra > left:
+                    continue
+                gain = drop / max(extra, 1)
+                if gain > best_gain:
+                    best_gain, best_move = gain, (layer, option, extra)
+        if best_move is None:
+            return picked
+        layer, option, extra = best_move
+        picked[layer], left = option, left - extra
 
 
 def assign_formats(

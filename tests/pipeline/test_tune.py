@@ -65,6 +65,21 @@ def test_solver_rounds_costs_up_so_the_answer_fits():
     )
 
 
+def test_a_budget_equal_to_the_cheapest_formats_is_met_despite_rounding():
+    """Every layer's cost rounded up to the budget unit overshoots a budget that is exactly the
+    cheapest total (a uniform format's size): the answer is that uniform format, not a refusal."""
+    rng = random.Random(3)
+    costs = [[rng.randint(10**5, 10**6) + 7, 10**7] for _ in range(200)]
+    scores = [[1.0, 0.0] for _ in range(200)]
+    budget = sum(c[0] for c in costs)
+    assert solve_assignment(scores, costs, budget, resolution=4096) == [0] * 200
+    # and leftover budget after the rounding is spent: one upgrade fits exactly
+    upgrade = costs[5][1] - costs[5][0]
+    picked = solve_assignment(scores, costs, budget + upgrade, resolution=4096)
+    assert sum(costs[i][j] for i, j in enumerate(picked)) <= budget + upgrade
+    assert sum(picked) == 1
+
+
 def test_a_budget_below_the_smallest_formats_is_refused():
     scores = {"a": {"int4-g32": 1.0, "float": 0.0}}
     sizes = {"a": {"int4-g32": 100, "float": 400}}
