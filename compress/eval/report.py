@@ -14,12 +14,17 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
+    from compress.kernels import cpuinfo
+
+    flags = cpuinfo.cpu_flags()
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpuinfo.cpu_model_name() or platform.processor() or platform.machine(),
+        "cpu_flags": [f for f in cpuinfo.KERNEL_FLAGS if f in flags],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

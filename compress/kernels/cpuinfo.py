@@ -35,6 +35,29 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def parse_model_name(cpuinfo: str) -> str | None:
+    """The first ``model name`` of a ``/proc/cpuinfo`` text (x86), or None."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name":
+            return value.strip()
+    return None
+
+
+@functools.cache
+def cpu_model_name() -> str | None:
+    """This machine's CPU model name (None when /proc/cpuinfo cannot be read or has none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return parse_model_name(f.read())
+    except OSError:
+        return None
+
+
+# the flags that decide which kernels run (recorded beside every published number)
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
 def has_avx2(flags: frozenset[str]) -> bool:
     return "avx2" in flags
 

@@ -56,6 +56,12 @@ def test_flags_of_an_avx512_vnni_amx_xeon():
     assert "vnmi" not in flags  # from "vmx flags", not "flags"
 
 
+def test_model_names_for_the_environment_line():
+    assert cpuinfo.parse_model_name(EPYC_AVX2) == "AMD EPYC 7B12 64-Core Processor"
+    assert cpuinfo.parse_model_name(XEON_AMX) == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert cpuinfo.parse_model_name(ARM) is None
+
+
 def test_flags_of_arm_and_of_nothing():
     assert "asimddp" in cpuinfo.parse_flags(ARM)
     assert not cpuinfo.has_avx2(cpuinfo.parse_flags(ARM))
