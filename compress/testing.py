@@ -121,3 +121,44 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **settings)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from transformers' own ``generate`` (the reference
+    the runtime is compared with; no stop token)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+            pad_token_id=2,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+_PLAIN_LOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(json.loads(sys.argv[1]))
+for ckpt in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.save(model(ids).logits, ckpt + ".plain.pt")
+assert not any(m.split(".")[0] == "compress" for m in sys.modules), "plain transformers only"
+"""
+
+
+def plain_transformers_logits(folders: list, ids: list[list[int]], cwd) -> list[torch.Tensor]:
+    """Logits of ``ids`` from each exported folder, loaded by plain transformers in one
+    subprocess that never imports compress (asserted there; PYTHONPATH cleared). An
+    AssertionError with the subprocess's stderr when it fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_LOAD, json.dumps(ids), *map(str, folders)],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(f"{folder}.plain.pt") for folder in folders]

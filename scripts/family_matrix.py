@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +31,14 @@ from compress.core.registry import CompressionState, get_pass, run_passes
 from compress.io.export import export_checkpoint
 from compress.recipe import parse_recipe  # noqa: F401  (registers every pass)
 from compress.runtime.engine import Runtime, unsupported_reason
-from compress.testing import TINY_MODEL_TYPES, make_char_tokenizer, make_tiny_model, make_tiny_moe
+from compress.testing import (
+    TINY_MODEL_TYPES,
+    hf_greedy,
+    make_char_tokenizer,
+    make_tiny_model,
+    make_tiny_moe,
+    plain_transformers_logits,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_TYPES = ("mixtral", "qwen3_moe")
@@ -49,13 +55,6 @@ PASSES = [  # (column, pass name, settings)
     ("prune hidden", "prune.hidden_size", {"sparsity": 0.25}),
     ("prune layers", "prune.layers", {"sparsity": 0.5}),
 ]
-RELOAD = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-ids = torch.tensor(json.loads(sys.argv[2]))
-print(json.dumps(model(ids).logits.tolist()))
-"""
 
 
 def build(model_type: str):
@@ -112,14 +111,11 @@ def reload_check(model_type: str) -> tuple[str, bool]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
         export_checkpoint(model, make_char_tokenizer(), folder, dtype="float32")
-        run = subprocess.run(
-            [sys.executable, "-c", RELOAD, str(folder), json.dumps(ids)],
-            capture_output=True, text=True, cwd=tmp, timeout=600,
-        )  # fmt: skip
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or ["?"])[-1]
-        return f"✗ reload failed: {last[:140]}", False
-    theirs = torch.tensor(json.loads(run.stdout))
+        try:
+            [theirs] = plain_transformers_logits([folder], ids, tmp)
+        except AssertionError as exc:
+            last = (str(exc).strip().splitlines() or ["?"])[-1]
+            return f"✗ reload failed: {last[:140]}", False
     rel = float((theirs - ours).norm() / ours.norm())
     return (f"✓ rel {rel:.0e}" if rel < 1e-2 else f"✗ rel {rel:.2g}"), rel >= 1e-2
 
@@ -130,10 +126,7 @@ def runtime_check(model_type: str) -> tuple[str, bool]:
     if reason is not None:
         return f"fallback: {reason[:120]}", False
     prompt = [5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8]
-    with torch.no_grad():
-        expected = model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
-        )[0, len(prompt):].tolist()  # fmt: skip
+    expected = hf_greedy(model, prompt, 12)
     got = Runtime(copy.deepcopy(model), max_seq_len=64).generate([prompt], 12)[0]
     return ("✓ runtime" if got == expected else f"✗ tokens differ {got} vs {expected}"), (
         got != expected

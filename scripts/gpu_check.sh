@@ -12,8 +12,9 @@ OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 if [ -d .whl ]; then
+    SITE="${WHEEL_SITE:-$(mktemp -d)}"  # where the carried wheels are unpacked
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE"
 fi
 python3 -c "import compress.kernels" 2>/dev/null \
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3

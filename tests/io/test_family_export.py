@@ -8,10 +8,6 @@ one adapter entry plus one tiny config."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,19 +15,17 @@ from compress.core.registry import CompressionState, run_passes
 from compress.io.export import export_checkpoint
 from compress.quant.gptq import GptqConfig
 from compress.runtime.engine import Runtime, unsupported_reason
-from compress.testing import TINY_MODEL_TYPES, make_char_tokenizer, make_tiny_model, make_tiny_moe
+from compress.testing import (
+    TINY_MODEL_TYPES,
+    hf_greedy,
+    make_char_tokenizer,
+    make_tiny_model,
+    make_tiny_moe,
+    plain_transformers_logits,
+)
 
 MOE_TYPES = ("mixtral", "qwen3_moe")
 IDS = [[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8]]
-RELOAD = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-assert "compress" not in sys.modules
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-with torch.no_grad():
-    print(json.dumps(model(torch.tensor(json.loads(sys.argv[2]))).logits.tolist()))
-assert not any(name.split(".")[0] == "compress" for name in sys.modules)
-"""
 
 
 @pytest.mark.parametrize("family", [*TINY_MODEL_TYPES, *MOE_TYPES])
@@ -45,21 +39,12 @@ def test_family_quantize_export_reload_generate(family, tmp_path):
     assert state.reports[-1].metrics["quantized_share"] == 1.0
 
     export_checkpoint(model, make_char_tokenizer(), tmp_path / "export", dtype="float32")
-    run = subprocess.run(
-        [sys.executable, "-c", RELOAD, str(tmp_path / "export"), json.dumps(IDS)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    [theirs] = plain_transformers_logits([tmp_path / "export"], IDS, tmp_path)
     with torch.no_grad():
         ours = model(torch.tensor(IDS)).logits
-    theirs = torch.tensor(json.loads(run.stdout))
     assert float((theirs - ours).norm() / ours.norm()) < 1e-2
 
-    with torch.no_grad():
-        expected = model.generate(
-            torch.tensor(IDS), max_new_tokens=8, do_sample=False, eos_token_id=None,
-            pad_token_id=2,
-        )[0, len(IDS[0]) :].tolist()  # fmt: skip
+    expected = hf_greedy(model, IDS[0], 8)
     reason = unsupported_reason(model)
     if reason is None:  # the runtime runs it: fp32 decode, the int4 layers on the native kernel
         runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False)

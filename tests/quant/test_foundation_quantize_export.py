@@ -4,9 +4,6 @@ bad-input errors."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from compress.core.registry import CompressionState, run_passes
 from compress.io.export import export_checkpoint, load_compressed
 from compress.quant.linear import QuantLinear, model_bytes, set_backend
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig
+from compress.testing import plain_transformers_logits
 
 IDS = torch.tensor([[1, 40, 41, 42, 43, 50, 60, 70, 80, 90]])
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -92,20 +90,6 @@ def test_export_reload_gives_identical_logits(tiny_model, tiny_tokenizer, tmp_pa
     assert model_bytes(reloaded)["linear"] == model_bytes(tiny_model)["linear"]
 
 
-PLAIN_LOAD = textwrap.dedent(
-    """
-    import sys, torch
-    from transformers import AutoModelForCausalLM
-    for ckpt in sys.argv[1:]:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(torch.tensor([[1, 40, 41, 42, 43, 50, 60, 70, 80, 90]])).logits
-        torch.save(logits, ckpt + ".plain.pt")
-    assert "compress" not in sys.modules, "plain transformers must not need our package"
-    """
-)
-
-
 def test_plain_transformers_loads_the_exports(tiny_tokenizer, tmp_path):
     """One subprocess (no compress import) loads every export with AutoModelForCausalLM.
 
@@ -124,25 +108,18 @@ def test_plain_transformers_loads_the_exports(tiny_tokenizer, tmp_path):
         _run(model, param.values[0])
         expected[name] = _logits(model)
         dirs.append(str(export_checkpoint(model, tiny_tokenizer, tmp_path / name)))
-    _plain_load(dirs, tmp_path)
-    for name, ckpt in zip(cases, dirs, strict=True):
+    plain = plain_transformers_logits(dirs, IDS.tolist(), tmp_path)
+    for name, logits in zip(cases, plain, strict=True):
         # Same codes and scales; tolerance covers compressed-tensors' fp16-scale arithmetic.
-        torch.testing.assert_close(torch.load(ckpt + ".plain.pt"), expected[name],
-                                   atol=1e-4, rtol=1e-4, msg=name)
-
-
-def _plain_load(dirs, cwd):
-    env = {**os.environ, "PYTHONPATH": ""}
-    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, *dirs],
-                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        torch.testing.assert_close(logits, expected[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.xfail(strict=True, reason="upstream asymmetric int4 zero-point shape bug (above)")
 def test_plain_transformers_loads_asymmetric_int4(tiny_model, tiny_tokenizer, tmp_path):
     pytest.importorskip("compressed_tensors")
     _run(tiny_model, SCHEMES[1].values[0])
-    _plain_load([str(export_checkpoint(tiny_model, tiny_tokenizer, tmp_path / "asym"))], tmp_path)
+    folder = export_checkpoint(tiny_model, tiny_tokenizer, tmp_path / "asym")
+    plain_transformers_logits([folder], IDS.tolist(), tmp_path)
 
 
 def test_failed_export_leaves_nothing_behind(tiny_model, tmp_path):

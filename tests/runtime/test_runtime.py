@@ -9,7 +9,7 @@ import torch
 
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
 from compress.runtime.engine import Runtime  # noqa: E402
-from compress.testing import make_tiny_llama  # noqa: E402
+from compress.testing import hf_greedy, make_tiny_llama  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7], [1, 40, 50], [1, 200, 13, 14, 15]]
 
@@ -19,18 +19,6 @@ def model():
     # initializer_range 0.3: the default 0.02 makes a random model repeat one token, which
     # would let a broken runtime pass the equality tests.
     return make_tiny_llama(initializer_range=0.3)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_equals_transformers_fp32(model):

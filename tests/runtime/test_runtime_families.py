@@ -16,7 +16,7 @@ import torch
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _call_layer, unsupported_reason
-from compress.testing import make_tiny_model, make_tiny_moe
+from compress.testing import hf_greedy, make_tiny_model, make_tiny_moe
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
@@ -66,18 +66,6 @@ def make_model(family: str, seed: int = 0, **overrides):
             if p.ndim == 1:  # norms start at 1 (or 0 for 1 + w) and biases at 0: move them
                 p.add_(torch.randn_like(p) * 0.3)
     return model
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def step_logits(rt: Runtime, prompt: list[int], continuation: list[int]) -> torch.Tensor:
