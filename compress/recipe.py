@@ -41,6 +41,7 @@ from compress.quant import (  # noqa: F401
     awq,
     bnb,  # imports bitsandbytes only when run
     gptq,
+    rotate,
     rtn,
     smoothquant,
 )

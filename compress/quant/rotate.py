@@ -1,0 +1,322 @@
+"""``rotate.hadamard``: incoherence processing by orthogonal rotations folded into the weights.
+
+QuaRot / SpinQuant observe that a few residual channels carry most of the activation and
+weight outliers, and that an orthogonal change of basis spreads them over every channel, so a
+4-bit grid fits the rotated weights better. This pass applies the rotations that fold exactly
+into the weights, so the result is a plain float model of its family (any later pass, the
+export and every loader see an ordinary checkpoint):
+
+* **Residual stream (R1).** With ``Q`` [H, H] orthogonal the model is rewritten to carry
+  ``x Q`` instead of ``x`` in the residual stream: the embedding rows become ``E Q``, every
+  linear that writes to the stream (attention output, MLP down; MoE experts' down) gets
+  ``Q^T W`` (and ``b Q``), every linear that reads it gets ``W Q``. RMSNorm commutes with ``Q``
+  only without its per-channel weight, so each norm's weight is first folded into the columns
+  of the linears it feeds (the norm then keeps weight 1, or 0 in the ``(1 + w)`` form), the
+  final norm's into the output head. A tied head must then be untied (the embedding is ``E Q``,
+  the head ``E diag(w) Q``): the checkpoint gains one float ``[vocab, H]`` matrix, which the
+  report states; keep the head tied only when the final norm's weight is exactly 1.
+* **Values to output, per head (R2, ``value_output``).** Each value head's rows get ``R^T W``
+  and the output projection's columns of each query head ``W R`` with one ``R`` [D, D]: the
+  attention mixes value vectors linearly, so the product is unchanged.
+
+``Q`` is a randomized Hadamard matrix ``H diag(s) / sqrt(n)`` (random signs ``s`` from
+``seed``) where a Hadamard matrix of that order is built here (Sylvester 2^k, Paley I and II,
+and Kronecker products of them: every multiple of 4 up to a few thousand that LLMs use, 576 =
+12 x 48 included), else a random orthogonal matrix (QR of a Gaussian), named in the report.
+
+Left out, with the reason: the *online* rotations of QuaRot/SpinQuant (a Hadamard on the MLP's
+intermediate activations before ``down_proj``, and on the queries/keys for a rotated KV cache)
+cannot be folded into weights. They need a transform at inference in every engine that loads
+the checkpoint, which a plain model of the family does not have: the checkpoint would no longer
+be one that transformers loads as is. They also matter mostly for activation (W4A4) and KV
+quantization, which this project does not do.
+
+Families whose norms sit between a block and the residual add (Gemma's and OLMo2's post-norms)
+are refused: a per-channel norm weight there does not commute with ``Q`` and no linear can
+absorb it. The rotation must run before any quantization pass (it needs float weights).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import model_validator
+from torch import nn
+
+from compress.arch import (
+    DEFAULT_IGNORE,
+    Arch,
+    Mapping,
+    arch_for,
+    check_paths,
+    decoder_layers,
+    head_dim_of,
+    producer_rows,
+)
+from compress.core.errors import ConfigError
+from compress.core.registry import CompressionState, PassConfig, PassReport, register_pass
+
+NAME = "rotate.hadamard"
+_CHUNK_ROWS = 8192  # rows per float64 product: bounds the temporary of a large embedding
+
+
+class RotateConfig(PassConfig):
+    """kind: ``hadamard`` (randomized Hadamard where one of that order is built here, else a
+    random orthogonal matrix, reported) or ``orthogonal`` (always random orthogonal).
+    seed: the random signs / Gaussian. value_output: also rotate each value head and the output
+    projection's columns (R2). The rotation covers the whole model: ``targets`` and ``ignore``
+    cannot select layers (a partial residual rotation would change the model's outputs)."""
+
+    kind: Literal["hadamard", "orthogonal"] = "hadamard"
+    seed: int = 0
+    value_output: bool = True
+
+    @model_validator(mode="after")
+    def _whole_model(self):
+        if self.targets != ("Linear",) or tuple(self.ignore) != DEFAULT_IGNORE:
+            raise ValueError(
+                "rotate.hadamard rotates the whole residual stream and cannot select layers: "
+                "remove `targets` / `ignore` from this pass (a later quantization pass selects "
+                "what is quantized)"
+            )
+        return self
+
+
+# ---- orthogonal matrices --------------------------------------------------------------------
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """[q, q] matrix chi(j - i) of the quadratic character mod the prime ``q``."""
+    residues = {(x * x) % q for x in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if a in residues else -1.0 for a in range(1, q)],
+                       dtype=torch.float64)
+    index = torch.arange(q)
+    return chi[(index[None, :] - index[:, None]) % q]
+
+
+def _paley(m: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order ``m`` from Paley's constructions, or None: I for ``m - 1`` a
+    prime = 3 mod 4, II for ``m / 2 - 1`` a prime = 1 mod 4."""
+    q = m - 1
+    if _is_prime(q) and q % 4 == 3:
+        s = torch.zeros(m, m, dtype=torch.float64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, _jacobsthal(q)
+        return s + torch.eye(m, dtype=torch.float64)
+    q = m // 2 - 1
+    if m % 2 == 0 and _is_prime(q) and q % 4 == 1:
+        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
+        plus = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        minus = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        return torch.kron(c, plus) + torch.kron(torch.eye(q + 1, dtype=torch.float64), minus)
+    return None
+
+
+def hadamard_matrix(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order ``n`` (entries +-1, ``H H^T = n I``; float64), or None when
+    none of Sylvester's, Paley's or their Kronecker products gives that order."""
+    if n < 1:
+        return None
+    power = n & -n  # largest power of two dividing n
+    for base in range(n // power, n + 1):  # the smallest odd-part factor that works
+        if n % base or (n // base) & (n // base - 1):
+            continue
+        core = torch.ones(1, 1, dtype=torch.float64) if base == 1 else _paley(base)
+        if core is None:
+            continue
+        sylvester = torch.ones(1, 1, dtype=torch.float64)
+        block = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        for _ in range(int(math.log2(n // base))):
+            sylvester = torch.kron(sylvester, block)
+        return torch.kron(core, sylvester)
+    return None
+
+
+def rotation_matrix(n: int, kind: str, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+    """An orthogonal [n, n] float64 matrix and a description of what it is."""
+    if kind == "hadamard":
+        h = hadamard_matrix(n)
+        if h is not None:
+            signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
+            return h * signs / math.sqrt(n), f"randomized Hadamard of order {n}"
+    gaussian = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    q = q * torch.sign(torch.diagonal(r))  # Haar-distributed (QR's sign convention removed)
+    why = "" if kind == "orthogonal" else f" (no Hadamard matrix of order {n} is built here)"
+    return q, f"random orthogonal of order {n}{why}"
+
+
+# ---- folding --------------------------------------------------------------------------------
+@torch.no_grad()
+def _rotate_last(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """``weight[..., H] <- (weight * scale) @ q`` in float64, in place, a chunk of rows at a
+    time (an embedding of 150k rows would need gigabytes at once)."""
+    flat = weight.view(-1, weight.shape[-1])
+    for start in range(0, flat.shape[0], _CHUNK_ROWS):
+        rows = flat[start : start + _CHUNK_ROWS].double()
+        if scale is not None:
+            rows = rows * scale
+        flat[start : start + _CHUNK_ROWS] = (rows @ q).to(weight.dtype)
+
+
+@torch.no_grad()
+def _rotate_rows(weight: torch.Tensor, q: torch.Tensor) -> None:
+    """``weight[..., H, K] <- q^T @ weight`` (a writer's output rows), in place."""
+    weight.copy_(torch.matmul(q.T, weight.double()).to(weight.dtype))
+
+
+def _norm_weight(norm: nn.Module, arch: Arch, where: str) -> torch.Tensor:
+    """The effective per-channel weight (float64) of an RMSNorm-style norm."""
+    if "rmsnorm" not in type(norm).__name__.lower() or getattr(norm, "bias", None) is not None:
+        raise ConfigError(
+            f"{NAME}: {where} is a {type(norm).__name__}, not an RMSNorm without bias; a norm "
+            "that subtracts the mean or adds a bias does not commute with a rotation"
+        )
+    w = norm.weight.detach().double()
+    return w + 1 if arch.norm_form == "1+w" else w
+
+
+@torch.no_grad()
+def _reset_norm(norm: nn.Module, arch: Arch) -> None:
+    norm.weight.fill_(0.0 if arch.norm_form == "1+w" else 1.0)
+
+
+def _readers_after(layer: nn.Module, arch: Arch, norm: str) -> list[torch.Tensor]:
+    """Weights whose last dimension reads the output of the pre-norm ``norm``."""
+    if norm == arch.attn_norm:
+        paths = arch.heads.rows + arch.heads.kv_rows + arch.heads.fused
+    elif arch.moe is not None:
+        experts = layer.get_submodule(arch.moe.fused)
+        return [layer.get_submodule(arch.moe.router).weight, getattr(experts, arch.moe.gate_up)]
+    else:
+        paths = arch.mlp_channels.rows + arch.mlp_channels.fused
+    return [layer.get_submodule(p).weight for p in dict.fromkeys(paths)]
+
+
+def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight [..., H, K], bias [H] or None) of what writes to the residual stream."""
+    out = []
+    for path in arch.heads.cols + (() if arch.moe is not None else arch.mlp_channels.cols):
+        module = layer.get_submodule(path)
+        out.append((module.weight, module.bias))
+    if arch.moe is not None:
+        out.append((getattr(layer.get_submodule(arch.moe.fused), arch.moe.down), None))
+    return out
+
+
+def _check_supported(model: nn.Module, arch: Arch) -> None:
+    from compress.quant.linear import QuantExperts, QuantLinear, W8A8Linear, is_bnb_module
+
+    if arch.post_norms or arch.attn_norm is None or arch.mlp_norm is None:
+        raise ConfigError(
+            f"{NAME}: model_type {arch.model_type!r} has norms after its attention/MLP blocks "
+            f"({', '.join(arch.post_norms) or 'and none before them'}): a per-channel norm "
+            "weight between a block and the residual add does not commute with a rotation and "
+            "no linear can absorb it. Remove this pass for this family"
+        )
+    if arch.embed_scaling != "none":
+        raise ConfigError(f"{NAME}: embedding scaling of {arch.model_type!r} is not handled")
+    quantized = [n for n, m in model.named_modules()
+                 if isinstance(m, (QuantLinear, W8A8Linear, QuantExperts)) or is_bnb_module(m)]
+    if quantized:
+        raise ConfigError(
+            f"{NAME}: {len(quantized)} layers are already quantized ({quantized[0]}, ...): the "
+            "rotation needs float weights. Put rotate.hadamard before the quantization passes"
+        )
+    paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
+    if arch.moe is not None:
+        paths += (arch.moe.router, arch.moe.fused)
+    check_paths(model, arch, tuple(p for p in paths if p), NAME)
+
+
+@torch.no_grad()
+def _untie_head(model: nn.Module) -> bool:
+    """Give the output head its own Parameter (a copy of the embedding); True if it was tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
+        return False
+    head.weight = nn.Parameter(embed.weight.detach().clone())
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
+
+
+@torch.no_grad()
+def _rotate_residual(model: nn.Module, arch: Arch, q: torch.Tensor, report: PassReport) -> None:
+    layers = decoder_layers(model, NAME)
+    for index, layer in enumerate(layers):
+        for norm_path in (arch.attn_norm, arch.mlp_norm):
+            norm = layer.get_submodule(norm_path)
+            scale = _norm_weight(norm, arch, f"layer {index} {norm_path}")
+            for weight in _readers_after(layer, arch, norm_path):
+                _rotate_last(weight.data, q, scale)
+            _reset_norm(norm, arch)
+        for weight, bias in _writers(layer, arch):
+            _rotate_rows(weight.data, q)
+            if bias is not None:
+                _rotate_last(bias.data, q)
+        report.changed.append(f"{arch.layer_prefix}{index}")
+    final = model.get_submodule(arch.final_norm)
+    scale = _norm_weight(final, arch, arch.final_norm)
+    untie = not bool(torch.all(scale == 1))
+    untied = _untie_head(model) if untie else False
+    _rotate_last(model.get_input_embeddings().weight.data, q)
+    head = model.get_output_embeddings()
+    # a bias on the logits is in vocabulary space: the rotation leaves it as it is
+    if head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        _rotate_last(head.weight.data, q, scale)
+    _reset_norm(final, arch)
+    if untied:
+        vocab, hidden = head.weight.shape
+        report.metrics["untied_head"] = {
+            "elements": vocab * hidden,
+            "why": "the final norm's weight folds into the head but not into the embedding: "
+                   "the checkpoint stores a separate output matrix",
+        }
+
+
+def _value_output_rows(layer: nn.Module, arch: Arch) -> tuple[nn.Module, slice | None]:
+    """The linear holding the value rows and which of its rows they are (fused: Phi-3)."""
+    mapping = next((m for m in arch.awq_mappings if m.producer == arch.v
+                    and m.consumers == (arch.o,)), Mapping(arch.v, (arch.o,)))
+    return layer.get_submodule(arch.v), producer_rows(layer, mapping)
+
+
+@torch.no_grad()
+def _rotate_value_output(model: nn.Module, arch: Arch, r: torch.Tensor) -> None:
+    head_dim = r.shape[0]
+    for layer in decoder_layers(model, NAME):
+        value, rows = _value_output_rows(layer, arch)
+        part = slice(None) if rows is None else rows
+        w = value.weight.data[part]  # [KVH * D, H]
+        w.copy_(torch.einsum("de,kdh->keh", r, w.double().view(-1, head_dim, w.shape[1]))
+                .reshape(w.shape).to(w.dtype))
+        if value.bias is not None:
+            b = value.bias.data[part]
+            b.copy_((b.double().view(-1, head_dim) @ r).reshape(b.shape).to(b.dtype))
+        out = layer.get_submodule(arch.o).weight.data  # [H, NH * D]
+        out.copy_((out.double().view(out.shape[0], -1, head_dim) @ r).reshape(out.shape)
+                  .to(out.dtype))
+
+
+@register_pass(NAME, RotateConfig)
+def rotate_hadamard(model: nn.Module, cfg: RotateConfig, state: CompressionState) -> PassReport:
+    arch = arch_for(model, NAME)
+    _check_supported(model, arch)
+    report = PassReport(NAME)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    hidden = model.get_input_embeddings().weight.shape[1]
+    q, residual = rotation_matrix(hidden, cfg.kind, generator)
+    _rotate_residual(model, arch, q, report)
+    report.metrics["residual_rotation"] = residual
+    if cfg.value_output:
+        head_dim = head_dim_of(decoder_layers(model, NAME)[0])
+        r, per_head = rotation_matrix(head_dim, cfg.kind, generator)
+        _rotate_value_output(model, arch, r)
+        report.metrics["value_output_rotation"] = per_head
+    report.metrics["online_rotations"] = "none (not foldable; see compress.quant.rotate)"
+    return report
