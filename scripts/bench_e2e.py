@@ -144,7 +144,7 @@ def read_bandwidth() -> float:
 
 class Variant(NamedTuple):
     stream: Stream
-    engine: str  # who makes the tokens: "hf generate", "runtime", "llama.cpp"
+    engine: str  # who makes the tokens: "hf generate", "runtime", "hf fallback", "llama.cpp"
     runtime: Runtime | None = None  # for decode_bytes() and the int4 kernel it chose
     int4: bool = False  # whether any int4 layer runs (the int4 kernel cell is empty otherwise)
 
@@ -175,9 +175,11 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
                 int4_kernel="q4q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
-            engine = "runtime" if rt.fallback_reason is None else "hf fallback"
             int4 = kind.startswith("w4") or "h4" in options
-            variants[name] = Variant(rt.stream, engine, rt, int4)
+            if rt.fallback_reason is None:
+                variants[name] = Variant(rt.stream, "runtime", rt, int4)
+            else:  # transformers' loop under the runtime's name: no kernel, no decode bytes
+                variants[name] = Variant(rt.stream, "hf fallback")
         # warm-up over the full length: a compiled runtime builds one decode graph per
         # power-of-two cache length, and none may be compiled inside a timed request
         time_request(variants[name].stream, ids, args.new_tokens)
