@@ -1,9 +1,17 @@
-"""End-to-end generation bench, interleaved in one run: transformers generate (fp32, bf16), our
-runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback, each W4 also through the AVX2 Q4 x Q8
-decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python on the same model's Q4_1 GGUF, in
-its own venv built once from source: ~25 min on 2 cores). Decode tok/s, TTFT, MB read per token,
-MBU vs measured read bandwidth; medians, min-max. --synthetic-1b adds a random 1.1B Llama
-(runtime bf16 vs W4 g128 through torch's and our int4 kernel).
+"""End-to-end generation bench, interleaved in one run: transformers' own generate (fp32,
+bf16), our runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback, each W4 also through the
+AVX2 Q4 x Q8 decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python on the same model's
+Q4_1 GGUF, in its own venv built once from source: ~25 min on 2 cores). --synthetic-1b adds a
+random 1.1B Llama (runtime bf16 vs W4 g128 through torch's and our int4 kernel).
+
+Every row is a ``compress.eval.latency.Stream`` timed by ``time_request`` (wall clock, each token
+stamped as it arrives): ``hf_stream(generate=True)``, ``Runtime.stream`` and the llama.cpp worker,
+which prints one line per token as it is generated. Decode tok/s (1 / TPOT) and TTFT: median,
+min and max (``distribution``) over interleaved rounds; MBU (``bandwidth_utilization``) from
+``Runtime.decode_bytes()`` and the measured read bandwidth. The md and JSON open with the
+environment (CPU, kernel flags, torch CPU capability) and give each runtime row's int4 kernel.
+No CPU-time columns any more: ``time_request`` stamps one clock, and llama.cpp's CPU time is
+spent in another process, so only wall time is comparable across the three engines.
 
     python scripts/bench_e2e.py --reps 3 --compile --out bench
 """
@@ -15,34 +23,64 @@ import copy
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from compress.eval.hardware import memory_bandwidth
+from compress.eval.latency import (
+    Stream,
+    bandwidth_utilization,
+    distribution,
+    hf_stream,
+    time_request,
+)
+from compress.eval.report import environment, markdown_table
 from compress.io.load import EMBEDDED, _gguf_location, cache_dir, load_model
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime
 
+# Protocol: one JSON request per stdin line, [prompt ids, max new tokens]; the answer is one
+# line per token id, printed as soon as llama.cpp has it, then a line "end".
 LLAMA_WORKER = r"""
-import json, sys, time
+import json, sys
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
 for line in sys.stdin:
     ids, n = json.loads(line)
-    llm.reset(); t0 = (time.perf_counter(), time.process_time()); first = None; count = 0
-    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        count += 1; first = first or (time.perf_counter(), time.process_time())
-        if count == n: break
-    end = (time.perf_counter(), time.process_time())
-    print(json.dumps([first[0] - t0[0], end[0] - first[0], count, first[1] - t0[1],
-                      end[1] - first[1]]), flush=True)
+    llm.reset()
+    for count, token in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), 1):
+        print(token, flush=True)
+        if count == n:
+            break
+    print("end", flush=True)
 """
+
+
+def worker_stream(command: list) -> Stream:
+    """A Stream over a worker process speaking LLAMA_WORKER's protocol (started here, once).
+    Tokens are yielded as their lines arrive, so TTFT and TPOT include the pipe (microseconds)."""
+    worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def stream(prompt: list[int], max_new_tokens: int):
+        worker.stdin.write(json.dumps([list(prompt), max_new_tokens]) + "\n")
+        worker.stdin.flush()
+        line = "end"
+        try:
+            while (line := worker.stdout.readline()) not in ("end\n", ""):
+                yield int(line)
+        finally:
+            while line not in ("end\n", ""):  # closed early: drain so the next request starts clean
+                line = worker.stdout.readline()
+        if line == "":
+            raise RuntimeError(f"llama.cpp worker exited (code {worker.wait()}) inside a request")
+
+    stream.engine, stream.worker = "llama.cpp", worker
+    return stream
 
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the version CPU_FACTS.md measured (112 tok/s decode here)
@@ -104,36 +142,14 @@ def read_bandwidth() -> float:
     return memory_bandwidth(size_mb=1024, repeats=4)["bytes_per_s"]
 
 
-def _clocks() -> tuple[float, float]:
-    # CPU time too: on a shared machine wall time measures our share of the cores, CPU time
-    # measures the work (all threads of this process).
-    return time.perf_counter(), time.process_time()
+class Variant(NamedTuple):
+    stream: Stream
+    engine: str  # who makes the tokens: "hf generate", "runtime", "hf fallback", "llama.cpp"
+    runtime: Runtime | None = None  # for decode_bytes() and the int4 kernel it chose
+    int4: bool = False  # whether any int4 layer runs (the int4 kernel cell is empty otherwise)
 
 
-def time_hf(model, ids, n):
-    # The reference rows (hf-*): transformers' own generate, named as such in the table.
-    x = torch.tensor([ids])
-    kw = dict(do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0)
-    with torch.no_grad():
-        a = _clocks()
-        model.generate(x, **dict(kw, min_new_tokens=1, max_new_tokens=1))
-        b = _clocks()
-        model.generate(x, **kw)
-        c = _clocks()
-    ttft, cpu_ttft = b[0] - a[0], b[1] - a[1]
-    return ttft, c[0] - b[0] - ttft, n, cpu_ttft, c[1] - b[1] - cpu_ttft
-
-
-def time_runtime(rt, ids, n):
-    t0, first, count = _clocks(), None, 0
-    for _ in rt.stream(ids, n):
-        count += 1
-        first = first or _clocks()
-    end = _clocks()
-    return first[0] - t0[0], end[0] - first[0], count, first[1] - t0[1], end[1] - first[1]
-
-
-def build_variants(base, ids, args, names):
+def build_variants(base, ids, args, names) -> dict[str, Variant]:
     """Variant names: hf-fp32/hf-bf16 (transformers), rt-fp32/rt-bf16/rt-w8/rt-w4gN (runtime;
     W4 group N with g64 fallback), suffixes -q8 (int4 decode through our AVX2 Q4 x Q8 kernel)
     and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime)."""
@@ -150,7 +166,7 @@ def build_variants(base, ids, args, names):
             )
             quantize_linears(model, cfg, bits, name)
         if name.startswith("hf-"):
-            variants[name] = (lambda m=model: time_hf(m, ids, args.new_tokens), None)
+            variants[name] = Variant(hf_stream(model, generate=True), "hf generate")
         else:
             rt = Runtime(
                 model,
@@ -159,66 +175,61 @@ def build_variants(base, ids, args, names):
                 int4_kernel="q4q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
-            # warm-up over the full length: a compiled runtime builds one decode graph per
-            # power-of-two cache length, and none may be compiled inside a timed request
-            rt.generate([ids], args.new_tokens)
-            variants[name] = (lambda r=rt: time_runtime(r, ids, args.new_tokens), rt)
+            int4 = kind.startswith("w4") or "h4" in options
+            if rt.fallback_reason is None:
+                variants[name] = Variant(rt.stream, "runtime", rt, int4)
+            else:  # transformers' loop under the runtime's name: no kernel, no decode bytes
+                variants[name] = Variant(rt.stream, "hf fallback")
+        # warm-up over the full length: a compiled runtime builds one decode graph per
+        # power-of-two cache length, and none may be compiled inside a timed request
+        time_request(variants[name].stream, ids, args.new_tokens)
     return variants
 
 
-def run(variants, reps, bandwidth, extra=None):
-    rows = {name: [] for name in list(variants) + list(extra or {})}
+def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[dict]:
+    """One row per variant: medians and min-max over ``reps`` interleaved rounds."""
+    timings = {name: [] for name in variants}
     for _ in range(reps):  # interleaved: every variant once per round
-        for name, (fn, _) in list(variants.items()) + list((extra or {}).items()):
-            rows[name].append(fn())
-    out = {}
-    for name, samples in rows.items():
-        tps = [(c - 1) / d for f, d, c, *_ in samples]
-        cpu_tps = [(c - 1) / cd for _, _, c, _, cd in samples]
-        cpu_ttft = [cf * 1000 for _, _, _, cf, _ in samples]
-        ttft = [f * 1000 for f, *_ in samples]
-        rt = variants.get(name, (None, None))[1]
-        read = rt.decode_bytes() if rt else None
-        med = statistics.median(tps)
-        out[name] = dict(
-            decode_tok_s=med,
-            decode_min=min(tps),
-            decode_max=max(tps),
-            ttft_ms=statistics.median(ttft),
-            ttft_min=min(ttft),
-            ttft_max=max(ttft),
-            bytes_per_token=read and sum(read.values()),
-            mbu=read and sum(read.values()) * med / bandwidth,
-            decode_tok_per_cpu_s=statistics.median(cpu_tps),
-            cpu_ttft_ms=statistics.median(cpu_ttft),
-        )
-    return out
+        for name, v in variants.items():
+            timings[name].append(time_request(v.stream, ids, new_tokens))
+    rows = []
+    for name, v in variants.items():
+        tok_s = distribution([1 / t.tpot for t in timings[name]])
+        ttft = distribution([t.ttft for t in timings[name]], 1e3)
+        read = sum(v.runtime.decode_bytes().values()) if v.runtime else None
+        mbu = read and bandwidth_utilization(read, 1 / tok_s["p50"], bandwidth)
+        rows.append(dict(
+            variant=name, engine=v.engine,
+            int4_kernel=v.runtime.int4_kernel if v.int4 else None,
+            decode_tok_s=tok_s["p50"], decode_min=tok_s["min"], decode_max=tok_s["max"],
+            ttft_ms=ttft["p50"], ttft_min=ttft["min"], ttft_max=ttft["max"],
+            mb_per_token=read and read / 1e6, mbu_pct=mbu and 100 * mbu, reps=reps,
+        ))  # fmt: skip
+    return rows
 
 
-def table(title, res, ref):
-    lines = [
-        f"### {title}",
-        "",
-        "| variant | decode tok/s (min-max) | vs "
-        + ref
-        + " | TTFT ms (min-max) | MB read/token | MBU | decode tok/CPU-s | vs "
-        + ref
-        + " | TTFT CPU-ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    cpu_ref = res[ref]["decode_tok_per_cpu_s"]
-    for name, r in res.items():
-        mb = f"{r['bytes_per_token'] / 1e6:.0f}" if r["bytes_per_token"] else "-"
-        mbu = f"{r['mbu']:.0%}" if r["mbu"] else "-"
-        ratio = r["decode_tok_s"] / res[ref]["decode_tok_s"]
-        lines.append(
-            f"| {name} | {r['decode_tok_s']:.1f} ({r['decode_min']:.1f}-"
-            f"{r['decode_max']:.1f}) | {ratio:.2f}x | {r['ttft_ms']:.0f} "
-            f"({r['ttft_min']:.0f}-{r['ttft_max']:.0f}) | {mb} | {mbu} | "
-            f"{r['decode_tok_per_cpu_s']:.1f} | {r['decode_tok_per_cpu_s'] / cpu_ref:.2f}x"
-            f" | {r['cpu_ttft_ms']:.0f} |"
-        )
-    return "\n".join(lines)
+COLUMNS = [
+    ("variant", "variant"), ("engine", "engine"), ("int4_kernel", "int4 kernel"),
+    ("decode_tok_s", "decode tok/s"), ("decode_min", "min"), ("decode_max", "max"),
+    ("vs_ref", "vs ref"), ("ttft_ms", "TTFT ms"), ("ttft_min", "min"), ("ttft_max", "max"),
+    ("mb_per_token", "MB read/token"), ("mbu_pct", "MBU %"),
+]  # fmt: skip
+
+
+def table(title: str, rows: list[dict], ref: str) -> str:
+    ref_tok_s = next(r["decode_tok_s"] for r in rows if r["variant"] == ref)
+    cells = [dict(r, vs_ref=r["decode_tok_s"] / ref_tok_s) for r in rows]
+    note = f"Medians and min-max over {rows[0]['reps']} interleaved rounds; vs ref: {ref}."
+    return f"### {title}\n\n{markdown_table(cells, COLUMNS)}\n\n{note}"
+
+
+def environment_line(env: dict, bandwidth: float) -> str:
+    return (
+        f"Environment: {env['cpu']}; kernel flags {' '.join(env['cpu_flags']) or 'none'}; "
+        f"torch CPU capability {env['torch_cpu_capability']}; torch {env['torch']}, "
+        f"transformers {env['transformers']}; {env['threads']} threads; {env['date']}. "
+        f"Read bandwidth measured: {bandwidth / 1e9:.1f} GB/s."
+    )
 
 
 def main() -> None:
@@ -243,6 +254,8 @@ def main() -> None:
     p.add_argument("--synthetic-1b", action="store_true")
     p.add_argument("--out", default="bench_e2e", help="output prefix (.json, .md)")
     args = p.parse_args()
+    if args.new_tokens < 2 or args.reps < 1:
+        p.error("--new-tokens must be >= 2 (decode speed needs a second token), --reps >= 1")
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one decode graph per variant and batch size
     bandwidth = read_bandwidth()
@@ -250,39 +263,25 @@ def main() -> None:
     text = "The history of the city begins with a small settlement on the river, " * 8
     ids = loaded.tokenizer(text)["input_ids"][: args.prompt_len]
     variants = build_variants(loaded.model, ids, args, [v for v in args.variants.split(",") if v])
-    extra = {}
+    worker = None
     if not args.no_llama_cpp and args.model in EMBEDDED:
-        worker = subprocess.Popen(
-            [
-                llama_cpp_python(),
-                "-c",
-                LLAMA_WORKER,
-                _gguf_location(EMBEDDED[args.model]),
-                str(args.threads),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-        def llama_cpp():
-            worker.stdin.write(json.dumps([ids, args.new_tokens]) + "\n")
-            worker.stdin.flush()  # noqa: E702
-            return json.loads(worker.stdout.readline())
-
-        llama_cpp()
-        extra["llama.cpp-q4_1"] = (llama_cpp, None)  # (timed call, no runtime)
+        gguf = _gguf_location(EMBEDDED[args.model])
+        stream = worker_stream([llama_cpp_python(), "-c", LLAMA_WORKER, gguf, str(args.threads)])
+        worker = stream.worker
+        time_request(stream, ids, args.new_tokens)  # warm-up
+        variants["llama.cpp-q4_1"] = Variant(stream, "llama.cpp")
     results, md = {}, []
     if variants:
-        results["smollm2"] = run(variants, args.reps, bandwidth, extra)
-        md.append(
-            table(
-                f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens, "
-                f"{args.threads} threads, compile={args.compile}",
-                results["smollm2"],
-                "hf-bf16" if "hf-bf16" in variants else next(iter(variants)),
-            )
+        results[args.model] = run(variants, ids, args.new_tokens, args.reps, bandwidth)
+        title = (
+            f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens, "
+            f"{args.threads} threads, compile={args.compile}"
         )
+        ref = "hf-bf16" if "hf-bf16" in variants else next(iter(variants))
+        md.append(table(title, results[args.model], ref))
+    if worker is not None:
+        worker.stdin.close()  # the worker's loop ends at EOF
+        worker.wait()
     if args.synthetic_1b:
         del variants
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -301,16 +300,14 @@ def main() -> None:
         args.new_tokens = max(8, args.new_tokens // 4)
         names = ["rt-bf16", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h4"]
         v = build_variants(big, ids, args, names)
-        results["synthetic_1b"] = run(v, max(2, args.reps - 1), bandwidth)
-        md.append(
-            table(
-                f"synthetic 1.1B Llama: {args.new_tokens} new tokens",
-                results["synthetic_1b"],
-                "rt-bf16",
-            )
-        )
-    md.append(f"\nread bandwidth measured: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)")
-    Path(args.out + ".json").write_text(json.dumps(dict(results, bandwidth=bandwidth), indent=1))
+        results["synthetic_1b"] = run(v, ids, args.new_tokens, max(2, args.reps - 1), bandwidth)
+        title = f"synthetic 1.1B Llama: {args.new_tokens} new tokens"
+        md.append(table(title, results["synthetic_1b"], "rt-bf16"))
+    env = environment()
+    md.insert(0, environment_line(env, bandwidth))
+    payload = dict(environment=env, bandwidth=bandwidth, settings=vars(args), results=results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(payload, indent=1))
     Path(args.out + ".md").write_text("\n\n".join(md) + "\n")
     print("\n\n".join(md))
 

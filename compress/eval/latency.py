@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -95,11 +97,25 @@ def new_cache(model: nn.Module) -> Any:
     return DynamicCache(config=model.config)
 
 
-def hf_stream(model: nn.Module) -> Stream:
+def hf_stream(model: nn.Module, *, generate: bool = False) -> Stream:
     """A ``Stream`` of plain greedy decoding through transformers' forward and KV cache, one
     token per step: the fallback for models the runtime does not run, and ``--engine hf``.
-    Its ``engine`` attribute is ``"hf"``."""
+    Its ``engine`` attribute is ``"hf"``.
+
+    ``generate=True``: the tokens come from transformers' own ``model.generate`` loop instead
+    (greedy, no EOS: exactly ``max_new_tokens``), for rows that time transformers itself;
+    ``engine`` is ``"hf generate"``. generate runs in a worker thread and hands each token over
+    through a streamer as its step finishes, so ``time_request`` stamps every token when it is
+    ready (plus one queue hand-off, microseconds). Closing the stream early waits for generate.
+    """
     device = next(model.parameters()).device
+    if generate:
+
+        def generated(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
+            return _generate_tokens(model, torch.tensor([prompt], device=device), max_new_tokens)
+
+        generated.engine = "hf generate"
+        return generated
 
     @torch.no_grad()
     def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
@@ -113,6 +129,50 @@ def hf_stream(model: nn.Module) -> Stream:
 
     stream.engine = "hf"
     return stream
+
+
+_END = object()  # the streamer's end-of-request marker
+
+
+def _generate_tokens(model: nn.Module, ids: torch.Tensor, max_new_tokens: int) -> Iterator[int]:
+    """Tokens of ``model.generate(ids)`` ([1, T] prompt) as its streamer receives them."""
+    from transformers.generation.streamers import BaseStreamer
+
+    handoff: queue.SimpleQueue = queue.SimpleQueue()
+
+    class Handoff(BaseStreamer):
+        prompt_seen = False  # generate's first put() is the prompt itself
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.prompt_seen:
+                handoff.put(int(value.reshape(-1)[0]))  # [batch=1] or [1, 1]
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            handoff.put(_END)
+
+    def run() -> None:
+        try:
+            # eos_token_id=None: EOS is an ordinary token (as in the runtime), so every request
+            # does the same work and the tokens are plain argmax (min_new_tokens would instead
+            # mask EOS and change them).
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                streamer=Handoff(),
+            )  # fmt: skip
+        except BaseException as exc:  # re-raised in the consumer's thread
+            handoff.put(exc)
+
+    worker = threading.Thread(target=run, name="hf-generate", daemon=True)
+    worker.start()
+    try:
+        while (item := handoff.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        worker.join()
 
 
 def seq_len_for(longest: int) -> int:
@@ -304,6 +364,14 @@ def prefill_flops(model: nn.Module, prompt_tokens: int) -> float:
     return 2.0 * matmul_params(model) * t + 2.0 * cfg.num_hidden_layers * t * t * width
 
 
+def bandwidth_utilization(
+    bytes_per_step: float, step_s: float | None, bandwidth_bps: float
+) -> float | None:
+    """MBU: the bytes one decode step must read / the step's time / the measured read
+    bandwidth (``hardware.memory_bandwidth``); None without a step time."""
+    return bytes_per_step / step_s / bandwidth_bps if step_s else None
+
+
 def roofline(
     *,
     weight_bytes: int,
@@ -330,7 +398,7 @@ def roofline(
         kind = "memory-bandwidth-bound" if intensity < balance else "compute-bound"
         return f"{kind} ({intensity:.3g} FLOP/B vs machine balance {balance:.3g} FLOP/B)"
 
-    mbu = step_bytes / decode_step_s / bandwidth_bps if decode_step_s else None
+    mbu = bandwidth_utilization(step_bytes, decode_step_s, bandwidth_bps)
     mfu = prefill_flops_ / prefill_s / peak_flops if prefill_s else None
     return {
         "decode_batch": batch,

@@ -9,9 +9,11 @@ import pytest
 from compress.eval.latency import (
     RequestTiming,
     Slo,
+    bandwidth_utilization,
     cost,
     distribution,
     goodput,
+    hf_stream,
     kv_bytes_per_token,
     percentile,
     roofline,
@@ -143,3 +145,23 @@ def test_roofline_verdicts():
     assert r["mfu"] == pytest.approx(1e6 / 1e-3 / 1e11)
     assert r["decode_verdict"].startswith("memory-bandwidth-bound")  # 500/1500 < 50
     assert r["prefill_verdict"].startswith("compute-bound")  # 1e6/2000 = 500 > 50
+
+
+def test_bandwidth_utilization_is_bytes_over_step_time_over_bandwidth():
+    # 1 GB read in 0.5 s is 2 GB/s: half of a 4 GB/s machine
+    assert bandwidth_utilization(1e9, 0.5, 4e9) == pytest.approx(0.5)
+    assert bandwidth_utilization(1e9, None, 4e9) is None  # no decode step timed
+
+
+def test_hf_generate_stream_gives_plain_greedy_tokens_and_ignores_eos(tiny_model):
+    """transformers' own generate, streamed from its thread: the same tokens as the forward
+    loop of hf_stream, EOS (set to the first greedy token) an ordinary token, each stamped."""
+    model = tiny_model.double()
+    prompt = [5, 17, 33, 2, 9, 41]
+    expected = list(hf_stream(model)(prompt, 5))
+    model.generation_config.eos_token_id = expected[0]
+    stream = hf_stream(model, generate=True)
+    timing = time_request(stream, prompt, 5, clock=FakeClock([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert stream.engine == "hf generate"
+    assert timing.tokens == expected
+    assert timing.ttft == 1.0 and timing.tpot == 1.0
