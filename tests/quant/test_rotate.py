@@ -141,3 +141,18 @@ def test_rotation_lowers_int4_error_with_outlier_columns():
         kl[rotate] = _kl_to(reference, model, ids)
     assert weight_error[True] < 0.5 * weight_error[False], weight_error
     assert kl[True] < 0.6 * kl[False], kl
+
+
+def test_rotated_quantized_model_runs_on_the_runtime():
+    """The untied head and the rotated weights go through the runtime's own decode (fp32):
+    the same greedy tokens as transformers' generate on the same model."""
+    from compress.runtime.engine import Runtime
+    from compress.testing import hf_greedy
+
+    torch.set_num_threads(1)
+    model = _model("llama")
+    run_passes(model, [RotateConfig(), Int4RtnConfig(group_size=32)],
+               CompressionState(progress=False))
+    prompt = IDS[0, :8].tolist()
+    runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False)
+    assert runtime.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]
