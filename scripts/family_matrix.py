@@ -49,6 +49,7 @@ PASSES = [  # (column, pass name, settings)
     ("AWQ W4", "quantize.awq", {"group_size": 32}),
     ("AutoRound W4", "quantize.autoround", {"group_size": 32, "iters": 20}),
     ("SmoothQuant W8A8", "quantize.smoothquant", {}),
+    ("rotate (Hadamard)", "rotate.hadamard", {}),
     ("bnb nf4", "quantize.bnb", {"format": "nf4"}),
     ("prune heads", "prune.attention_heads", {"sparsity": 0.5}),
     ("prune MLP", "prune.mlp_channels", {"sparsity": 0.5}),
@@ -78,6 +79,9 @@ def run_pass(model_type: str, name: str, settings: dict) -> tuple[str, bool]:
     except RecipeError as exc:
         return f"n/a: {exc}", False
     state = calibration()
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8]])
+    with torch.no_grad():
+        before = model(ids).logits
     try:
         run_passes(model, [spec.config_cls(**settings)], state)
     except (ConfigError, RecipeError) as exc:
@@ -93,6 +97,10 @@ def run_pass(model_type: str, name: str, settings: dict) -> tuple[str, bool]:
         if left:  # a partial pass: named in its report and a warning; strict refuses it
             return f"partial: {share:.0%} ({len(left)} float, named; strict refuses)", False
         return (f"✓ {share:.0%}" if share is not None else "✓"), False
+    if name.startswith("rotate."):  # an exact fold: the logits must not move
+        with torch.no_grad():
+            rel = float((model(ids).logits - before).norm() / before.norm())
+        return (f"✓ logits rel {rel:.0e}" if rel < 1e-4 else f"✗ logits rel {rel:.2g}"), rel >= 1e-4
     kept = sum(p.numel() for p in model.parameters()) / params
     return f"✓ {kept:.0%} params", False
 

@@ -380,6 +380,14 @@ def _call_layer(layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decod
     return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode)
 
 
+def _decode_step(runtime: Runtime, tokens, positions, mask, slots, b: int, length: int):
+    """One whole decode step, token ids [B, 1] to next-token logits [B, V] fp32: embedding, every
+    layer (writing its cache slot) and the head. Compiled as one graph (``compile="step"``), a
+    token costs one compiled-region entry and one guard check instead of one per layer."""
+    x = runtime._apply(_call_layer, runtime._embed(tokens), positions, mask, slots, b, length, True)
+    return runtime.head(x[:, -1])
+
+
 def _compile_options() -> dict[str, int]:
     """Inductor options that pin its C++ vector width to the ISA ATen dispatches to.
 
@@ -511,10 +519,16 @@ class Runtime:
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device, self.compile_prefill = device, compile_prefill
         self._decode_fn = self._prefill_fn = _call_layer
-        self._compiled = compile
+        self._step = _decode_step
+        if compile not in (False, True, "step", "layer"):
+            raise ValueError(f"compile={compile!r}: expected True/'step', 'layer' or False")
+        self._compiled = bool(compile)
         if compile:
             options = _compile_options() if device.type == "cpu" else {}
-            self._decode_fn = torch.compile(_call_layer, dynamic=False, options=options)
+            if compile == "layer":
+                self._decode_fn = torch.compile(_call_layer, dynamic=False, options=options)
+            else:
+                self._step = torch.compile(_decode_step, dynamic=False, options=options)
             if compile_prefill:
                 self._prefill_fn = torch.compile(_call_layer, dynamic=False, options=options)
 
@@ -628,8 +642,10 @@ class Runtime:
                 length = _bucket(length, self.max_seq_len)
             keys = torch.arange(length, device=self.device)
             mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, T, L] causal
-            if t == 1:
-                x = self._layers(ids, slots[None], mask, slots, 1, length, decode=True)
+            if t == 1:  # [1, V]
+                self._slot.fill_(start)
+                self.position = start + t
+                return self._decode(ids, slots[None], mask, 1, length)
             else:  # eager: a k-token decode step is another shape than the compiled one
                 x = self._embed(ids)
                 x = self._apply(_call_layer, x, slots[None], mask, slots, 1, length, True)
@@ -697,17 +713,30 @@ class Runtime:
             # that only log2(max_seq_len) graphs exist.
             length = _bucket(pos + 1, self.max_seq_len) if self._compiled else pos + 1
             mask = self.valid[:b, None, None, :length]  # [B, 1, 1, L]
-            x = self._layers(
-                next_tokens[:, None],
-                (pos - pad)[:, None],
-                mask,
-                self._slot,
-                b,
-                length,
-                decode=True,
-            )
-            logits = self.head(x[:, -1])
+            logits = self._decode(next_tokens[:, None], (pos - pad)[:, None], mask, b, length)
             pos += 1
+
+    def _decode(self, tokens, positions, mask, b: int, length: int) -> torch.Tensor:
+        """Logits [B, V] of one decode step at cache slot ``self._slot`` (whole-step compiled,
+        per-layer compiled or eager: ``compile``)."""
+        if self._step is _decode_step:
+            x = self._layers(tokens, positions, mask, self._slot, b, length, decode=True)
+            return self.head(x[:, -1])
+        try:
+            return self._step(self, tokens, positions, mask, self._slot, b, length)
+        except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
+            self._compile_failed(exc)
+            return self._decode(tokens, positions, mask, b, length)
+
+    def _compile_failed(self, exc: Exception) -> None:
+        warnings.warn(
+            f"compress runtime: torch.compile failed ({type(exc).__name__}: {exc}); "
+            "running eager from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._decode_fn = self._prefill_fn = _call_layer
+        self._step = _decode_step
 
     def _layers(
         self, tokens, positions, mask, slots, b: int, length: int, *, decode: bool
@@ -719,13 +748,7 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
             if fn is _call_layer:
                 raise
-            warnings.warn(
-                f"compress runtime: torch.compile failed ({type(exc).__name__}: {exc}); "
-                "running eager from now on",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._decode_fn = self._prefill_fn = _call_layer
+            self._compile_failed(exc)
             # Re-running is safe: each layer rewrites the same cache slots from the same input.
             return self._apply(_call_layer, x, positions, mask, slots, b, length, decode)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
-from compress.runtime.engine import Runtime  # noqa: E402
+from compress.runtime.engine import Runtime, _decode_step  # noqa: E402
 from compress.testing import hf_greedy, make_tiny_llama  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7], [1, 40, 50], [1, 200, 13, 14, 15]]
@@ -270,23 +270,32 @@ def test_unsupported_architecture_falls_back_with_warning():
     assert rt.generate([PROMPTS[0]], 8) == [hf_greedy(gpt2, PROMPTS[0], 8)]
 
 
-def test_compile_failure_falls_back_once_with_warning(model):
+@pytest.mark.parametrize("compiled", ["_decode_fn", "_step"])  # per layer / whole step
+def test_compile_failure_falls_back_once_with_warning(model, compiled):
     rt = Runtime(model, max_seq_len=64, compile=False)
 
     def broken(*args):
         raise RuntimeError("inductor exploded")
 
-    rt._decode_fn = broken  # stands in for a compiler failure on the first decode step
+    setattr(rt, compiled, broken)  # stands in for a compiler failure on the first decode step
     with pytest.warns(RuntimeWarning, match="inductor exploded"):
         out = rt.generate([PROMPTS[0]], 8)
     assert out == [hf_greedy(model, PROMPTS[0], 8)]
 
 
 def test_compiled_decode_step_equals_transformers(model):
-    # The one compiled test (about 1-2 minutes of inductor work on 2 busy cores).
+    """The one compiled test (about 1-2 minutes of inductor work on 2 busy cores): the whole
+    decode step (embedding, every layer, head) is one graph, entered once per token."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     rt = Runtime(model, max_seq_len=32, compile=True)
     assert rt.generate([PROMPTS[0]], 6) == [hf_greedy(model, PROMPTS[0], 6)]
+    assert rt._step is not _decode_step  # compiled, not the eager fallback after a failure
+    # 6 tokens: 5 decode steps, all at key length 16 (one power-of-two bucket): one graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.real

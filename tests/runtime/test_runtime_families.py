@@ -15,7 +15,7 @@ import torch
 
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
-from compress.runtime.engine import Runtime, _call_layer, unsupported_reason
+from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
 from compress.testing import hf_greedy, make_tiny_model, make_tiny_moe
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
@@ -163,7 +163,7 @@ def test_compiled_decode_step_equals_transformers_gemma3():
     rt = Runtime(model, max_seq_len=32, compile=True)
     prompt = PROMPTS[0]
     assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
-    assert rt._decode_fn is not _call_layer  # compiled, not the eager fallback after a failure
+    assert rt._step is not _decode_step  # compiled, not the eager fallback after a failure
 
 
 @pytest.mark.parametrize(
