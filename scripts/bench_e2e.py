@@ -152,7 +152,8 @@ class Variant(NamedTuple):
 def build_variants(base, ids, args, names) -> dict[str, Variant]:
     """Variant names: hf-fp32/hf-bf16 (transformers), rt-fp32/rt-bf16/rt-w8/rt-w4gN (runtime;
     W4 group N with g64 fallback), suffixes -q8 (int4 decode through our AVX2 Q4 x Q8 kernel)
-    and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime)."""
+    and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime), -layer (with
+    --compile: one compiled graph per decoder layer instead of the whole decode step)."""
     variants = {}
     for name in names:
         kind, *options = name.split("-")[1:]
@@ -171,7 +172,7 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
             rt = Runtime(
                 model,
                 max_seq_len=len(ids) + args.new_tokens,
-                compile=args.compile,
+                compile="layer" if args.compile and "layer" in options else args.compile,
                 int4_kernel="q4q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
