@@ -85,7 +85,7 @@ def run_reference(out: Path, text_path: Path, group_size: int, limit: int) -> No
     """llm-compressor's GPTQ in its own venv on <out>/calibration.pt -> <out>/reference.json."""
     python = ensure_venv(cache_dir() / "venvs" / "ref")
     (out / "runner.py").write_text(RUNNER)
-    quality_py = Path(__file__).resolve().parents[1] / "eval" / "quality.py"
+    quality_py = Path(__file__).resolve().parents[1] / "compress" / "eval" / "quality.py"
     model_dir = embedded_model_dir("smollm2-135m")
     args = [out / "runner.py", model_dir, out / "calibration.pt", text_path, quality_py,
             group_size, limit, out / "reference.json"]
