@@ -22,7 +22,7 @@ from compress.data import resolve_text_path
 from compress.io.export import export_checkpoint, resolve_export_dtype
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
-from compress.quant.linear import model_bytes
+from compress.quant.linear import dequantized_for_scoring, model_bytes
 from compress.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,9 @@ def evaluate_perplexity(
     ``<cache dir>/perplexity/`` (keyed by weights, tokens and protocol, see
     ``compress.eval.quality``), so a rerun skips finished evaluations and resumes a cut one.
     top_k: also store this model's top-k log-probs (under ``<cache dir>/perplexity-top-k/``) for
-    the KL of later variants; kl_base: the ``top_k_path`` of such a baseline, for ``result.kl``."""
-    from compress.eval.quality import perplexity
-    from compress.io.load import cache_dir
-
+    the KL of later variants; kl_base: the ``top_k_path`` of such a baseline, for ``result.kl``.
+    Weight-only int4/int8 layers are scored as their dequantized float32 weights (the reference
+    definition; ``compress.quant.linear.dequantized_for_scoring``)."""
     cfg = recipe.eval.perplexity
     if cfg is None or text is None:
         return None
@@ -95,7 +94,21 @@ def evaluate_perplexity(
         log.info("%s: scoring every window of %s (WikiText-2 test: 593 windows, 10-15 min per "
                  "model on 2 idle CPU cores); stop at any time, the same command resumes", label,
                  cfg.dataset)
-    result = perplexity(
+    with dequantized_for_scoring(model):
+        result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
+                             top_k, kl_base)
+    log.info("%s: %.2f over %d windows (%d scored tokens)%s", label, result.perplexity,
+             result.windows, result.scored_tokens,
+             f"; KL {result.kl.kl_mean:.4g}, top-1 changed {result.kl.top1_changed_pct:.2f}%"
+             if result.kl else "")
+    return result
+
+
+def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, top_k, kl_base):
+    from compress.eval.quality import perplexity
+    from compress.io.load import cache_dir
+
+    return perplexity(
         model,
         tokenizer,
         text,
@@ -111,11 +124,6 @@ def evaluate_perplexity(
         top_k_dir=cache_dir() / "perplexity-top-k",
         kl_base=kl_base,
     )
-    log.info("%s: %.2f over %d windows (%d scored tokens)%s", label, result.perplexity,
-             result.windows, result.scored_tokens,
-             f"; KL {result.kl.kl_mean:.4g}, top-1 changed {result.kl.top1_changed_pct:.2f}%"
-             if result.kl else "")
-    return result
 
 
 def protocol_line(result, kl_top_k: int | None = None) -> str:
