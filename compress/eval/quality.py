@@ -298,6 +298,21 @@ class _Scores:
         del self.changed[len(self.kl) :], self.kl_sq[len(self.kl) :]
 
 
+WINDOWS_PER_FORWARD = 4  # 512-token windows: 0.67 vs 0.90 s each on 2 Xeon cores (SmolLM2)
+
+
+def _batches(todo: list[int], spans: list) -> list[list[int]]:
+    """The forwards that score ``todo``: windows grouped by ``index // WINDOWS_PER_FORWARD``
+    and length, each group whole, finished windows included. A window is therefore always
+    computed beside the same neighbours, so a resumed evaluation reproduces a fresh one bit for
+    bit (``_Scores.add`` skips what is already stored)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, (begin, end, _) in enumerate(spans):
+        groups.setdefault((index // WINDOWS_PER_FORWARD, end - begin), []).append(index)
+    wanted = set(todo)
+    return [group for group in groups.values() if wanted.intersection(group)]
+
+
 @torch.no_grad()
 def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progress: bool) -> None:
     """Score every window that ``scores`` still needs, in order; ``save()`` is called at its own
@@ -305,15 +320,19 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
     device = next(model.parameters()).device
     todo = [i for i in range(len(spans)) if scores.needs(i)]
     bar = tqdm(total=len(spans), initial=len(spans) - len(todo), desc=desc, disable=not progress)
+    wanted = set(todo)
     try:
-        for index in todo:
-            begin, end, first_scored = spans[index]
-            window = ids[begin:end].unsqueeze(0).to(device)
-            logits = model(window).logits[0].float()  # [T, V]
-            # logits at position t predict token t+1
-            targets = window[0, first_scored - begin :]
-            scores.add(index, logits[first_scored - begin - 1 : end - begin - 1], targets)
-            bar.update(1)
+        for batch in _batches(todo, spans):
+            windows = torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch]).to(device)
+            logits = model(windows).logits  # [B, T, V]
+            for row, index in enumerate(batch):
+                begin, end, first_scored = spans[index]
+                # logits at position t predict token t+1
+                targets = windows[row, first_scored - begin :]
+                preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
+                scores.add(index, preds, targets)
+                bar.update(index in wanted)
+            del logits
             save(False)
     except BaseException:
         scores.trim()

@@ -15,7 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from compress.eval.quality import kl_from_top_k, perplexity, top_k_log_probs
+from compress.eval.quality import (
+    WINDOWS_PER_FORWARD,
+    kl_from_top_k,
+    perplexity,
+    top_k_log_probs,
+)
 from compress.testing import make_tiny_llama
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12  # 540 tokens: 9 windows of 64
@@ -173,15 +178,17 @@ def test_interrupted_kl_resumes_to_the_fresh_result(tiny_tokenizer, tmp_path):
     base, fresh = _base_and_variant(tmp_path, tiny_tokenizer, variant, top_k=8)
     settings = dict(context_length=CONTEXT, progress=False, state_dir=tmp_path / "state",
                     kl_base=base.top_k_path)
-    handle = _interrupt_after(variant, 3)
+    assert fresh.windows > 2 * WINDOWS_PER_FORWARD
+    handle = _interrupt_after(variant, 1)  # one forward scores WINDOWS_PER_FORWARD windows
     with pytest.raises(KeyboardInterrupt):
         perplexity(variant, tiny_tokenizer, TEXT, **settings)
     handle.remove()
     (state_file,) = (tmp_path / "state").glob("*.json")
     (saved,) = json.loads(state_file.read_text())["kl"].values()
-    assert [len(saved[k]) for k in ("window_kl", "window_kl_sq", "window_changed")] == [3] * 3
+    stored = [len(saved[k]) for k in ("window_kl", "window_kl_sq", "window_changed")]
+    assert stored == [WINDOWS_PER_FORWARD] * 3
     resumed = perplexity(variant, tiny_tokenizer, TEXT, **settings)
-    assert resumed.reused_windows == 3
+    assert resumed.reused_windows == WINDOWS_PER_FORWARD
     assert resumed == fresh and resumed.kl == fresh.kl  # bit for bit: same sums, same order
     handle = _interrupt_after(variant, 0)  # finished: read back without a forward
     assert perplexity(variant, tiny_tokenizer, TEXT, **settings) == fresh

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from compress.eval.quality import perplexity
+from compress.eval.quality import WINDOWS_PER_FORWARD, perplexity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 SETTINGS = dict(context_length=64, progress=False)
@@ -29,15 +29,15 @@ def _interrupt_after(model, calls: int):
 
 def test_interrupted_evaluation_resumes_to_the_fresh_result(tiny_model, tiny_tokenizer, tmp_path):
     fresh = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS)
-    assert fresh.windows > 5
-    handle = _interrupt_after(tiny_model, 3)
+    assert fresh.windows > 2 * WINDOWS_PER_FORWARD
+    handle = _interrupt_after(tiny_model, 1)  # one forward scores WINDOWS_PER_FORWARD windows
     with pytest.raises(KeyboardInterrupt):  # saved on the way out, although far from 10 s
         perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
     handle.remove()
     (state_file,) = tmp_path.glob("*.json")
-    assert len(json.loads(state_file.read_text())["window_nll"]) == 3
+    assert len(json.loads(state_file.read_text())["window_nll"]) == WINDOWS_PER_FORWARD
     resumed = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
-    assert resumed.reused_windows == 3
+    assert resumed.reused_windows == WINDOWS_PER_FORWARD
     assert resumed == fresh  # every field, bit for bit (reused_windows is not compared)
     assert resumed.perplexity == fresh.perplexity and resumed.nll_mean == fresh.nll_mean
 
