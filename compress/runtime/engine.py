@@ -12,8 +12,11 @@ its greedy tokens equal transformers'); a quantized model decodes its remaining 
 in bf16, as the native kernels take bf16 activations. Reduced-precision prefill is opt-in.
 The residual stream, norms and softmax stay fp32; only the matmul inputs change dtype.
 
-Compilation is regional: one decoder layer is compiled and the same code serves every layer
-(same shapes, weights as inputs), which keeps the first-call compile time to one layer's.
+The decode step is compiled whole (``compile=True`` or ``"step"``): embedding, every layer and
+the head in one graph, so a token costs one compiled-region entry and one guard check (issue 19:
+with one graph per layer, guards and region entry were 15% of a W4 token on an AVX2 CPU). The
+first call compiles every layer's code (longer than one layer's); one graph per power-of-two
+key length. ``compile="layer"`` compiles one decoder layer that serves every layer instead.
 Prefill runs eager by default; ``compile_prefill=True`` pads prompts to power-of-two buckets
 and compiles once per bucket. Batches are left-padded; each row has its own positions.
 
@@ -411,8 +414,8 @@ class Runtime:
     in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
     weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (one-query
     attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the
-    decode dtype. ``compile``: compile the
-    decode step (one layer's code, reused by all layers). ``int4_kernel``: ``"torch"`` (torch's
+    decode dtype. ``compile``: True/``"step"`` compiles the
+    whole decode step as one graph, ``"layer"`` one decoder layer reused by all, False: eager. ``int4_kernel``: ``"torch"`` (torch's
     native int4 kernel, bf16 activations: the default, tokens equal transformers') or
     ``"q4q8"`` (decode through our AVX2 kernel with activations rounded to int8 per block of
     32, llama.cpp's scheme: faster decode, +0.2% perplexity measured on SmolLM2 W4, tokens may
