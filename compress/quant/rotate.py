@@ -57,6 +57,7 @@ from compress.arch import (
 )
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassConfig, PassReport, register_pass
+from compress.quant.linear import QuantExperts, QuantLinear, W8A8Linear, is_bnb_module
 
 NAME = "rotate.hadamard"
 _CHUNK_ROWS = 8192  # rows per float64 product: bounds the temporary of a large embedding
@@ -209,8 +210,6 @@ def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def _check_supported(model: nn.Module, arch: Arch) -> None:
-    from compress.quant.linear import QuantExperts, QuantLinear, W8A8Linear, is_bnb_module
-
     if arch.post_norms or arch.attn_norm is None or arch.mlp_norm is None:
         raise ConfigError(
             f"{NAME}: model_type {arch.model_type!r} has norms after its attention/MLP blocks "
