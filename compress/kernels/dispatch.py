@@ -7,8 +7,10 @@ phase, when it re-holds a layer). Layer kinds and their backends:
 - ``int4`` / ``int8`` (``QuantLinear``): ``auto | reference | cpu | triton``. ``auto`` picks the
   Triton kernels on CUDA when triton imports and the shape fits, the native CPU kernels on CPU
   when the shape fits, the plain-torch reference otherwise. In the runtime's ``decode`` phase,
-  ``int4_kernel="q4q8"`` asks for our AVX2 Q4 x Q8 kernel (``cpu_avx2``) where the native int4
-  kernel would run; a layer it cannot take stays on the native kernel;
+  ``int4_kernel="q4q8"`` asks for our integer-dot Q4 x Q8 kernel (``cpu_q8``, at the ISA level
+  the CPU has) where the native int4 kernel would run, and ``int8_kernel="q8q8"`` for its
+  Q8 x Q8 kernel on int8 layers (any group size, symmetric or not); a layer it cannot take
+  keeps the plan it had;
 - ``w8a8`` (``W8A8Linear``): ``auto | reference | float_exact | cpu | triton``. ``auto`` picks
   triton on CUDA, ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products (VNNI/AMX),
   ``float_exact`` otherwise.
@@ -30,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from . import cpu_avx2, cpu_native, cpuinfo
+from . import cpu_native, cpu_q8, cpuinfo
 from .errors import KernelConstraintError
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ Kind = Literal["float", "int4", "int8", "w8a8"]
 Op = Literal["int4", "int8"]
 Phase = Literal["any", "prefill", "decode"]
 INT4_KERNELS: tuple[str, ...] = ("torch", "q4q8")  # the runtime's decode preference for int4
+INT8_KERNELS: tuple[str, ...] = ("torch", "q8q8")  # ... and for int8
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,10 @@ def cpu_int_mm_fast() -> bool:
     return cpu_native.int_mm_available() and cpuinfo.has_vnni(cpuinfo.cpu_flags())
 
 
-def q4q8_unavailable_reason() -> str | None:
-    """Why our AVX2 int4 kernel cannot run on this machine (no AVX2, no compiler, build error),
-    or None once it is built and loaded (cached in ``cpu_avx2``: builds at most once)."""
-    return cpu_avx2.unavailable_reason()
+def q8_unavailable_reason() -> str | None:
+    """Why our integer-dot kernels cannot run on this machine (no AVX2, no compiler, build
+    error), or None once a level is built and loaded (cached in ``cpu_q8``: builds once)."""
+    return cpu_q8.unavailable_reason()
 
 
 def _cpu_reason(op: Op, *, n: int, k: int, group_size: int, symmetric: bool) -> str | None:
@@ -114,6 +117,7 @@ def plan_linear(
     symmetric: bool = True,
     phase: Phase = "any",
     int4_kernel: str = "torch",
+    int8_kernel: str = "torch",
 ) -> Plan:
     """The backend that runs a ``kind`` layer ``[N, K]`` (``group_size`` along K, None or K =
     per channel) on ``device``; ``phase``/``int4_kernel`` are the runtime's (module docstring).
@@ -127,14 +131,22 @@ def plan_linear(
         raise ValueError(f"unknown layer kind {kind!r}; expected float, int4, int8 or w8a8")
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
+    if int8_kernel not in INT8_KERNELS:
+        raise ValueError(f"int8_kernel={int8_kernel!r}: expected one of {INT8_KERNELS}")
     plan = _plan_weight_only(
         requested, kind, device=device, n=n, k=k, group_size=group, symmetric=symmetric
     )
-    if kind == "int4" and phase == "decode" and int4_kernel == "q4q8" and plan.backend == "cpu":
-        reason = cpu_avx2.unsupported_reason(n, k, group) or q4q8_unavailable_reason()
+    wanted = "q4q8" if kind == "int4" and int4_kernel == "q4q8" else None
+    if kind == "int8" and int8_kernel == "q8q8":
+        wanted = "q8q8"
+    # the integer-dot kernels replace a CPU plan in decode: the native kernel, or for int8
+    # layers it cannot take (grouped, asymmetric) the reference
+    cpu_plan = plan.backend == "cpu" or (kind == "int8" and requested == "auto")
+    if wanted and phase == "decode" and device.type == "cpu" and cpu_plan:
+        reason = cpu_q8.unsupported_reason(n, k, group) or q8_unavailable_reason()
         if reason is None:
-            return Plan("q4q8")
-        return _fallback("int4 decode (q4q8)", "cpu", reason)
+            return Plan(wanted)
+        return _fallback(f"{kind} decode ({wanted})", plan.backend, reason)
     return plan
 
 

@@ -215,11 +215,17 @@ class QuantLinear(nn.Module):
         return "int4" if self.scheme.n_bits == 4 else "int8"
 
     def plan(
-        self, device: torch.device, *, phase: str = "any", int4_kernel: str = "torch"
+        self,
+        device: torch.device,
+        *,
+        phase: str = "any",
+        int4_kernel: str = "torch",
+        int8_kernel: str = "torch",
     ) -> dispatch.Plan:
         """This layer's backend on ``device`` (cached until ``set_quantized``/``set_backend``);
-        ``phase``/``int4_kernel`` are the generation runtime's (``compress.kernels.dispatch``)."""
-        key = f"plan:{device}:{phase}:{int4_kernel}"
+        ``phase``/``int4_kernel``/``int8_kernel`` are the generation runtime's
+        (``compress.kernels.dispatch``)."""
+        key = f"plan:{device}:{phase}:{int4_kernel}:{int8_kernel}"
         if key not in self._prepared:
             self._prepared[key] = dispatch.plan_linear(
                 self.kind,  # type: ignore[arg-type]
@@ -231,6 +237,7 @@ class QuantLinear(nn.Module):
                 symmetric=self.scheme.symmetric,
                 phase=phase,  # type: ignore[arg-type]
                 int4_kernel=int4_kernel,
+                int8_kernel=int8_kernel,
             )
         return self._prepared[key]  # type: ignore[return-value]
 

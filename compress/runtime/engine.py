@@ -34,6 +34,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from compress.arch import (
     decoder_layers,
     runtime_model_types,
 )
-from compress.kernels import cpu_avx2, cpu_native, dispatch
+from compress.kernels import cpu_native, cpu_q8, dispatch
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = runtime_model_types()  # compress.arch entries with runtime=True
 INT4_KERNELS = dispatch.INT4_KERNELS
+INT8_KERNELS = dispatch.INT8_KERNELS
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
 
@@ -100,10 +102,46 @@ class _FloatLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class _DecodeKernels(NamedTuple):
+    """The runtime's decode preferences: ``int4`` in INT4_KERNELS, ``int8`` in INT8_KERNELS."""
+
+    int4: str = "torch"
+    int8: str = "torch"
+
+
+class _Q8Decode(nn.Module):
+    """Decode through our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded
+    to int8 per block of 32, faster at a few rows), from its own copy of the codes."""
+
+    def __init__(self, w: cpu_q8.Q8Weight) -> None:
+        super().__init__()
+        ops = cpu_q8.ops()  # the level chosen for this CPU (built on first use)
+        self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
+        self.codes = nn.Buffer(w.codes, persistent=False)
+        self.scales = nn.Buffer(w.scales, persistent=False)
+        offsets = w.offsets
+        self.offsets = None if offsets is None else nn.Buffer(offsets, persistent=False)
+        self.group_size = w.group_size
+
+    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] fp32."""
+        return self.op(x2.float().contiguous(), self.codes, self.scales, self.offsets, self.group_size)
+
+
+def _q8_decode(q: QuantLinear) -> _Q8Decode:
+    zp = None if q.scheme.symmetric else q.weight_zero_point
+    if q.kind == "int4":
+        w = cpu_q8.prepack_int4(
+            q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+        )
+    else:
+        w = cpu_q8.prepack_int8(q.weight, q.weight_scale, zp, group_size=q.group_size)
+    return _Q8Decode(w)
+
+
 class _Int4Linear(nn.Module):
     """Native CPU int4 kernel; wants bf16 activations in both phases. With ``q8`` the decode
-    phase runs our AVX2 Q4 x Q8 kernel (``compress/kernels/cpu_avx2.py``: int8-rounded activations,
-    faster at a few rows) from a second copy of the codes; prefill stays on torch's kernel."""
+    phase runs our Q4 x Q8 kernel (``_Q8Decode``); prefill stays on torch's kernel."""
 
     def __init__(self, q: QuantLinear, q8: bool = False) -> None:
         super().__init__()
@@ -115,21 +153,11 @@ class _Int4Linear(nn.Module):
         self.scale_and_zero = nn.Buffer(w.scale_and_zero, persistent=False)
         self.group_size, self.n = w.group_size, w.n
         self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
-        self.q8 = q8
-        if q8:
-            w8 = cpu_avx2.prepack(
-                q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
-            )
-            self.q8_codes = nn.Buffer(w8.codes, persistent=False)
-            self.q8_scales = nn.Buffer(w8.scales, persistent=False)
-            self.q8_offsets = nn.Buffer(w8.offsets, persistent=False)
+        self.q8 = _q8_decode(q) if q8 else None
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        if decode and self.q8:
-            x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-            y = torch.ops.compress_cpu.int4_linear_q8(
-                x2, self.q8_codes, self.q8_scales, self.q8_offsets, self.group_size
-            )
+        if decode and self.q8 is not None:
+            y = self.q8(x.reshape(-1, x.shape[-1]))
         else:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(
@@ -140,10 +168,13 @@ class _Int4Linear(nn.Module):
 
 
 class _Int8Linear(nn.Module):
-    """Native CPU int8 kernel (symmetric, per output channel); bf16 activations."""
+    """Native CPU int8 kernel (symmetric, per output channel); bf16 activations. With ``q8`` the
+    decode phase runs our Q8 x Q8 kernel (``_Q8Decode``)."""
 
-    def __init__(self, q: QuantLinear) -> None:
+    def __init__(self, q: QuantLinear, q8: bool = False) -> None:
         super().__init__()
+        self.q8 = _q8_decode(q) if q8 else None
+        self.n = q.out_features
         # Aligned once here: the kernel crashes on weights that are not 16-byte aligned.
         self.weight = nn.Buffer(cpu_native.aligned(q.weight), persistent=False)
         scales = q.weight_scale[:, 0].to(torch.bfloat16)
@@ -151,11 +182,14 @@ class _Int8Linear(nn.Module):
         self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
-        # aligned, as the kernel needs (cpu_native module docstring).
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
-        y = y.float().reshape(*x.shape[:-1], self.weight.shape[0])
+        if decode and self.q8 is not None:
+            y = self.q8(x.reshape(-1, x.shape[-1]))
+        else:
+            # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
+            # aligned, as the kernel needs (cpu_native module docstring).
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.float().reshape(*x.shape[:-1], self.n)
         return y if self.bias is None else y + self.bias
 
 
@@ -171,7 +205,12 @@ class _ModuleLinear(nn.Module):
 
 
 def _convert_linear(
-    module: nn.Module, name: str, prefill, decode, notes: list[str], int4_kernel: str = "torch"
+    module: nn.Module,
+    name: str,
+    prefill,
+    decode,
+    notes: list[str],
+    kernels: _DecodeKernels = _DecodeKernels(),
 ) -> nn.Module:
     """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
     if not isinstance(module, QuantLinear):
@@ -184,11 +223,10 @@ def _convert_linear(
         return _ModuleLinear(module, torch.float32)
     device = module.weight_scale.device
     plan = module.plan(device, phase="prefill")
+    decode_plan = module.plan(device, phase="decode", int4_kernel=kernels.int4, int8_kernel=kernels.int8)
+    q8 = decode_plan.backend in ("q4q8", "q8q8")
     if plan.backend == "cpu":
-        if module.kind == "int4":
-            decode_plan = module.plan(device, phase="decode", int4_kernel=int4_kernel)
-            return _Int4Linear(module, q8=decode_plan.backend == "q4q8")
-        return _Int8Linear(module)
+        return _Int4Linear(module, q8=q8) if module.kind == "int4" else _Int8Linear(module, q8=q8)
     if plan.backend == "reference" and device.type == "cpu":
         # Correct but not compressed in memory: the reference path re-dequantizes per call.
         reason = plan.reason or f"backend={module.backend!r}"
@@ -223,7 +261,7 @@ class _Layer(nn.Module):
         decode,
         notes: list[str],
         i: int,
-        int4_kernel: str,
+        kernels: _DecodeKernels,
         arch: Arch,
         *,
         spec: RuntimeSpec,
@@ -261,7 +299,7 @@ class _Layer(nn.Module):
         self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
         for name, path in paths.items():
             linear = _convert_linear(
-                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, int4_kernel
+                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, kernels
             )
             setattr(self, name, linear)
 
@@ -326,7 +364,7 @@ class _Head(nn.Module):
         model: nn.Module,
         decode,
         notes: list[str],
-        int4_kernel: str,
+        kernels: _DecodeKernels,
         bits: int | None,
         arch: Arch,
         *,
@@ -343,7 +381,7 @@ class _Head(nn.Module):
             head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
         # Only the last position's logits are needed, so both phases use the decode weights.
         # Named lm_head whatever the family calls it: the runtime's own name for its head.
-        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, int4_kernel)
+        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
@@ -414,13 +452,15 @@ class Runtime:
     in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
     weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (one-query
     attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the
-    decode dtype. ``compile``: True/``"step"`` compiles the
-    whole decode step as one graph, ``"layer"`` one decoder layer reused by all, False: eager. ``int4_kernel``: ``"torch"`` (torch's
-    native int4 kernel, bf16 activations: the default, tokens equal transformers') or
-    ``"q4q8"`` (decode through our AVX2 kernel with activations rounded to int8 per block of
-    32, llama.cpp's scheme: faster decode, +0.2% perplexity measured on SmolLM2 W4, tokens may
-    differ; keeps a second copy of the int4 codes; falls back to "torch" with a warning where
-    the kernel cannot be built). ``lm_head_bits``: None keeps a float lm_head (in the decode
+    decode dtype. ``compile``: True/``"step"`` compiles the whole decode step as one graph,
+    ``"layer"`` one decoder layer reused by all, False: eager. ``int4_kernel``: ``"torch"``
+    (torch's native int4 kernel, bf16 activations: the default, tokens equal transformers') or
+    ``"q4q8"`` (decode through our integer-dot kernel, ``compress/kernels/cpu_q8.py``, at the
+    CPU's ISA level, activations rounded to int8 per block of 32, llama.cpp's scheme: faster
+    decode, +0.2% perplexity measured on SmolLM2 W4, tokens may differ; keeps a second copy of
+    the codes). ``int8_kernel``: the same choice for int8 layers and an int8 head (``"torch"``
+    or ``"q8q8"``). Both fall back to "torch" with a warning where our kernels cannot be built;
+    ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps a float lm_head (in the decode
     dtype); 4 or 8 quantizes a copy at construction (RTN, symmetric; int4 group 32, int8 per
     channel) run by the int4/int8 kernels above: the (tied) lm_head is the largest matrix of
     small models (SmolLM2: 49152x576, 45% of W4's decode bytes in bf16).
@@ -438,10 +478,13 @@ class Runtime:
         compile: bool = True,
         compile_prefill: bool = False,
         int4_kernel: str = "torch",
+        int8_kernel: str = "torch",
         lm_head_bits: int | None = None,
     ) -> None:
         if int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
+        if int8_kernel not in INT8_KERNELS:
+            raise ValueError(f"int8_kernel={int8_kernel!r}: expected one of {INT8_KERNELS}")
         if lm_head_bits not in (None, *LM_HEAD_SCHEMES):
             raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected None, 4 or 8")
         if max_seq_len < 2 or max_batch_size < 1:
@@ -473,15 +516,20 @@ class Runtime:
             fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
             kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
-        q4q8_reason = dispatch.q4q8_unavailable_reason() if int4_kernel == "q4q8" else None
-        if q4q8_reason is not None:
+        wants_q8 = int4_kernel == "q4q8" or int8_kernel == "q8q8"
+        q8_reason = dispatch.q8_unavailable_reason() if wants_q8 else None
+        if q8_reason is not None:
             warnings.warn(
-                f"int4_kernel='q4q8' unavailable ({q4q8_reason}); using torch's int4 kernel",
+                f"int4_kernel={int4_kernel!r}, int8_kernel={int8_kernel!r}: our integer-dot "
+                f"kernels are unavailable ({q8_reason}); using torch's int4/int8 kernels",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            int4_kernel = "torch"
-        self.int4_kernel = int4_kernel
+            int4_kernel = int8_kernel = "torch"
+        self.int4_kernel, self.int8_kernel = int4_kernel, int8_kernel
+        # the ISA level of our kernels in this process, for reports (None: not used)
+        self.q8_isa = cpu_q8.selected_isa() if wants_q8 and q8_reason is None else None
+        kernels = _DecodeKernels(int4_kernel, int8_kernel)
         notes: list[str] = []
         arch = arch_for(model, "compress runtime")
         spec = RUNTIME_SPECS[arch.model_type]
@@ -494,14 +542,14 @@ class Runtime:
                     decode_dtype,
                     notes,
                     i,
-                    int4_kernel,
+                    kernels,
                     arch,
                     spec=spec,
                 )  # fmt: skip
                 for i, layer in enumerate(decoder_layers(model, "compress runtime"))
             )
             self.head = _Head(
-                model, decode_dtype, notes, int4_kernel, lm_head_bits, arch, spec=spec
+                model, decode_dtype, notes, kernels, lm_head_bits, arch, spec=spec
             )
             self.embed = embed.detach()
             self.embed_factor = embed_factor(config, arch, spec, w_dtype)

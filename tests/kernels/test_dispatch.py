@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from compress.kernels import KernelConstraintError, cpuinfo, dispatch
+from compress.kernels import KernelConstraintError, cpu_q8, cpuinfo, dispatch
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -58,6 +58,12 @@ def test_flags_of_an_avx512_vnni_amx_xeon():
 
 def test_model_names_for_the_environment_line():
     assert cpuinfo.parse_model_name(EPYC_AVX2) == "AMD EPYC 7B12 64-Core Processor"
+    assert cpu_q8.supported_levels(cpuinfo.parse_flags(EPYC_AVX2)) == ["avx2"]
+    assert cpu_q8.supported_levels(cpuinfo.parse_flags(XEON_AMX)) == [
+        "avx512vnni",
+        "avxvnni",
+        "avx2",
+    ]
     assert cpuinfo.parse_model_name(XEON_AMX) == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
     assert cpuinfo.parse_model_name(ARM) is None
 
@@ -149,7 +155,7 @@ def test_resolve_backend_is_the_plans_backend_name():
 
 # ---- the runtime's phases -----------------------------------------------------------------
 def test_q4q8_is_a_decode_preference_over_the_native_int4_kernel():
-    reason = dispatch.q4q8_unavailable_reason()  # builds the kernel on first use (~1 minute)
+    reason = dispatch.q8_unavailable_reason()  # builds the kernels on first use (~1 minute)
     decode = plan("int4", phase="decode", int4_kernel="q4q8")
     if reason is None:
         assert decode == dispatch.Plan("q4q8", None)
@@ -161,6 +167,25 @@ def test_q4q8_is_a_decode_preference_over_the_native_int4_kernel():
     assert plan("int4", "reference", phase="decode", int4_kernel="q4q8").backend == "reference"
     assert plan("int4", n=24, phase="decode", int4_kernel="q4q8").backend == "reference"
     assert plan("int8", group_size=None, phase="decode", int4_kernel="q4q8").backend == "cpu"
+    # K not a multiple of 64: the native kernel keeps the layer, with the reason
+    odd = plan("int4", k=96, phase="decode", int4_kernel="q4q8")
+    assert odd.backend == "cpu" and "multiple of 64" in odd.reason
+
+
+def test_q8q8_takes_int8_layers_in_decode_including_ones_the_native_kernel_cannot():
+    reason = dispatch.q8_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"integer-dot kernels unavailable: {reason}")
+    kw = dict(phase="decode", int8_kernel="q8q8")
+    assert plan("int8", group_size=None, **kw) == dispatch.Plan("q8q8", None)
+    # grouped and asymmetric int8: the native kernel cannot (reference), ours can
+    assert plan("int8", group_size=64).backend == "reference"
+    assert plan("int8", group_size=64, symmetric=False, **kw).backend == "q8q8"
+    assert plan("int8", group_size=None, phase="prefill", int8_kernel="q8q8").backend == "cpu"
+    assert plan("int4", phase="decode", int8_kernel="q8q8").backend == "cpu"
+    assert plan("int8", "reference", group_size=None, **kw).backend == "reference"
+    with pytest.raises(ValueError, match="int8_kernel='fast'"):
+        plan("int8", phase="decode", int8_kernel="fast")
 
 
 # ---- W8A8 ---------------------------------------------------------------------------------

@@ -115,29 +115,40 @@ def test_quantized_default_bf16_decode_stays_close(model):
     assert out[:4] == ref[:4]
 
 
-def test_q4q8_int4_kernel_decode_equals_transformers_with_the_same_kernel(model):
-    from compress.kernels import cpu_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
+    from compress.kernels import cpu_q8
     from compress.quant.linear import QuantLinear
 
-    if cpu_avx2.unavailable_reason() is not None:
-        pytest.skip(f"AVX2 kernel not available here: {cpu_avx2.unavailable_reason()}")
-    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
-    rt = Runtime(
-        model, max_seq_len=64, decode_dtype=torch.float32, compile=False, int4_kernel="q4q8"
-    )
-    q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == "_Int4Linear"]
-    assert q8 and all(q8)
-    # transformers side: the native int4 kernel for the prompt, our kernel for one-token
-    # (decode) steps, as the runtime does per phase (the kernel itself is checked against a
-    # float64 model in tests/kernels/test_cpu_avx2.py)
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
+    if bits == 4:
+        quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    else:
+        quantize_linears(model, Int8RtnConfig(), 8, "test")
+    kernels = dict(int4_kernel="q4q8") if bits == 4 else dict(int8_kernel="q8q8")
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels)
+    holder = "_Int4Linear" if bits == 4 else "_Int8Linear"
+    q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == holder]
+    assert q8 and all(q is not None for q in q8)
+    assert rt.q8_isa in cpu_q8.ISA_LEVELS
+    # transformers side: the native kernel for the prompt, our kernel for one-token (decode)
+    # steps, as the runtime does per phase (the kernel itself is checked against a float64
+    # model in tests/kernels/test_cpu_q8.py)
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
-            w = cpu_avx2.prepack(
-                layer.weight_packed, layer.weight_scale, None, group_size=32, k=layer.in_features
-            )
+            w = (
+                cpu_q8.prepack_int4(
+                    layer.weight_packed, layer.weight_scale, None, group_size=32,
+                    k=layer.in_features,
+                )
+                if bits == 4
+                else cpu_q8.prepack_int8(layer.weight, layer.weight_scale, None,
+                                         group_size=layer.group_size)
+            )  # fmt: skip
             layer.register_forward_hook(
                 lambda _m, args, out, w=w: (
-                    cpu_avx2.int4_linear_q8(args[0], w) if args[0].shape[-2] == 1 else out
+                    cpu_q8.linear_q8(args[0], w) if args[0].shape[-2] == 1 else out
                 )
             )
     for prompt in PROMPTS[:2]:
@@ -165,14 +176,14 @@ def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
 
 
 def test_q4q8_unavailable_falls_back_with_warning(model, monkeypatch):
-    from compress.kernels import cpu_avx2
+    from compress.kernels import cpu_q8
 
     quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
-    monkeypatch.setattr(cpu_avx2, "unavailable_reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(cpu_q8, "unavailable_reason", lambda: "no C++ compiler")
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         rt = Runtime(model, max_seq_len=64, compile=False, int4_kernel="q4q8")
-    assert rt.int4_kernel == "torch"
-    assert not any(getattr(m, "q8", False) for m in rt.layers.modules())
+    assert rt.int4_kernel == "torch" and rt.q8_isa is None
+    assert not any(getattr(m, "q8", None) is not None for m in rt.layers.modules())
     with pytest.raises(ValueError, match="int4_kernel='fast'"):
         Runtime(model, max_seq_len=64, compile=False, int4_kernel="fast")
 

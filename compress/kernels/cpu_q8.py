@@ -1,0 +1,253 @@
+"""Our integer-dot CPU kernels for decode (``csrc/q8_dot.cpp``), one build per ISA level.
+
+llama.cpp's Q4 x Q8 and Q8 x Q8 schemes: the activations are rounded to int8 per block of 32
+columns (scale = amax / 127, round half to even) and each block's dot product with the int4 or
+int8 weight codes is done in integers, then scaled. Two ops per build:
+``int4_linear_q8`` (int4 weights) and ``int8_linear_q8`` (int8 weights: W8 layers, the int8
+lm_head).
+
+ISA levels, chosen at run time from the CPU flags (``cpuinfo``), best first:
+
+- ``avx512vnni``: 512-bit ``vpdpbusd`` (AVX512F/BW/VL + AVX512_VNNI: Intel Xeon since Cascade
+  Lake, AMD Zen 4);
+- ``avxvnni``: 256-bit ``vpdpbusd`` (AVX-VNNI: Intel Alder Lake and later clients);
+- ``avx2``: ``vpmaddubsw`` + ``vpmaddwd`` (every x86-64 CPU of the last decade).
+
+``COMPRESS_CPU_ISA=avx2`` (or another level the CPU has) forces a lower level, so CI on an
+AVX-512 machine also runs the AVX2 code. Every level computes the same exact integer block
+dots; results differ only in fp32 summation order. The float64 model of that arithmetic is
+``linear_q8_reference``; tests hold every level the CPU has against it.
+
+Why the kernels exist (docs/results.md): torch's int4 CPU kernel is bound by unpacking int4 to
+bf16 (1.4-2.5 GB/s of weights per thread on an AVX2 EPYC) and its int8 kernel takes bf16
+activations; the integer dot does 32 weights in two to four instructions. The price is the
+activation rounding: +0.2% WikiText-2 perplexity on SmolLM2 W4 (``bench_q8_activations.py``),
+so the runtime uses them in decode only and only when asked (``int4_kernel="q4q8"``,
+``int8_kernel="q8q8"``).
+
+Layouts (``prepack_int4`` / ``prepack_int8``, once per layer; K a multiple of 64, groups a
+multiple of 32): int4 codes uint8 [N, K/2], per 64 columns 32 bytes with byte i = column i
+(low nibble) | column 32+i (high nibble), codes 0..15 meaning ``q - 8``; int8 codes uint8
+[N, K] holding the signed code + 128; fp32 scales [N, K/g] and, for asymmetric weights only,
+fp32 offsets [N, K/g]: ``w = (code - bias) * scale + offset``.
+
+Built with torch.utils.cpp_extension (a C++ compiler and the ``ninja`` package, in the ``dev``
+and ``cpu-kernels`` extras; about a minute per level the first time, cached under torch's
+extensions directory after). ``unavailable_reason()`` says why none can run (no AVX2, no
+compiler, build error); callers then keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import cpuinfo, reference
+
+SOURCE = Path(__file__).with_name("csrc") / "q8_dot.cpp"
+BLOCK = 32  # activation block (and code block) width
+PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
+ISA_ENV = "COMPRESS_CPU_ISA"
+
+# level -> (CPU flags it needs, compiler flags, the -D switch in q8_dot.cpp); best first
+_BASE = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+ISA_LEVELS: dict[str, tuple[frozenset[str], tuple[str, ...], str]] = {
+    "avx512vnni": (
+        frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+        (*_BASE, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        "COMPRESS_AVX512VNNI",
+    ),
+    "avxvnni": (
+        frozenset({"avx2", "fma", "avx_vnni"}),
+        (*_BASE, "-mavxvnni"),
+        "COMPRESS_AVXVNNI",
+    ),
+    "avx2": (frozenset({"avx2", "fma"}), _BASE, "COMPRESS_AVX2"),
+}
+
+
+def supported_levels(flags: frozenset[str]) -> list[str]:
+    """The ISA levels a CPU with these flags can run, best first."""
+    return [isa for isa, (needs, _, _) in ISA_LEVELS.items() if needs <= flags]
+
+
+@functools.cache
+def build_reason(isa: str) -> str | None:
+    """Build and load level ``isa`` (at most once); None when its ops are registered, else why
+    not (the CPU lacks a flag, no compiler or ninja, build error)."""
+    needs, cflags, define = ISA_LEVELS[isa]
+    missing = needs - cpuinfo.cpu_flags()
+    if missing:
+        return f"the CPU does not report {', '.join(sorted(missing))}"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"compress_q8_{isa}",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for only spreads over threads when the op is built with
+            # OpenMP (measured: without it 2 threads ran no faster than 1)
+            extra_cflags=[*cflags, f"-D{define}", f"-DCOMPRESS_OPS=compress_{isa}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, build error: fall back)
+        return f"building {SOURCE.name} for {isa} failed: {type(exc).__name__}: {str(exc)[:300]}"
+    for op in ("int4_linear_q8", "int8_linear_q8"):
+        # shapes only, so torch.compile keeps the call in its graph
+        torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
+    return None
+
+
+def _fake_linear(x, codes, scales, offsets, group):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@functools.cache
+def selected_isa() -> str | None:
+    """The level this process runs: ``$COMPRESS_CPU_ISA`` when set (it must be one the CPU
+    has), else the best level that builds; None when none does (``unavailable_reason``)."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {list(ISA_LEVELS)}")
+        reason = build_reason(forced)
+        if reason is not None:
+            raise ValueError(f"{ISA_ENV}={forced!r} cannot run here: {reason}; unset it")
+        return forced
+    for isa in supported_levels(cpuinfo.cpu_flags()):
+        if build_reason(isa) is None:
+            return isa
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when a level is built and loaded (``selected_isa``), else why not."""
+    if selected_isa() is not None:
+        return None
+    if not cpuinfo.has_avx2(cpuinfo.cpu_flags()):
+        return "the CPU does not report AVX2 (or /proc/cpuinfo is unreadable)"
+    return build_reason("avx2")
+
+
+def ops(isa: str | None = None):
+    """The op namespace of level ``isa`` (default: the selected one), built on first use."""
+    isa = isa or selected_isa()
+    reason = "no level builds here" if isa is None else build_reason(isa)
+    if reason is not None:
+        raise RuntimeError(f"integer-dot CPU kernels unavailable: {reason or unavailable_reason()}")
+    return getattr(torch.ops, f"compress_{isa}")
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A layer's int4 or int8 weight in the kernels' layout (module docstring)."""
+
+    bits: int  # 4 or 8
+    codes: torch.Tensor  # uint8 [N, K/2] (int4) or [N, K] (int8)
+    scales: torch.Tensor  # fp32 [N, K/g]
+    offsets: torch.Tensor | None  # fp32 [N, K/g], asymmetric weights only
+    group_size: int
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[1] * (2 if self.bits == 4 else 1)
+
+
+def unsupported_reason(n: int, k: int, group_size: int) -> str | None:
+    """Why these kernels cannot take a layer's shape, or None (asked by ``dispatch``)."""
+    if k % PAIR:
+        return f"K={k} is not a multiple of {PAIR}"
+    if group_size % BLOCK:
+        return f"group_size {group_size} is not a multiple of {BLOCK}"
+    if k % group_size:
+        return f"K={k} not divisible by group_size {group_size}"
+    return None
+
+
+def _check(n: int, k: int, group_size: int) -> None:
+    reason = unsupported_reason(n, k, group_size)
+    if reason is not None:
+        raise ValueError(f"integer-dot CPU kernel cannot take this layer: {reason}")
+
+
+def prepack_int4(
+    w_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros_packed: torch.Tensor | None,
+    *,
+    group_size: int,
+    k: int,
+) -> Q8Weight:
+    """Our packed int4 weight (signed codes, ``w = (w_q - zeros) * scales``) -> kernel layout."""
+    n = w_packed.shape[0]
+    _check(n, k, group_size)
+    codes, scales32, zeros = reference.int4_unsigned_parts(w_packed, scales, zeros_packed, k)
+    halves = codes.to(torch.uint8).view(n, k // PAIR, 2, BLOCK)  # [N, pairs, lo/hi, 32]
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    offsets = None if zeros_packed is None else (-zeros * scales32).contiguous()
+    return Q8Weight(4, nibbles, scales32.contiguous(), offsets, group_size)
+
+
+def prepack_int8(
+    w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, group_size: int
+) -> Q8Weight:
+    """Our int8 weight (``w = (w_q - zeros) * scales``, ``w_q`` int8 [N, K], scales and zeros
+    [N, K/g]) -> kernel layout."""
+    n, k = w_q.shape
+    _check(n, k, group_size)
+    codes = (w_q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    scales32 = scales.to(torch.float32).contiguous()
+    offsets = None if zeros is None else (-zeros.to(torch.float32) * scales32).contiguous()
+    return Q8Weight(8, codes, scales32, offsets, group_size)
+
+
+def linear_q8(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T`` with x rounded to int8 per block, fp32 inside, x's dtype outside;
+    ``isa`` picks a level (default: ``selected_isa()``)."""
+    op = ops(isa).int4_linear_q8 if weight.bits == 4 else ops(isa).int8_linear_q8
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    y = op(x2, weight.codes, weight.scales, weight.offsets, weight.group_size)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
+
+
+def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (int8-valued codes [M, K/32, 32], scales [M, K/32, 1]) as the kernels
+    round them: scale = amax / 127 in fp32 (1 for an all-zero block), round half to even."""
+    blocks = x.to(torch.float32).reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(blocks / scale), scale
+
+
+def unpack_codes(weight: Q8Weight) -> torch.Tensor:
+    """The signed codes ``code - bias`` as float64 [N, K] (int4: -8..7, int8: -128..127)."""
+    if weight.bits == 8:
+        return weight.codes.to(torch.float64) - 128
+    n, k = weight.n, weight.k
+    c = weight.codes.view(n, k // PAIR, BLOCK)
+    return torch.cat([c & 0xF, c >> 4], dim=-1).reshape(n, k).to(torch.float64) - 8
+
+
+def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
+    """The kernels' product in float64 from their layout, plain torch (for tests)."""
+    n, k, g = weight.n, weight.k, weight.group_size
+    x2 = x.reshape(-1, k).to(torch.float32)
+    xq, xscale = round_activations(x2)  # [M, B, 32], [M, B, 1]
+    codes = unpack_codes(weight).view(n, k // BLOCK, BLOCK)
+    dots = torch.einsum("mbt,nbt->mnb", xq.double(), codes)  # exact integers
+    w_scale = weight.scales.double().repeat_interleave(g // BLOCK, dim=1)  # [N, B]
+    y = (dots * xscale.double()[:, None, :, 0] * w_scale[None]).sum(-1)
+    if weight.offsets is None:
+        return y
+    xsum = x2.double().view(x2.shape[0], k // g, g).sum(-1)  # [M, K/g], from the exact x
+    return y + xsum @ weight.offsets.double().T

@@ -1,0 +1,341 @@
+// Integer-dot CPU linears for decode: int4 or int8 weights x activations rounded to int8 per
+// block of 32 columns (llama.cpp's Q4 x Q8 and Q8 x Q8 schemes). compress.kernels.cpu_q8 builds
+// this file once per ISA level and documents the layouts; the float64 model of the arithmetic
+// is cpu_q8.linear_q8_reference.
+//
+// Built with exactly one of -DCOMPRESS_AVX2 (maddubs/madd), -DCOMPRESS_AVXVNNI (256-bit
+// vpdpbusd) or -DCOMPRESS_AVX512VNNI (512-bit vpdpbusd), and -DCOMPRESS_OPS=<op namespace>, so
+// each level registers its own ops and the dispatcher picks one at run time from the CPU flags.
+//
+// Arithmetic, per row m, output n, block b (32 columns) and weight group j = group(b):
+//   weights   w[n, k] = (c[n, k] - bias) * scale[n, j] + offset[n, j]     (offset optional)
+//   int4: c in 0..15, bias 8; int8: c in 0..255 (the signed code + 128), bias 128
+//   x rounded per block: s[m, b] = amax / 127 (1 if the block is all zero), q = rint(x / s)
+//   y[m, n] = sum_b s[m, b] * scale[n, j] * (sum_t q[m, b, t] * c[n, b, t] - bias * qsum[m, b])
+//           + sum_j offset[n, j] * xsum[m, j]                  (xsum from the exact x)
+// The integer part of each block is exact (int32); the bias correction enters as the initial
+// value of the block's int32 accumulator, so it costs nothing per weight.
+//
+// Layouts (K a multiple of 64, the group a multiple of 32 dividing K):
+//   int4 codes uint8 [N, K/2]: per 64 columns 32 bytes, byte i = column i (low nibble) |
+//        column 32 + i (high nibble), so one 32-byte load unpacks to two whole blocks;
+//   int8 codes uint8 [N, K], natural order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#if !defined(COMPRESS_OPS)
+#error "define COMPRESS_OPS (the op namespace); compress.kernels.cpu_q8 does"
+#endif
+#if defined(COMPRESS_AVX512VNNI) + defined(COMPRESS_AVXVNNI) + defined(COMPRESS_AVX2) != 1
+#error "define exactly one of COMPRESS_AVX2, COMPRESS_AVXVNNI, COMPRESS_AVX512VNNI"
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t PAIR = 64;  // the unit of the inner loops: two blocks
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x [M, K] fp32 -> per block: int8 codes, scale, and -bias * (sum of the codes). Division, not
+// a reciprocal, so the rounding equals the reference's x / s; cvtps rounds half to even.
+void round_activations(const float* x, int64_t blocks, int32_t bias, int8_t* q, float* scale,
+                       int32_t* corr) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* blk = x + i * BLOCK;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(blk + 8 * t);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    }
+    const float a = hmax(amax);
+    const float s = a > 0.f ? a / 127.f : 1.f;
+    scale[i] = s;
+    const __m256 sv = _mm256_set1_ps(s);
+    __m256i c[4];
+    for (int t = 0; t < 4; ++t) c[t] = _mm256_cvtps_epi32(_mm256_div_ps(v[t], sv));
+    corr[i] = -bias * hsum_i32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
+                                                _mm256_add_epi32(c[2], c[3])));
+    // packs interleaves 128-bit lanes; the permute puts the 32 codes back in column order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                              _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * BLOCK),
+                        _mm256_permutevar8x32_epi32(packed, order));
+  }
+}
+
+// Everything one call derives from x, shared by all output columns.
+struct RoundedX {
+  int64_t M, K, B, G;
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, B]
+  std::vector<int32_t> corr;   // [M, B] = -bias * code sum
+  std::vector<float> xsum;     // [M, G] exact x sums (only with offsets)
+#if defined(COMPRESS_AVX512VNNI)
+  std::vector<float> scale16;   // [M, B/2, 16]: pair's scales, 8 lanes per block
+  std::vector<int32_t> corr16;  // [M, B/2, 16]: the block's corr in lanes 0 and 8, else 0
+#endif
+};
+
+RoundedX round_x(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias,
+                 bool with_sums) {
+  RoundedX r{M, K, K / BLOCK, K / group};
+  r.q.resize(M * K);
+  r.scale.resize(M * r.B);
+  r.corr.resize(M * r.B);
+  round_activations(x, M * r.B, bias, r.q.data(), r.scale.data(), r.corr.data());
+  if (with_sums) {
+    r.xsum.assign(M * r.G, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) r.xsum[m * r.G + k / group] += x[m * K + k];
+  }
+#if defined(COMPRESS_AVX512VNNI)
+  const int64_t P = r.B / 2;
+  r.scale16.resize(M * P * 16);
+  r.corr16.assign(M * P * 16, 0);
+  for (int64_t i = 0; i < M * P; ++i) {
+    for (int t = 0; t < 16; ++t) r.scale16[i * 16 + t] = r.scale[2 * i + t / 8];
+    r.corr16[i * 16] = r.corr[2 * i];
+    r.corr16[i * 16 + 8] = r.corr[2 * i + 1];
+  }
+#endif
+  return r;
+}
+
+// ---- the two blocks of one pair, as unsigned bytes ----------------------------------------
+#if defined(COMPRESS_AVX512VNNI)
+template <bool Q4>
+inline __m512i pair_codes(const uint8_t* row, int64_t p) {
+  if constexpr (Q4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * 32));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    return _mm512_loadu_si512(row + p * PAIR);
+  }
+}
+
+// One output column for R rows: per pair one vpdpbusd per row (16 int32 lanes, 8 per block),
+// started from the bias correction, then one convert and one FMA with the pair's scales.
+template <int R, bool Q4>
+inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const float* off,
+                   const int32_t* gidx, int64_t m0, float* y, int64_t N) {
+  const int64_t P = x.B / 2;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512i w = pair_codes<Q4>(row, p);
+    const int32_t g0 = gidx[2 * p], g1 = gidx[2 * p + 1];
+    const __m512 wscale = g0 == g1 ? _mm512_set1_ps(ws[g0])
+                                   : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws[g0]),
+                                                          _mm512_set1_ps(ws[g1]));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * P + p;
+      const __m512i xq = _mm512_loadu_si512(x.q.data() + (m0 + r) * x.K + p * PAIR);
+      const __m512i start = _mm512_loadu_si512(x.corr16.data() + i * 16);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, xq));
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x.scale16.data() + i * 16), wscale);
+      acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out = _mm512_reduce_add_ps(acc[r]);
+    if (off != nullptr)
+      for (int64_t j = 0; j < x.G; ++j) out += off[j] * x.xsum[(m0 + r) * x.G + j];
+    y[(m0 + r) * N] = out;
+  }
+}
+#else
+// 256-bit: one block per vector. int4 codes are 0..15 and go to maddubs/vpdpbusd as they are.
+// int8 codes (signed + 128) would overflow maddubs' int16 pairs (2 * 255 * 127), so AVX2 takes
+// the signed code c - 128 (xor 0x80) and llama.cpp's sign trick: |c| . sign(x, c), pairs at
+// most 2 * 128 * 127 = 32512; that product needs no bias correction. VNNI's vpdpbusd sums four
+// products straight into int32 and takes the biased codes.
+struct Block {
+  __m256i w;  // unsigned codes (VNNI, int4) or |signed codes| (AVX2 int8)
+#if defined(COMPRESS_AVX2)
+  __m256i sign;  // signed int8 codes (AVX2 int8 only)
+#endif
+};
+
+template <bool Q4>
+inline void pair_blocks(const uint8_t* row, int64_t p, Block& b0, Block& b1) {
+  if constexpr (Q4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * 32));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    b0.w = _mm256_and_si256(v, low4);
+    b1.w = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  } else {
+    b0.w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * PAIR));
+    b1.w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * PAIR + BLOCK));
+#if defined(COMPRESS_AVX2)
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    b0.sign = _mm256_xor_si256(b0.w, flip);
+    b1.sign = _mm256_xor_si256(b1.w, flip);
+    b0.w = _mm256_abs_epi8(b0.sign);
+    b1.w = _mm256_abs_epi8(b1.sign);
+#endif
+  }
+}
+
+template <bool Q4>
+inline __m256 block_dot(const Block& b, const int8_t* xq, int32_t corr) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i start = _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0);
+#if defined(COMPRESS_AVXVNNI)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(start, b.w, x));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Q4)
+    return _mm256_cvtepi32_ps(
+        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(b.w, x), ones), start));
+  else  // corr is 0 here: the signed product needs none (the op passes bias 0)
+    return _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(b.w, _mm256_sign_epi8(x, b.sign)), ones));
+#endif
+}
+
+// One output column for R rows; two accumulators per row (one per block of the pair), so
+// consecutive FMAs do not wait on each other.
+template <int R, bool Q4>
+inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const float* off,
+                   const int32_t* gidx, int64_t m0, float* y, int64_t N) {
+  const int64_t P = x.B / 2;
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    Block b0, b1;
+    pair_blocks<Q4>(row, p, b0, b1);
+    const float s0 = ws[gidx[2 * p]], s1 = ws[gidx[2 * p + 1]];
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * x.B + 2 * p;
+      const int8_t* xq = x.q.data() + (m0 + r) * x.K + p * PAIR;
+      acc0[r] = _mm256_fmadd_ps(block_dot<Q4>(b0, xq, x.corr[i]),
+                                _mm256_set1_ps(x.scale[i] * s0), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(block_dot<Q4>(b1, xq + BLOCK, x.corr[i + 1]),
+                                _mm256_set1_ps(x.scale[i + 1] * s1), acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    if (off != nullptr)
+      for (int64_t j = 0; j < x.G; ++j) out += off[j] * x.xsum[(m0 + r) * x.G + j];
+    y[(m0 + r) * N] = out;
+  }
+}
+#endif
+
+template <bool Q4>
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, int64_t group) {
+  const char* what = Q4 ? "int4_linear_q8" : "int8_linear_q8";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous fp32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == (Q4 ? K / 2 : K),
+              what, ": codes must be contiguous uint8 [N, ", Q4 ? "K/2" : "K", "] for K=", K);
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
+              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
+              ", group=", group, ")");
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == G,
+              what, ": scales must be contiguous fp32 [N, K/group]");
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  if (with_offsets)
+    TORCH_CHECK(offsets->sizes() == scales.sizes() &&
+                    offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
+                what, ": offsets must be like scales");
+#if defined(COMPRESS_AVX2)
+  const int32_t bias = Q4 ? 8 : 0;  // AVX2 int8 multiplies signed codes (see Block)
+#else
+  const int32_t bias = Q4 ? 8 : 128;
+#endif
+  // Plain loops, not ATen ops: at decode sizes (M = 1, K = 576) a handful of ATen calls cost
+  // more than the product itself.
+  const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, bias, with_offsets);
+  std::vector<int32_t> gidx(rx.B);
+  for (int64_t b = 0; b < rx.B; ++b) gidx[b] = static_cast<int32_t>(b * BLOCK / group);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = with_offsets ? offsets->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  // Needs -fopenmp at build time: without it at::parallel_for runs on one thread. Layers under
+  // ~128K weights stay on one thread: waking the second one cost more than it saved (measured
+  // on an AVX2 EPYC: 192x576 took 33 us on 2 threads, 25 us on 1).
+  const int64_t grain = std::max<int64_t>(16, ((int64_t{1} << 17) + K - 1) / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = cp + n * row_bytes;
+      const float* s = sp + n * G;
+      const float* o = op == nullptr ? nullptr : op + n * G;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        float* out = yp + n;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: column<1, Q4>(rx, row, s, o, gidx.data(), m0, out, N); break;
+          case 2: column<2, Q4>(rx, row, s, o, gidx.data(), m0, out, N); break;
+          case 3: column<3, Q4>(rx, row, s, o, gidx.data(), m0, out, N); break;
+          default: column<4, Q4>(rx, row, s, o, gidx.data(), m0, out, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& offsets, int64_t group) {
+  return linear_q8<true>(x, codes, scales, offsets, group);
+}
+
+at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& offsets, int64_t group) {
+  return linear_q8<false>(x, codes, scales, offsets, group);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(COMPRESS_OPS, m) {
+  m.def("int4_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("int8_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
+  m.impl("int4_linear_q8", &int4_linear_q8);
+  m.impl("int8_linear_q8", &int8_linear_q8);
+}

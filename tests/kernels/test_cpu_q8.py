@@ -1,0 +1,158 @@
+"""Our integer-dot CPU kernels (Q4 x Q8, Q8 x Q8), every ISA level this CPU has: the layouts
+hold our int4/int8 weights exactly, each compiled level equals a float64 plain-torch model of
+the same arithmetic, and that model is within int8 activation rounding of the exact product
+(so the rounding is really there and bounded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.kernels import cpu_q8, cpuinfo
+from compress.quant.linear import QuantLinear, WeightScheme
+
+
+def quant_layer(bits: int, n: int, k: int, group: int | None, symmetric: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    return QuantLinear.from_linear(
+        torch.nn.Linear(k, n, bias=False), WeightScheme(bits, group, symmetric)
+    )
+
+
+def q8_weight(layer: QuantLinear) -> cpu_q8.Q8Weight:
+    zp = None if layer.scheme.symmetric else layer.weight_zero_point
+    if layer.kind == "int4":
+        return cpu_q8.prepack_int4(
+            layer.weight_packed, layer.weight_scale, zp, group_size=layer.group_size,
+            k=layer.in_features,
+        )  # fmt: skip
+    return cpu_q8.prepack_int8(layer.weight, layer.weight_scale, zp, group_size=layer.group_size)
+
+
+LAYOUTS = [(4, 64, True), (4, 32, False), (8, None, True), (8, 64, False)]
+LAYOUT_IDS = ["int4-g64-sym", "int4-g32-asym", "int8-channel-sym", "int8-g64-asym"]
+
+
+@pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
+def test_prepacked_layout_dequantizes_to_the_same_weights(bits, group, symmetric):
+    layer = quant_layer(bits, 48, 192, group, symmetric)
+    w = q8_weight(layer)
+    g = w.group_size
+    scales = w.scales.double().repeat_interleave(g, dim=1)
+    rebuilt = cpu_q8.unpack_codes(w) * scales
+    if w.offsets is not None:
+        rebuilt += w.offsets.double().repeat_interleave(g, dim=1)
+    assert (w.offsets is None) == symmetric
+    assert torch.allclose(rebuilt, layer.dequantized_weight().double(), atol=1e-6, rtol=0)
+
+
+def test_reference_is_the_exact_product_up_to_int8_activation_rounding():
+    layer = quant_layer(4, 64, 576, 64, True)
+    x = torch.randn(3, 576)
+    exact = x.double() @ layer.dequantized_weight().double().T
+    approx = cpu_q8.linear_q8_reference(x, q8_weight(layer))
+    rel = ((approx - exact).norm() / exact.norm()).item()
+    # half an int8 step per element of a gaussian block: ~0.5-1% of the output's norm
+    assert 1e-4 < rel < 2e-2
+
+
+def test_all_zero_activation_block_gives_zero_not_nan():
+    layer = quant_layer(4, 16, 64, 32, False)
+    x = torch.zeros(1, 64)
+    x[0, 40] = 3.0  # second block non-zero, first all zeros
+    y = cpu_q8.linear_q8_reference(x, q8_weight(layer))
+    exact = x.double() @ layer.dequantized_weight().double().T
+    assert torch.allclose(y, exact, atol=1e-5)  # one non-zero per block rounds exactly
+
+
+def test_unsupported_shapes_are_named():
+    assert "multiple of 64" in cpu_q8.unsupported_reason(16, 96, 32)
+    assert "multiple of 32" in cpu_q8.unsupported_reason(16, 192, 48)
+    assert "not divisible" in cpu_q8.unsupported_reason(16, 192, 128)
+    layer = quant_layer(4, 16, 96, 32, True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_q8.prepack_int4(layer.weight_packed, layer.weight_scale, None, group_size=32, k=96)
+
+
+def test_levels_follow_the_cpu_flags_and_the_override(monkeypatch):
+    assert cpu_q8.supported_levels(frozenset({"avx2", "fma"})) == ["avx2"]
+    assert cpu_q8.supported_levels(frozenset({"avx2", "fma", "avx_vnni"})) == ["avxvnni", "avx2"]
+    assert cpu_q8.supported_levels(frozenset({"avx", "sse4_2"})) == []
+    cpu_q8.selected_isa.cache_clear()
+    monkeypatch.setenv(cpu_q8.ISA_ENV, "sse9")
+    try:
+        with pytest.raises(ValueError, match="expected one of"):
+            cpu_q8.selected_isa()
+    finally:
+        cpu_q8.selected_isa.cache_clear()
+
+
+# ---- the compiled levels ----------------------------------------------------------------
+HERE = cpu_q8.supported_levels(cpuinfo.cpu_flags())
+
+
+@pytest.fixture(scope="module", params=list(cpu_q8.ISA_LEVELS))
+def isa(request):
+    level = request.param
+    if level not in HERE:
+        pytest.skip(f"this CPU lacks {level} (flags: {sorted(cpu_q8.ISA_LEVELS[level][0])})")
+    reason = cpu_q8.build_reason(level)  # ~15 s to compile a level on first use
+    if reason is not None:
+        pytest.skip(f"{level} kernels not available here: {reason}")
+    return level
+
+
+@pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(
+    "n,k,m",
+    [
+        (64, 576, 1),  # SmolLM2 q_proj-like, one decode row
+        (48, 576, 3),  # a small batch
+        (32, 1536, 6),  # down_proj-like K; rows in chunks of 4 and 2
+        (16, 64, 1),  # a single pair of blocks
+    ],
+)
+def test_kernel_equals_float64_reference(isa, bits, group, symmetric, n, k, m):
+    if group is not None and k % group:
+        pytest.skip(f"group {group} does not divide K={k}")
+    layer = quant_layer(bits, n, k, group, symmetric, seed=n + k)
+    w = q8_weight(layer)
+    x = torch.randn(m, k) * torch.linspace(0.1, 4.0, k)  # blocks of different scales
+    x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
+    y = cpu_q8.linear_q8(x, w, isa)
+    ref = cpu_q8.linear_q8_reference(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # integer block dots are exact; only fp32 scaling/accumulation order differs
+    assert torch.allclose(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_extreme_int8_codes_do_not_saturate(isa):
+    # codes -128 and 127 against activations at +-127: the AVX2 sign trick's worst pairs
+    torch.manual_seed(1)
+    codes = (torch.randint(0, 2, (16, 128)) * 255 - 128).to(torch.int8)  # -128 or 127
+    w = cpu_q8.prepack_int8(codes, torch.full((16, 1), 0.01), None, group_size=128)
+    x = torch.randint(0, 2, (2, 128)).float() * 2 - 1  # +-1: every code rounds to +-127
+    y = cpu_q8.linear_q8(x, w, isa)
+    assert torch.allclose(y.double(), cpu_q8.linear_q8_reference(x, w), atol=1e-4, rtol=0)
+
+
+def test_kernel_keeps_leading_dims_and_dtype(isa):
+    layer = quant_layer(4, 32, 64, 32, True)
+    w = q8_weight(layer)
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    y = cpu_q8.linear_q8(x, w, isa)
+    assert y.shape == (2, 1, 32) and y.dtype == torch.bfloat16
+    ref = cpu_q8.linear_q8_reference(x.reshape(2, 64), w)
+    assert torch.allclose(y.reshape(2, 32).double(), ref, atol=2e-2 * ref.abs().max().item())
+
+
+def test_bad_operands_raise_not_crash(isa):
+    layer = quant_layer(8, 16, 128, None, True)
+    w = q8_weight(layer)
+    op = cpu_q8.ops(isa).int8_linear_q8
+    with pytest.raises(RuntimeError, match="codes must be"):
+        op(torch.randn(1, 64), w.codes, w.scales, None, 128)  # K of x differs
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(torch.randn(1, 96), w.codes[:, :96].contiguous(), w.scales, None, 96)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(torch.randn(1, 128), w.codes, w.scales[:8].contiguous(), None, 128)
