@@ -1,6 +1,6 @@
 """Per-layer CPU decode matmuls, one run, interleaved: torch fp32 and bf16 F.linear, torch's
-native int8 and int4 weight-only kernels, and our AVX2 Q4 x Q8 kernel
-(compress/kernels/cpu_avx2.py).
+native int8 and int4 weight-only kernels, and our integer-dot Q4 x Q8 and Q8 x Q8 kernels
+(compress/kernels/cpu_q8.py) at every ISA level this CPU has (avx2, avxvnni, avx512vnni).
 
 For each weight shape N x K (out x in) and rows M: median microseconds (min-max over rounds),
 GB/s of weight bytes read, and speed vs torch's int4 kernel. Shapes: SmolLM2-135M's and a
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.eval.report import environment, markdown_table
-from compress.kernels import cpu_avx2, cpu_native
+from compress.kernels import cpu_native, cpu_q8, cpuinfo
 from compress.quant.linear import QuantLinear, WeightScheme
 
 SHAPES = ["576x576", "192x576", "1536x576", "576x1536", "49152x576", "2048x2048", "5632x2048"]
@@ -37,7 +37,8 @@ def variants(n: int, k: int, group: int) -> dict[str, tuple]:
     native4 = cpu_native.prepack_int4(
         q4.weight_packed, q4.weight_scale, None, group_size=group, k=k
     )
-    ours = cpu_avx2.prepack(q4.weight_packed, q4.weight_scale, None, group_size=group, k=k)
+    ours4 = cpu_q8.prepack_int4(q4.weight_packed, q4.weight_scale, None, group_size=group, k=k)
+    ours8 = cpu_q8.prepack_int8(q8.weight, q8.weight_scale, None, group_size=k)
     int8_w, int8_s = q8.weight.contiguous(), q8.weight_scale[:, 0].to(torch.bfloat16)
     g = k // group
     out = {
@@ -54,9 +55,19 @@ def variants(n: int, k: int, group: int) -> dict[str, tuple]:
             n * k // 2 + 4 * n * g,
         ),
     }
-    if cpu_avx2.unavailable_reason() is None:
-        out["ours Q4xQ8"] = (lambda x: cpu_avx2.int4_linear_q8(x, ours), n * k // 2 + 8 * n * g)
+    for isa in levels():
+        out[f"ours Q4xQ8 {isa}"] = (
+            lambda x, isa=isa: cpu_q8.linear_q8(x, ours4, isa),
+            n * k // 2 + 4 * n * g,
+        )
+        out[f"ours Q8xQ8 {isa}"] = (lambda x, isa=isa: cpu_q8.linear_q8(x, ours8, isa), n * k + 4 * n)
     return out
+
+
+def levels() -> list[str]:
+    """The ISA levels of our kernels that run here (each built once)."""
+    found = cpu_q8.supported_levels(cpuinfo.cpu_flags())
+    return [isa for isa in found if cpu_q8.build_reason(isa) is None]
 
 
 def main() -> None:
@@ -70,8 +81,8 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cpu_avx2.unavailable_reason() is not None:
-        print(f"our kernel unavailable: {cpu_avx2.unavailable_reason()}")
+    if not levels():
+        print(f"our kernels unavailable: {cpu_q8.unavailable_reason()}")
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"])
+    p.add_argument("--int8-kernel", default="torch", choices=["torch", "q8q8"])
     p.add_argument("--lm-head-bits", type=int, choices=[4, 8])
     p.add_argument("--rows", type=int, default=15, help="ops to list")
     p.add_argument("--out", default="out/profile_decode")
@@ -40,6 +41,7 @@ def main() -> None:
         max_seq_len=len(ids) + args.new_tokens,
         compile=args.compile,
         int4_kernel=args.int4_kernel,
+        int8_kernel=args.int8_kernel,
         lm_head_bits=args.lm_head_bits,
     )
     rt.generate([ids], args.new_tokens)  # warm-up: every decode graph compiled
@@ -51,6 +53,7 @@ def main() -> None:
     lines = [
         f"### decode profile: W4 g128, {args.new_tokens} tokens, {args.threads} threads, "
         f"compile={args.compile}, int4_kernel={args.int4_kernel}, "
+        f"int8_kernel={args.int8_kernel}, q8 level {rt.q8_isa}, "
         f"lm_head_bits={args.lm_head_bits}",
         "",
         "| op | self CPU ms per token | share | calls per token |",

@@ -14,7 +14,7 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
-    from compress.kernels import cpuinfo
+    from compress.kernels import cpu_q8, cpuinfo
 
     flags = cpuinfo.cpu_flags()
     return {
@@ -25,6 +25,7 @@ def environment() -> dict[str, Any]:
         "cpu": cpuinfo.cpu_model_name() or platform.processor() or platform.machine(),
         "cpu_flags": [f for f in cpuinfo.KERNEL_FLAGS if f in flags],
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "q8_kernel_isa": cpu_q8.planned_isa(),  # our integer-dot kernels' level (cpu_q8)
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

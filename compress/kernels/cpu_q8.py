@@ -108,6 +108,14 @@ def _fake_linear(x, codes, scales, offsets, group):
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
+def planned_isa() -> str | None:
+    """The level ``selected_isa`` will try first, from the flags and ``$COMPRESS_CPU_ISA`` alone
+    (builds nothing: for environment lines)."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    levels = supported_levels(cpuinfo.cpu_flags())
+    return forced or (levels[0] if levels else None)
+
+
 @functools.cache
 def selected_isa() -> str | None:
     """The level this process runs: ``$COMPRESS_CPU_ISA`` when set (it must be one the CPU

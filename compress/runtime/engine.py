@@ -303,10 +303,11 @@ class _Layer(nn.Module):
             )
             setattr(self, name, linear)
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
-        """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, S]
-        (decode) bool; caches [B, Hkv, S, D];
-        slots [T] cache indices the T new positions are written to."""
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool, length: int):
+        """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, L]
+        (decode) bool; caches [B_max, Hkv, S, D], this layer's whole buffers (see
+        ``Runtime._apply``); slots [T] cache indices the T new positions are written to;
+        decode attends to the first ``length`` slots."""
         b, t, _ = x.shape
         h = _rms_norm(x, self.norm_in, self.eps)
         q = self.q(h, decode).view(b, t, self.n_heads, self.head_dim)
@@ -318,10 +319,13 @@ class _Layer(nn.Module):
         v = self.v(h, decode).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+        # the whole buffer when every row is in use: a write into a view of a compiled graph's
+        # input costs a copy of the view
+        full = b == k_cache.shape[0]
+        (k_cache if full else k_cache[:b]).index_copy_(2, slots, k.to(k_cache.dtype))
+        (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
         # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
-        keys, values = (k_cache, v_cache) if decode else (k, v)
+        keys, values = (k_cache[:b, :, :length], v_cache[:b, :, :length]) if decode else (k, v)
         if self.softcap is None:
             a = F.scaled_dot_product_attention(
                 q.to(keys.dtype),
@@ -417,8 +421,10 @@ def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
     return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
 
 
-def _call_layer(layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool):
-    return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode)
+def _call_layer(
+    layer: _Layer, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool, length: int
+):
+    return layer(x, cos, sin, mask, k_cache, v_cache, slots, decode, length)
 
 
 def _decode_step(runtime: Runtime, tokens, positions, mask, slots, b: int, length: int):
@@ -563,12 +569,11 @@ class Runtime:
                 "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
             )
         first = self.layers[0]
-        shape = (len(self.layers), max_batch_size, first.n_kv, max_seq_len, first.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.device = device
+        self.k_cache, self.v_cache = self._new_cache(), self._new_cache()
         self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.device, self.compile_prefill = device, compile_prefill
+        self.compile_prefill = compile_prefill
         self._decode_fn = self._prefill_fn = _call_layer
         self._step = _decode_step
         if compile not in (False, True, "step", "layer"):
@@ -635,10 +640,7 @@ class Runtime:
         without repacking the weights again."""
         other = copy.copy(self)
         if self.fallback_reason is None:  # the fallback keeps no cache
-            other.k_cache, other.v_cache = (
-                torch.zeros_like(self.k_cache),
-                torch.zeros_like(self.v_cache),
-            )
+            other.k_cache, other.v_cache = self._new_cache(), self._new_cache()
             other.valid, other._slot = torch.zeros_like(self.valid), torch.zeros_like(self._slot)
         return other
 
@@ -653,12 +655,22 @@ class Runtime:
                 tensors["w_prefill"] = module.w_decode
             if isinstance(module, _Int4Linear) and module.q8:  # decode reads the q8 copy only
                 del tensors["packed"], tensors["scale_and_zero"]
+            if isinstance(module, _Int8Linear) and module.q8:
+                del tensors["weight"], tensors["scales"]
             for t in tensors.values():
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     weights += t.numel() * t.element_size()
-        cache = 2 * self.k_cache.numel() * self.k_cache.element_size()
+        cache = 2 * sum(c.numel() * c.element_size() for c in self.k_cache)
         return {"weights": weights, "kv_cache": cache}
+
+    def _new_cache(self) -> list[torch.Tensor]:
+        """One zeroed [B_max, Hkv, S, D] buffer per layer. Separate tensors, not views of one:
+        the compiled step writes each in place, where it copied a view's slice out and back
+        (measured: a KV-slice copy per layer per token, torch 2.13)."""
+        first = self.layers[0]
+        shape = (self.max_batch_size, first.n_kv, self.max_seq_len, first.head_dim)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
 
     # ---- one row, step by step (speculative decoding) ------------------------------------
     position = 0  # tokens in row 0's cache for prefill/score/rewind
@@ -811,16 +823,16 @@ class Runtime:
         return x.float()
 
     def _apply(self, fn, x, positions, mask, slots, b: int, length: int, decode: bool):
-        """All layers; each sees its cache rows ``:b`` and slots ``:length`` (views, so the
-        new keys/values written at ``slots`` land in the full cache). positions [B, T] index
-        the rope tables; slots [T] are the queries' cache slots (for sliding windows)."""
+        """All layers; each gets its whole cache buffers and uses rows ``:b`` and slots
+        ``:length``. positions [B, T] index the rope tables; slots [T] are the queries' cache
+        slots (for sliding windows)."""
         ropes = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}
         masks = {window: window_mask(mask, slots, window) for window in self._windows}
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = self.k_cache[i, :b, :, :length], self.v_cache[i, :b, :, :length]
             cos, sin = ropes[layer.rope_key]  # [B, T, D]
             layer_mask = masks.get(layer.window, mask)
-            x = fn(layer, x, cos, sin, layer_mask, k_cache, v_cache, slots, decode)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            x = fn(layer, x, cos, sin, layer_mask, k_cache, v_cache, slots, decode, length)
         return x
 
     def _hf_generate(self, prompts, max_new_tokens: int, stop: set[int], s: _Sampling):

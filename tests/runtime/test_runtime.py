@@ -34,18 +34,19 @@ def test_decode_reads_only_the_filled_cache_prefix(model):
     # beyond its prefix would turn NaN; it must not, and the tokens stay the reference's.
     rt = Runtime(model, max_seq_len=64, compile=False)
     prompt = PROMPTS[0]
-    rt.k_cache.fill_(float("nan"))
-    rt.v_cache.fill_(float("nan"))
+    for cache in rt.k_cache + rt.v_cache:  # one buffer per layer
+        cache.fill_(float("nan"))
     assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
-    assert rt.k_cache[:, 0, :, len(prompt) + 11 :].isnan().all()  # untouched beyond the end
+    for cache in rt.k_cache:  # untouched beyond the end
+        assert cache[0, :, len(prompt) + 11 :].isnan().all()
 
 
 def test_default_kv_cache_dtype_follows_the_cpu(model):
     rt = Runtime(model, max_seq_len=16, compile=False)
     expected = torch.float32 if rt.prefill_dtype == torch.float32 else rt.decode_dtype
-    assert rt.k_cache.dtype == expected
+    assert {c.dtype for c in rt.k_cache + rt.v_cache} == {expected}
     assert (
-        Runtime(model, max_seq_len=16, compile=False, kv_dtype=torch.bfloat16).k_cache.dtype
+        Runtime(model, max_seq_len=16, compile=False, kv_dtype=torch.bfloat16).k_cache[0].dtype
         == torch.bfloat16
     )
 
