@@ -41,6 +41,7 @@ namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t PAIR = 64;  // the unit of the inner loops: two blocks
+constexpr int COLUMNS = 4;    // output columns per step of the one-row (decode) loop
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -176,6 +177,38 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
     y[(m0 + r) * N] = out;
   }
 }
+
+// One row (decode), COLS output columns at once: the pair's activations, corrections and
+// scales are loaded once for all of them, and their FMA chains are independent (measured on
+// a Xeon: 576x576 int4 in 25 us as one column at a time).
+template <int COLS, bool Q4>
+inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes,
+                        const float* ws, const float* off, const int32_t* gidx, float* y) {
+  const int64_t P = x.B / 2, G = x.G;
+  __m512 acc[COLS];
+  for (int c = 0; c < COLS; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512i xq = _mm512_loadu_si512(x.q.data() + p * PAIR);
+    const __m512i start = _mm512_loadu_si512(x.corr16.data() + p * 16);
+    const __m512 sx = _mm512_loadu_ps(x.scale16.data() + p * 16);
+    const int32_t g0 = gidx[2 * p], g1 = gidx[2 * p + 1];
+    for (int c = 0; c < COLS; ++c) {
+      const __m512i w = pair_codes<Q4>(row + c * row_bytes, p);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, xq));
+      const float* s = ws + c * G;
+      const __m512 wscale = g0 == g1 ? _mm512_set1_ps(s[g0])
+                                     : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[g0]),
+                                                            _mm512_set1_ps(s[g1]));
+      acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sx, wscale), acc[c]);
+    }
+  }
+  for (int c = 0; c < COLS; ++c) {
+    float out = _mm512_reduce_add_ps(acc[c]);
+    if (off != nullptr)
+      for (int64_t j = 0; j < G; ++j) out += off[c * G + j] * x.xsum[j];
+    y[c] = out;
+  }
+}
 #else
 // 256-bit: one block per vector. int4 codes are 0..15 and go to maddubs/vpdpbusd as they are.
 // int8 codes (signed + 128) would overflow maddubs' int16 pairs (2 * 255 * 127), so AVX2 takes
@@ -209,10 +242,9 @@ inline void pair_blocks(const uint8_t* row, int64_t p, Block& b0, Block& b1) {
   }
 }
 
+// int32 lanes of one block's dot product as floats; start holds the bias correction in lane 0.
 template <bool Q4>
-inline __m256 block_dot(const Block& b, const int8_t* xq, int32_t corr) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i start = _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0);
+inline __m256 block_dot(const Block& b, __m256i x, __m256i start) {
 #if defined(COMPRESS_AVXVNNI)
   return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(start, b.w, x));
 #else
@@ -220,11 +252,17 @@ inline __m256 block_dot(const Block& b, const int8_t* xq, int32_t corr) {
   if constexpr (Q4)
     return _mm256_cvtepi32_ps(
         _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(b.w, x), ones), start));
-  else  // corr is 0 here: the signed product needs none (the op passes bias 0)
+  else  // start is 0 here: the signed product needs no correction (the op passes bias 0)
     return _mm256_cvtepi32_ps(
         _mm256_madd_epi16(_mm256_maddubs_epi16(b.w, _mm256_sign_epi8(x, b.sign)), ones));
 #endif
 }
+
+inline __m256i load_x(const int8_t* xq) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+}
+
+inline __m256i corr_start(int32_t corr) { return _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0); }
 
 // One output column for R rows; two accumulators per row (one per block of the pair), so
 // consecutive FMAs do not wait on each other.
@@ -241,9 +279,9 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * x.B + 2 * p;
       const int8_t* xq = x.q.data() + (m0 + r) * x.K + p * PAIR;
-      acc0[r] = _mm256_fmadd_ps(block_dot<Q4>(b0, xq, x.corr[i]),
+      acc0[r] = _mm256_fmadd_ps(block_dot<Q4>(b0, load_x(xq), corr_start(x.corr[i])),
                                 _mm256_set1_ps(x.scale[i] * s0), acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(block_dot<Q4>(b1, xq + BLOCK, x.corr[i + 1]),
+      acc1[r] = _mm256_fmadd_ps(block_dot<Q4>(b1, load_x(xq + BLOCK), corr_start(x.corr[i + 1])),
                                 _mm256_set1_ps(x.scale[i + 1] * s1), acc1[r]);
     }
   }
@@ -252,6 +290,37 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
     if (off != nullptr)
       for (int64_t j = 0; j < x.G; ++j) out += off[j] * x.xsum[(m0 + r) * x.G + j];
     y[(m0 + r) * N] = out;
+  }
+}
+
+// One row (decode), COLS output columns at once: the pair's activations and corrections are
+// loaded once for all of them, and their FMA chains are independent.
+template <int COLS, bool Q4>
+inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes,
+                        const float* ws, const float* off, const int32_t* gidx, float* y) {
+  const int64_t P = x.B / 2, G = x.G;
+  __m256 acc0[COLS], acc1[COLS];
+  for (int c = 0; c < COLS; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m256i x0 = load_x(x.q.data() + p * PAIR), x1 = load_x(x.q.data() + p * PAIR + BLOCK);
+    const __m256i start0 = corr_start(x.corr[2 * p]), start1 = corr_start(x.corr[2 * p + 1]);
+    const float sx0 = x.scale[2 * p], sx1 = x.scale[2 * p + 1];
+    const int32_t g0 = gidx[2 * p], g1 = gidx[2 * p + 1];
+    for (int c = 0; c < COLS; ++c) {
+      Block b0, b1;
+      pair_blocks<Q4>(row + c * row_bytes, p, b0, b1);
+      const float* s = ws + c * G;
+      acc0[c] = _mm256_fmadd_ps(block_dot<Q4>(b0, x0, start0), _mm256_set1_ps(sx0 * s[g0]),
+                                acc0[c]);
+      acc1[c] = _mm256_fmadd_ps(block_dot<Q4>(b1, x1, start1), _mm256_set1_ps(sx1 * s[g1]),
+                                acc1[c]);
+    }
+  }
+  for (int c = 0; c < COLS; ++c) {
+    float out = hsum(_mm256_add_ps(acc0[c], acc1[c]));
+    if (off != nullptr)
+      for (int64_t j = 0; j < G; ++j) out += off[c * G + j] * x.xsum[j];
+    y[c] = out;
   }
 }
 #endif
@@ -300,6 +369,16 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // on an AVX2 EPYC: 192x576 took 33 us on 2 threads, 25 us on 1).
   const int64_t grain = std::max<int64_t>(16, ((int64_t{1} << 17) + K - 1) / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (M == 1) {  // decode: COLUMNS output columns at a time
+      int64_t n = n0;
+      for (; n + COLUMNS <= n1; n += COLUMNS)
+        row_columns<COLUMNS, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
+                                 op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n);
+      for (; n < n1; ++n)
+        row_columns<1, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
+                           op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n);
+      return;
+    }
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = cp + n * row_bytes;
       const float* s = sp + n * G;
