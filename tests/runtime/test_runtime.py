@@ -308,6 +308,14 @@ def test_compiled_decode_step_equals_transformers(model):
     # 6 tokens: 5 decode steps, all at key length 16 (one power-of-two bucket): one graph
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # The step keeps no guards on its modules (their checks cost 8% of a token); each runtime
+    # compiles its own copy of the step's code, so a runtime of another structure (an int8
+    # head, the same model and cache) gets its own graph and tokens, and the first keeps its own.
+    other = Runtime(model, max_seq_len=32, compile=True, lm_head_bits=8)
+    eager = Runtime(model, max_seq_len=32, compile=False, lm_head_bits=8)
+    assert other.generate([PROMPTS[0]], 6) == eager.generate([PROMPTS[0]], 6)
+    assert rt.generate([PROMPTS[0]], 6) == [hf_greedy(model, PROMPTS[0], 6)]
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 @pytest.mark.real
