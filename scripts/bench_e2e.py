@@ -145,14 +145,14 @@ def read_bandwidth() -> float:
 class Variant(NamedTuple):
     stream: Stream
     engine: str  # who makes the tokens: "hf generate", "runtime", "hf fallback", "llama.cpp"
-    runtime: Runtime | None = None  # for decode_bytes() and the int4 kernel it chose
-    int4: bool = False  # whether any int4 layer runs (the int4 kernel cell is empty otherwise)
+    runtime: Runtime | None = None  # for decode_bytes() and the kernels it chose
+    quantized: bool = False  # whether any int4/int8 layer runs (the kernel cell is empty otherwise)
 
 
 def build_variants(base, ids, args, names) -> dict[str, Variant]:
     """Variant names: hf-fp32/hf-bf16 (transformers), rt-fp32/rt-bf16/rt-w8/rt-w4gN (runtime;
-    W4 group N with g64 fallback), suffixes -q8 (int4 decode through our AVX2 Q4 x Q8 kernel)
-    and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime), -layer (with
+    W4 group N with g64 fallback), suffixes -q8 (int4 and int8 decode through our integer-dot
+    kernels, Q4 x Q8 / Q8 x Q8, at the CPU's ISA level) and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime), -layer (with
     --compile: one compiled graph per decoder layer instead of the whole decode step)."""
     variants = {}
     for name in names:
@@ -174,17 +174,28 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
                 max_seq_len=len(ids) + args.new_tokens,
                 compile="layer" if args.compile and "layer" in options else args.compile,
                 int4_kernel="q4q8" if "q8" in options else "torch",
+                int8_kernel="q8q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
-            int4 = kind.startswith("w4") or "h4" in options
+            quantized = kind.startswith("w") or "h4" in options or "h8" in options
             if rt.fallback_reason is None:
-                variants[name] = Variant(rt.stream, "runtime", rt, int4)
+                variants[name] = Variant(rt.stream, "runtime", rt, quantized)
             else:  # transformers' loop under the runtime's name: no kernel, no decode bytes
                 variants[name] = Variant(rt.stream, "hf fallback")
         # warm-up over the full length: a compiled runtime builds one decode graph per
         # power-of-two cache length, and none may be compiled inside a timed request
         time_request(variants[name].stream, ids, args.new_tokens)
     return variants
+
+
+def kernel_cell(v: Variant) -> str | None:
+    """Which integer kernels decode a quantized runtime row: torch's, or ours and their ISA."""
+    if not v.quantized or v.runtime is None:
+        return None
+    rt = v.runtime
+    if rt.q8_isa is None:
+        return "torch"
+    return f"ours ({rt.q8_isa})"
 
 
 def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[dict]:
@@ -201,7 +212,7 @@ def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[
         mbu = read and bandwidth_utilization(read, 1 / tok_s["p50"], bandwidth)
         rows.append(dict(
             variant=name, engine=v.engine,
-            int4_kernel=v.runtime.int4_kernel if v.int4 else None,
+            kernel=kernel_cell(v),
             decode_tok_s=tok_s["p50"], decode_min=tok_s["min"], decode_max=tok_s["max"],
             ttft_ms=ttft["p50"], ttft_min=ttft["min"], ttft_max=ttft["max"],
             mb_per_token=read and read / 1e6, mbu_pct=mbu and 100 * mbu, reps=reps,
@@ -210,7 +221,7 @@ def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[
 
 
 COLUMNS = [
-    ("variant", "variant"), ("engine", "engine"), ("int4_kernel", "int4 kernel"),
+    ("variant", "variant"), ("engine", "engine"), ("kernel", "int kernels"),
     ("decode_tok_s", "decode tok/s"), ("decode_min", "min"), ("decode_max", "max"),
     ("vs_ref", "vs ref"), ("ttft_ms", "TTFT ms"), ("ttft_min", "min"), ("ttft_max", "max"),
     ("mb_per_token", "MB read/token"), ("mbu_pct", "MBU %"),
@@ -227,7 +238,8 @@ def table(title: str, rows: list[dict], ref: str) -> str:
 def environment_line(env: dict, bandwidth: float) -> str:
     return (
         f"Environment: {env['cpu']}; kernel flags {' '.join(env['cpu_flags']) or 'none'}; "
-        f"torch CPU capability {env['torch_cpu_capability']}; torch {env['torch']}, "
+        f"torch CPU capability {env['torch_cpu_capability']}; our integer-dot kernels' ISA "
+        f"{env['q8_kernel_isa']}; torch {env['torch']}, "
         f"transformers {env['transformers']}; {env['threads']} threads; {env['date']}. "
         f"Read bandwidth measured: {bandwidth / 1e9:.1f} GB/s."
     )
@@ -246,9 +258,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="compile the runtime's decode step")
     p.add_argument(
         "--variants",
-        default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w4g32,rt-w4g64,rt-w4g128,"
-        "rt-w4g32-q8,rt-w4g64-q8,rt-w4g128-q8,rt-w4g128-q8-h4",
-        help="see build_variants: -q8 = int4 decode through the AVX2 Q4 x Q8 kernel, -h4/-h8 = "
+        default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w8-q8,rt-w8-q8-h8,rt-w4g128,"
+        "rt-w4g32-q8-h8,rt-w4g128-q8,rt-w4g128-q8-h8",
+        help="see build_variants: -q8 = int4/int8 decode through our integer-dot kernels, -h4/-h8 = "
         "lm_head quantized to int4/int8 by the runtime",
     )
     p.add_argument("--no-llama-cpp", action="store_true")
