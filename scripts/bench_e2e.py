@@ -1,8 +1,10 @@
 """End-to-end generation bench, interleaved in one run: transformers' own generate (fp32,
 bf16), our runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback, each W4 also through the
-AVX2 Q4 x Q8 decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python on the same model's
-Q4_1 GGUF, in its own venv built once from source: ~25 min on 2 cores). --synthetic-1b adds a
-random 1.1B Llama (runtime bf16 vs W4 g128 through torch's and our int4 kernel).
+AVX2 Q4 x Q8 decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python in its own venv
+built once from source, ~25 min on 2 cores: SmolLM2's shipped Q4_1 GGUF, and a Q8_0 that
+llama.cpp's quantizer makes from the fp32 weights our rows start from, scripts/gguf_export.py).
+--synthetic-1b adds a random TinyLlama-1.1B-shaped Llama with SmolLM2's vocab (runtime bf16 vs
+W4 g128 through torch's and our int4 kernel, and llama.cpp Q4_1/Q8_0 of the same weights).
 
 Every row is a ``compress.eval.latency.Stream`` timed by ``time_request`` (wall clock, each token
 stamped as it arrives): ``hf_stream(generate=True)``, ``Runtime.stream`` and the llama.cpp worker,
@@ -254,7 +256,7 @@ def gguf_note(ggufs: dict[str, Path]) -> str:
     if not ggufs:
         return ""
     files = "; ".join(f"{n}: {p.name} ({tensor_types(p)})" for n, p in ggufs.items())
-    return f"\n\nllama.cpp GGUFs (tensor types as llama.cpp's quantizer chose them): {files}."
+    return f"\n\nllama.cpp GGUFs and their tensor types: {files}."
 
 
 def close_workers(variants: dict[str, Variant]) -> None:

@@ -24,7 +24,7 @@ import torch
 from gguf import GGUFReader, GGUFWriter
 
 from compress.arch import LLAMA, decoder_layers
-from compress.io.load import EMBEDDED, cache_dir
+from compress.io.load import EMBEDDED, _gguf_location, cache_dir
 from compress.testing import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,8 +236,6 @@ needs_llama_cpp = pytest.mark.skipif(
 def smollm2_vocab_llama(tmp_path_factory):
     """(model, F32 GGUF): tiny random Llama with SmolLM2's vocab, untied head, SmolLM2's rope
     base and eps (so a metadata key llama.cpp ignored would show)."""
-    from compress.io.load import _gguf_location
-
     rope = {"rope_theta": 100000.0, "rope_type": "default"}
     model = make_tiny_llama(
         vocab_size=49152, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_parameters=rope
@@ -320,3 +318,24 @@ def test_the_bench_worker_generates_transformers_greedy_tokens(smollm2_vocab_lla
     finally:
         stream.worker.stdin.close()
         stream.worker.wait(timeout=30)
+
+
+@needs_llama_cpp
+def test_cached_ggufs_are_made_once_from_an_f16_source(smollm2_vocab_llama, tmp_path, monkeypatch):
+    model, _ = smollm2_vocab_llama
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path))
+    donor = _gguf_location(EMBEDDED["smollm2-135m"])
+    kw = dict(donor=donor, python=LLAMA_PY, threads=1, dtype="f16")
+    paths = gguf_export.cached_llama_ggufs(model, "tiny", ("Q4_1", "Q8_0"), **kw)
+    assert paths == {f: tmp_path / "gguf" / f"tiny-{f.lower()}.gguf" for f in ("Q4_1", "Q8_0")}
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == [
+        "tiny-q4_1.gguf",
+        "tiny-q8_0.gguf",
+    ]  # the f16 source is gone, no .part left
+    assert gguf_export.tensor_types(paths["Q4_1"]).startswith("Q4_1 x")
+
+    def must_not_write(*args, **kwargs):
+        raise AssertionError("cached files were written again")
+
+    monkeypatch.setattr(gguf_export, "write_llama_gguf", must_not_write)
+    assert gguf_export.cached_llama_ggufs(model, "tiny", ("Q4_1", "Q8_0"), **kw) == paths
