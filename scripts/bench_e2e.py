@@ -1,15 +1,20 @@
 """End-to-end generation bench, interleaved in one run: transformers' own generate (fp32,
-bf16), our runtime (fp32, bf16, W8, W4 g32/g64/g128 with g64 fallback, each W4 also through the
-AVX2 Q4 x Q8 decode kernel: the `-q8` rows) and llama.cpp (llama-cpp-python on the same model's
-Q4_1 GGUF, in its own venv built once from source: ~25 min on 2 cores). --synthetic-1b adds a
-random 1.1B Llama (runtime bf16 vs W4 g128 through torch's and our int4 kernel).
+bf16), our runtime (fp32, bf16, W8, W4 g32/g128 with g64 fallback; the `-q8` rows decode int4
+and int8 layers through our integer-dot kernels, Q4 x Q8 / Q8 x Q8 at the CPU's ISA level,
+`-h8` adds an int8 lm_head) and llama.cpp (llama-cpp-python in its own venv
+built once from source, ~25 min on 2 cores: SmolLM2's shipped Q4_1 GGUF, and a Q8_0 that
+llama.cpp's quantizer makes from the fp32 weights our rows start from, scripts/gguf_export.py).
+--synthetic-1b adds a random TinyLlama-1.1B-shaped Llama with SmolLM2's vocab (runtime bf16 vs
+W4 g128 through torch's and our kernels, and llama.cpp Q4_1/Q8_0 of the same weights).
 
 Every row is a ``compress.eval.latency.Stream`` timed by ``time_request`` (wall clock, each token
 stamped as it arrives): ``hf_stream(generate=True)``, ``Runtime.stream`` and the llama.cpp worker,
 which prints one line per token as it is generated. Decode tok/s (1 / TPOT) and TTFT: median,
 min and max (``distribution``) over interleaved rounds; MBU (``bandwidth_utilization``) from
 ``Runtime.decode_bytes()`` and the measured read bandwidth. The md and JSON open with the
-environment (CPU, kernel flags, torch CPU capability) and give each runtime row's int4 kernel.
+environment (CPU, kernel flags, torch CPU capability, our kernels' ISA level) and give each
+quantized runtime row's integer kernels. MB read/token: the runtime's decode weights plus its
+whole allocated KV cache (an upper bound); for llama.cpp the GGUF's tensor bytes (no KV cache).
 No CPU-time columns any more: ``time_request`` stamps one clock, and llama.cpp's CPU time is
 spent in another process, so only wall time is comparable across the three engines.
 
@@ -23,6 +28,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -46,9 +52,18 @@ from compress.runtime.engine import Runtime
 
 # Protocol: one JSON request per stdin line, [prompt ids, max new tokens]; the answer is one
 # line per token id, printed as soon as llama.cpp has it, then a line "end".
+# argv: gguf, threads, and optionally --no-extra-buffers (see llama_extra_buffers_work).
 LLAMA_WORKER = r"""
 import json, sys
+import llama_cpp
 from llama_cpp import Llama
+if "--no-extra-buffers" in sys.argv[3:]:
+    defaults = llama_cpp.llama_cpp.llama_model_default_params  # what Llama() starts from
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
 llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
 for line in sys.stdin:
     ids, n = json.loads(line)
@@ -137,6 +152,21 @@ def llama_cpp_python() -> Path:
     return py
 
 
+def llama_extra_buffers_work(python: Path, gguf: Path) -> bool:
+    """Whether llama.cpp runs ``gguf`` with its extra weight buffers (AMX, repacking) here.
+
+    On an x86 CPU whose cpuid lists AMX, the -march=native build sends Q4_1/Q8_0 matmuls to its
+    AMX buffers, and on a VM that does not really enable AMX tile state the first one dies of
+    SIGILL (``tilezero``; seen 2026-11-30 on a 2-core Xeon). Without extra buffers they run on
+    AVX-512/AVX2, and nothing else is lost for this bench's types: llama.cpp repacks only
+    Q4_0/Q4_K/Q2_K/IQ4_NL on x86, not Q4_1, Q8_0 or Q6_K."""
+    probe = "import sys; from llama_cpp import Llama; Llama(sys.argv[1], n_ctx=64, verbose=False)"
+    done = subprocess.run([python, "-c", probe + ".eval([1, 2])", gguf], capture_output=True)
+    if done.returncode in (0, -signal.SIGILL):
+        return done.returncode == 0
+    raise RuntimeError(f"llama.cpp could not run {gguf}: {done.stderr.decode()[-2000:]}")
+
+
 def read_bandwidth() -> float:
     # the product's probe (1 GiB fp32 buffer, summed; best of 4), as compare's MBU uses
     return memory_bandwidth(size_mb=1024, repeats=4)["bytes_per_s"]
@@ -147,13 +177,15 @@ class Variant(NamedTuple):
     engine: str  # who makes the tokens: "hf generate", "runtime", "hf fallback", "llama.cpp"
     runtime: Runtime | None = None  # for decode_bytes() and the kernels it chose
     quantized: bool = False  # whether any int4/int8 layer runs (the kernel cell is empty otherwise)
+    read_bytes: int | None = None  # bytes per decode step of a row without a runtime (llama.cpp)
 
 
 def build_variants(base, ids, args, names) -> dict[str, Variant]:
     """Variant names: hf-fp32/hf-bf16 (transformers), rt-fp32/rt-bf16/rt-w8/rt-w4gN (runtime;
     W4 group N with g64 fallback), suffixes -q8 (int4 and int8 decode through our integer-dot
-    kernels, Q4 x Q8 / Q8 x Q8, at the CPU's ISA level) and -h4/-h8 (the tied lm_head quantized to int4 g32 / int8 by the runtime), -layer (with
-    --compile: one compiled graph per decoder layer instead of the whole decode step)."""
+    kernels, Q4 x Q8 / Q8 x Q8, at the CPU's ISA level), -h4/-h8 (the tied lm_head quantized
+    to int4 g32 / int8 by the runtime), -layer (with --compile: one compiled graph per decoder
+    layer instead of the whole decode step)."""
     variants = {}
     for name in names:
         kind, *options = name.split("-")[1:]
@@ -198,6 +230,57 @@ def kernel_cell(v: Variant) -> str | None:
     return f"ours ({rt.q8_isa})"
 
 
+def llama_ggufs(model, name: str, ftypes: tuple[str, ...], args, **kw) -> dict[str, Path]:
+    """{"llama.cpp-<ftype>": GGUF} of ``model``'s own fp32 weights, quantized by llama.cpp
+    (scripts/gguf_export.py; made once, cached by ``name``), with SmolLM2's tokenizer. Call it
+    before build_variants: the last quantized variant rewrites ``model`` in place."""
+    from gguf_export import cached_llama_ggufs
+
+    donor = _gguf_location(EMBEDDED["smollm2-135m"])
+    py = llama_cpp_python()
+    paths = cached_llama_ggufs(
+        model, name, ftypes, donor=donor, python=py, threads=args.threads, **kw
+    )
+    return {f"llama.cpp-{f.lower()}": path for f, path in paths.items()}
+
+
+def llama_variants(ggufs: dict[str, Path], ids, args) -> dict[str, Variant]:
+    """One llama.cpp row per GGUF, each in its own LLAMA_WORKER process, warmed up. Bytes per
+    decode step: the GGUF's tensor bytes (``gguf_export.tensor_bytes(decode=True)``: weights
+    only, no KV cache, token_embd left out where an untied output.weight is read instead).
+    Where the extra buffers crash (llama_extra_buffers_work) the rows run without them and
+    their engine says so."""
+    from gguf_export import tensor_bytes
+
+    variants = {}
+    python = llama_cpp_python() if ggufs else None
+    extra = not ggufs or all(llama_extra_buffers_work(python, g) for g in ggufs.values())
+    engine = "llama.cpp" if extra else "llama.cpp, no extra buffers (AMX crashes here)"
+    for name, gguf in ggufs.items():
+        command = [python, "-c", LLAMA_WORKER, str(gguf), str(args.threads)]
+        stream = worker_stream(command + ([] if extra else ["--no-extra-buffers"]))
+        time_request(stream, ids, args.new_tokens)  # warm-up
+        variants[name] = Variant(stream, engine, read_bytes=tensor_bytes(gguf, decode=True))
+    return variants
+
+
+def gguf_note(ggufs: dict[str, Path]) -> str:
+    """A paragraph for below a table naming each llama.cpp row's file and tensor types."""
+    from gguf_export import tensor_types
+
+    if not ggufs:
+        return ""
+    files = "; ".join(f"{n}: {p.name} ({tensor_types(p)})" for n, p in ggufs.items())
+    return f"\n\nllama.cpp GGUFs and their tensor types: {files}."
+
+
+def close_workers(variants: dict[str, Variant]) -> None:
+    for v in variants.values():
+        if (worker := getattr(v.stream, "worker", None)) is not None:
+            worker.stdin.close()  # the worker's loop ends at EOF
+            worker.wait()
+
+
 def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[dict]:
     """One row per variant: medians and min-max over ``reps`` interleaved rounds."""
     timings = {name: [] for name in variants}
@@ -208,7 +291,7 @@ def run(variants: dict[str, Variant], ids, new_tokens, reps, bandwidth) -> list[
     for name, v in variants.items():
         tok_s = distribution([1 / t.tpot for t in timings[name]])
         ttft = distribution([t.ttft for t in timings[name]], 1e3)
-        read = sum(v.runtime.decode_bytes().values()) if v.runtime else None
+        read = sum(v.runtime.decode_bytes().values()) if v.runtime else v.read_bytes
         mbu = read and bandwidth_utilization(read, 1 / tok_s["p50"], bandwidth)
         rows.append(dict(
             variant=name, engine=v.engine,
@@ -260,8 +343,8 @@ def main() -> None:
         "--variants",
         default="hf-fp32,hf-bf16,rt-fp32,rt-bf16,rt-w8,rt-w8-q8,rt-w8-q8-h8,rt-w4g128,"
         "rt-w4g32-q8-h8,rt-w4g128-q8,rt-w4g128-q8-h8",
-        help="see build_variants: -q8 = int4/int8 decode through our integer-dot kernels, -h4/-h8 = "
-        "lm_head quantized to int4/int8 by the runtime",
+        help="see build_variants: -q8 = int4/int8 decode through our integer-dot kernels, "
+        "-h4/-h8 = lm_head quantized to int4/int8 by the runtime",
     )
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--synthetic-1b", action="store_true")
@@ -275,14 +358,13 @@ def main() -> None:
     loaded = load_model(args.model)
     text = "The history of the city begins with a small settlement on the river, " * 8
     ids = loaded.tokenizer(text)["input_ids"][: args.prompt_len]
-    variants = build_variants(loaded.model, ids, args, [v for v in args.variants.split(",") if v])
-    worker = None
+    ggufs = {}
     if not args.no_llama_cpp and args.model in EMBEDDED:
-        gguf = _gguf_location(EMBEDDED[args.model])
-        stream = worker_stream([llama_cpp_python(), "-c", LLAMA_WORKER, gguf, str(args.threads)])
-        worker = stream.worker
-        time_request(stream, ids, args.new_tokens)  # warm-up
-        variants["llama.cpp-q4_1"] = Variant(stream, "llama.cpp")
+        # the shipped Q4_1 file, and a Q8_0 made by llama.cpp from the fp32 weights we load
+        ggufs = {"llama.cpp-q4_1": _gguf_location(EMBEDDED[args.model])}
+        ggufs |= llama_ggufs(loaded.model, args.model, ("Q8_0",), args)
+    variants = build_variants(loaded.model, ids, args, [v for v in args.variants.split(",") if v])
+    variants |= llama_variants(ggufs, ids, args)
     results, md = {}, []
     if variants:
         results[args.model] = run(variants, ids, args.new_tokens, args.reps, bandwidth)
@@ -291,15 +373,15 @@ def main() -> None:
             f"{args.threads} threads, compile={args.compile}"
         )
         ref = "hf-bf16" if "hf-bf16" in variants else next(iter(variants))
-        md.append(table(title, results[args.model], ref))
-    if worker is not None:
-        worker.stdin.close()  # the worker's loop ends at EOF
-        worker.wait()
+        md.append(table(title, results[args.model], ref) + gguf_note(ggufs))
+    close_workers(variants)
     if args.synthetic_1b:
         del variants
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        torch.manual_seed(0)  # TinyLlama-1.1B shape, normal(0, 0.02) weights (never zeros)
+        # TinyLlama-1.1B shape, normal(0, 0.02) weights (never zeros); SmolLM2's vocab (49152,
+        # not 32000): llama.cpp needs a real tokenizer in the GGUF and SmolLM2's is the one here
+        torch.manual_seed(0)
         big = LlamaForCausalLM(
             LlamaConfig(
                 hidden_size=2048,
@@ -307,15 +389,25 @@ def main() -> None:
                 num_hidden_layers=22,
                 num_attention_heads=32,
                 num_key_value_heads=4,
-                vocab_size=32000,
+                vocab_size=49152,
             )
         ).eval()
         args.new_tokens = max(8, args.new_tokens // 4)
-        names = ["rt-bf16", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h4"]
+        names = ["rt-bf16", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h8"]
+        # F16 source (2.3 GB, not 4.7) for llama.cpp's quantizer: these weights are random anyway
+        big_ggufs = {}
+        if not args.no_llama_cpp:
+            name = "synthetic-1b-v49152-seed0"  # the cache key: change it with the weights
+            big_ggufs = llama_ggufs(big, name, ("Q4_1", "Q8_0"), args, dtype="f16")
         v = build_variants(big, ids, args, names)
+        v |= llama_variants(big_ggufs, ids, args)
         results["synthetic_1b"] = run(v, ids, args.new_tokens, max(2, args.reps - 1), bandwidth)
-        title = f"synthetic 1.1B Llama: {args.new_tokens} new tokens"
-        md.append(table(title, results["synthetic_1b"], "rt-bf16"))
+        close_workers(v)
+        title = (
+            f"synthetic 1.1B Llama (TinyLlama shape, SmolLM2's vocab 49152 instead of 32000): "
+            f"{args.new_tokens} new tokens"
+        )
+        md.append(table(title, results["synthetic_1b"], "rt-bf16") + gguf_note(big_ggufs))
     env = environment()
     md.insert(0, environment_line(env, bandwidth))
     payload = dict(environment=env, bandwidth=bandwidth, settings=vars(args), results=results)
