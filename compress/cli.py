@@ -182,13 +182,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ids = loaded.tokenizer(args.prompt)["input_ids"]
     need = len(ids) + args.max_new_tokens
     steps = ["one-time weight repack"]
-    if args.int4_kernel == "q4q8":
-        steps.append("the q4q8 kernel is built on first use and cached (about a minute)")
+    if "q8" in (args.int4_kernel + args.int8_kernel):
+        steps.append("our integer-dot kernels are built on first use and cached (~15 s)")
     if args.compile:
         steps.append("the first steps compile")
     print(f"preparing the runtime ({'; '.join(steps)})...", file=sys.stderr)
     runtime = Runtime(loaded.model, max_seq_len=-(-need // 64) * 64, compile=args.compile,
-                      int4_kernel=args.int4_kernel)
+                      int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel)
     prepared_at = time.perf_counter()
     print(f"prepared in {prepared_at - loaded_at:.1f} s", file=sys.stderr)
     stream = runtime.stream(ids, args.max_new_tokens, temperature=args.temperature,
@@ -517,8 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                        help="quantized kernel backend")
     p_gen.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"],
-                       help="int4 decode on CPU: torch's kernel (exact, default) or our AVX2 "
-                       "kernel with int8-rounded activations (faster; +0.2%% ppl measured)")
+                       help="int4 decode on CPU: torch's kernel (bf16 activations, default) or "
+                       "our integer-dot kernel at the CPU's ISA level with int8-rounded "
+                       "activations (faster; quality cost in docs/results.md)")
+    p_gen.add_argument("--int8-kernel", default="torch", choices=["torch", "q8q8"],
+                       help="int8 decode on CPU: torch's kernel or our Q8 x Q8 integer-dot kernel")
     p_gen.set_defaults(func=_cmd_generate)
     return parser
 

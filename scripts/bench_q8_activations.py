@@ -1,13 +1,14 @@
-"""What llama.cpp's Q4 x Q8 scheme would cost in quality: W4 perplexity with exact activations
-vs activations rounded to int8 per block of 32 (scale = amax/127, as llama.cpp's q8_0 does
-before its integer dot products, and as the parked AVX2 kernel of commit ec455b4 does).
+"""What our integer-dot decode kernels cost in quality (compress/kernels/cpu_q8.py, llama.cpp's
+Q4 x Q8 / Q8 x Q8 scheme): perplexity with exact activations vs activations rounded to int8 per
+block of 32 (scale = amax/127, round half to even) at the input of every int4/int8 layer, as
+the runtime's ``int4_kernel="q4q8"``/``int8_kernel="q8q8"`` decode computes them.
 
-The int8 rounding is emulated in float (fake-quantized inputs to every int4 decoder linear;
-lm_head and non-int4 layers untouched), so this measures the numerics, not the speed. Both
-columns run the int4 layers on the reference backend (dequantized fp32 weights), so "exact"
-means fp32 activations and the only difference is the int8 rounding. One run, same windows for
-every row. A third column also rounds the tied lm_head to int4 (RTN, group 32, symmetric), the
-runtime's ``lm_head_bits=4`` option. JSON + markdown:
+The int8 rounding is emulated in float (fake-quantized inputs to every quantized decoder linear),
+so this measures the numerics, not the speed: the kernels equal a float64 model of the same
+arithmetic (tests/kernels/test_cpu_q8.py). Every column runs the quantized layers on the
+reference backend (dequantized fp32 weights), so "exact" means fp32 activations. One run, same
+windows for every row. The last column also gives the model the runtime's int8 lm_head
+(``lm_head_bits=8``: RTN, per channel, symmetric), its inputs rounded too. JSON + markdown:
 
     python scripts/bench_q8_activations.py --limit 32 --out out/q8_activations
 """
@@ -31,7 +32,7 @@ from compress.quant.primitives import fake_quantize
 from compress.recipe import load_recipe
 
 BLOCK = 32  # llama.cpp's q8_0 block
-HEAD_GROUP = 32  # lm_head int4 group (RTN, symmetric), as Runtime(lm_head_bits=4) makes it
+HEAD_SCHEME = WeightScheme(8, None, True)  # the head Runtime(lm_head_bits=8) makes (RTN)
 
 
 def q8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -40,18 +41,20 @@ def q8_blocks(x: torch.Tensor) -> torch.Tensor:
     return fake_quantize(flat, n_bits=8, group_size=BLOCK, symmetric=True).reshape(x.shape)
 
 
-def q8_activation_hooks(model: torch.nn.Module, *, bits: int = 4) -> list:
-    """Round the inputs of every ``bits``-bit QuantLinear (the layers a Q4 x Q8 kernel runs)."""
+def q8_activation_hooks(model: torch.nn.Module) -> list:
+    """Round the inputs of every weight-only int4/int8 QuantLinear (the layers our kernels run)."""
     return [
         m.register_forward_pre_hook(lambda _m, args: (q8_blocks(args[0]),))
         for m in model.modules()
-        if isinstance(m, QuantLinear) and m.scheme.n_bits == bits
+        if isinstance(m, QuantLinear) and m.kind in ("int4", "int8")
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", nargs="*", default=["smollm2-w4g128-rtn", "smollm2-w4g32-rtn"])
+    parser.add_argument(
+        "--rows", nargs="*", default=["smollm2-w4g128-rtn", "smollm2-w4g32-rtn", "smollm2-w8-rtn"]
+    )
     parser.add_argument("--limit", type=int, default=32, help="first N test windows of 512")
     parser.add_argument("--out", default="out/q8_activations")
     args = parser.parse_args()
@@ -73,9 +76,9 @@ def main() -> None:
         rounded = ppl(loaded.model, loaded.tokenizer)
         for hook in hooks:
             hook.remove()
-        # + the tied lm_head as int4 (what Runtime(lm_head_bits=4) runs), int8 activations too
+        # + the tied lm_head as int8 (what Runtime(lm_head_bits=8) runs), int8 activations too
         loaded.model.lm_head = QuantLinear.from_linear(
-            loaded.model.lm_head, WeightScheme(4, HEAD_GROUP, True), backend="reference"
+            loaded.model.lm_head, HEAD_SCHEME, backend="reference"
         )
         hooks = q8_activation_hooks(loaded.model)
         with_head = ppl(loaded.model, loaded.tokenizer)
@@ -84,22 +87,22 @@ def main() -> None:
         rows.append(
             {
                 "variant": name,
-                "int4_linears": len(hooks) - 1,
+                "quantized_linears": len(hooks) - 1,
                 "ppl_exact": exact,
                 "ppl_q8": rounded,
                 "delta_pct": 100 * (rounded / exact - 1),
-                "ppl_q8_head4": with_head,
+                "ppl_q8_head8": with_head,
                 "head_delta_pct": 100 * (with_head / exact - 1),
             }
         )
         print(rows[-1], flush=True)
     columns = [
         ("variant", "variant"),
-        ("int4_linears", "int4 linears"),
+        ("quantized_linears", "int4/int8 linears"),
         ("ppl_exact", "ppl, exact activations"),
         ("ppl_q8", f"ppl, int8 activations (blocks of {BLOCK})"),
         ("delta_pct", "Δ %"),
-        ("ppl_q8_head4", f"ppl, int8 activations + int4 g{HEAD_GROUP} lm_head"),
+        ("ppl_q8_head8", "ppl, int8 activations + int8 lm_head"),
         ("head_delta_pct", "Δ %"),
     ]
     md = markdown_table(rows, columns) + (
