@@ -1,0 +1,140 @@
+"""One decode step's worth of quantized linears, each layer its own weight (so they stream from
+memory as in a real decode step, not from cache as a one-layer loop would): SmolLM2-135M's
+30 layers x 7 projections (576x576, 2 x 192x576, 576x576, 2 x 1536x576, 576x1536), one row.
+
+Kernels, called as the runtime's compiled step calls them (the ops, no Python wrappers),
+interleaved round by round in one run: torch's int4 / int8 weight-only kernels (bf16
+activations) and ours (compress/kernels/cpu_q8.py, int8-rounded activations) at every ISA level
+this CPU has; int4 symmetric at --group, int8 per channel. Per kernel: median ms per pass
+(min-max), weight GB/s (codes + scales), speed vs torch's kernel of the same format. The int8
+head (49152x576) is timed the same way with --head. JSON + markdown:
+
+    python scripts/bench_decode_pass.py --rounds 15 --out out/decode_pass
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from compress.eval.report import environment, markdown_table
+from compress.kernels import cpu_native, cpu_q8, cpuinfo
+from compress.quant.linear import QuantLinear, WeightScheme
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+HEAD = [(49152, 576)]
+
+
+def layers(shapes: list[tuple[int, int]], count: int, bits: int, group: int) -> list[QuantLinear]:
+    torch.manual_seed(0)
+    scheme = WeightScheme(bits, group if bits == 4 else None, True)
+    return [
+        QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), scheme)
+        for _ in range(count)
+        for n, k in shapes
+    ]
+
+
+def torch_pass(qs: list[QuantLinear], bits: int):
+    """fn() running every layer through torch's native kernel, and its weight bytes."""
+    if bits == 4:
+        packed = [
+            cpu_native.prepack_int4(q.weight_packed, q.weight_scale, None,
+                                    group_size=q.group_size, k=q.in_features)
+            for q in qs
+        ]  # fmt: skip
+        calls = [
+            (q.in_features, lambda x, w=w: torch._weight_int4pack_mm_for_cpu(
+                x, w.packed, w.group_size, w.scale_and_zero))
+            for q, w in zip(qs, packed)
+        ]  # fmt: skip
+        size = sum(w.packed.numel() + 2 * w.scale_and_zero.numel() for w in packed)
+    else:
+        held = [
+            (cpu_native.aligned(q.weight), cpu_native.aligned(q.weight_scale[:, 0].bfloat16()))
+            for q in qs
+        ]
+        calls = [
+            (q.in_features, lambda x, w=w, s=s: torch._weight_int8pack_mm(x, w, s))
+            for q, (w, s) in zip(qs, held)
+        ]
+        size = sum(w.numel() + 2 * s.numel() for w, s in held)
+    return calls, size
+
+
+def our_pass(qs: list[QuantLinear], isa: str):
+    weights = [
+        cpu_q8.prepack_int4(q.weight_packed, q.weight_scale, None, group_size=q.group_size,
+                            k=q.in_features)
+        if q.kind == "int4"
+        else cpu_q8.prepack_int8(q.weight, q.weight_scale, None, group_size=q.group_size)
+        for q in qs
+    ]  # fmt: skip
+    op = cpu_q8.ops(isa)
+    calls = [
+        (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(
+            x, w.codes, w.scales, w.offsets, w.group_size))
+        for w in weights
+    ]  # fmt: skip
+    return calls, sum(w.codes.numel() + 4 * w.scales.numel() for w in weights)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--group", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", default="out/decode_pass")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = [i for i in cpu_q8.supported_levels(cpuinfo.cpu_flags()) if cpu_q8.build_reason(i) is None]
+    rows = []
+    for what, shapes, count, bits in (
+        (f"30 layers int4 g{args.group}", LAYER, 30, 4),
+        ("30 layers int8", LAYER, 30, 8),
+        ("int8 head 49152x576", HEAD, 1, 8),
+    ):
+        qs = layers(shapes, count, bits, args.group)
+        kernels = {"torch": torch_pass(qs, bits)}
+        kernels |= {f"ours {isa}": our_pass(qs, isa) for isa in levels}
+        # the ops themselves, as the runtime's compiled step calls them: torch's take bf16
+        # activations (aligned fresh tensors), ours fp32
+        xs = {k: torch.randn(1, k) for k in {q.in_features for q in qs}}
+        xs16 = {k: x.bfloat16() for k, x in xs.items()}
+        samples = {name: [] for name in kernels}
+        for _ in range(args.rounds + 1):  # the first round warms up
+            for name, (calls, _) in kernels.items():
+                start = time.perf_counter()
+                inputs = xs16 if name == "torch" else xs
+                for k, fn in calls:
+                    fn(inputs[k])
+                samples[name].append(time.perf_counter() - start)
+        base = statistics.median(samples["torch"][1:])
+        for name, (_, size) in kernels.items():
+            ms = [1e3 * s for s in samples[name][1:]]
+            med = statistics.median(ms)
+            rows.append(dict(work=what, kernel=name, ms=med, ms_range=f"{min(ms):.2f}-{max(ms):.2f}",
+                             gb_s=size / med / 1e6, vs_torch=base * 1e3 / med))  # fmt: skip
+            print(rows[-1], flush=True)
+    columns = [("work", "work"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
+               ("ms_range", "min-max"), ("gb_s", "weight GB/s"), ("vs_torch", "vs torch")]  # fmt: skip
+    env = environment()
+    md = (
+        f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; torch {env['torch']}; "
+        f"{args.threads} threads; {env['date']}\n\n" + markdown_table(rows, columns)
+        + f"\n\nOne row of activations; medians of {args.rounds} interleaved rounds."
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_pass.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / "decode_pass.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
