@@ -26,7 +26,14 @@ from typing import Any
 
 from compress.core.errors import ConfigError, DataError
 from compress.data import resolve_text_path
-from compress.eval.latency import Slo, cost, runtime_stream, seq_len_for, summarize
+from compress.eval.latency import (
+    INT_KERNELS,
+    Slo,
+    cost,
+    runtime_stream,
+    seq_len_for,
+    summarize,
+)
 from compress.eval.report import (
     environment,
     kl_cells,
@@ -70,6 +77,9 @@ class CompareSettings:
     max_batch: int = 8  # poisson, trace: requests decoded together at most
     engine: str = "runtime"  # one of ENGINES
     compile: bool = False  # runtime engine: torch.compile the decode step
+    # runtime engine: int4/int8 decode through our integer-dot kernels ("ours", the fastest on
+    # CPU, int8-rounded activations) or torch's ("torch"); rows name the one that ran
+    int_kernels: str = "ours"
     draft: str | None = None  # speculative decoding of the baseline with this draft model
     draft_k: int = 4  # draft tokens proposed per target forward
 
@@ -86,6 +96,8 @@ def check_settings(s: CompareSettings) -> None:
         problems.append(f"--workload {s.workload!r} is not one of {', '.join(WORKLOADS)}")
     if s.engine not in ENGINES:
         problems.append(f"--engine {s.engine!r} is not one of {', '.join(ENGINES)}")
+    if s.int_kernels not in INT_KERNELS:
+        problems.append(f"--int-kernels {s.int_kernels!r} is not one of {', '.join(INT_KERNELS)}")
     if s.workload == "poisson" and s.rate is None:
         problems.append("--workload poisson needs --rate REQ_PER_S (mean arrivals per second)")
     if s.rate is not None and (s.workload != "poisson" or s.rate <= 0):
@@ -331,7 +343,9 @@ def _workload_note(s: CompareSettings) -> str:
     count = f"{s.prompts} prompts x " if s.workload == "single" else ""
     own = " unless a trace line sets its own" if s.workload == "trace" else ""
     return (
-        f"Latency: {kind}, engine {s.engine}, {count}{s.rounds} rounds, "
+        f"Latency: {kind}, engine {s.engine}"
+        f"{f' (int4/int8 decode kernels: {s.int_kernels})' if s.engine == 'runtime' else ''}, "
+        f"{count}{s.rounds} rounds, "
         f"{_lengths(s.prompt_tokens)} prompt + {_lengths(s.output_tokens)} output tokens{own}, "
         "greedy, warm-up excluded, variants interleaved."
     )

@@ -181,13 +181,25 @@ def seq_len_for(longest: int) -> int:
     return -(-longest // 64) * 64
 
 
+# the runtime's int4/int8 decode kernels: torch's (bf16 activations) or ours (int8-rounded
+# activations, integer dot products; compress.kernels.cpu_q8)
+INT_KERNELS = ("torch", "ours")
+
+
 def runtime_stream(
-    model: nn.Module, *, max_seq_len: int, slots: int = 1, compile: bool = False
+    model: nn.Module,
+    *,
+    max_seq_len: int,
+    slots: int = 1,
+    compile: bool = False,
+    int_kernels: str = "torch",
 ) -> Stream:
     """A greedy ``Stream`` over ``compress.runtime.engine.Runtime`` (static KV cache): the engine
     that ``compress generate`` serves. Its ``engine`` attribute says who made the tokens:
-    ``"runtime"``, or ``"hf fallback"`` (``hf_stream``, reason in ``fallback_reason``) for a
-    model the runtime does not run.
+    ``"runtime"``, ``"runtime, our int kernels (<ISA>)"`` when ``int_kernels="ours"`` put int4/
+    int8 layers on our integer-dot decode kernels (``compress.kernels.cpu_q8``), or
+    ``"hf fallback"`` (``hf_stream``, reason in ``fallback_reason``) for a model the runtime
+    does not run.
 
     A Runtime has one cache, so requests open at the same time (``StreamEngine`` interleaves up
     to ``slots`` of them) each take a fork of it; a fork is handed back as soon as its request's
@@ -200,7 +212,16 @@ def runtime_stream(
         fallback = hf_stream(model)
         fallback.engine, fallback.fallback_reason = "hf fallback", reason
         return fallback
-    first = Runtime(model, max_seq_len=max_seq_len, compile=compile)
+    if int_kernels not in INT_KERNELS:
+        raise ValueError(f"int_kernels={int_kernels!r}: expected one of {INT_KERNELS}")
+    ours = int_kernels == "ours"
+    first = Runtime(
+        model,
+        max_seq_len=max_seq_len,
+        compile=compile,
+        int4_kernel="q4q8" if ours else "torch",
+        int8_kernel="q8q8" if ours else "torch",
+    )
     free = [first] + [first.fork() for _ in range(slots - 1)]
 
     def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
@@ -221,7 +242,8 @@ def runtime_stream(
                 tokens.close()
                 free.append(runtime)
 
-    stream.engine, stream.fallback_reason = "runtime", None
+    engine = f"runtime, our int kernels ({first.q8_isa})" if first.q8_layers else "runtime"
+    stream.engine, stream.fallback_reason = engine, None
     return stream
 
 

@@ -105,7 +105,13 @@ def _measure(models, requests: list[Request], max_batch: int | None, s: CompareS
     if s.engine == "runtime":
         need = seq_len_for(max(len(r.prompt) + r.max_new_tokens for r in requests))
         streams = [
-            runtime_stream(m, max_seq_len=need, slots=max_batch or 1, compile=s.compile)
+            runtime_stream(
+                m,
+                max_seq_len=need,
+                slots=max_batch or 1,
+                compile=s.compile,
+                int_kernels=s.int_kernels,
+            )
             for m in models
         ]
     else:

@@ -549,7 +549,7 @@ class Runtime:
             )
             int4_kernel = int8_kernel = "torch"
         self.int4_kernel, self.int8_kernel = int4_kernel, int8_kernel
-        # the ISA level of our kernels in this process, for reports (None: not used)
+        # the ISA level of our kernels in this process, for reports (None: not asked for)
         self.q8_isa = cpu_q8.selected_isa() if wants_q8 and q8_reason is None else None
         kernels = _DecodeKernels(int4_kernel, int8_kernel)
         notes: list[str] = []
@@ -576,6 +576,9 @@ class Runtime:
             self.embed = embed.detach()
             self.embed_factor = embed_factor(config, arch, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
+        # layers (lm_head included) that decode through our integer-dot kernels
+        held = list(self.layers.modules()) + list(self.head.modules())
+        self.q8_layers = sum(isinstance(m, _Q8Decode) for m in held)
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
             layer.window for layer in self.layers if layer.window and layer.window < max_seq_len

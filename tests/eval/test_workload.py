@@ -161,3 +161,21 @@ def test_runtime_stream_names_its_engine_and_falls_back_only_when_it_must(model6
     fallback = runtime_stream(gpt2, max_seq_len=64)
     assert fallback.engine == "hf fallback" and "gpt2" in fallback.fallback_reason
     assert list(fallback(prompt, 6)) == _plain(gpt2, prompt, 6)
+
+
+def test_runtime_stream_names_our_int_kernels_only_where_they_run(model64):
+    from compress.kernels import cpu_q8
+    from compress.quant.rtn import Int4RtnConfig, quantize_linears
+
+    # a float model has no layer for them: plain "runtime" whatever was asked
+    assert runtime_stream(model64, max_seq_len=64, int_kernels="ours").engine == "runtime"
+    with pytest.raises(ValueError, match="int_kernels='fast'"):
+        runtime_stream(model64, max_seq_len=64, int_kernels="fast")
+    model = make_tiny_llama(seed=0)  # fp32, as the int4 CPU kernels want
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    assert runtime_stream(model, max_seq_len=64, int_kernels="torch").engine == "runtime"
+    ours = runtime_stream(model, max_seq_len=64, int_kernels="ours")
+    if cpu_q8.unavailable_reason() is None:
+        assert ours.engine == f"runtime, our int kernels ({cpu_q8.selected_isa()})"
+    else:
+        assert ours.engine == "runtime"
