@@ -25,7 +25,7 @@ torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 status=0
 # the CPU-only kernel tests (alignment, AVX2 extension) are CI's; here only what runs on CUDA
 timeout 240 python3 -m pytest tests/kernels -m "not slow" -q -p no:cacheprovider \
-    --ignore tests/kernels/test_alignment.py --ignore tests/kernels/test_cpu_avx2.py \
+    --ignore tests/kernels/test_alignment.py --ignore tests/kernels/test_cpu_q8.py \
     2>&1 | tee "$OUT/kernel_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "kernel tests FAILED or timed out"; status=1; }
 
