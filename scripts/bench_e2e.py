@@ -101,13 +101,35 @@ def worker_stream(command: list) -> Stream:
 LLAMA_CPP_PYTHON = "0.3.36"  # the version CPU_FACTS.md measured (112 tok/s decode here)
 
 
+# $LLAMA_CPP_ISA: "native" (default: every instruction set this CPU has) or "avx2" (AVX2/FMA/F16C
+# only, no AVX-512/VNNI/AMX): the build an AVX2-only CPU gets, for a like-for-like comparison
+# with our kernels forced to their AVX2 level (COMPRESS_CPU_ISA=avx2) on an AVX-512 machine.
+LLAMA_ISA_FLAGS = {
+    "native": "-DGGML_NATIVE=ON -DGGML_AVX2=ON",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
+    "-DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF",
+}
+
+
+def llama_cpp_isa() -> str:
+    isa = os.environ.get("LLAMA_CPP_ISA", "native")
+    if isa not in LLAMA_ISA_FLAGS:
+        raise SystemExit(f"LLAMA_CPP_ISA={isa!r}: expected one of {list(LLAMA_ISA_FLAGS)}")
+    return isa
+
+
 def llama_cpp_python() -> Path:
-    """The venv python with llama-cpp-python, built once from source (CPU, AVX2, 2 jobs).
+    """The venv python with llama-cpp-python, built once from source (CPU, 2 jobs; the
+    instruction sets of ``llama_cpp_isa()``).
 
     The source tree and cmake build tree live in the cache beside the venv and the build runs
     in place, so a build cut short (session end, Ctrl-C) resumes where it stopped next time."""
     root = cache_dir() / "venvs"
-    venv, src, build = root / "llamacpp", root / "llamacpp-src", root / "llamacpp-cmake"
+    isa = llama_cpp_isa()
+    suffix = "" if isa == "native" else f"-{isa}"
+    venv, src = root / f"llamacpp{suffix}", root / "llamacpp-src"
+    build = root / f"llamacpp-cmake{suffix}"
     py = venv / "bin" / "python"
     ready = [py, "-c", "import llama_cpp"]
     if py.exists() and subprocess.run(ready, capture_output=True).returncode == 0:
@@ -133,7 +155,7 @@ def llama_cpp_python() -> Path:
         os.environ,
         # Only the library: the multimodal (llava/mtmd) part, tools, tests and examples
         # double the compile time and the bench does not use them.
-        CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AVX2=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF "
+        CMAKE_ARGS=f"{LLAMA_ISA_FLAGS[isa]} -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF "
         "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
         "-DLLAMA_BUILD_SERVER=OFF",
         CMAKE_BUILD_PARALLEL_LEVEL="2",
