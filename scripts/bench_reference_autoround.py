@@ -4,9 +4,9 @@ same calibration token ids, iters, batch size, group layout and perplexity/KL wi
 Group 64 for both: auto-round needs a group dividing every layer and 128 does not divide 576
 (SmolLM2's hidden size), so this is not the recipe's g128/g64 mix. Both int4 symmetric, lm_head
 float, fp32 (auto-round's CPU bf16 autocast is off unless --amp). Known differences that stay:
-auto-round's symmetric grid is amax/8 over codes -8..7 (ours: --symmetric-grid), its loss skips
-each sequence's last position, and its target is the float block on float inputs (ours: the float
-block on the quantized inputs). Each side runs in its own process (theirs in a venv under
+auto-round's symmetric grid is amax/8 over codes -8..7 (ours: --symmetric-grid) and its loss
+skips each sequence's last position. Both targets are the float model's own states by default
+(ours: --target quantized_inputs for the float block on the quantized inputs). Each side runs in its own process (theirs in a venv under
 <cache>/venvs/autoround, CPU torch first), timed around the quantization call; peak RSS is that
 process's ru_maxrss right after quantizing. Defaults are recipes/smollm2-w4-autoround.yaml's.
 
@@ -107,6 +107,7 @@ def run_ours(settings_path: str) -> None:
         iters=s["iters"],
         batch_size=s["batch_size"],
         symmetric_grid=s["grid"],
+        target=s["target"],
     )
     start = time.perf_counter()
     run_passes(loaded.model, [cfg], state)
@@ -153,6 +154,13 @@ def _parser(recipe) -> argparse.ArgumentParser:
         choices=["restricted", "full"],
         default="restricted",
         help="our int4 grid: amax/7 (restricted, the recipe's) or amax/7.5 (full)",
+    )
+    p.add_argument(
+        "--target",
+        choices=["float_model", "quantized_inputs"],
+        default="float_model",
+        help="our block target: the float model's states (auto-round's) or the float block on "
+        "the quantized inputs",
     )
     p.add_argument("--amp", action="store_true", help="auto-round's CPU default: bf16 autocast")
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: default)")
@@ -225,7 +233,11 @@ def _markdown(args, base, runs: dict) -> tuple[str, list[dict]]:
             "kl": 0.0,
             "top1": 0.0,
         },
-        _row(f"compress quantize.autoround ({args.symmetric_grid} grid)", runs["ours"], base),
+        _row(
+            f"compress quantize.autoround ({args.symmetric_grid} grid, target {args.target})",
+            runs["ours"],
+            base,
+        ),
         _row(f"auto-round {AUTOROUND_VERSION} (amax/8 grid{amp})", runs["theirs"], base),
     ]
     columns = [
@@ -279,6 +291,7 @@ def main() -> None:
         "threads": args.threads,
         "amp": args.amp,
         "grid": args.symmetric_grid,
+        "target": args.target,
     }
     runs = {side: _run_side(side, settings, out) for side in ("ours", "theirs")}
     if runs["theirs"]["max_distinct_per_group"] > 16:

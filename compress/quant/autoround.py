@@ -19,21 +19,25 @@ with the lowest minibatch loss seen; these defaults follow the paper and auto-ro
 ``V = 0, alpha = beta = 1`` (``iters: 0``) the result is RTN, code for code.
 
 Layers are processed one decoder layer at a time (``compress.quant.calibrated``): the inputs of
-layer i are the outputs of the already quantized layers 0..i-1 and the target is the float layer
-i on those same inputs (auto-round can also target the float model's own hidden states; that
-needs a second set of hidden states and is not done here). The result is an ordinary
+layer i are the outputs of the already quantized layers 0..i-1. The target (``target``) is, by
+default as in auto-round, the float model's own output of layer i (``float_model``: the float
+layers 0..i on float inputs, carried as a second set of hidden states), so tuning also pulls
+back the error the earlier quantized layers let in; ``quantized_inputs`` targets the float
+layer i on the quantized inputs instead (the block's own error only). The result is an ordinary
 ``QuantLinear``, so export is the standard compressed-tensors int4/int8 layout. Memory: the
-float layer's outputs are kept beside its inputs (two sets of hidden states ``[n, T, hidden]``),
-plus one minibatch's activations and gradients. Cost: ``iters * batch_size`` forward and backward
-passes of each decoder layer (GPTQ needs one forward), so on CPU it is slow: SmolLM2-135M took
-19 min for its 30 layers at only 20 steps x 1 sequence of 512 (8 calibration sequences) on 2
-busy cores; the defaults (200 steps x 8 sequences) are ~80x that work, a job for a GPU.
+targets and the float trajectory are kept beside the inputs (up to three sets of hidden states
+``[n, T, hidden]``), plus one minibatch's activations and gradients. Cost: ``iters *
+batch_size`` forward and backward passes of each decoder layer (GPTQ needs one forward), so on
+CPU it is slow: SmolLM2-135M took 82 s for its 30 layers at only 20 steps x 1 sequence of 512
+(8 calibration sequences) on 2 idle Xeon cores (19 min on 2 busy ones); the defaults (200 steps
+x 8 sequences) are ~80x that work.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -71,7 +75,9 @@ class AutoroundConfig(CalibratedWeightConfig):
     iters: sign-SGD steps per decoder layer (0: plain RTN). lr: step size of ``V`` (None:
     ``1/iters``, the paper's choice), decayed linearly to 0; clipping_lr: step size of alpha/beta
     (None: the same as lr). batch_size: calibration sequences per step. tune_clipping: false keeps
-    alpha = beta = 1 (rounding only). seed: minibatch order.
+    alpha = beta = 1 (rounding only). seed: minibatch order. target: what each block's output
+    is pulled towards, ``float_model`` (the float model's hidden states, auto-round's choice) or
+    ``quantized_inputs`` (the float block on the quantized model's inputs).
     """
 
     iters: int = Field(200, ge=0, le=100_000)
@@ -81,6 +87,7 @@ class AutoroundConfig(CalibratedWeightConfig):
     tune_clipping: bool = True
     seed: int = Field(0, ge=0)
     offload: OffloadMode = "none"  # where not-yet-processed decoder layers wait
+    target: Literal["float_model", "quantized_inputs"] = "float_model"
 
 
 @dataclass
@@ -281,13 +288,22 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
     per_block: dict[str, dict[str, float]] = {}
     layer_prefix = arch_for(model, "quantize.autoround").layer_prefix
 
+    float_hidden: list[list[torch.Tensor]] = []  # the float model's states entering the layer
+
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
         prefix = f"{layer_prefix}{index}."
         names = [name for name in plan if name.startswith(prefix)]
+        if cfg.target == "float_model":
+            # the float layer on the float model's states (layer 0: the same inputs), before
+            # any swap; advanced for every layer, tuned or not
+            entering = float_hidden.pop() if float_hidden else inputs.hidden
+            targets = run_layer(layer, replace(inputs, hidden=entering))
+            float_hidden.append(targets)
         if not names:
             return
         linears = {n[len(prefix) :]: (model.get_submodule(n), plan[n]) for n in names}
-        targets = run_layer(layer, inputs)  # the float layer, before any swap
+        if cfg.target == "quantized_inputs":
+            targets = run_layer(layer, inputs)  # the float layer, before any swap
         generator = torch.Generator().manual_seed(cfg.seed * 100_003 + index)
         params, info = tune_block(layer, linears, inputs, targets, cfg, generator)
         for rel, (linear, scheme) in linears.items():

@@ -132,6 +132,14 @@ RoundedX round_x(const float* x, int64_t M, int64_t K, int64_t group, int32_t bi
   return r;
 }
 
+// The offsets' share of one output: sum_j offset[j] * xsum[j] (asymmetric weights; else 0).
+inline float offset_term(const float* off, const float* xsum, int64_t G) {
+  float out = 0.f;
+  if (off != nullptr)
+    for (int64_t j = 0; j < G; ++j) out += off[j] * xsum[j];
+  return out;
+}
+
 // ---- the two blocks of one pair, as unsigned bytes ----------------------------------------
 #if defined(COMPRESS_AVX512VNNI)
 template <bool Q4>
@@ -170,12 +178,9 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
       acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out = _mm512_reduce_add_ps(acc[r]);
-    if (off != nullptr)
-      for (int64_t j = 0; j < x.G; ++j) out += off[j] * x.xsum[(m0 + r) * x.G + j];
-    y[(m0 + r) * N] = out;
-  }
+  for (int r = 0; r < R; ++r)
+    y[(m0 + r) * N] = _mm512_reduce_add_ps(acc[r]) +
+                      offset_term(off, x.xsum.data() + (m0 + r) * x.G, x.G);
 }
 
 // One row (decode), COLS output columns at once: the pair's activations, corrections and
@@ -221,12 +226,9 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
         acc[c] = _mm512_fmadd_ps(inner[c], _mm512_set1_ps(ws[c * G + j]), acc[c]);
     }
   }
-  for (int c = 0; c < COLS; ++c) {
-    float out = _mm512_reduce_add_ps(acc[c]);
-    if (off != nullptr)
-      for (int64_t j = 0; j < G; ++j) out += off[c * G + j] * x.xsum[j];
-    y[c] = out;
-  }
+  for (int c = 0; c < COLS; ++c)
+    y[c] = _mm512_reduce_add_ps(acc[c]) +
+           offset_term(off == nullptr ? nullptr : off + c * G, x.xsum.data(), G);
 }
 #else
 // 256-bit: one block per vector. int4 codes are 0..15 and go to maddubs/vpdpbusd as they are.
@@ -304,12 +306,9 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
                                 _mm256_set1_ps(x.scale[i + 1] * s1), acc1[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out = hsum(_mm256_add_ps(acc0[r], acc1[r]));
-    if (off != nullptr)
-      for (int64_t j = 0; j < x.G; ++j) out += off[j] * x.xsum[(m0 + r) * x.G + j];
-    y[(m0 + r) * N] = out;
-  }
+  for (int r = 0; r < R; ++r)
+    y[(m0 + r) * N] = hsum(_mm256_add_ps(acc0[r], acc1[r])) +
+                      offset_term(off, x.xsum.data() + (m0 + r) * x.G, x.G);
 }
 
 // One row (decode), COLS output columns at once: the pair's activations and corrections are
@@ -350,12 +349,8 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
       acc[c] = g32 ? _mm256_add_ps(acc[c], inner[c])
                    : _mm256_fmadd_ps(inner[c], _mm256_set1_ps(ws[c * G + j]), acc[c]);
   }
-  for (int c = 0; c < COLS; ++c) {
-    float out = hsum(acc[c]);
-    if (off != nullptr)
-      for (int64_t j = 0; j < G; ++j) out += off[c * G + j] * x.xsum[j];
-    y[c] = out;
-  }
+  for (int c = 0; c < COLS; ++c)
+    y[c] = hsum(acc[c]) + offset_term(off == nullptr ? nullptr : off + c * G, x.xsum.data(), G);
 }
 #endif
 
