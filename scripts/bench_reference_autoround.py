@@ -4,8 +4,8 @@ same calibration token ids, iters, batch size, group layout and perplexity/KL wi
 Group 64 for both: auto-round needs a group dividing every layer and 128 does not divide 576
 (SmolLM2's hidden size), so this is not the recipe's g128/g64 mix. Both int4 symmetric, lm_head
 float, fp32 (auto-round's CPU bf16 autocast is off unless --amp). Known differences that stay:
-auto-round's symmetric grid is amax/8 over codes -8..7 (ours: --symmetric-grid) and its loss
-skips each sequence's last position. Both targets are the float model's own states by default
+auto-round's symmetric grid is +-amax/8 over codes -8..7 (ours: --symmetric-grid signed is the
+same grid) and its loss skips each sequence's last position. Both targets are the float model's own states by default
 (ours: --target quantized_inputs for the float block on the quantized inputs). Each side runs in its own process (theirs in a venv under
 <cache>/venvs/autoround, CPU torch first), timed around the quantization call; peak RSS is that
 process's ru_maxrss right after quantizing. Defaults are recipes/smollm2-w4-autoround.yaml's.
@@ -151,9 +151,10 @@ def _parser(recipe) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=ppl.limit, help="test windows (0 = all)")
     p.add_argument(
         "--symmetric-grid",
-        choices=["restricted", "full"],
+        choices=["restricted", "full", "signed"],
         default="restricted",
-        help="our int4 grid: amax/7 (restricted, the recipe's) or amax/7.5 (full)",
+        help="our int4 grid: amax/7 (restricted, the recipe's), amax/7.5 (full) or +-amax/8 "
+        "(signed, auto-round's)",
     )
     p.add_argument(
         "--target",

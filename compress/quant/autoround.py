@@ -6,7 +6,8 @@ offset ``V`` in [-0.5, 0.5] and for every group two clipping multipliers ``alpha
 and ``beta`` (on the min) in [0.5, 1]:
 
     wmax = alpha * max(w_g, 0), wmin = beta * min(w_g, 0)       (asymmetric, zero in range)
-    amax = max(alpha * wmax, -beta * wmin)                        (symmetric)
+    amax = max(alpha * wmax, -beta * wmin)                        (symmetric; the scale from
+                                                                   amax per ``symmetric_grid``)
     w_q  = clamp(round(w / s + V) + z, qmin, qmax),  w~ = (w_q - z) * s
 
 with ``s`` and ``z`` the min/max parameters of ``compress.quant.primitives`` computed from the
@@ -126,11 +127,11 @@ def _learned_qparams(
     wmax = groups.amax(dim=-1).clamp(min=0.0) * p.alpha  # [N, G]
     wmin = groups.amin(dim=-1).clamp(max=0.0) * p.beta
     if scheme.symmetric:
-        scales = torch.maximum(wmax, -wmin) / ((qmax - qmin) / 2 if scheme.full_range else qmax)
+        scales = quant_primitives.symmetric_scales(wmax, wmin, scheme.n_bits, scheme.grid)
         zeros = None
     else:
         scales = (wmax - wmin) / (qmax - qmin)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     if not scheme.symmetric:
         # zero point from the unrounded scale, as compute_qparams does
         zeros = torch.clamp(_round_ste(qmin - wmin / scales), qmin, qmax).unsqueeze(-1)

@@ -132,7 +132,7 @@ def _fake_quant(w: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
         n_bits=scheme.n_bits,
         group_size=scheme.resolved_group(w.shape[1]),
         symmetric=scheme.symmetric,
-        full_range=scheme.full_range,
+        grid=scheme.grid,
     )
 
 

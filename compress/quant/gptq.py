@@ -158,7 +158,7 @@ def _qparams(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch
         n_bits=scheme.n_bits,
         group_size=w.shape[1],
         symmetric=scheme.symmetric,
-        full_range=scheme.full_range,
+        grid=scheme.grid,
     )
     return scales.to(scheme.scale_dtype).to(torch.float32), zeros  # [N, 1] each
 

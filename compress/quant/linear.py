@@ -56,7 +56,7 @@ class WeightScheme:
     group_size: int | None  # input channels per scale; None = one scale per output channel
     symmetric: bool = True
     scale_dtype: torch.dtype = torch.float16
-    full_range: bool = False  # symmetric grid amax / 7.5 instead of amax / 7 (quant_primitives)
+    grid: str = "restricted"  # symmetric grid: restricted | full | signed (quant_primitives)
 
     def resolved_group(self, in_features: int) -> int:
         return in_features if self.group_size is None else self.group_size
@@ -79,7 +79,7 @@ def rtn_codes(
     group = scheme.resolved_group(w.shape[1])
     scales, zeros = quant_primitives.compute_qparams(
         w, n_bits=scheme.n_bits, group_size=group, symmetric=scheme.symmetric,
-        full_range=scheme.full_range,
+        grid=scheme.grid,
     )
     # Codes are computed against the scales as stored, so that stored = used.
     scales = scales.to(scheme.scale_dtype)

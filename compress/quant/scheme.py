@@ -67,8 +67,9 @@ class WeightQuantConfig(PassConfig):
     backend: BackendName = "auto"  # kernel backend of the produced QuantLinear modules
     overrides: tuple[LayerOverride, ...] = ()  # per-layer bits/group exceptions (first match)
     # Symmetric grid: "restricted" = amax / (2**(b-1) - 1), "full" = amax / ((2**b - 1) / 2), the
-    # compressed-tensors / AutoGPTQ convention (see compress/quant/primitives.py).
-    symmetric_grid: Literal["restricted", "full"] = "restricted"
+    # compressed-tensors / AutoGPTQ convention, "signed" = +-amax / 2**(b-1), llama.cpp's and
+    # auto-round's (negative scales; see compress/quant/primitives.py).
+    symmetric_grid: Literal["restricted", "full", "signed"] = "restricted"
 
 
 class CalibratedWeightConfig(WeightQuantConfig):
@@ -95,7 +96,7 @@ def scheme_for_layer(
     """The scheme for this layer (after per-layer ``overrides``), or the reason to skip it."""
     k = linear.in_features
     scale_dtype = DTYPES[cfg.scale_dtype]
-    full_range = cfg.symmetric_grid == "full"
+    grid = cfg.symmetric_grid
     group_size = getattr(cfg, "group_size", None)
     fallback = getattr(cfg, "fallback_group_size", None)
     symmetric = cfg.symmetric
@@ -107,11 +108,11 @@ def scheme_for_layer(
             group_size = None if override.group_size == "channel" else override.group_size
             fallback = None
     if group_size is None:  # one scale per output channel
-        return WeightScheme(n_bits, None, symmetric, scale_dtype, full_range)
+        return WeightScheme(n_bits, None, symmetric, scale_dtype, grid)
     groups = [g for g in (group_size, fallback) if g]
     for group in groups:
         if k % group == 0:
-            return WeightScheme(n_bits, group, symmetric, scale_dtype, full_range)
+            return WeightScheme(n_bits, group, symmetric, scale_dtype, grid)
     return f"in_features {k} is not divisible by group_size {' or '.join(map(str, groups))}"
 
 

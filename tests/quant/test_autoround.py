@@ -41,15 +41,15 @@ def _one_thread():
 
 
 @pytest.mark.parametrize(
-    ("symmetric", "full_range"),
-    [(True, False), (True, True), (False, False)],
-    ids=["sym", "sym-full-grid", "asym"],
+    ("symmetric", "grid"),
+    [(True, "restricted"), (True, "full"), (True, "signed"), (False, "restricted")],
+    ids=["sym", "sym-full-grid", "sym-signed-grid", "asym"],
 )
-def test_initial_parameters_fake_quantize_like_rtn(symmetric, full_range):
+def test_initial_parameters_fake_quantize_like_rtn(symmetric, grid):
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
-    scheme = WeightScheme(4, 32, symmetric, torch.float32, full_range)
+    scheme = WeightScheme(4, 32, symmetric, torch.float32, grid)
     got = fake_quantize_learned(w, RoundingParams.initial(w, 32), scheme)
-    expected = fake_quantize(w, n_bits=4, group_size=32, symmetric=symmetric, full_range=full_range)
+    expected = fake_quantize(w, n_bits=4, group_size=32, symmetric=symmetric, grid=grid)
     assert torch.equal(got, expected)
 
 
@@ -213,6 +213,10 @@ def test_export_reloads_in_our_loader_and_in_plain_transformers(tiny_tokenizer, 
         "w4g32-sym": AutoroundConfig(iters=10, group_size=32, backend="reference"),
         "w8-channel-asym": AutoroundConfig(
             iters=10, n_bits=8, group_size=None, symmetric=False, backend="reference"
+        ),
+        # negative scales (the signed grid) must survive export and plain transformers' load
+        "w4g32-signed-grid": AutoroundConfig(
+            iters=10, group_size=32, symmetric_grid="signed", backend="reference"
         ),
     }
     expected, dirs = {}, []
