@@ -108,7 +108,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                         max_kl=args.max_kl)  # fmt: skip
     report = run_tune(
         args.model, target, formats=tuple(args.formats or DEFAULT_FORMATS),
-        algorithm=args.algorithm, num_samples=args.num_samples, seq_len=args.seq_len,
+        algorithm=args.algorithm, symmetric_grid=args.symmetric_grid,
+        num_samples=args.num_samples, seq_len=args.seq_len,
         limit=None if args.full_eval else args.limit, out_dir=args.out, data_dir=args.data_dir,
         progress=not args.no_progress, overwrite=args.overwrite,
     )  # fmt: skip
@@ -427,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "int4-g128 int4-g32-asym int4-g128-asym)")
     p_tune.add_argument("--algorithm", choices=["gptq", "awq"], default="gptq",
                         help="the calibrated pass the written recipe runs (default: gptq)")
+    p_tune.add_argument("--symmetric-grid", choices=["restricted", "full", "signed"],
+                        default="restricted",
+                        help="grid of the symmetric int candidates, in the measurement and the "
+                        "recipe: amax/7, amax/7.5 or signed +-amax/8 (llama.cpp's)")
     p_tune.add_argument("--num-samples", type=int, default=32, help="calibration sequences")
     p_tune.add_argument("--seq-len", type=int, default=512, help="calibration sequence length")
     p_tune.add_argument("--limit", type=int, default=16, help="perplexity windows to verify on")

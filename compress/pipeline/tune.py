@@ -36,7 +36,7 @@ import math
 import os
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from compress.arch import ARCHS, DEFAULT_IGNORE, model_type
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches
 from compress.quant.linear import QuantLinear, WeightScheme
+from compress.quant.primitives import GRIDS
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Format:
     n_bits: int | None = None
     group_size: int | None = None
     symmetric: bool = True
+    grid: str = "restricted"  # symmetric grid (compress.quant.primitives), one per tune run
 
     @property
     def is_float(self) -> bool:
@@ -70,7 +72,7 @@ class Format:
 
     def scheme(self) -> WeightScheme:
         # float16 scales: what the passes store by default (scale_dtype)
-        return WeightScheme(self.n_bits, self.group_size, self.symmetric, torch.float16)
+        return WeightScheme(self.n_bits, self.group_size, self.symmetric, torch.float16, self.grid)
 
     def fits(self, linear: nn.Linear) -> bool:
         return self.is_float or self.group_size is None or linear.in_features % self.group_size == 0
@@ -291,6 +293,7 @@ def recipe_dict(
     calibration: dict[str, Any],
     perplexity: dict[str, Any],
     description: str,
+    symmetric_grid: str = "restricted",
 ) -> dict[str, Any]:
     """The recipe (as a dict, for ``parse_recipe`` / YAML) that quantizes each layer of
     ``assignment`` to its format: the most chosen integer format is the pass default, the other
@@ -318,6 +321,8 @@ def recipe_dict(
     step: dict[str, Any] = {"pass": f"quantize.{algorithm}", "n_bits": default.n_bits,
                             "group_size": default.group_size, "symmetric": default.symmetric,
                             "ignore": ignore, "strict": True}  # fmt: skip
+    if symmetric_grid != "restricted":
+        step["symmetric_grid"] = symmetric_grid
     if algorithm == "gptq":
         step["act_order"] = True  # as the shipped GPTQ recipes: better on SmolLM2 (results.md)
     if overrides:
@@ -333,9 +338,11 @@ def recipe_dict(
     }
 
 
-def check_recipe_matches(recipe, model: nn.Module, assignment: dict[str, str]) -> None:
-    """The written recipe gives every layer exactly its assigned format (a guard against a
-    pattern that catches the wrong layer)."""
+def check_recipe_matches(
+    recipe, model: nn.Module, assignment: dict[str, str], grid: str = "restricted"
+) -> None:
+    """The written recipe gives every layer exactly its assigned format, on the tune's
+    symmetric ``grid`` (a guard against a pattern that catches the wrong layer)."""
     from compress.quant.scheme import scheme_for_layer
 
     cfg = recipe.passes[0]
@@ -348,8 +355,8 @@ def check_recipe_matches(recipe, model: nn.Module, assignment: dict[str, str]) -
         if fmt.is_float:
             continue
         scheme = scheme_for_layer(model.get_submodule(layer), cfg, cfg.n_bits, layer)
-        got = (scheme.n_bits, scheme.group_size, scheme.symmetric)
-        if got != (fmt.n_bits, fmt.group_size, fmt.symmetric):
+        got = (scheme.n_bits, scheme.group_size, scheme.symmetric, scheme.grid)
+        if got != (fmt.n_bits, fmt.group_size, fmt.symmetric, grid):
             raise AssertionError(f"tune wrote a recipe giving {layer} {got}, assigned {fmt_name}")
 
 
@@ -478,6 +485,7 @@ def run_tune(
     *,
     formats: tuple[str, ...] = DEFAULT_FORMATS,
     algorithm: str = "gptq",
+    symmetric_grid: str = "restricted",
     num_samples: int = 32,
     seq_len: int = 512,
     calibration_mix: dict[str, float] | None = None,
@@ -501,7 +509,10 @@ def run_tune(
     target.check()
     if algorithm not in ("gptq", "awq"):
         raise ConfigError(f"tune: algorithm {algorithm!r}: choose gptq or awq")
-    candidates = [parse_format(f) for f in formats]
+    if symmetric_grid not in GRIDS:
+        raise ConfigError(f"tune: symmetric grid {symmetric_grid!r}: choose one of {GRIDS}")
+    # the grid applies to every symmetric candidate, in the sensitivity and the written recipe
+    candidates = [replace(parse_format(f), grid=symmetric_grid) for f in formats]
     loaded = load_model(model_id)
     model = loaded.model.float().eval()
     arch = ARCHS.get(model_type(model))
@@ -516,8 +527,9 @@ def run_tune(
     numels = {n: model.get_submodule(n).weight.numel() for n in names}
     mix = calibration_mix or {"wikitext2-valid": 1.0}
     calibration = {"num_samples": num_samples, "seq_len": seq_len, "seed": 0, "mix": mix}
+    grid_key = {} if symmetric_grid == "restricted" else {"grid": symmetric_grid}
     key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
-                     layers=names, version=1)  # fmt: skip
+                     layers=names, version=1, **grid_key)  # fmt: skip
     cache = sensitivity_cache(key)
     if cache.is_file():
         stored = json.loads(cache.read_text())
@@ -554,9 +566,10 @@ def run_tune(
     raw = recipe_dict(
         name=tag, model=model_id, assignment=assignment, algorithm=algorithm,
         calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
+        symmetric_grid=symmetric_grid,
     )  # fmt: skip
     recipe = parse_recipe(raw, source="compress tune")
-    check_recipe_matches(recipe, model, assignment)
+    check_recipe_matches(recipe, model, assignment, symmetric_grid)
     out = Path(out_dir or Path("out") / tag)
     result = run_job(recipe, model=model_id, out_dir=out, data_dir=data_dir, progress=progress,
                      overwrite=overwrite)  # fmt: skip

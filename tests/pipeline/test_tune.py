@@ -156,6 +156,17 @@ def test_the_written_recipe_gives_every_layer_its_format(tiny_model):
     wrong[flip] = "int4-g64"
     with pytest.raises(AssertionError, match=flip.replace(".", r"\.")):
         check_recipe_matches(recipe, tiny_model, wrong)
+    # a tune on the signed grid writes it into the recipe; the check holds the recipe to it
+    signed = recipe_dict(
+        name="t", model="tiny", assignment=assignment, calibration={"num_samples": 2},
+        perplexity={"dataset": "wikitext2", "limit": 1}, description="test",
+        symmetric_grid="signed",
+    )  # fmt: skip
+    recipe = parse_recipe(yaml.safe_load(yaml.safe_dump(signed)))
+    assert recipe.passes[0].symmetric_grid == "signed"
+    check_recipe_matches(recipe, tiny_model, assignment, "signed")
+    with pytest.raises(AssertionError, match="signed"):
+        check_recipe_matches(recipe, tiny_model, assignment)  # the tune's grid was restricted
 
 
 def test_target_needs_exactly_one_size():
