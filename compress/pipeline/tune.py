@@ -577,6 +577,7 @@ def run_tune(
     measured_bits = 8 * sum(stored.values()) / sum(numels.values())
     report: dict[str, Any] = {
         "target": target.__dict__, "algorithm": algorithm, "formats": list(formats),
+        "symmetric_grid": symmetric_grid,
         "budget_linear_bytes": budget, "predicted_bits_per_weight": predicted_bits,
         "measured_bits_per_weight": measured_bits,
         "measured_linear_bytes": sum(stored.values()),
@@ -626,7 +627,8 @@ def _verify(target: TuneTarget, report: dict, row: dict, out: Path, prompt_token
 def tune_markdown(report: dict) -> str:
     lines = [
         "## compress tune", "",
-        f"target: {report['target']}; algorithm {report['algorithm']}; candidates "
+        f"target: {report['target']}; algorithm {report['algorithm']}; symmetric grid "
+        f"{report.get('symmetric_grid', 'restricted')}; candidates "
         f"{', '.join(report['formats'])}", "",
         "| check | target | measured | ok |", "|---|---:|---:|---|",
     ]  # fmt: skip
