@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.eval.report import environment, markdown_table
-from compress.kernels import cpu_native, cpu_q8, cpuinfo
+from compress.kernels import cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 
 SHAPES = ["576x576", "192x576", "1536x576", "576x1536", "49152x576", "2048x2048", "5632x2048"]
@@ -55,19 +55,16 @@ def variants(n: int, k: int, group: int) -> dict[str, tuple]:
             n * k // 2 + 4 * n * g,
         ),
     }
-    for isa in levels():
+    for isa in cpu_q8.built_levels():
         out[f"ours Q4xQ8 {isa}"] = (
             lambda x, isa=isa: cpu_q8.linear_q8(x, ours4, isa),
             n * k // 2 + 4 * n * g,
         )
-        out[f"ours Q8xQ8 {isa}"] = (lambda x, isa=isa: cpu_q8.linear_q8(x, ours8, isa), n * k + 4 * n)
+        out[f"ours Q8xQ8 {isa}"] = (
+            lambda x, isa=isa: cpu_q8.linear_q8(x, ours8, isa),
+            n * k + 4 * n,
+        )
     return out
-
-
-def levels() -> list[str]:
-    """The ISA levels of our kernels that run here (each built once)."""
-    found = cpu_q8.supported_levels(cpuinfo.cpu_flags())
-    return [isa for isa in found if cpu_q8.build_reason(isa) is None]
 
 
 def main() -> None:
@@ -81,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not levels():
+    if not cpu_q8.built_levels():
         print(f"our kernels unavailable: {cpu_q8.unavailable_reason()}")
     rows = []
     for threads in args.threads:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from compress.eval.report import environment, markdown_table
-from compress.kernels import cpu_native, cpu_q8, cpuinfo
+from compress.kernels import cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -51,7 +51,7 @@ def torch_pass(qs: list[QuantLinear], bits: int):
         calls = [
             (q.in_features, lambda x, w=w: torch._weight_int4pack_mm_for_cpu(
                 x, w.packed, w.group_size, w.scale_and_zero))
-            for q, w in zip(qs, packed)
+            for q, w in zip(qs, packed, strict=True)
         ]  # fmt: skip
         size = sum(w.packed.numel() + 2 * w.scale_and_zero.numel() for w in packed)
     else:
@@ -61,7 +61,7 @@ def torch_pass(qs: list[QuantLinear], bits: int):
         ]
         calls = [
             (q.in_features, lambda x, w=w, s=s: torch._weight_int8pack_mm(x, w, s))
-            for q, (w, s) in zip(qs, held)
+            for q, (w, s) in zip(qs, held, strict=True)
         ]
         size = sum(w.numel() + 2 * s.numel() for w, s in held)
     return calls, size
@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--out", default="out/decode_pass")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    levels = [i for i in cpu_q8.supported_levels(cpuinfo.cpu_flags()) if cpu_q8.build_reason(i) is None]
+    levels = cpu_q8.built_levels()
     rows = []
     for what, shapes, count, bits in (
         (f"30 layers int4 g{args.group}", LAYER, 30, 4),
@@ -118,11 +118,13 @@ def main() -> None:
         for name, (_, size) in kernels.items():
             ms = [1e3 * s for s in samples[name][1:]]
             med = statistics.median(ms)
-            rows.append(dict(work=what, kernel=name, ms=med, ms_range=f"{min(ms):.2f}-{max(ms):.2f}",
+            spread = f"{min(ms):.2f}-{max(ms):.2f}"
+            rows.append(dict(work=what, kernel=name, ms=med, ms_range=spread,
                              gb_s=size / med / 1e6, vs_torch=base * 1e3 / med))  # fmt: skip
             print(rows[-1], flush=True)
     columns = [("work", "work"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
-               ("ms_range", "min-max"), ("gb_s", "weight GB/s"), ("vs_torch", "vs torch")]  # fmt: skip
+               ("ms_range", "min-max"), ("gb_s", "weight GB/s"),
+               ("vs_torch", "vs torch")]  # fmt: skip
     env = environment()
     md = (
         f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; torch {env['torch']}; "

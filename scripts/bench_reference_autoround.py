@@ -5,10 +5,11 @@ Group 64 for both: auto-round needs a group dividing every layer and 128 does no
 (SmolLM2's hidden size), so this is not the recipe's g128/g64 mix. Both int4 symmetric, lm_head
 float, fp32 (auto-round's CPU bf16 autocast is off unless --amp). Known differences that stay:
 auto-round's symmetric grid is +-amax/8 over codes -8..7 (ours: --symmetric-grid signed is the
-same grid) and its loss skips each sequence's last position. Both targets are the float model's own states by default
-(ours: --target quantized_inputs for the float block on the quantized inputs). Each side runs in its own process (theirs in a venv under
-<cache>/venvs/autoround, CPU torch first), timed around the quantization call; peak RSS is that
-process's ru_maxrss right after quantizing. Defaults are recipes/smollm2-w4-autoround.yaml's.
+same grid) and its loss skips each sequence's last position. Both targets are the float model's
+own states by default (ours: --target quantized_inputs for the float block on the quantized
+inputs). Each side runs in its own process (theirs in a venv under <cache>/venvs/autoround, CPU
+torch first), timed around the quantization call; peak RSS is that process's ru_maxrss right
+after quantizing. Defaults are recipes/smollm2-w4-autoround.yaml's.
 
     python scripts/bench_reference_autoround.py --out out/bench_ref_autoround
 

@@ -75,6 +75,11 @@ def supported_levels(flags: frozenset[str]) -> list[str]:
     return [isa for isa, (needs, _, _) in ISA_LEVELS.items() if needs <= flags]
 
 
+def built_levels() -> list[str]:
+    """The levels this CPU has that build and load here, best first (each built once)."""
+    return [i for i in supported_levels(cpuinfo.cpu_flags()) if build_reason(i) is None]
+
+
 @functools.cache
 def build_reason(isa: str) -> str | None:
     """Build and load level ``isa`` (at most once); None when its ops are registered, else why

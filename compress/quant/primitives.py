@@ -42,7 +42,9 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
 GRIDS = ("restricted", "full", "signed")  # the symmetric grids of the module docstring
 
 
-def symmetric_scales(wmax: torch.Tensor, wmin: torch.Tensor, n_bits: int, grid: str) -> torch.Tensor:
+def symmetric_scales(
+    wmax: torch.Tensor, wmin: torch.Tensor, n_bits: int, grid: str
+) -> torch.Tensor:
     """Symmetric scales from each group's ``wmax >= 0`` and ``wmin <= 0`` under ``grid`` (module
     docstring); 1 for an all-zero group. Differentiable in wmax/wmin (AutoRound's clipping)."""
     qmin, qmax = code_range(n_bits)

@@ -126,7 +126,8 @@ class _Q8Decode(nn.Module):
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N] fp32."""
-        return self.op(x2.float().contiguous(), self.codes, self.scales, self.offsets, self.group_size)
+        x2 = x2.float().contiguous()
+        return self.op(x2, self.codes, self.scales, self.offsets, self.group_size)
 
 
 def _q8_decode(q: QuantLinear) -> _Q8Decode:
@@ -211,7 +212,7 @@ def _convert_linear(
     prefill,
     decode,
     notes: list[str],
-    kernels: _DecodeKernels = _DecodeKernels(),
+    kernels: _DecodeKernels = _DecodeKernels(),  # noqa: B008  (an immutable tuple)
 ) -> nn.Module:
     """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
     if not isinstance(module, QuantLinear):
@@ -224,7 +225,9 @@ def _convert_linear(
         return _ModuleLinear(module, torch.float32)
     device = module.weight_scale.device
     plan = module.plan(device, phase="prefill")
-    decode_plan = module.plan(device, phase="decode", int4_kernel=kernels.int4, int8_kernel=kernels.int8)
+    decode_plan = module.plan(
+        device, phase="decode", int4_kernel=kernels.int4, int8_kernel=kernels.int8
+    )
     q8 = decode_plan.backend in ("q4q8", "q8q8")
     if plan.backend == "cpu":
         return _Int4Linear(module, q8=q8) if module.kind == "int4" else _Int8Linear(module, q8=q8)
@@ -587,7 +590,6 @@ class Runtime:
             log.warning(
                 "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
             )
-        first = self.layers[0]
         self.device = device
         self.k_cache, self.v_cache = self._new_cache(), self._new_cache()
         self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
