@@ -1,10 +1,12 @@
-"""Our integer-dot CPU kernels for decode (``csrc/q8_dot.cpp``), one build per ISA level.
+"""Our integer-dot CPU kernels (``csrc/q8_dot.cpp``: decode, ``csrc/q8_gemm.cpp``: prefill),
+one build per ISA level.
 
 llama.cpp's Q4 x Q8 and Q8 x Q8 schemes: the activations are rounded to int8 per block of 32
 columns (scale = amax / 127, round half to even) and each block's dot product with the int4 or
 int8 weight codes is done in integers, then scaled. Two ops per build:
 ``int4_linear_q8`` (int4 weights) and ``int8_linear_q8`` (int8 weights: W8 layers, the int8
-lm_head).
+lm_head). From 8 rows on (prefill) each op runs as a GEMM whose vector lanes hold rows: the same
+integers, another fp32 summation order.
 
 ISA levels, chosen at run time from the CPU flags (``cpuinfo``), best first:
 
@@ -22,8 +24,9 @@ Why the kernels exist (docs/results.md): torch's int4 CPU kernel is bound by unp
 bf16 (1.4-2.5 GB/s of weights per thread on an AVX2 EPYC) and its int8 kernel takes bf16
 activations; the integer dot does 32 weights in two to four instructions. The price is the
 activation rounding: +0.2% WikiText-2 perplexity on SmolLM2 W4 (``bench_q8_activations.py``),
-so the runtime uses them in decode only and only when asked (``int4_kernel="q4q8"``,
-``int8_kernel="q8q8"``).
+so the runtime uses them only when asked (``int4_kernel="q4q8"``, ``int8_kernel="q8q8"``), then
+in both phases: at prefill sizes torch's weight-only kernels were slower than an fp32 GEMM
+(``scripts/bench_prefill.py``).
 
 Layouts (``prepack_int4`` / ``prepack_int8``, once per layer; K a multiple of 64, groups a
 multiple of 32): int4 codes uint8 [N, K/2], per 64 columns 32 bytes with byte i = column i
@@ -40,6 +43,7 @@ compiler, build error); callers then keep torch's kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +52,8 @@ import torch
 
 from . import cpuinfo, reference
 
-SOURCE = Path(__file__).with_name("csrc") / "q8_dot.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "q8_dot.cpp", CSRC / "q8_gemm.cpp")  # both include q8_common.h
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
 ISA_ENV = "COMPRESS_CPU_ISA"
@@ -93,20 +98,31 @@ def build_reason(isa: str) -> str | None:
 
         cpp_extension.load(
             name=f"compress_q8_{isa}",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             # -fopenmp: at::parallel_for only spreads over threads when the op is built with
             # OpenMP (measured: without it 2 threads ran no faster than 1)
-            extra_cflags=[*cflags, f"-D{define}", f"-DCOMPRESS_OPS=compress_{isa}"],
+            # the sources' hash in the flags: torch rebuilds when flags or sources change, and
+            # this way also when only the shared header does
+            extra_cflags=[*cflags, f"-D{define}", f"-DCOMPRESS_OPS=compress_{isa}",
+                          f"-DCOMPRESS_CSRC_HASH={_csrc_hash()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, build error: fall back)
-        return f"building {SOURCE.name} for {isa} failed: {type(exc).__name__}: {str(exc)[:300]}"
+        what = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return f"building {', '.join(s.name for s in SOURCES)} for {isa} failed: {what}"
     for op in ("int4_linear_q8", "int8_linear_q8"):
         # shapes only, so torch.compile keeps the call in its graph
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
     return None
+
+
+def _csrc_hash() -> str:
+    digest = hashlib.sha1()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _fake_linear(x, codes, scales, offsets, group):

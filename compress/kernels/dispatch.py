@@ -9,8 +9,9 @@ phase, when it re-holds a layer). Layer kinds and their backends:
   when the shape fits, the plain-torch reference otherwise. In the runtime's ``decode`` phase,
   ``int4_kernel="q4q8"`` asks for our integer-dot Q4 x Q8 kernel (``cpu_q8``, at the ISA level
   the CPU has) where the native int4 kernel would run, and ``int8_kernel="q8q8"`` for its
-  Q8 x Q8 kernel where the native int8 kernel would run (the runtime holds the other layers as
-  dequantized floats in both phases); a layer it cannot take keeps the plan it had;
+  Q8 x Q8 kernel where the native int8 kernel would run, in the ``prefill`` phase too (from 8
+  rows on the kernel runs as a row-tile GEMM); the runtime holds the other layers as
+  dequantized floats in both phases; a layer it cannot take keeps the plan it had;
 - ``w8a8`` (``W8A8Linear``): ``auto | reference | float_exact | cpu | triton``. ``auto`` picks
   triton on CUDA, ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products (VNNI/AMX),
   ``float_exact`` otherwise.
@@ -139,8 +140,9 @@ def plan_linear(
     wanted = "q4q8" if kind == "int4" and int4_kernel == "q4q8" else None
     if kind == "int8" and int8_kernel == "q8q8":
         wanted = "q8q8"
-    # the integer-dot kernels replace the native CPU kernel in decode (prefill keeps it)
-    if wanted and phase == "decode" and plan.backend == "cpu":
+    # the integer-dot kernels replace the native CPU kernel in both of the runtime's phases
+    # (prefill through their row-tile GEMM), so the runtime holds one layout per layer
+    if wanted and phase in ("prefill", "decode") and plan.backend == "cpu":
         reason = cpu_q8.unsupported_reason(n, k, group) or q8_unavailable_reason()
         if reason is None:
             return Plan(wanted)

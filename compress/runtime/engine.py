@@ -103,16 +103,17 @@ class _FloatLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class _DecodeKernels(NamedTuple):
-    """The runtime's decode preferences: ``int4`` in INT4_KERNELS, ``int8`` in INT8_KERNELS."""
+class _IntKernels(NamedTuple):
+    """The runtime's int-layer kernels (both phases): ``int4`` in INT4_KERNELS, ``int8`` in
+    INT8_KERNELS."""
 
     int4: str = "torch"
     int8: str = "torch"
 
 
-class _Q8Decode(nn.Module):
-    """Decode through our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded
-    to int8 per block of 32, faster at a few rows), from its own copy of the codes."""
+class _Q8Kernel(nn.Module):
+    """Our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded to int8 per
+    block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill)."""
 
     def __init__(self, w: cpu_q8.Q8Weight) -> None:
         super().__init__()
@@ -130,7 +131,7 @@ class _Q8Decode(nn.Module):
         return self.op(x2, self.codes, self.scales, self.offsets, self.group_size)
 
 
-def _q8_decode(q: QuantLinear) -> _Q8Decode:
+def _q8_kernel(q: QuantLinear) -> _Q8Kernel:
     zp = None if q.scheme.symmetric else q.weight_zero_point
     if q.kind == "int4":
         w = cpu_q8.prepack_int4(
@@ -138,27 +139,31 @@ def _q8_decode(q: QuantLinear) -> _Q8Decode:
         )
     else:
         w = cpu_q8.prepack_int8(q.weight, q.weight_scale, zp, group_size=q.group_size)
-    return _Q8Decode(w)
+    return _Q8Kernel(w)
 
 
 class _Int4Linear(nn.Module):
-    """Native CPU int4 kernel; wants bf16 activations in both phases. With ``q8`` the decode
-    phase runs our Q4 x Q8 kernel (``_Q8Decode``); prefill stays on torch's kernel."""
+    """int4 weights: torch's native CPU kernel (bf16 activations) in both phases, or with ``q8``
+    our Q4 x Q8 kernel in both (``_Q8Kernel``; its row-tile GEMM for prefill), never both
+    layouts at once."""
 
     def __init__(self, q: QuantLinear, q8: bool = False) -> None:
         super().__init__()
+        self.n = q.out_features
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+        self.q8 = _q8_kernel(q) if q8 else None
+        if q8:
+            return
         zp = None if q.scheme.symmetric else q.weight_zero_point
         w = cpu_native.prepack_int4(
             q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
         )
         self.packed = nn.Buffer(w.packed, persistent=False)
         self.scale_and_zero = nn.Buffer(w.scale_and_zero, persistent=False)
-        self.group_size, self.n = w.group_size, w.n
-        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
-        self.q8 = _q8_decode(q) if q8 else None
+        self.group_size = w.group_size
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        if decode and self.q8 is not None:
+        if self.q8 is not None:
             y = self.q8(x.reshape(-1, x.shape[-1]))
         else:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -170,21 +175,23 @@ class _Int4Linear(nn.Module):
 
 
 class _Int8Linear(nn.Module):
-    """Native CPU int8 kernel (symmetric, per output channel); bf16 activations. With ``q8`` the
-    decode phase runs our Q8 x Q8 kernel (``_Q8Decode``)."""
+    """int8 weights (symmetric, per output channel): torch's native CPU kernel (bf16
+    activations) in both phases, or with ``q8`` our Q8 x Q8 kernel in both (``_Q8Kernel``)."""
 
     def __init__(self, q: QuantLinear, q8: bool = False) -> None:
         super().__init__()
-        self.q8 = _q8_decode(q) if q8 else None
         self.n = q.out_features
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+        self.q8 = _q8_kernel(q) if q8 else None
+        if q8:
+            return
         # Aligned once here: the kernel crashes on weights that are not 16-byte aligned.
         self.weight = nn.Buffer(cpu_native.aligned(q.weight), persistent=False)
         scales = q.weight_scale[:, 0].to(torch.bfloat16)
         self.scales = nn.Buffer(cpu_native.aligned(scales), persistent=False)
-        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        if decode and self.q8 is not None:
+        if self.q8 is not None:
             y = self.q8(x.reshape(-1, x.shape[-1]))
         else:
             # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
@@ -212,7 +219,7 @@ def _convert_linear(
     prefill,
     decode,
     notes: list[str],
-    kernels: _DecodeKernels = _DecodeKernels(),  # noqa: B008  (an immutable tuple)
+    kernels: _IntKernels = _IntKernels(),  # noqa: B008  (an immutable tuple)
 ) -> nn.Module:
     """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
     if not isinstance(module, QuantLinear):
@@ -224,12 +231,10 @@ def _convert_linear(
         # would not).
         return _ModuleLinear(module, torch.float32)
     device = module.weight_scale.device
-    plan = module.plan(device, phase="prefill")
-    decode_plan = module.plan(
-        device, phase="decode", int4_kernel=kernels.int4, int8_kernel=kernels.int8
-    )
-    q8 = decode_plan.backend in ("q4q8", "q8q8")
-    if plan.backend == "cpu":
+    prefs = dict(int4_kernel=kernels.int4, int8_kernel=kernels.int8)
+    plan = module.plan(device, phase="prefill", **prefs)
+    q8 = module.plan(device, phase="decode", **prefs).backend in ("q4q8", "q8q8")
+    if plan.backend in ("cpu", "q4q8", "q8q8"):
         return _Int4Linear(module, q8=q8) if module.kind == "int4" else _Int8Linear(module, q8=q8)
     if plan.backend == "reference" and device.type == "cpu":
         # Correct but not compressed in memory: the reference path re-dequantizes per call.
@@ -265,7 +270,7 @@ class _Layer(nn.Module):
         decode,
         notes: list[str],
         i: int,
-        kernels: _DecodeKernels,
+        kernels: _IntKernels,
         arch: Arch,
         *,
         spec: RuntimeSpec,
@@ -372,7 +377,7 @@ class _Head(nn.Module):
         model: nn.Module,
         decode,
         notes: list[str],
-        kernels: _DecodeKernels,
+        kernels: _IntKernels,
         bits: int | None,
         arch: Arch,
         *,
@@ -480,15 +485,16 @@ class Runtime:
     decode dtype. ``compile``: True/``"step"`` compiles the whole decode step as one graph,
     ``"layer"`` one decoder layer reused by all, False: eager. ``int4_kernel``: ``"torch"``
     (torch's native int4 kernel, bf16 activations: the default, tokens equal transformers') or
-    ``"q4q8"`` (decode through our integer-dot kernel, ``compress/kernels/cpu_q8.py``, at the
-    CPU's ISA level, activations rounded to int8 per block of 32, llama.cpp's scheme: faster
-    decode, +0.2% perplexity measured on SmolLM2 W4, tokens may differ; keeps a second copy of
-    the codes). ``int8_kernel``: the same choice for int8 layers and an int8 head (``"torch"``
-    or ``"q8q8"``). Both fall back to "torch" with a warning where our kernels cannot be built;
-    ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps a float lm_head (in the decode
-    dtype); 4 or 8 quantizes a copy at construction (RTN, symmetric; int4 group 32, int8 per
-    channel) run by the int4/int8 kernels above: the (tied) lm_head is the largest matrix of
-    small models (SmolLM2: 49152x576, 45% of W4's decode bytes in bf16).
+    ``"q4q8"`` (both phases through our integer-dot kernel, ``compress/kernels/cpu_q8.py``, at
+    the CPU's ISA level, activations rounded to int8 per block of 32, llama.cpp's scheme: faster
+    decode and prefill (a row-tile GEMM), +0.2% perplexity measured on SmolLM2 W4, tokens may
+    differ; torch's layout is not held then). ``int8_kernel``: the same choice for int8 layers
+    and an int8 head (``"torch"`` or ``"q8q8"``). Both fall back to "torch" with a warning where
+    our kernels cannot be built; ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps
+    a float lm_head (in the decode dtype); 4 or 8 quantizes a copy at construction (RTN,
+    symmetric; int4 group 32, int8 per channel) run by the int4/int8 kernels above: the (tied)
+    lm_head is the largest matrix of small models (SmolLM2: 49152x576, 45% of W4's decode bytes
+    in bf16).
     """
 
     def __init__(
@@ -554,7 +560,7 @@ class Runtime:
         self.int4_kernel, self.int8_kernel = int4_kernel, int8_kernel
         # the ISA level of our kernels in this process, for reports (None: not asked for)
         self.q8_isa = cpu_q8.selected_isa() if wants_q8 and q8_reason is None else None
-        kernels = _DecodeKernels(int4_kernel, int8_kernel)
+        kernels = _IntKernels(int4_kernel, int8_kernel)
         notes: list[str] = []
         arch = arch_for(model, "compress runtime")
         spec = RUNTIME_SPECS[arch.model_type]
@@ -581,7 +587,7 @@ class Runtime:
             self.rope = rope_tables(model, arch, spec, max_seq_len)
         # layers (lm_head included) that decode through our integer-dot kernels
         held = list(self.layers.modules()) + list(self.head.modules())
-        self.q8_layers = sum(isinstance(m, _Q8Decode) for m in held)
+        self.q8_layers = sum(isinstance(m, _Q8Kernel) for m in held)
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
             layer.window for layer in self.layers if layer.window and layer.window < max_seq_len
@@ -678,10 +684,6 @@ class Runtime:
             tensors = dict(module.named_buffers(recurse=False))
             if isinstance(module, _FloatLinear):  # decode reads w_decode (maybe w_prefill itself)
                 tensors["w_prefill"] = module.w_decode
-            if isinstance(module, _Int4Linear) and module.q8:  # decode reads the q8 copy only
-                del tensors["packed"], tensors["scale_and_zero"]
-            if isinstance(module, _Int8Linear) and module.q8:
-                del tensors["weight"], tensors["scales"]
             for t in tensors.values():
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())

@@ -110,6 +110,9 @@ def isa(request):
         (48, 576, 3),  # a small batch
         (32, 1536, 6),  # down_proj-like K; rows in chunks of 4 and 2
         (16, 64, 1),  # a single pair of blocks
+        (70, 576, 8),  # prefill's row-tile GEMM from 8 rows: a part-filled tile, N % 4 = 2
+        (36, 1536, 40),  # row tiles in pairs and alone (16 lanes), or 5 of 8 lanes
+        (9, 64, 33),  # one pair of blocks, one column left over
     ],
 )
 def test_kernel_equals_float64_reference(isa, bits, group, symmetric, n, k, m):
@@ -126,14 +129,27 @@ def test_kernel_equals_float64_reference(isa, bits, group, symmetric, n, k, m):
     assert torch.allclose(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
 
 
-def test_extreme_int8_codes_do_not_saturate(isa):
+@pytest.mark.parametrize("m", [2, 24], ids=["decode loop", "prefill GEMM"])
+def test_extreme_int8_codes_do_not_saturate(isa, m):
     # codes -128 and 127 against activations at +-127: the AVX2 sign trick's worst pairs
     torch.manual_seed(1)
     codes = (torch.randint(0, 2, (16, 128)) * 255 - 128).to(torch.int8)  # -128 or 127
     w = cpu_q8.prepack_int8(codes, torch.full((16, 1), 0.01), None, group_size=128)
-    x = torch.randint(0, 2, (2, 128)).float() * 2 - 1  # +-1: every code rounds to +-127
+    x = torch.randint(0, 2, (m, 128)).float() * 2 - 1  # +-1: every code rounds to +-127
     y = cpu_q8.linear_q8(x, w, isa)
     assert torch.allclose(y.double(), cpu_q8.linear_q8_reference(x, w), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
+def test_prefill_gemm_rows_equal_decode_rows(isa, bits, group, symmetric):
+    # invariant: a prompt's rows through the GEMM equal each row through the decode loop (the
+    # same integers; fp32 summation order only), so prefill and decode agree
+    layer = quant_layer(bits, 44, 576, group, symmetric, seed=3)
+    w = q8_weight(layer)
+    x = torch.randn(19, 576)
+    together = cpu_q8.linear_q8(x, w, isa)
+    alone = torch.cat([cpu_q8.linear_q8(x[i : i + 1], w, isa) for i in range(19)])
+    assert torch.allclose(together, alone, atol=1e-5 * alone.abs().max().item(), rtol=0)
 
 
 def test_kernel_keeps_leading_dims_and_dtype(isa):

@@ -154,16 +154,14 @@ def test_resolve_backend_is_the_plans_backend_name():
 
 
 # ---- the runtime's phases -----------------------------------------------------------------
-def test_q4q8_is_a_decode_preference_over_the_native_int4_kernel():
+def test_q4q8_is_a_runtime_preference_over_the_native_int4_kernel():
     reason = dispatch.q8_unavailable_reason()  # builds the kernels on first use (~1 minute)
-    decode = plan("int4", phase="decode", int4_kernel="q4q8")
-    if reason is None:
-        assert decode == dispatch.Plan("q4q8", None)
-    else:
-        assert decode == dispatch.Plan("cpu", reason)
-    # prefill stays on torch's kernel; so do the torch preference and layers not on the native one
-    assert plan("int4", phase="prefill", int4_kernel="q4q8") == dispatch.Plan("cpu", None)
+    for phase in ("decode", "prefill"):  # both phases, so the runtime holds one layout
+        want = dispatch.Plan("q4q8", None) if reason is None else dispatch.Plan("cpu", reason)
+        assert plan("int4", phase=phase, int4_kernel="q4q8") == want
+    # the torch preference, a layer's own forward and layers not on the native kernel keep theirs
     assert plan("int4", phase="decode") == dispatch.Plan("cpu", None)
+    assert plan("int4", int4_kernel="q4q8") == dispatch.Plan("cpu", None)
     assert plan("int4", "reference", phase="decode", int4_kernel="q4q8").backend == "reference"
     assert plan("int4", n=24, phase="decode", int4_kernel="q4q8").backend == "reference"
     assert plan("int8", group_size=None, phase="decode", int4_kernel="q4q8").backend == "cpu"
@@ -172,7 +170,7 @@ def test_q4q8_is_a_decode_preference_over_the_native_int4_kernel():
     assert odd.backend == "cpu" and "multiple of 64" in odd.reason
 
 
-def test_q8q8_takes_the_native_int8_kernels_layers_in_decode():
+def test_q8q8_takes_the_native_int8_kernels_layers_in_the_runtime():
     reason = dispatch.q8_unavailable_reason()
     if reason is not None:
         pytest.skip(f"integer-dot kernels unavailable: {reason}")
@@ -181,7 +179,8 @@ def test_q8q8_takes_the_native_int8_kernels_layers_in_decode():
     # grouped or asymmetric int8: the native kernel cannot, so the reference plan stays (the
     # runtime holds such a layer as a dequantized float in both phases)
     assert plan("int8", group_size=64, symmetric=False, **kw).backend == "reference"
-    assert plan("int8", group_size=None, phase="prefill", int8_kernel="q8q8").backend == "cpu"
+    assert plan("int8", group_size=None, phase="prefill", int8_kernel="q8q8").backend == "q8q8"
+    assert plan("int8", group_size=None, int8_kernel="q8q8").backend == "cpu"
     assert plan("int4", phase="decode", int8_kernel="q8q8").backend == "cpu"
     assert plan("int8", "reference", group_size=None, **kw).backend == "reference"
     with pytest.raises(ValueError, match="int8_kernel='fast'"):

@@ -133,9 +133,9 @@ def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
     q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == holder]
     assert q8 and all(q is not None for q in q8)
     assert rt.q8_isa in cpu_q8.ISA_LEVELS
-    # transformers side: the native kernel for the prompt, our kernel for one-token (decode)
-    # steps, as the runtime does per phase (the kernel itself is checked against a float64
-    # model in tests/kernels/test_cpu_q8.py)
+    # transformers side: our kernel for the prompt (its row-tile GEMM from 8 rows on) and for
+    # one-token steps, as the runtime does in both phases (the kernel itself is checked
+    # against a float64 model in tests/kernels/test_cpu_q8.py)
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
             w = (
@@ -148,11 +148,10 @@ def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
                                          group_size=layer.group_size)
             )  # fmt: skip
             layer.register_forward_hook(
-                lambda _m, args, out, w=w: (
-                    cpu_q8.linear_q8(args[0], w) if args[0].shape[-2] == 1 else out
-                )
+                lambda _m, args, out, w=w: cpu_q8.linear_q8(args[0], w)
             )
-    for prompt in PROMPTS[:2]:
+    long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]  # prefill through the GEMM
+    for prompt in [*PROMPTS[:2], long_prompt]:
         assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
 
 

@@ -20,125 +20,9 @@
 //   int4 codes uint8 [N, K/2]: per 64 columns 32 bytes, byte i = column i (low nibble) |
 //        column 32 + i (high nibble), so one 32-byte load unpacks to two whole blocks;
 //   int8 codes uint8 [N, K], natural order.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <immintrin.h>
+#include "q8_common.h"
 
-#include <algorithm>
-#include <cmath>
-#include <optional>
-#include <vector>
-
-#if !defined(COMPRESS_OPS)
-#error "define COMPRESS_OPS (the op namespace); compress.kernels.cpu_q8 does"
-#endif
-#if defined(COMPRESS_AVX512VNNI) + defined(COMPRESS_AVXVNNI) + defined(COMPRESS_AVX2) != 1
-#error "define exactly one of COMPRESS_AVX2, COMPRESS_AVXVNNI, COMPRESS_AVX512VNNI"
-#endif
-
-namespace {
-
-constexpr int64_t BLOCK = 32;
-constexpr int64_t PAIR = 64;  // the unit of the inner loops: two blocks
-constexpr int COLUMNS = 4;    // output columns per step of the one-row (decode) loop
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
-
-// x [M, K] fp32 -> per block: int8 codes, scale, and -bias * (sum of the codes). Division, not
-// a reciprocal, so the rounding equals the reference's x / s; cvtps rounds half to even.
-void round_activations(const float* x, int64_t blocks, int32_t bias, int8_t* q, float* scale,
-                       int32_t* corr) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < blocks; ++i) {
-    const float* blk = x + i * BLOCK;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
-      v[t] = _mm256_loadu_ps(blk + 8 * t);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-    }
-    const float a = hmax(amax);
-    const float s = a > 0.f ? a / 127.f : 1.f;
-    scale[i] = s;
-    const __m256 sv = _mm256_set1_ps(s);
-    __m256i c[4];
-    for (int t = 0; t < 4; ++t) c[t] = _mm256_cvtps_epi32(_mm256_div_ps(v[t], sv));
-    corr[i] = -bias * hsum_i32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
-                                                _mm256_add_epi32(c[2], c[3])));
-    // packs interleaves 128-bit lanes; the permute puts the 32 codes back in column order
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
-                                              _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * BLOCK),
-                        _mm256_permutevar8x32_epi32(packed, order));
-  }
-}
-
-// Everything one call derives from x, shared by all output columns.
-struct RoundedX {
-  int64_t M, K, B, G;
-  std::vector<int8_t> q;       // [M, K]
-  std::vector<float> scale;    // [M, B]
-  std::vector<int32_t> corr;   // [M, B] = -bias * code sum
-  std::vector<float> xsum;     // [M, G] exact x sums (only with offsets)
-#if defined(COMPRESS_AVX512VNNI)
-  std::vector<float> scale16;   // [M, B/2, 16]: pair's scales, 8 lanes per block
-  std::vector<int32_t> corr16;  // [M, B/2, 16]: the block's corr in lanes 0 and 8, else 0
-#endif
-};
-
-RoundedX round_x(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias,
-                 bool with_sums) {
-  RoundedX r{M, K, K / BLOCK, K / group};
-  r.q.resize(M * K);
-  r.scale.resize(M * r.B);
-  r.corr.resize(M * r.B);
-  round_activations(x, M * r.B, bias, r.q.data(), r.scale.data(), r.corr.data());
-  if (with_sums) {
-    r.xsum.assign(M * r.G, 0.f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) r.xsum[m * r.G + k / group] += x[m * K + k];
-  }
-#if defined(COMPRESS_AVX512VNNI)
-  const int64_t P = r.B / 2;
-  r.scale16.resize(M * P * 16);
-  r.corr16.assign(M * P * 16, 0);
-  for (int64_t i = 0; i < M * P; ++i) {
-    for (int t = 0; t < 16; ++t) r.scale16[i * 16 + t] = r.scale[2 * i + t / 8];
-    r.corr16[i * 16] = r.corr[2 * i];
-    r.corr16[i * 16 + 8] = r.corr[2 * i + 1];
-  }
-#endif
-  return r;
-}
-
-// The offsets' share of one output: sum_j offset[j] * xsum[j] (asymmetric weights; else 0).
-inline float offset_term(const float* off, const float* xsum, int64_t G) {
-  float out = 0.f;
-  if (off != nullptr)
-    for (int64_t j = 0; j < G; ++j) out += off[j] * xsum[j];
-  return out;
-}
+namespace compress_q8 {
 
 // ---- the two blocks of one pair, as unsigned bytes ----------------------------------------
 #if defined(COMPRESS_AVX512VNNI)
@@ -397,6 +281,14 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // Plain loops, not ATen ops: at decode sizes (M = 1, K = 576) a handful of ATen calls cost
   // more than the product itself.
   const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, bias, with_offsets);
+  if (M >= GEMM_MIN_ROWS) {  // prefill
+    at::Tensor y = gemm_q8<Q4>(rx, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), N, group);
+    if (with_offsets) {
+      const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
+      y.addmm_(xsum, offsets->t());
+    }
+    return y;
+  }
   std::vector<int32_t> gidx(rx.B);
   for (int64_t b = 0; b < rx.B; ++b) gidx[b] = static_cast<int32_t>(b * BLOCK / group);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -450,7 +342,10 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   return linear_q8<false>(x, codes, scales, offsets, group);
 }
 
-}  // namespace
+}  // namespace compress_q8
+
+using compress_q8::int4_linear_q8;
+using compress_q8::int8_linear_q8;
 
 TORCH_LIBRARY(COMPRESS_OPS, m) {
   m.def("int4_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");

@@ -1,0 +1,139 @@
+// Shared by q8_dot.cpp (decode) and q8_gemm.cpp (prefill): the activation rounding and the
+// layout constants. Each ISA level is its own build of both files (compress.kernels.cpu_q8).
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#if !defined(COMPRESS_OPS)
+#error "define COMPRESS_OPS (the op namespace); compress.kernels.cpu_q8 does"
+#endif
+#if defined(COMPRESS_AVX512VNNI) + defined(COMPRESS_AVXVNNI) + defined(COMPRESS_AVX2) != 1
+#error "define exactly one of COMPRESS_AVX2, COMPRESS_AVXVNNI, COMPRESS_AVX512VNNI"
+#endif
+
+namespace compress_q8 {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t PAIR = 64;  // the unit of the inner loops: two blocks
+constexpr int COLUMNS = 4;    // output columns per step of the one-row (decode) loop
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x [M, K] fp32 -> per block: int8 codes, scale, and -bias * (sum of the codes). Division, not
+// a reciprocal, so the rounding equals the reference's x / s; cvtps rounds half to even.
+inline void round_activations(const float* x, int64_t blocks, int32_t bias, int8_t* q, float* scale,
+                       int32_t* corr) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* blk = x + i * BLOCK;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(blk + 8 * t);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    }
+    const float a = hmax(amax);
+    const float s = a > 0.f ? a / 127.f : 1.f;
+    scale[i] = s;
+    const __m256 sv = _mm256_set1_ps(s);
+    __m256i c[4];
+    for (int t = 0; t < 4; ++t) c[t] = _mm256_cvtps_epi32(_mm256_div_ps(v[t], sv));
+    corr[i] = -bias * hsum_i32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
+                                                _mm256_add_epi32(c[2], c[3])));
+    // packs interleaves 128-bit lanes; the permute puts the 32 codes back in column order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                              _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * BLOCK),
+                        _mm256_permutevar8x32_epi32(packed, order));
+  }
+}
+
+// Everything one call derives from x, shared by all output columns.
+struct RoundedX {
+  int64_t M, K, B, G;
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, B]
+  std::vector<int32_t> corr;   // [M, B] = -bias * code sum
+  std::vector<float> xsum;     // [M, G] exact x sums (only with offsets)
+#if defined(COMPRESS_AVX512VNNI)
+  std::vector<float> scale16;   // [M, B/2, 16]: pair's scales, 8 lanes per block
+  std::vector<int32_t> corr16;  // [M, B/2, 16]: the block's corr in lanes 0 and 8, else 0
+#endif
+};
+
+// Rows in parallel from GEMM_MIN_ROWS on (prefill); decode's one row stays on the caller's
+// thread. The 16-lane copies of scales and corrections serve the decode loops only.
+constexpr int64_t GEMM_MIN_ROWS = 8;
+
+inline RoundedX round_x(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias,
+                        bool with_sums) {
+  RoundedX r{M, K, K / BLOCK, K / group};
+  r.q.resize(M * K);
+  r.scale.resize(M * r.B);
+  r.corr.resize(M * r.B);
+  if (with_sums) r.xsum.assign(M * r.G, 0.f);
+  const int64_t grain = M >= GEMM_MIN_ROWS ? 1 : M;
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    round_activations(x + m0 * K, (m1 - m0) * r.B, bias, r.q.data() + m0 * K,
+                      r.scale.data() + m0 * r.B, r.corr.data() + m0 * r.B);
+    if (with_sums)
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t k = 0; k < K; ++k) r.xsum[m * r.G + k / group] += x[m * K + k];
+  });
+#if defined(COMPRESS_AVX512VNNI)
+  if (M >= GEMM_MIN_ROWS) return r;
+  const int64_t P = r.B / 2;
+  r.scale16.resize(M * P * 16);
+  r.corr16.assign(M * P * 16, 0);
+  for (int64_t i = 0; i < M * P; ++i) {
+    for (int t = 0; t < 16; ++t) r.scale16[i * 16 + t] = r.scale[2 * i + t / 8];
+    r.corr16[i * 16] = r.corr[2 * i];
+    r.corr16[i * 16 + 8] = r.corr[2 * i + 1];
+  }
+#endif
+  return r;
+}
+
+// The offsets' share of one output: sum_j offset[j] * xsum[j] (asymmetric weights; else 0).
+inline float offset_term(const float* off, const float* xsum, int64_t G) {
+  float out = 0.f;
+  if (off != nullptr)
+    for (int64_t j = 0; j < G; ++j) out += off[j] * xsum[j];
+  return out;
+}
+
+// Prefill (q8_gemm.cpp): the same block arithmetic as the decode loops with vector lanes over
+// rows, for M >= GEMM_MIN_ROWS. y [M, N] fp32 without the offsets' term (the caller adds it).
+
+template <bool Q4>
+at::Tensor gemm_q8(const RoundedX& x, const uint8_t* codes, const float* scales, int64_t N,
+                   int64_t group);
+
+}  // namespace compress_q8

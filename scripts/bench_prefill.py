@@ -1,0 +1,120 @@
+"""One prefill pass's linears (every decoder layer's projections, each its own weight), M rows
+of activations, through each way the runtime can run them, interleaved round by round in one
+run: dense fp32 and bf16 ``F.linear`` (the float baselines), torch's int4 / int8 weight-only
+kernels (bf16 activations) and ours (``cpu_q8``: int8-rounded activations; from 8 rows on its
+row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has. Per kernel: median ms per
+pass (min-max) and speed vs dense fp32. JSON + markdown:
+
+    python scripts/bench_prefill.py --shape smollm2 --rows 32 128 --out out/prefill
+    python scripts/bench_prefill.py --shape 1b --rows 32 --out out/prefill_1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode_pass import layers, torch_pass  # noqa: E402
+
+from compress.eval.report import environment, markdown_table  # noqa: E402
+from compress.kernels import cpu_q8  # noqa: E402
+
+SHAPES = {  # (N, K) of one decoder layer's projections, and the layer count
+    "smollm2": ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
+                 (576, 1536)], 30),
+    "1b": ([(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048),
+            (2048, 5632)], 22),
+}  # fmt: skip
+
+
+def ours(qs, isa: str):
+    weights = [
+        cpu_q8.prepack_int4(q.weight_packed, q.weight_scale, None, group_size=q.group_size,
+                            k=q.in_features)
+        if q.kind == "int4"
+        else cpu_q8.prepack_int8(q.weight, q.weight_scale, None, group_size=q.group_size)
+        for q in qs
+    ]  # fmt: skip
+    op = cpu_q8.ops(isa)
+    return [
+        (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(
+            x, w.codes, w.scales, w.offsets, w.group_size))
+        for w in weights
+    ]  # fmt: skip
+
+
+def dense(qs, dtype: torch.dtype):
+    ws = [q.dequantized_weight().to(dtype) for q in qs]
+    return [(w.shape[1], lambda x, w=w: F.linear(x.to(w.dtype), w)) for w in ws]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--rows", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--group", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", default="out/prefill")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = cpu_q8.built_levels()
+    shapes, count = SHAPES[args.shape]
+    rows = []
+    for bits in (4, 8):
+        qs = layers(shapes, count, bits, args.group)
+        kernels = {
+            "dense fp32": dense(qs, torch.float32),
+            "dense bf16": dense(qs, torch.bfloat16),
+            f"torch int{bits} (bf16 x)": torch_pass(qs, bits)[0],
+        }
+        kernels |= {f"ours int{bits} ({isa})": ours(qs, isa) for isa in levels}
+        for m in args.rows:
+            xs = {k: torch.randn(m, k) for k in {q.in_features for q in qs}}
+            xs16 = {k: x.bfloat16() for k, x in xs.items()}
+            samples = {name: [] for name in kernels}
+            for _ in range(args.rounds + 1):  # the first round warms up
+                for name, calls in kernels.items():
+                    inputs = xs16 if name.startswith("torch") else xs
+                    start = time.perf_counter()
+                    for k, fn in calls:
+                        fn(inputs[k])
+                    samples[name].append(time.perf_counter() - start)
+            base = statistics.median(samples["dense fp32"][1:])
+            for name in kernels:
+                if bits == 8 and name.startswith("dense"):
+                    continue  # the same dense rows as int4's
+                ms = [1e3 * s for s in samples[name][1:]]
+                med = statistics.median(ms)
+                rows.append(dict(rows=m, kernel=name, ms=med,
+                                 ms_range=f"{min(ms):.1f}-{max(ms):.1f}",
+                                 vs_fp32=base * 1e3 / med))  # fmt: skip
+                print(rows[-1], flush=True)
+        del qs, kernels
+    columns = [("rows", "M"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
+               ("ms_range", "min-max"), ("vs_fp32", "vs dense fp32")]  # fmt: skip
+    env = environment()
+    n_layers = f"{count} layers x {len(shapes)} projections ({args.shape})"
+    md = (
+        f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; torch {env['torch']}; "
+        f"{args.threads} threads; {env['date']}; {n_layers}; int4 g{args.group}, int8 per "
+        f"channel\n\n" + markdown_table(sorted(rows, key=lambda r: r["rows"]), columns)
+        + f"\n\nMedians of {args.rounds} interleaved rounds."
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / "prefill.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
