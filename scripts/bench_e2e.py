@@ -344,7 +344,8 @@ def environment_line(env: dict, bandwidth: float) -> str:
     return (
         f"Environment: {env['cpu']}; kernel flags {' '.join(env['cpu_flags']) or 'none'}; "
         f"torch CPU capability {env['torch_cpu_capability']}; our integer-dot kernels' ISA "
-        f"{env['q8_kernel_isa']}; torch {env['torch']}, "
+        f"{env['q8_kernel_isa']}; ISA caps {env.get('isa_limits') or 'none'}; "
+        f"torch {env['torch']}, "
         f"transformers {env['transformers']}; {env['threads']} threads; {env['date']}. "
         f"Read bandwidth measured: {bandwidth / 1e9:.1f} GB/s."
     )

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+              "COMPRESS_CPU_ISA")  # fmt: skip
 
 
 def environment() -> dict[str, Any]:
@@ -27,6 +31,8 @@ def environment() -> dict[str, Any]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "q8_kernel_isa": cpu_q8.planned_isa(),  # our integer-dot kernels' level (cpu_q8)
         "threads": torch.get_num_threads(),
+        # switches that cap the ISA of torch, MKL, oneDNN or our kernels (set ones only)
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)},
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
