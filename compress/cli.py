@@ -100,6 +100,14 @@ def _size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 80MB, 1.5GiB)") from None
 
 
+def _tune_pass_options(args: argparse.Namespace) -> dict[str, int]:
+    options = {k: v for k, v in (("iters", args.iters), ("batch_size", args.batch_size)) if v}
+    if options and args.algorithm != "autoround":
+        raise RecipeError(f"tune: --iters/--batch-size are AutoRound's; --algorithm is "
+                          f"{args.algorithm!r} (add --algorithm autoround or drop them)")
+    return options
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from compress.pipeline.tune import DEFAULT_FORMATS, TuneTarget, run_tune
 
@@ -108,8 +116,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                         max_kl=args.max_kl)  # fmt: skip
     report = run_tune(
         args.model, target, formats=tuple(args.formats or DEFAULT_FORMATS),
-        algorithm=args.algorithm, symmetric_grid=args.symmetric_grid,
-        num_samples=args.num_samples, seq_len=args.seq_len,
+        algorithm=args.algorithm, pass_options=_tune_pass_options(args),
+        symmetric_grid=args.symmetric_grid, num_samples=args.num_samples, seq_len=args.seq_len,
         limit=None if args.full_eval else args.limit, out_dir=args.out, data_dir=args.data_dir,
         progress=not args.no_progress, overwrite=args.overwrite,
     )  # fmt: skip
@@ -426,8 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_tune.add_argument("--formats", nargs="+", metavar="FORMAT",
                         help="candidate formats (default: float int8 int4-g32 int4-g64 "
                         "int4-g128 int4-g32-asym int4-g128-asym)")
-    p_tune.add_argument("--algorithm", choices=["gptq", "awq"], default="gptq",
+    p_tune.add_argument("--algorithm", choices=["gptq", "awq", "autoround"], default="gptq",
                         help="the calibrated pass the written recipe runs (default: gptq)")
+    p_tune.add_argument("--iters", type=int,
+                        help="autoround: sign-SGD steps per decoder layer (default: 200)")
+    p_tune.add_argument("--batch-size", type=int,
+                        help="autoround: calibration sequences per step (default: the pass's 8)")
     p_tune.add_argument("--symmetric-grid", choices=["restricted", "full", "signed"],
                         default="restricted",
                         help="grid of the symmetric int candidates, in the measurement and the "

@@ -11,9 +11,10 @@
 3. **Solve** the multiple-choice knapsack "minimum total sensitivity under the byte budget"
    exactly by dynamic programming over the budget cut into ``resolution`` units, each layer's
    cost rounded *up* to whole units (so the answer always fits the budget).
-4. **Write** a recipe a person can read and edit: one weight-quantization pass (GPTQ by default)
-   whose default is the most chosen format, per-layer ``overrides`` grouped into one regex per
-   projection and format, float layers in ``ignore``. Then **verify**: ``run_job`` runs it, the
+4. **Write** a recipe a person can read and edit: one weight-quantization pass (GPTQ by default,
+   or AWQ, or the AutoRound rounding pass with its own ``iters``/``batch_size``) whose default
+   is the most chosen format, per-layer ``overrides`` grouped into one regex per projection and
+   format, float layers in ``ignore``. Then **verify**: ``run_job`` runs it, the
    bits per weight are read back from the exported safetensors (scales and zero points
    included), the quality is the run's perplexity on the test split, and a TPOT target is
    measured through the runtime.
@@ -97,6 +98,7 @@ def parse_format(name: str) -> Format:
 DEFAULT_FORMATS = (
     "float", "int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g128-asym",
 )  # fmt: skip
+ALGORITHMS = ("gptq", "awq", "autoround")  # the weight pass the written recipe runs
 
 
 # ---- 1. sensitivity -----------------------------------------------------------------------
@@ -294,10 +296,13 @@ def recipe_dict(
     perplexity: dict[str, Any],
     description: str,
     symmetric_grid: str = "restricted",
+    pass_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The recipe (as a dict, for ``parse_recipe`` / YAML) that quantizes each layer of
     ``assignment`` to its format: the most chosen integer format is the pass default, the other
-    integer formats are per-layer overrides, float layers are added to ``ignore``."""
+    integer formats are per-layer overrides, float layers are added to ``ignore``.
+    ``pass_options``: more keys of the pass (e.g. AutoRound's ``iters``), checked by the
+    pass's config when the recipe is parsed."""
     formats = {n: parse_format(f) for n, f in assignment.items()}
     integer = Counter(f.name for f in formats.values() if not f.is_float)
     if not integer:
@@ -325,6 +330,7 @@ def recipe_dict(
         step["symmetric_grid"] = symmetric_grid
     if algorithm == "gptq":
         step["act_order"] = True  # as the shipped GPTQ recipes: better on SmolLM2 (results.md)
+    step.update(pass_options or {})
     if overrides:
         step["overrides"] = overrides
     return {
@@ -485,6 +491,7 @@ def run_tune(
     *,
     formats: tuple[str, ...] = DEFAULT_FORMATS,
     algorithm: str = "gptq",
+    pass_options: dict[str, Any] | None = None,
     symmetric_grid: str = "restricted",
     num_samples: int = 32,
     seq_len: int = 512,
@@ -507,8 +514,8 @@ def run_tune(
     from compress.recipe import parse_recipe
 
     target.check()
-    if algorithm not in ("gptq", "awq"):
-        raise ConfigError(f"tune: algorithm {algorithm!r}: choose gptq or awq")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"tune: algorithm {algorithm!r}: choose one of {ALGORITHMS}")
     if symmetric_grid not in GRIDS:
         raise ConfigError(f"tune: symmetric grid {symmetric_grid!r}: choose one of {GRIDS}")
     # the grid applies to every symmetric candidate, in the sensitivity and the written recipe
@@ -566,7 +573,7 @@ def run_tune(
     raw = recipe_dict(
         name=tag, model=model_id, assignment=assignment, algorithm=algorithm,
         calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
-        symmetric_grid=symmetric_grid,
+        symmetric_grid=symmetric_grid, pass_options=pass_options,
     )  # fmt: skip
     recipe = parse_recipe(raw, source="compress tune")
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
@@ -576,7 +583,8 @@ def run_tune(
     stored = checkpoint_linear_bytes(out, names)
     measured_bits = 8 * sum(stored.values()) / sum(numels.values())
     report: dict[str, Any] = {
-        "target": target.__dict__, "algorithm": algorithm, "formats": list(formats),
+        "target": target.__dict__, "algorithm": algorithm, "pass_options": pass_options or {},
+        "formats": list(formats),
         "symmetric_grid": symmetric_grid,
         "budget_linear_bytes": budget, "predicted_bits_per_weight": predicted_bits,
         "measured_bits_per_weight": measured_bits,

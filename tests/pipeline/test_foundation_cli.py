@@ -112,3 +112,9 @@ def test_run_with_unwritable_model_path_writes_nothing(tmp_path, capsys):
     assert main(["run", str(recipe), "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "model not found" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_tune_rejects_autoround_settings_for_another_algorithm(capsys):
+    # before any model work: the flags belong to the rounding pass only
+    assert main(["tune", "smollm2-135m", "--bits-per-weight", "4.5", "--iters", "20"]) == 2
+    assert "--algorithm autoround" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from compress.core.errors import ConfigError
+from compress.core.errors import ConfigError, RecipeError
 from compress.pipeline.tune import (
     TuneTarget,
     assign_formats,
@@ -167,6 +167,23 @@ def test_the_written_recipe_gives_every_layer_its_format(tiny_model):
     check_recipe_matches(recipe, tiny_model, assignment, "signed")
     with pytest.raises(AssertionError, match="signed"):
         check_recipe_matches(recipe, tiny_model, assignment)  # the tune's grid was restricted
+    # the rounding pass as the tune's algorithm: its own settings land in the pass and are
+    # checked by its config (a bad one fails when the recipe is parsed, before any work)
+    rounded = recipe_dict(
+        name="t", model="tiny", assignment=assignment, calibration={"num_samples": 2},
+        perplexity={"dataset": "wikitext2", "limit": 1}, description="test",
+        algorithm="autoround", pass_options={"iters": 7, "batch_size": 2},
+    )  # fmt: skip
+    recipe = parse_recipe(yaml.safe_load(yaml.safe_dump(rounded)))
+    assert (recipe.passes[0].iters, recipe.passes[0].batch_size) == (7, 2)
+    check_recipe_matches(recipe, tiny_model, assignment)
+    bad = recipe_dict(
+        name="t", model="tiny", assignment=assignment, calibration={"num_samples": 2},
+        perplexity={"dataset": "wikitext2", "limit": 1}, description="test",
+        algorithm="autoround", pass_options={"iters": -1},
+    )  # fmt: skip
+    with pytest.raises(RecipeError, match="iters"):
+        parse_recipe(bad)
 
 
 def test_target_needs_exactly_one_size():
