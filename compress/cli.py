@@ -332,7 +332,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="runtime engine: torch.compile the decode step (slow to compile on CPUs)")
     p.add_argument("--int-kernels", default="ours", choices=["ours", "torch"],
-                   help="runtime engine, int4/int8 decode on CPU: ours = our integer-dot kernels "
+                   help="runtime engine, int4/int8 layers on CPU: ours = our integer-dot kernels "
                    "at the CPU's ISA level, int8-rounded activations (faster; default), torch = "
                    "torch's kernels with bf16 activations; each row's engine names the one used")
     p.add_argument("--draft", metavar="MODEL", help="also run speculative decoding of the "
@@ -540,11 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                        help="quantized kernel backend")
     p_gen.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"],
-                       help="int4 decode on CPU: torch's kernel (bf16 activations, default) or "
+                       help="int4 layers on CPU (prefill and decode): torch's kernel (bf16 activations, default) or "
                        "our integer-dot kernel at the CPU's ISA level with int8-rounded "
                        "activations (faster; quality cost in docs/results.md)")
     p_gen.add_argument("--int8-kernel", default="torch", choices=["torch", "q8q8"],
-                       help="int8 decode on CPU: torch's kernel or our Q8 x Q8 integer-dot kernel")
+                       help="int8 layers on CPU: torch's kernel or our Q8 x Q8 integer-dot kernel")
     p_gen.add_argument("--lm-head-bits", type=int, choices=[4, 8],
                        help="quantize a copy of the output head for decode (8: +0.01-0.1%% ppl "
                        "measured on SmolLM2, the largest matrix of small models)")
