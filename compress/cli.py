@@ -541,8 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantized kernel backend")
     p_gen.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"],
                        help="int4 layers on CPU (prefill and decode): torch's kernel (bf16 "
-                       "activations, default) or our integer-dot kernel at the CPU's ISA level with int8-rounded "
-                       "activations (faster; quality cost in docs/results.md)")
+                       "activations, default) or our integer-dot kernel at the CPU's ISA level "
+                       "with int8-rounded activations (faster; quality cost in docs/results.md)")
     p_gen.add_argument("--int8-kernel", default="torch", choices=["torch", "q8q8"],
                        help="int8 layers on CPU: torch's kernel or our Q8 x Q8 integer-dot kernel")
     p_gen.add_argument("--lm-head-bits", type=int, choices=[4, 8],
