@@ -143,12 +143,51 @@ void prepare_columns(const uint8_t* codes, int64_t K, int64_t n, int count, uint
   }
 }
 
+// Where a tile's outputs go: y [M, N] row-major, columns n.. of this chunk.
+struct Out {
+  float* y;
+  int64_t M, N, n;
+};
+
+// C accumulators (C columns x LANES rows) into y's rows m0..: four columns are transposed in
+// registers (per 128-bit lane, row 4j+i's four columns become one 16-byte store); a lone
+// column goes lane by lane. Rows past M (the last tile's padding) are not written.
+template <int C>
+inline void store_tile(const Out& o, int64_t m0, const vf* acc) {
+  alignas(64) float buf[4][LANES];
+  const int64_t valid = std::min<int64_t>(LANES, o.M - m0);
+  if constexpr (C == 4) {
+#if defined(COMPRESS_AVX512VNNI)
+    const vf t0 = _mm512_unpacklo_ps(acc[0], acc[1]), t1 = _mm512_unpackhi_ps(acc[0], acc[1]);
+    const vf t2 = _mm512_unpacklo_ps(acc[2], acc[3]), t3 = _mm512_unpackhi_ps(acc[2], acc[3]);
+    _mm512_store_ps(buf[0], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_store_ps(buf[1], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm512_store_ps(buf[2], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_store_ps(buf[3], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+#else
+    const vf t0 = _mm256_unpacklo_ps(acc[0], acc[1]), t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+    const vf t2 = _mm256_unpacklo_ps(acc[2], acc[3]), t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+    _mm256_store_ps(buf[0], _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_store_ps(buf[1], _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_store_ps(buf[2], _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_store_ps(buf[3], _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+#endif
+    for (int64_t l = 0; l < valid; ++l)  // row 4j + i sits in buf[i][4j .. 4j + 3]
+      std::memcpy(o.y + (m0 + l) * o.N + o.n, &buf[l % 4][(l / 4) * 4], 4 * sizeof(float));
+  } else {
+    for (int c = 0; c < C; ++c) store_f(buf[c], acc[c]);
+    for (int64_t l = 0; l < valid; ++l)
+      for (int c = 0; c < C; ++c) o.y[(m0 + l) * o.N + o.n + c] = buf[c][l];
+  }
+}
+
 // RT row tiles x C columns: per block of 32, 8 steps of (one x load per tile, one weight
 // broadcast per column, RT * C dot4), then a convert and an FMA with the rows' block scales per
 // accumulator; the weight scale once per group.
 template <bool Q4, int RT, int C>
 inline void tile(const RowTiles& x, int64_t t0, const uint8_t* const* cols,
-                 const float* const* ws, const int32_t* gidx, float* const* out) {
+                 const float* const* ws, const int32_t* gidx, const Out& out) {
+  static_assert(C == 1 || C == 4, "store_tile takes one or four columns");
   vf acc[RT][C], part[RT][C];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = part[r][c] = zero_f();
@@ -186,13 +225,12 @@ inline void tile(const RowTiles& x, int64_t t0, const uint8_t* const* cols,
       }
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < C; ++c) store_f(out[c] + (t0 + r) * LANES, acc[r][c]);
+  for (int r = 0; r < RT; ++r) store_tile<C>(out, (t0 + r) * LANES, acc[r]);
 }
 
 template <bool Q4, int C>
 inline void columns(const RowTiles& x, const uint8_t* const* cols, const float* const* ws,
-                    const int32_t* gidx, float* const* out) {
+                    const int32_t* gidx, const Out& out) {
   int64_t t = 0;
   for (; t + ROW_TILES <= x.T; t += ROW_TILES) tile<Q4, ROW_TILES, C>(x, t, cols, ws, gidx, out);
   for (; t < x.T; ++t) tile<Q4, 1, C>(x, t, cols, ws, gidx, out);
@@ -204,17 +242,16 @@ template <bool Q4>
 at::Tensor gemm_q8(const RoundedX& x, const uint8_t* codes, const float* scales, int64_t N,
                    int64_t group) {
   const RowTiles rt = tile_rows(x);
-  const int64_t G = x.G, K = x.K, width = rt.T * LANES, row_bytes = Q4 ? K / 2 : K;
+  const int64_t G = x.G, K = x.K, row_bytes = Q4 ? K / 2 : K;
   std::vector<int32_t> gidx(x.B);
   for (int64_t b = 0; b < x.B; ++b) gidx[b] = static_cast<int32_t>(b * BLOCK / group);
-  at::Tensor yt = at::empty({N, width}, at::TensorOptions().dtype(at::kFloat));  // [N, rows]
-  float* yp = yt.data_ptr<float>();
+  at::Tensor y = at::empty({x.M, N}, at::TensorOptions().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
   // Column chunks spread over threads; each thread unpacks its own CHUNK columns at a time.
   at::parallel_for(0, (N + CHUNK - 1) / CHUNK, 1, [&](int64_t c0, int64_t c1) {
     std::vector<uint8_t> buf(CHUNK * K);
     const uint8_t* cols[CHUNK];
     const float* ws[CHUNK];
-    float* out[CHUNK];
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
       const int64_t n = chunk * CHUNK;
       const int count = static_cast<int>(std::min<int64_t>(CHUNK, N - n));
@@ -226,19 +263,16 @@ at::Tensor gemm_q8(const RoundedX& x, const uint8_t* codes, const float* scales,
       for (int64_t i = 0; i < (next - std::min(N, n + CHUNK)) * row_bytes; i += 64)
         _mm_prefetch(ahead + i, _MM_HINT_T0);
       prepare_columns<Q4>(codes, K, n, count, buf.data(), cols);
-      for (int c = 0; c < count; ++c) {
-        ws[c] = scales + (n + c) * G;
-        out[c] = yp + (n + c) * width;
-      }
+      for (int c = 0; c < count; ++c) ws[c] = scales + (n + c) * G;
       if (count == CHUNK) {
-        columns<Q4, CHUNK>(rt, cols, ws, gidx.data(), out);
+        columns<Q4, CHUNK>(rt, cols, ws, gidx.data(), Out{yp, x.M, N, n});
       } else {
         for (int c = 0; c < count; ++c)
-          columns<Q4, 1>(rt, cols + c, ws + c, gidx.data(), out + c);
+          columns<Q4, 1>(rt, cols + c, ws + c, gidx.data(), Out{yp, x.M, N, n + c});
       }
     }
   });
-  return yt.narrow(1, 0, x.M).t().contiguous();
+  return y;
 }
 
 template at::Tensor gemm_q8<true>(const RoundedX&, const uint8_t*, const float*, int64_t, int64_t);
