@@ -125,16 +125,24 @@ def main() -> None:
     columns = [("work", "work"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
                ("ms_range", "min-max"), ("gb_s", "weight GB/s"),
                ("vs_torch", "vs torch")]  # fmt: skip
+    write_table(Path(args.out), "decode_pass", rows, columns, threads=args.threads,
+                footer=f"One row of activations; medians of {args.rounds} interleaved rounds.")
+
+
+def write_table(out: Path, stem: str, rows: list[dict], columns, *, threads: int,
+                header: str = "", footer: str = "") -> None:
+    """<out>/<stem>.json (rows + environment) and .md (the machine line, the table, a footer),
+    printed too; the machine line names the CPU, its flags and any ISA caps."""
     env = environment()
+    caps = env["isa_limits"] or "none"
     md = (
-        f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; torch {env['torch']}; "
-        f"{args.threads} threads; {env['date']}\n\n" + markdown_table(rows, columns)
-        + f"\n\nOne row of activations; medians of {args.rounds} interleaved rounds."
+        f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; ISA caps {caps}; torch "
+        f"{env['torch']}; {threads} threads; {env['date']}{header}\n\n"
+        + markdown_table(rows, columns) + f"\n\n{footer}"
     )
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_pass.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    (out / "decode_pass.md").write_text(md + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(md + "\n")
     print(md)
 
 

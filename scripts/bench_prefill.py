@@ -12,7 +12,6 @@ pass (min-max) and speed vs dense fp32. JSON + markdown:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode_pass import layers, torch_pass  # noqa: E402
+from bench_decode_pass import layers, torch_pass, write_table  # noqa: E402
 
-from compress.eval.report import environment, markdown_table  # noqa: E402
 from compress.kernels import cpu_q8  # noqa: E402
 
 SHAPES = {  # (N, K) of one decoder layer's projections, and the layer count
@@ -101,19 +99,12 @@ def main() -> None:
         del qs, kernels
     columns = [("rows", "M"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
                ("ms_range", "min-max"), ("vs_fp32", "vs dense fp32")]  # fmt: skip
-    env = environment()
-    n_layers = f"{count} layers x {len(shapes)} projections ({args.shape})"
-    md = (
-        f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; torch {env['torch']}; "
-        f"{args.threads} threads; {env['date']}; {n_layers}; int4 g{args.group}, int8 per "
-        f"channel\n\n" + markdown_table(sorted(rows, key=lambda r: r["rows"]), columns)
-        + f"\n\nMedians of {args.rounds} interleaved rounds."
-    )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    (out / "prefill.md").write_text(md + "\n")
-    print(md)
+    write_table(
+        Path(args.out), "prefill", sorted(rows, key=lambda r: r["rows"]), columns,
+        threads=args.threads, footer=f"Medians of {args.rounds} interleaved rounds.",
+        header=f"; {count} layers x {len(shapes)} projections ({args.shape}); int4 "
+        f"g{args.group}, int8 per channel",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
