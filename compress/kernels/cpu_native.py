@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import cpuinfo, reference
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 ALIGNMENT = 64  # bytes: a cache line, and more than any native kernel here asks for
@@ -117,3 +117,30 @@ def int8_mm(x: torch.Tensor, w_q: torch.Tensor, scales_bf16: torch.Tensor) -> to
 def int_mm_available() -> bool:
     """``torch._int_mm`` exists (CPU support since torch 2.2)."""
     return hasattr(torch, "_int_mm")
+
+
+# oneDNN's ISA cap names (ONEDNN_MAX_CPU_ISA) whose int8 kernels have VNNI dot products, and the
+# CPU flag each needs. Below them (SSE41, AVX, AVX2, AVX512_CORE) oneDNN multiplies int8 pairs
+# with vpmaddubsw, whose int16 pair sums saturate.
+_ONEDNN_VNNI_CAPS = {
+    "AVX2_VNNI": "avx_vnni", "AVX2_VNNI_2": "avx_vnni",
+    "AVX512_CORE_VNNI": "avx512_vnni", "AVX512_CORE_BF16": "avx512_vnni",
+    "AVX512_CORE_FP16": "avx512_vnni", "AVX10_1_512": "avx512_vnni",
+    "AVX512_CORE_AMX": "avx512_vnni", "AVX10_1_512_AMX": "avx512_vnni",
+    "AVX512_CORE_AMX_FP16": "avx512_vnni", "AVX10_1_512_AMX_FP16": "avx512_vnni",
+}  # fmt: skip
+
+
+def int_mm_inexact_reason(flags: frozenset[str], onednn_cap: str | None) -> str | None:
+    """Why ``torch._int_mm`` on this CPU would not return the exact int32 products, or None.
+    It runs on oneDNN, whose int8 kernels are exact only with VNNI/AMX dot products: without
+    them int16 pair sums saturate (measured: a [1, 96] x [96, 40] product off by up to 18,000
+    with ``ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX512-VNNI Xeon). ``onednn_cap``: that variable."""
+    if not cpuinfo.has_vnni(flags):
+        return "the CPU reports no int8 dot products (VNNI/AMX)"
+    cap = (onednn_cap or "").strip().upper()
+    if cap in ("", "ALL", "DEFAULT"):
+        return None
+    if _ONEDNN_VNNI_CAPS.get(cap) in flags:
+        return None
+    return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off this CPU's int8 dot products"

@@ -13,8 +13,9 @@ phase, when it re-holds a layer). Layer kinds and their backends:
   rows on the kernel runs as a row-tile GEMM); the runtime holds the other layers as
   dequantized floats in both phases; a layer it cannot take keeps the plan it had;
 - ``w8a8`` (``W8A8Linear``): ``auto | reference | float_exact | cpu | triton``. ``auto`` picks
-  triton on CUDA, ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products (VNNI/AMX),
-  ``float_exact`` otherwise.
+  triton on CUDA, ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products (VNNI/AMX)
+  when ``ONEDNN_MAX_CPU_ISA`` does not keep oneDNN below them, ``float_exact`` otherwise; an
+  explicit ``cpu`` raises there (oneDNN's int8 without VNNI saturates: wrong int32 products).
 
 Shape and group-size constraints live in one ``*_unsupported_reason`` function per kernel, in
 the kernel's module; only this module asks them. Falling back from ``auto`` (or from the q4q8
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,10 +69,20 @@ def triton_importable() -> bool:
 
 
 @functools.cache
+def cpu_int_mm_reason() -> str | None:
+    """None when ``torch._int_mm`` runs on CPU here, exact and fast: it exists and oneDNN uses
+    int8 dot products (without them it is slow, 261 ms vs 8 ms for ``float_exact`` at
+    [512,1536]x[1536,576] on an AVX2-only CPU, and its int16 pair sums saturate); else why not."""
+    if not cpu_native.int_mm_available():
+        return "torch._int_mm is missing (torch >= 2.2)"
+    return cpu_native.int_mm_inexact_reason(
+        cpuinfo.cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA")
+    )
+
+
 def cpu_int_mm_fast() -> bool:
-    """``torch._int_mm`` exists on CPU and the CPU has int8 dot products (else it is slow:
-    measured 261 ms vs 8 ms for ``float_exact`` at [512,1536]x[1536,576] on an AVX2-only CPU)."""
-    return cpu_native.int_mm_available() and cpuinfo.has_vnni(cpuinfo.cpu_flags())
+    """``torch._int_mm`` is exact and fast on this CPU (``cpu_int_mm_reason``)."""
+    return cpu_int_mm_reason() is None
 
 
 def q8_unavailable_reason() -> str | None:
@@ -199,10 +211,15 @@ def _plan_w8a8(requested: str, *, device: torch.device, n: int, k: int) -> Plan:
     if requested in ("reference", "float_exact"):
         return Plan(requested)
     if requested == "cpu":
-        if device.type != "cpu" or not cpu_native.int_mm_available():
+        if device.type != "cpu":
             raise KernelConstraintError(
-                f"backend='cpu' cannot run {shape}: needs a CPU tensor and torch._int_mm "
-                f"(torch >= 2.2), got device {device}"
+                f"backend='cpu' cannot run {shape}: needs a CPU tensor, got device {device}"
+            )
+        reason = cpu_int_mm_reason()
+        if reason is not None:  # wrong int32 products are not a slower path: refuse
+            raise KernelConstraintError(
+                f"backend='cpu' cannot run {shape} exactly: {reason}; use backend='auto' "
+                "(float_exact here)"
             )
         return Plan("cpu")
     triton_reason = _triton_reason(device=device, op="int8", n=n, k=k, group_size=k, symmetric=True)
@@ -218,7 +235,7 @@ def _plan_w8a8(requested: str, *, device: torch.device, n: int, k: int) -> Plan:
     if device.type == "cpu" and cpu_int_mm_fast():
         return Plan("cpu")
     reason = (
-        "the CPU reports no int8 dot products (VNNI/AMX), where torch._int_mm is slow"
+        f"torch._int_mm would be slow and inexact: {cpu_int_mm_reason()}"
         if device.type == "cpu"
         else f"no int8 x int8 kernel on {device.type}"
     )

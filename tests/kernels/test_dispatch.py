@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from compress.kernels import KernelConstraintError, cpu_q8, cpuinfo, dispatch
+from compress.kernels import KernelConstraintError, cpu_native, cpu_q8, cpuinfo, dispatch
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -193,14 +193,43 @@ def test_w8a8_auto_on_cpu_uses_int_mm_only_with_int8_dot_products():
     if dispatch.cpu_int_mm_fast():
         assert got == dispatch.Plan("cpu", None)
     else:
-        assert got.backend == "float_exact" and "VNNI" in got.reason
+        assert got.backend == "float_exact" and dispatch.cpu_int_mm_reason() in got.reason
     assert plan("w8a8", device=META).backend == "float_exact"
+
+
+def test_int_mm_is_trusted_only_with_vnni_that_onednn_may_use():
+    vnni512 = frozenset({"avx2", "avx512f", "avx512_vnni"})
+    assert cpu_native.int_mm_inexact_reason(vnni512, None) is None
+    assert cpu_native.int_mm_inexact_reason(vnni512, "avx512_core_amx") is None
+    # capped below VNNI: oneDNN's vpmaddubsw path saturates int16 pair sums
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in cpu_native.int_mm_inexact_reason(vnni512, "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA" in cpu_native.int_mm_inexact_reason(vnni512, "AVX512_CORE")
+    # a cap naming VNNI the CPU does not have (AVX-VNNI on an AVX512-VNNI-only CPU)
+    assert cpu_native.int_mm_inexact_reason(vnni512, "AVX2_VNNI") is not None
+    assert "VNNI" in cpu_native.int_mm_inexact_reason(frozenset({"avx2", "fma"}), None)
+
+
+def test_w8a8_cpu_backend_refuses_where_int_mm_would_be_inexact(monkeypatch):
+    dispatch.cpu_int_mm_reason.cache_clear()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    try:
+        with pytest.raises(KernelConstraintError, match="exactly: .*ONEDNN_MAX_CPU_ISA=AVX2"):
+            plan("w8a8", "cpu")
+        auto = plan("w8a8")
+        assert auto.backend == "float_exact" and "ONEDNN_MAX_CPU_ISA=AVX2" in auto.reason
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        dispatch.cpu_int_mm_reason.cache_clear()
 
 
 def test_w8a8_explicit_backends_run_or_raise():
     for name in ("reference", "float_exact"):
         assert plan("w8a8", name, device=META) == dispatch.Plan(name, None)
-    assert plan("w8a8", "cpu") == dispatch.Plan("cpu", None)
+    if dispatch.cpu_int_mm_fast():
+        assert plan("w8a8", "cpu") == dispatch.Plan("cpu", None)
+    else:
+        with pytest.raises(KernelConstraintError, match="exactly"):
+            plan("w8a8", "cpu")
     with pytest.raises(KernelConstraintError, match="w8a8 layer N=64 K=128"):
         plan("w8a8", "cpu", device=META)
     with pytest.raises(KernelConstraintError, match="backend='triton'"):
