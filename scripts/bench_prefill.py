@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode_pass import layers, torch_pass, write_table  # noqa: E402
+from bench_decode_pass import layers, our_pass, torch_pass, write_table  # noqa: E402
 
 from compress.kernels import cpu_q8  # noqa: E402
 
@@ -31,22 +31,6 @@ SHAPES = {  # (N, K) of one decoder layer's projections, and the layer count
     "1b": ([(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048),
             (2048, 5632)], 22),
 }  # fmt: skip
-
-
-def ours(qs, isa: str):
-    weights = [
-        cpu_q8.prepack_int4(q.weight_packed, q.weight_scale, None, group_size=q.group_size,
-                            k=q.in_features)
-        if q.kind == "int4"
-        else cpu_q8.prepack_int8(q.weight, q.weight_scale, None, group_size=q.group_size)
-        for q in qs
-    ]  # fmt: skip
-    op = cpu_q8.ops(isa)
-    return [
-        (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(
-            x, w.codes, w.scales, w.offsets, w.group_size))
-        for w in weights
-    ]  # fmt: skip
 
 
 def dense(qs, dtype: torch.dtype):
@@ -74,7 +58,7 @@ def main() -> None:
             "dense bf16": dense(qs, torch.bfloat16),
             f"torch int{bits} (bf16 x)": torch_pass(qs, bits)[0],
         }
-        kernels |= {f"ours int{bits} ({isa})": ours(qs, isa) for isa in levels}
+        kernels |= {f"ours int{bits} ({isa})": our_pass(qs, isa)[0] for isa in levels}
         for m in args.rows:
             xs = {k: torch.randn(m, k) for k in {q.in_features for q in qs}}
             xs16 = {k: x.bfloat16() for k, x in xs.items()}
