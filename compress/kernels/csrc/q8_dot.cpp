@@ -1,4 +1,5 @@
-// Integer-dot CPU linears for decode: int4 or int8 weights x activations rounded to int8 per
+// Integer-dot CPU linears, decode side (one or a few rows; from GEMM_MIN_ROWS rows the ops hand
+// over to q8_gemm.cpp): int4 or int8 weights x activations rounded to int8 per
 // block of 32 columns (llama.cpp's Q4 x Q8 and Q8 x Q8 schemes). compress.kernels.cpu_q8 builds
 // this file once per ISA level and documents the layouts; the float64 model of the arithmetic
 // is cpu_q8.linear_q8_reference.
