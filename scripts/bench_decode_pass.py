@@ -67,14 +67,18 @@ def torch_pass(qs: list[QuantLinear], bits: int):
     return calls, size
 
 
-def our_pass(qs: list[QuantLinear], isa: str):
-    weights = [
+def prepack(qs: list[QuantLinear]) -> list[cpu_q8.Q8Weight]:
+    return [
         cpu_q8.prepack_int4(q.weight_packed, q.weight_scale, None, group_size=q.group_size,
                             k=q.in_features)
         if q.kind == "int4"
         else cpu_q8.prepack_int8(q.weight, q.weight_scale, None, group_size=q.group_size)
         for q in qs
     ]  # fmt: skip
+
+
+def our_pass(qs: list[QuantLinear], isa: str):
+    weights = prepack(qs)
     op = cpu_q8.ops(isa)
     calls = [
         (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(

@@ -2,11 +2,14 @@
 of activations, through each way the runtime can run them, interleaved round by round in one
 run: dense fp32 and bf16 ``F.linear`` (the float baselines), torch's int4 / int8 weight-only
 kernels (bf16 activations) and ours (``cpu_q8``: int8-rounded activations; from 8 rows on its
-row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has. Per kernel: median ms per
-pass (min-max) and speed vs dense fp32. JSON + markdown:
+row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has. ``--dequant-gemm`` adds
+the long-prompt alternative: our weights dequantized per call (``cpu_q8.dequantize``, lowest
+level) into ATen's fp32 GEMM, which sets ``cpu_q8.FLOAT_GEMM_MIN_ROWS``. Per kernel: median ms
+per pass (min-max) and speed vs dense fp32. JSON + markdown:
 
     python scripts/bench_prefill.py --shape smollm2 --rows 32 128 --out out/prefill
     python scripts/bench_prefill.py --shape 1b --rows 32 --out out/prefill_1b
+    COMPRESS_CPU_ISA=avx2 python scripts/bench_prefill.py --rows 64 128 256 512 --dequant-gemm
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode_pass import layers, our_pass, torch_pass, write_table  # noqa: E402
+from bench_decode_pass import layers, our_pass, prepack, torch_pass, write_table  # noqa: E402
 
 from compress.kernels import cpu_q8  # noqa: E402
 
@@ -38,6 +41,11 @@ def dense(qs, dtype: torch.dtype):
     return [(w.shape[1], lambda x, w=w: F.linear(x.to(w.dtype), w)) for w in ws]
 
 
+def dequant_gemm(qs, isa: str):
+    """What the runtime runs from ``FLOAT_GEMM_MIN_ROWS`` rows: dequantize, then fp32 GEMM."""
+    return [(w.k, lambda x, w=w: F.linear(x, cpu_q8.dequantize(w, isa))) for w in prepack(qs)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -45,6 +53,17 @@ def main() -> None:
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--dequant-gemm",
+        action="store_true",
+        help="add our weights dequantized per call into ATen's fp32 GEMM",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="time only kernels whose name holds one of these words (dense fp32 always runs)",
+    )
     p.add_argument("--out", default="out/prefill")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,6 +78,16 @@ def main() -> None:
             f"torch int{bits} (bf16 x)": torch_pass(qs, bits)[0],
         }
         kernels |= {f"ours int{bits} ({isa})": our_pass(qs, isa)[0] for isa in levels}
+        if args.dequant_gemm:
+            kernels[f"ours int{bits} dequantized + fp32 GEMM ({levels[-1]})"] = dequant_gemm(
+                qs, levels[-1]
+            )
+        if args.only:
+            kernels = {
+                name: calls
+                for name, calls in kernels.items()
+                if name == "dense fp32" or any(word in name for word in args.only)
+            }
         for m in args.rows:
             xs = {k: torch.randn(m, k) for k in {q.in_features for q in qs}}
             xs16 = {k: x.bfloat16() for k, x in xs.items()}

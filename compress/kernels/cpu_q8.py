@@ -6,7 +6,9 @@ columns (scale = amax / 127, round half to even) and each block's dot product wi
 int8 weight codes is done in integers, then scaled. Two ops per build:
 ``int4_linear_q8`` (int4 weights) and ``int8_linear_q8`` (int8 weights: W8 layers, the int8
 lm_head). From 8 rows on (prefill) each op runs as a GEMM whose vector lanes hold rows: the same
-integers, another fp32 summation order.
+integers, another fp32 summation order. Two more ops, ``dequantize_q4`` / ``dequantize_q8``,
+return the weights in fp32 for the runtime's long prompts where an fp32 GEMM wins
+(``FLOAT_GEMM_MIN_ROWS``).
 
 ISA levels, chosen at run time from the CPU flags (``cpuinfo``), best first:
 
@@ -56,6 +58,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "q8_dot.cpp", CSRC / "q8_gemm.cpp")  # both include q8_common.h
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
+GEMM_MIN_ROWS = 8  # as csrc/q8_common.h: from this many rows the ops run the row-tile GEMM
 ISA_ENV = "COMPRESS_CPU_ISA"
 
 # level -> (CPU flags it needs, compiler flags, the -D switch in q8_dot.cpp); best first
@@ -112,9 +115,11 @@ def build_reason(isa: str) -> str | None:
     except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, build error: fall back)
         what = f"{type(exc).__name__}: {str(exc)[:300]}"
         return f"building {', '.join(s.name for s in SOURCES)} for {isa} failed: {what}"
+    # shapes only, so torch.compile keeps the calls in its graph
     for op in ("int4_linear_q8", "int8_linear_q8"):
-        # shapes only, so torch.compile keeps the call in its graph
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
+    for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
+        torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
 
 
@@ -127,6 +132,13 @@ def _csrc_hash() -> str:
 
 def _fake_linear(x, codes, scales, offsets, group):
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def _fake_dequantize(columns_per_byte: int):
+    def fake(codes, scales, offsets, group):
+        return scales.new_empty(codes.shape[0], codes.shape[1] * columns_per_byte)
+
+    return fake
 
 
 def planned_isa() -> str | None:
@@ -247,6 +259,39 @@ def linear_q8(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torc
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     y = op(x2, weight.codes, weight.scales, weight.offsets, weight.group_size)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
+
+
+# From how many rows (tokens of a prompt) an fp32 GEMM of the dequantized weights beats our
+# integer GEMM, per level and weight bits; levels and bits not listed never switch. AVX2 without
+# VNNI spends four operations per 32 int8 products (the sign trick) and two plus int16 block
+# sums per 32 int4 ones, where fp32 needs four FMAs, so from some prompt length ATen's tuned
+# fp32 GEMM wins even after dequantizing. Measured on SmolLM2's layers with torch, MKL and our
+# kernels capped at AVX2 on a Xeon, two runs (scripts/bench_prefill.py --dequant-gemm,
+# docs/notes/2026-12-01-prefill-gemm.md): avx2 int8 0.85-0.90x fp32 at 128 rows against
+# 0.95-0.96x dequantized, avx2 int4 at parity from 256 rows, avxvnni int4 0.90-0.91x against
+# 0.96-1.02x at 512 (its int8 undecided). avx512vnni stayed 2.1-2.5x fp32 at 512 rows.
+FLOAT_GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 256, 8: 128}, "avxvnni": {4: 512}}
+
+
+def float_gemm_min_rows(isa: str | None, bits: int) -> int | None:
+    """Rows from which ``isa``'s layers of ``bits``-bit weights run as an fp32 GEMM of the
+    dequantized weights (``dequantize``) instead of the integer GEMM; None: never."""
+    return FLOAT_GEMM_MIN_ROWS.get(isa or "", {}).get(bits)
+
+
+def dequantize(weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+    """The weights as fp32 [N, K], ``(code - bias) * scale + offset``, by level ``isa``."""
+    op = ops(isa).dequantize_q4 if weight.bits == 4 else ops(isa).dequantize_q8
+    return op(weight.codes, weight.scales, weight.offsets, weight.group_size)
+
+
+def dequantize_reference(weight: Q8Weight) -> torch.Tensor:
+    """``dequantize`` in float64 from the layout, plain torch (for tests)."""
+    g = weight.group_size
+    w = unpack_codes(weight) * weight.scales.double().repeat_interleave(g, dim=1)
+    if weight.offsets is not None:
+        w = w + weight.offsets.double().repeat_interleave(g, dim=1)
+    return w
 
 
 def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,12 +113,18 @@ class _IntKernels(NamedTuple):
 
 class _Q8Kernel(nn.Module):
     """Our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded to int8 per
-    block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill)."""
+    block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill).
+    From ``float_rows`` rows on (long prompts on the 256-bit levels: ``cpu_q8.
+    FLOAT_GEMM_MIN_ROWS``) the layer dequantizes its weights per call and runs ATen's fp32 GEMM,
+    which is faster there; those rows skip the activation rounding."""
 
-    def __init__(self, w: cpu_q8.Q8Weight) -> None:
+    def __init__(self, w: cpu_q8.Q8Weight, float_rows: int | None = None) -> None:
         super().__init__()
-        ops = cpu_q8.ops()  # the level chosen for this CPU (built on first use)
+        isa = cpu_q8.selected_isa()  # the level chosen for this CPU (built on first use)
+        ops = cpu_q8.ops(isa)
         self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
+        self.dequantize = ops.dequantize_q4 if w.bits == 4 else ops.dequantize_q8
+        self.float_rows = float_rows or cpu_q8.float_gemm_min_rows(isa, w.bits)
         self.codes = nn.Buffer(w.codes, persistent=False)
         self.scales = nn.Buffer(w.scales, persistent=False)
         offsets = w.offsets
@@ -128,6 +134,9 @@ class _Q8Kernel(nn.Module):
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N] fp32."""
         x2 = x2.float().contiguous()
+        if self.float_rows is not None and x2.shape[0] >= self.float_rows:
+            w = self.dequantize(self.codes, self.scales, self.offsets, self.group_size)
+            return F.linear(x2, w)
         return self.op(x2, self.codes, self.scales, self.offsets, self.group_size)
 
 
@@ -487,8 +496,10 @@ class Runtime:
     (torch's native int4 kernel, bf16 activations: the default, tokens equal transformers') or
     ``"q4q8"`` (both phases through our integer-dot kernel, ``compress/kernels/cpu_q8.py``, at
     the CPU's ISA level, activations rounded to int8 per block of 32, llama.cpp's scheme: faster
-    decode and prefill (a row-tile GEMM), +0.2% perplexity measured on SmolLM2 W4, tokens may
-    differ; torch's layout is not held then). ``int8_kernel``: the same choice for int8 layers
+    decode and prefill (a row-tile GEMM; on the 256-bit levels, prompts from
+    ``cpu_q8.FLOAT_GEMM_MIN_ROWS`` tokens run an fp32 GEMM of the dequantized weights instead),
+    +0.2% perplexity measured on SmolLM2 W4, tokens may differ; torch's layout is not held
+    then). ``int8_kernel``: the same choice for int8 layers
     and an int8 head (``"torch"`` or ``"q8q8"``). Both fall back to "torch" with a warning where
     our kernels cannot be built; ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps
     a float lm_head (in the decode dtype); 4 or 8 quantizes a copy at construction (RTN,

@@ -37,11 +37,7 @@ LAYOUT_IDS = ["int4-g64-sym", "int4-g32-asym", "int8-channel-sym", "int8-g64-asy
 def test_prepacked_layout_dequantizes_to_the_same_weights(bits, group, symmetric):
     layer = quant_layer(bits, 48, 192, group, symmetric)
     w = q8_weight(layer)
-    g = w.group_size
-    scales = w.scales.double().repeat_interleave(g, dim=1)
-    rebuilt = cpu_q8.unpack_codes(w) * scales
-    if w.offsets is not None:
-        rebuilt += w.offsets.double().repeat_interleave(g, dim=1)
+    rebuilt = cpu_q8.dequantize_reference(w)
     assert (w.offsets is None) == symmetric
     assert torch.allclose(rebuilt, layer.dequantized_weight().double(), atol=1e-6, rtol=0)
 
@@ -113,6 +109,7 @@ def isa(request):
         (70, 576, 8),  # prefill's row-tile GEMM from 8 rows: a part-filled tile, N % 4 = 2
         (36, 1536, 40),  # row tiles in pairs and alone (16 lanes), or 5 of 8 lanes
         (9, 64, 33),  # one pair of blocks, one column left over
+        (20, 1536, 200),  # a long prompt: 13 (25) row tiles
     ],
 )
 def test_kernel_equals_float64_reference(isa, bits, group, symmetric, n, k, m):
@@ -150,6 +147,40 @@ def test_prefill_gemm_rows_equal_decode_rows(isa, bits, group, symmetric):
     together = cpu_q8.linear_q8(x, w, isa)
     alone = torch.cat([cpu_q8.linear_q8(x[i : i + 1], w, isa) for i in range(19)])
     assert torch.allclose(together, alone, atol=1e-5 * alone.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
+def test_dequantize_equals_float64_reference(isa, bits, group, symmetric):
+    # the long-prompt path's weights (FLOAT_GEMM_MIN_ROWS): fp32 of (code - bias) * s + o
+    layer = quant_layer(bits, 37, 1536, group, symmetric, seed=5)
+    w = q8_weight(layer)
+    got = cpu_q8.dequantize(w, isa)
+    ref = cpu_q8.dequantize_reference(w)
+    assert got.shape == (37, 1536) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), ref, atol=1e-6 * ref.abs().max().item(), rtol=0)
+    assert torch.allclose(ref, layer.dequantized_weight().double(), atol=1e-6, rtol=0)
+
+
+def test_dequantize_bad_operands_raise_not_crash(isa):
+    w = q8_weight(quant_layer(4, 16, 128, 64, True))
+    op = cpu_q8.ops(isa).dequantize_q4
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(w.codes, w.scales[:8].contiguous(), None, 64)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(w.codes[:, :48].contiguous(), w.scales, None, 64)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        op(w.codes.float(), w.scales, None, 64)
+
+
+def test_float_gemm_rows_only_where_the_integer_gemm_loses():
+    # measured per level (bench_prefill.py --dequant-gemm): AVX2 switches for long prompts,
+    # 512-bit vpdpbusd never does
+    assert cpu_q8.float_gemm_min_rows("avx512vnni", 4) is None
+    assert cpu_q8.float_gemm_min_rows("avx512vnni", 8) is None
+    assert cpu_q8.float_gemm_min_rows(None, 8) is None
+    for bits in (4, 8):
+        rows = cpu_q8.float_gemm_min_rows("avx2", bits)
+        assert rows is not None and rows > cpu_q8.GEMM_MIN_ROWS
 
 
 def test_kernel_keeps_leading_dims_and_dtype(isa):

@@ -156,6 +156,47 @@ def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits, monkeypatch):
+    # FLOAT_GEMM_MIN_ROWS (AVX2's long prompts) lowered to 8 rows for whichever level runs
+    # here: prompts of 8+ tokens must then equal transformers on the dequantized fp32 weights
+    # and one-token steps transformers on our kernel
+    from compress.kernels import cpu_q8
+    from compress.quant.linear import QuantLinear
+
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
+    quantize_linears(model, Int4RtnConfig(group_size=32) if bits == 4 else Int8RtnConfig(),
+                     bits, "test")  # fmt: skip
+    monkeypatch.setitem(cpu_q8.FLOAT_GEMM_MIN_ROWS, cpu_q8.selected_isa(), {bits: 8})
+    kernels = dict(int4_kernel="q4q8") if bits == 4 else dict(int8_kernel="q8q8")
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels)
+    holder = "_Int4Linear" if bits == 4 else "_Int8Linear"
+    assert all(m.q8.float_rows == 8 for m in rt.layers.modules() if type(m).__name__ == holder)
+
+    def ours(layer, x):
+        zp = None if layer.scheme.symmetric else layer.weight_zero_point
+        w = (
+            cpu_q8.prepack_int4(layer.weight_packed, layer.weight_scale, zp,
+                                group_size=layer.group_size, k=layer.in_features)
+            if bits == 4
+            else cpu_q8.prepack_int8(layer.weight, layer.weight_scale, zp,
+                                     group_size=layer.group_size)
+        )  # fmt: skip
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= 8:
+            y = torch.nn.functional.linear(x2.float(), cpu_q8.dequantize_reference(w).float())
+        else:
+            y = cpu_q8.linear_q8(x2, w)
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            layer.register_forward_hook(lambda m, args, out: ours(m, args[0]))
+    long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]
+    assert rt.generate([long_prompt], 12) == [hf_greedy(model, long_prompt, 12)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
     import copy
 

@@ -22,7 +22,6 @@ namespace compress_q8 {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t PAIR = 64;  // the unit of the inner loops: two blocks
-constexpr int COLUMNS = 4;    // output columns per step of the one-row (decode) loop
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,7 +89,7 @@ struct RoundedX {
 
 // Rows in parallel from GEMM_MIN_ROWS on (prefill); decode's one row stays on the caller's
 // thread. The 16-lane copies of scales and corrections serve the decode loops only.
-constexpr int64_t GEMM_MIN_ROWS = 8;
+constexpr int64_t GEMM_MIN_ROWS = 8;  // cpu_q8.GEMM_MIN_ROWS says the same
 
 inline RoundedX round_x(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias,
                         bool with_sums) {

@@ -244,6 +244,7 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
 // SmolLM2 int4 ran at 7 GB/s cold against 25 GB/s of read bandwidth. So each step asks for the
 // rows PREFETCH_ROWS ahead.
 constexpr int64_t PREFETCH_ROWS = 16;
+constexpr int COLUMNS = 4;  // output columns per step of the one-row (decode) loop
 
 inline void prefetch_rows(const uint8_t* codes, int64_t row_bytes, int64_t n0, int64_t n1) {
   const char* begin = reinterpret_cast<const char*>(codes + n0 * row_bytes);
@@ -333,6 +334,58 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// The weights as fp32 [N, K], w = (c - bias) * scale + offset: for long prompts on levels whose
+// integer GEMM loses to an fp32 GEMM (cpu_q8.FLOAT_GEMM_MIN_ROWS: AVX2 without VNNI). Written
+// for the compiler to vectorize (32 columns of one group per inner loop); N x K stores, small
+// next to the GEMM at the row counts that take this path.
+template <bool Q4>
+at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& offsets, int64_t group) {
+  const char* what = Q4 ? "dequantize_q4" : "dequantize_q8";
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), what,
+              ": codes must be contiguous uint8 [N, K", Q4 ? "/2]" : "]");
+  const int64_t N = codes.size(0), K = Q4 ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(K % PAIR == 0 && group % BLOCK == 0 && group > 0 && K % group == 0, what,
+              ": K must be a multiple of ", PAIR, " and group a multiple of ", BLOCK,
+              " dividing K");
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G,
+              what, ": scales must be contiguous fp32 [N, K/group]");
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  if (with_offsets)
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat &&
+                    offsets->is_contiguous(),
+                what, ": offsets must be like scales");
+  at::Tensor w = at::empty({N, K}, scales.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = with_offsets ? offsets->data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = cp + n * row_bytes;
+      float* out = wp + n * K;
+      for (int64_t b = 0; b < K / BLOCK; ++b) {  // block b: columns 32b .. 32b + 31
+        const int64_t j = b * BLOCK / group;
+        const float s = sp[n * G + j], o = op == nullptr ? 0.f : op[n * G + j];
+        float* dst = out + b * BLOCK;
+        if constexpr (Q4) {  // block 2p in the low nibbles of pair p's 32 bytes, 2p + 1 high
+          const uint8_t* src = row + (b / 2) * BLOCK;
+          const int shift = (b % 2) * 4;
+          for (int i = 0; i < BLOCK; ++i)
+            dst[i] = static_cast<float>(((src[i] >> shift) & 0xF) - 8) * s + o;
+        } else {
+          const uint8_t* src = row + b * BLOCK;
+          for (int i = 0; i < BLOCK; ++i) dst[i] = static_cast<float>(src[i] - 128) * s + o;
+        }
+      }
+    }
+  });
+  return w;
+}
+
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const std::optional<at::Tensor>& offsets, int64_t group) {
   return linear_q8<true>(x, codes, scales, offsets, group);
@@ -343,17 +396,33 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   return linear_q8<false>(x, codes, scales, offsets, group);
 }
 
+at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, int64_t group) {
+  return dequantize_codes<true>(codes, scales, offsets, group);
+}
+
+at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, int64_t group) {
+  return dequantize_codes<false>(codes, scales, offsets, group);
+}
+
 }  // namespace compress_q8
 
+using compress_q8::dequantize_q4;
+using compress_q8::dequantize_q8;
 using compress_q8::int4_linear_q8;
 using compress_q8::int8_linear_q8;
 
 TORCH_LIBRARY(COMPRESS_OPS, m) {
   m.def("int4_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
   m.def("int8_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("dequantize_q4(Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("dequantize_q8(Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("int4_linear_q8", &int4_linear_q8);
   m.impl("int8_linear_q8", &int8_linear_q8);
+  m.impl("dequantize_q4", &dequantize_q4);
+  m.impl("dequantize_q8", &dequantize_q8);
 }
