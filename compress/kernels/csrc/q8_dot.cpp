@@ -252,6 +252,24 @@ inline void prefetch_rows(const uint8_t* codes, int64_t row_bytes, int64_t n0, i
   for (const char* p = begin; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
+// The weight operands of every op: K and the group, scales fp32 [N, K/group], offsets (if any)
+// like scales. Returns whether offsets are given.
+inline bool check_weight(const char* what, int64_t N, int64_t K, int64_t group,
+                         const at::Tensor& scales, const std::optional<at::Tensor>& offsets) {
+  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
+              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
+              ", group=", group, ")");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group,
+              what, ": scales must be contiguous fp32 [N, K/group]");
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  if (with_offsets)
+    TORCH_CHECK(offsets->sizes() == scales.sizes() &&
+                    offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
+                what, ": offsets must be like scales");
+  return with_offsets;
+}
+
 template <bool Q4>
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, int64_t group) {
@@ -263,18 +281,8 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   codes.size(1) == (Q4 ? K / 2 : K),
               what, ": codes must be contiguous uint8 [N, ", Q4 ? "K/2" : "K", "] for K=", K);
   const int64_t N = codes.size(0);
-  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
-              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
-              ", group=", group, ")");
+  const bool with_offsets = check_weight(what, N, K, group, scales, offsets);
   const int64_t G = K / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == G,
-              what, ": scales must be contiguous fp32 [N, K/group]");
-  const bool with_offsets = offsets.has_value() && offsets->defined();
-  if (with_offsets)
-    TORCH_CHECK(offsets->sizes() == scales.sizes() &&
-                    offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
-                what, ": offsets must be like scales");
 #if defined(COMPRESS_AVX2)
   const int32_t bias = Q4 ? 8 : 0;  // AVX2 int8 multiplies signed codes (see Block)
 #else
@@ -345,18 +353,8 @@ at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), what,
               ": codes must be contiguous uint8 [N, K", Q4 ? "/2]" : "]");
   const int64_t N = codes.size(0), K = Q4 ? codes.size(1) * 2 : codes.size(1);
-  TORCH_CHECK(K % PAIR == 0 && group % BLOCK == 0 && group > 0 && K % group == 0, what,
-              ": K must be a multiple of ", PAIR, " and group a multiple of ", BLOCK,
-              " dividing K");
+  const bool with_offsets = check_weight(what, N, K, group, scales, offsets);
   const int64_t G = K / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G,
-              what, ": scales must be contiguous fp32 [N, K/group]");
-  const bool with_offsets = offsets.has_value() && offsets->defined();
-  if (with_offsets)
-    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat &&
-                    offsets->is_contiguous(),
-                what, ": offsets must be like scales");
   at::Tensor w = at::empty({N, K}, scales.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
