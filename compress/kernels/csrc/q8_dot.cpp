@@ -343,7 +343,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // The weights as fp32 [N, K], w = (c - bias) * scale + offset: for long prompts on levels whose
-// integer GEMM loses to an fp32 GEMM (cpu_q8.FLOAT_GEMM_MIN_ROWS: AVX2 without VNNI). Written
+// integer GEMM loses to an fp32 GEMM (cpu_q8.FLOAT_GEMM_MIN_ROWS: the 256-bit ones). Written
 // for the compiler to vectorize (32 columns of one group per inner loop); N x K stores, small
 // next to the GEMM at the row counts that take this path.
 template <bool Q4>
