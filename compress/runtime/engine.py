@@ -115,16 +115,16 @@ class _Q8Kernel(nn.Module):
     """Our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded to int8 per
     block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill).
     From ``float_rows`` rows on (long prompts on the 256-bit levels: ``cpu_q8.
-    FLOAT_GEMM_MIN_ROWS``) the layer dequantizes its weights per call and runs ATen's fp32 GEMM,
-    which is faster there; those rows skip the activation rounding."""
+    float_gemm_min_rows``; None: never) the layer dequantizes its weights per call and runs
+    ATen's fp32 GEMM, which is faster there; those rows skip the activation rounding."""
 
-    def __init__(self, w: cpu_q8.Q8Weight, float_rows: int | None = None) -> None:
+    def __init__(self, w: cpu_q8.Q8Weight) -> None:
         super().__init__()
         isa = cpu_q8.selected_isa()  # the level chosen for this CPU (built on first use)
         ops = cpu_q8.ops(isa)
         self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
         self.dequantize = ops.dequantize_q4 if w.bits == 4 else ops.dequantize_q8
-        self.float_rows = float_rows or cpu_q8.float_gemm_min_rows(isa, w.bits)
+        self.float_rows = cpu_q8.float_gemm_min_rows(isa, w.bits)
         self.codes = nn.Buffer(w.codes, persistent=False)
         self.scales = nn.Buffer(w.scales, persistent=False)
         offsets = w.offsets
