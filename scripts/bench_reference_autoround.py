@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 AUTOROUND_VERSION = "0.16.1"  # newest on PyPI (2026-11-30); runs on CPU with transformers 5.24
+AUTOROUND_DEFAULT_SEED = 42  # AutoRound(seed=...)'s default
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-w4-autoround.yaml"
 
@@ -54,7 +55,7 @@ start = time.perf_counter()
 ar = AutoRound(model, calib_tok, scheme="W4A16", bits=4, group_size=s["group_size"], sym=True,
                dataset=data, iters=s["iters"], nsamples=ids.shape[0], seqlen=ids.shape[1],
                batch_size=s["batch_size"], device_map="cpu", amp=s["amp"],
-               enable_torch_compile=False)
+               enable_torch_compile=False, seed=s["seed_theirs"])
 model, layer_config = ar.quantize()
 seconds = time.perf_counter() - start
 peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -109,6 +110,7 @@ def run_ours(settings_path: str) -> None:
         batch_size=s["batch_size"],
         symmetric_grid=s["grid"],
         target=s["target"],
+        seed=s["seed"],
     )
     start = time.perf_counter()
     run_passes(loaded.model, [cfg], state)
@@ -166,6 +168,13 @@ def _parser(recipe) -> argparse.ArgumentParser:
     )
     p.add_argument("--amp", action="store_true", help="auto-round's CPU default: bf16 autocast")
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: default)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="minibatch sampling seed: ours uses SEED, auto-round 42 + SEED (its default is 42), "
+        "so 0 is each side's default",
+    )
     p.add_argument("--out", default="out/bench_ref_autoround")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run ours on a settings file
@@ -254,7 +263,8 @@ def _markdown(args, base, runs: dict) -> tuple[str, list[dict]]:
     md = markdown_table(rows, columns) + (
         f"\n\nW4 g{args.group_size} symmetric (both; lm_head float), {args.num_samples} x "
         f"{args.seq_len} WikiText-2 valid token ids (the same tensor for both), {args.iters} "
-        f"iters, batch {min(args.batch_size, args.num_samples)}, lr 1/iters, fp32"
+        f"iters, batch {min(args.batch_size, args.num_samples)}, lr 1/iters, minibatch seed "
+        f"{args.seed} (auto-round: {AUTOROUND_DEFAULT_SEED + args.seed}), fp32"
         f"{' (auto-round: bf16 amp)' if args.amp else ''}. Perplexity: context "
         f"{base.protocol['context_length']}, {base.windows} test windows, "
         f"{base.scored_tokens:,} scored tokens. {kl_note(KL_TOP_K)} Wall s: the quantization "
@@ -294,6 +304,8 @@ def main() -> None:
         "amp": args.amp,
         "grid": args.symmetric_grid,
         "target": args.target,
+        "seed": args.seed,
+        "seed_theirs": AUTOROUND_DEFAULT_SEED + args.seed,
     }
     runs = {side: _run_side(side, settings, out) for side in ("ours", "theirs")}
     if runs["theirs"]["max_distinct_per_group"] > 16:
