@@ -1,15 +1,19 @@
 """One decode step's worth of quantized linears, each layer its own weight (so they stream from
 memory as in a real decode step, not from cache as a one-layer loop would): SmolLM2-135M's
-30 layers x 7 projections (576x576, 2 x 192x576, 576x576, 2 x 1536x576, 576x1536), one row.
+30 layers x 7 projections (576x576, 2 x 192x576, 576x576, 2 x 1536x576, 576x1536), one row;
+with --shape 1.1b TinyLlama-1.1B's 22 layers (2048x2048, 2 x 256x2048, 2048x2048, 2 x 5632x2048,
+2048x5632) and an int8 head of 49152x2048 (SmolLM2's vocab, as bench_e2e's synthetic 1.1B).
 
 Kernels, called as the runtime's compiled step calls them (the ops, no Python wrappers),
 interleaved round by round in one run: torch's int4 / int8 weight-only kernels (bf16
 activations) and ours (compress/kernels/cpu_q8.py, int8-rounded activations) at every ISA level
 this CPU has; int4 symmetric at --group, int8 per channel. Per kernel: median ms per pass
-(min-max), weight GB/s (codes + scales), speed vs torch's kernel of the same format. The int8
-head (49152x576) is timed the same way with --head. JSON + markdown:
+(min-max), weight GB/s (codes + scales), that as a share of the read bandwidth probed at the
+start (MBU), speed vs torch's kernel of the same format. The int8 head is timed the same way.
+JSON + markdown:
 
     python scripts/bench_decode_pass.py --rounds 15 --out out/decode_pass
+    python scripts/bench_decode_pass.py --shape 1.1b --group 128 --rounds 9 --out out/decode_pass_1b
 """
 
 from __future__ import annotations
@@ -22,12 +26,25 @@ from pathlib import Path
 
 import torch
 
+from compress.eval.hardware import memory_bandwidth
 from compress.eval.report import environment, markdown_table
 from compress.kernels import cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 
-LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-HEAD = [(49152, 576)]
+# (out_features, in_features) of one decoder layer's q, k, v, o, gate, up, down; layer count; head
+SHAPES = {
+    "smollm2": (
+        [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)],
+        30,
+        (49152, 576),
+    ),
+    "1.1b": (
+        [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048),
+         (2048, 5632)],
+        22,
+        (49152, 2048),
+    ),
+}  # fmt: skip
 
 
 def layers(shapes: list[tuple[int, int]], count: int, bits: int, group: int) -> list[QuantLinear]:
@@ -90,20 +107,23 @@ def our_pass(qs: list[QuantLinear], isa: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default="out/decode_pass")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    bandwidth = memory_bandwidth()["bytes_per_s"]
     levels = cpu_q8.built_levels()
+    layer, count, (vocab, hidden) = SHAPES[args.shape]
     rows = []
-    for what, shapes, count, bits in (
-        (f"30 layers int4 g{args.group}", LAYER, 30, 4),
-        ("30 layers int8", LAYER, 30, 8),
-        ("int8 head 49152x576", HEAD, 1, 8),
+    for what, shapes, n_layers, bits in (
+        (f"{count} layers int4 g{args.group}", layer, count, 4),
+        (f"{count} layers int8", layer, count, 8),
+        (f"int8 head {vocab}x{hidden}", [(vocab, hidden)], 1, 8),
     ):
-        qs = layers(shapes, count, bits, args.group)
+        qs = layers(shapes, n_layers, bits, args.group)
         kernels = {"torch": torch_pass(qs, bits)}
         kernels |= {f"ours {isa}": our_pass(qs, isa) for isa in levels}
         # the ops themselves, as the runtime's compiled step calls them: torch's take bf16
@@ -124,17 +144,35 @@ def main() -> None:
             med = statistics.median(ms)
             spread = f"{min(ms):.2f}-{max(ms):.2f}"
             rows.append(dict(work=what, kernel=name, ms=med, ms_range=spread,
-                             gb_s=size / med / 1e6, vs_torch=base * 1e3 / med))  # fmt: skip
+                             gb_s=size / med / 1e6, mbu=size / (med / 1e3) / bandwidth,
+                             vs_torch=base * 1e3 / med))  # fmt: skip
             print(rows[-1], flush=True)
     columns = [("work", "work"), ("kernel", "kernel"), ("ms", "ms per pass (median)"),
-               ("ms_range", "min-max"), ("gb_s", "weight GB/s"),
+               ("ms_range", "min-max"), ("gb_s", "weight GB/s"), ("mbu", "MBU"),
                ("vs_torch", "vs torch")]  # fmt: skip
-    write_table(Path(args.out), "decode_pass", rows, columns, threads=args.threads,
-                footer=f"One row of activations; medians of {args.rounds} interleaved rounds.")
+    write_table(
+        Path(args.out),
+        "decode_pass",
+        rows,
+        columns,
+        threads=args.threads,
+        header=f"; read bandwidth probed {bandwidth / 1e9:.1f} GB/s",
+        footer=f"{args.shape} shapes; one row of activations; medians of {args.rounds} "
+        "interleaved rounds; MBU = weight bytes per pass / median time / probed "
+        "bandwidth.",
+    )
 
 
-def write_table(out: Path, stem: str, rows: list[dict], columns, *, threads: int,
-                header: str = "", footer: str = "") -> None:
+def write_table(
+    out: Path,
+    stem: str,
+    rows: list[dict],
+    columns,
+    *,
+    threads: int,
+    header: str = "",
+    footer: str = "",
+) -> None:
     """<out>/<stem>.json (rows + environment) and .md (the machine line, the table, a footer),
     printed too; the machine line names the CPU, its flags and any ISA caps."""
     env = environment()
@@ -142,7 +180,8 @@ def write_table(out: Path, stem: str, rows: list[dict], columns, *, threads: int
     md = (
         f"{env['cpu']}; flags {' '.join(env['cpu_flags'])}; ISA caps {caps}; torch "
         f"{env['torch']}; {threads} threads; {env['date']}{header}\n\n"
-        + markdown_table(rows, columns) + f"\n\n{footer}"
+        + markdown_table(rows, columns)
+        + f"\n\n{footer}"
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
