@@ -78,7 +78,11 @@ class AutoroundConfig(CalibratedWeightConfig):
     (None: the same as lr). batch_size: calibration sequences per step. tune_clipping: false keeps
     alpha = beta = 1 (rounding only). seed: minibatch order. target: what each block's output
     is pulled towards, ``float_model`` (the float model's hidden states, auto-round's choice) or
-    ``quantized_inputs`` (the float block on the quantized model's inputs).
+    ``quantized_inputs`` (the float block on the quantized model's inputs). best_by: which step's
+    parameters are kept: ``minibatch`` (auto-round's: the lowest loss on that step's own
+    minibatch) or ``relative`` (the lowest ratio of that loss to RTN's loss on the same
+    sequences, measured once up front: minibatches differ in how hard they are, so raw losses of
+    different steps are not comparable).
     """
 
     iters: int = Field(200, ge=0, le=100_000)
@@ -89,6 +93,7 @@ class AutoroundConfig(CalibratedWeightConfig):
     seed: int = Field(0, ge=0)
     offload: OffloadMode = "none"  # where not-yet-processed decoder layers wait
     target: Literal["float_model", "quantized_inputs"] = "float_model"
+    best_by: Literal["relative", "minibatch"] = "minibatch"
 
 
 @dataclass
@@ -173,6 +178,23 @@ def quantize_learned(
     return w_q, scales.squeeze(-1), None if zeros is None else zeros.squeeze(-1).to(torch.int8)
 
 
+def _sample_losses(
+    layer: nn.Module,
+    weights: dict[str, torch.Tensor],
+    inputs: LayerInputs,
+    targets: list[torch.Tensor],
+    indices: list[int],
+) -> list[torch.Tensor]:
+    """Per index, the MSE between ``layer`` run with ``weights`` (parameter name -> tensor) and
+    the float layer's output ``targets[i]``."""
+    losses = []
+    for i in indices:
+        out = functional_call(layer, weights, (inputs.hidden[i],), inputs.kwargs[i])
+        out = out[0] if isinstance(out, tuple) else out
+        losses.append((out.float() - targets[i].float()).pow(2).mean())
+    return losses
+
+
 def _block_loss(
     layer: nn.Module,
     weights: dict[str, torch.Tensor],
@@ -180,14 +202,8 @@ def _block_loss(
     targets: list[torch.Tensor],
     indices: list[int],
 ) -> torch.Tensor:
-    """Mean over ``indices`` of the MSE between ``layer`` run with ``weights`` (parameter name ->
-    tensor) and the float layer's outputs ``targets``."""
-    total = torch.zeros((), device=targets[0].device)
-    for i in indices:
-        out = functional_call(layer, weights, (inputs.hidden[i],), inputs.kwargs[i])
-        out = out[0] if isinstance(out, tuple) else out
-        total = total + (out.float() - targets[i].float()).pow(2).mean()
-    return total / len(indices)
+    """Mean over ``indices`` of ``_sample_losses``."""
+    return torch.stack(_sample_losses(layer, weights, inputs, targets, indices)).mean()
 
 
 def _weights(
@@ -222,8 +238,8 @@ def tune_block(
     generator: torch.Generator,
 ) -> tuple[dict[str, RoundingParams], dict[str, float]]:
     """Learn ``RoundingParams`` for ``linears`` (names relative to ``layer``) against the float
-    layer's ``targets`` (one ``[1, T, hidden]`` per input sample). Returns the parameters with
-    the lowest minibatch loss seen (RTN's included) and the losses on all samples."""
+    layer's ``targets`` (one ``[1, T, hidden]`` per input sample). Returns the parameters of the
+    best step by ``cfg.best_by`` (RTN's included) and the losses on all samples."""
     params = _initial(linears)
     trained = [p.v for p in params.values()]
     if cfg.tune_clipping:
@@ -231,7 +247,13 @@ def tune_block(
     lr = cfg.lr if cfg.lr is not None else 1.0 / max(cfg.iters, 1)
     clip_lr = cfg.clipping_lr if cfg.clipping_lr is not None else lr
     n_samples = len(inputs.hidden)
-    best, best_loss = {n: p.copy() for n, p in params.items()}, float("inf")
+    everything = list(range(n_samples))
+    with torch.no_grad():  # RTN's loss per sequence: the yardstick of every step and the end
+        rtn_losses = [
+            float(v) for v in _sample_losses(layer, _weights(linears, params), inputs, targets,
+                                             everything)
+        ]  # fmt: skip
+    best, best_score = {n: p.copy() for n, p in params.items()}, float("inf")
     frozen = [(t, t.requires_grad) for t in layer.parameters()]
     try:
         for t, _ in frozen:
@@ -243,14 +265,23 @@ def tune_block(
             with torch.enable_grad():
                 loss = _block_loss(layer, _weights(linears, params), inputs, targets, batch)
                 loss.backward()
-            if float(loss.detach()) < best_loss:  # the loss of the parameters before this step
-                best, best_loss = {n: p.copy() for n, p in params.items()}, float(loss.detach())
+            score = step_score(float(loss.detach()), batch, rtn_losses, cfg.best_by)
+            if score < best_score:  # the parameters before this step
+                best, best_score = {n: p.copy() for n, p in params.items()}, score
             decay = 1.0 - step / cfg.iters  # linear decay to 0
             _sign_step(params, lr * decay, clip_lr * decay)
     finally:
         for t, flag in frozen:
             t.requires_grad_(flag)
-    return _checked_against_rtn(layer, linears, best, inputs, targets)
+    return _checked_against_rtn(layer, linears, best, inputs, targets, rtn_losses)
+
+
+def step_score(loss: float, batch: list[int], rtn_losses: list[float], best_by: str) -> float:
+    """What a step's minibatch ``loss`` is ranked by: itself (``minibatch``) or its ratio to
+    RTN's mean loss on the same sequences (``relative``)."""
+    if best_by == "minibatch":
+        return loss
+    return loss / max(sum(rtn_losses[i] for i in batch) / len(batch), 1e-30)
 
 
 def _checked_against_rtn(
@@ -259,16 +290,17 @@ def _checked_against_rtn(
     best: dict[str, RoundingParams],
     inputs: LayerInputs,
     targets: list[torch.Tensor],
+    rtn_losses: list[float],
 ) -> tuple[dict[str, RoundingParams], dict[str, float]]:
-    """``best`` with its loss and RTN's on every calibration sample, or RTN if ``best`` lost
-    there: minibatch losses of different steps are not comparable, so the pick is checked."""
+    """``best`` with its loss and RTN's (``rtn_losses``, per sequence) on every calibration
+    sample, or RTN if ``best`` lost there: the pick was made on minibatches, so it is checked."""
     everything = list(range(len(inputs.hidden)))
-    rtn = _initial(linears)
+    loss_rtn = sum(rtn_losses) / len(rtn_losses)
     with torch.no_grad():
-        loss_rtn = float(_block_loss(layer, _weights(linears, rtn), inputs, targets, everything))
-        loss_best = float(_block_loss(layer, _weights(linears, best), inputs, targets, everything))
+        per_sample = _sample_losses(layer, _weights(linears, best), inputs, targets, everything)
+    loss_best = sum(float(v) for v in per_sample) / len(per_sample)  # summed as loss_rtn is
     if loss_best > loss_rtn:
-        return rtn, {"loss_rtn": loss_rtn, "loss_tuned": loss_rtn, "kept_rtn": 1.0}
+        return _initial(linears), {"loss_rtn": loss_rtn, "loss_tuned": loss_rtn, "kept_rtn": 1.0}
     return best, {"loss_rtn": loss_rtn, "loss_tuned": loss_best, "kept_rtn": 0.0}
 
 
