@@ -138,21 +138,22 @@ def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
     # against a float64 model in tests/kernels/test_cpu_q8.py)
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
-            w = (
-                cpu_q8.prepack_int4(
-                    layer.weight_packed, layer.weight_scale, None, group_size=32,
-                    k=layer.in_features,
-                )
-                if bits == 4
-                else cpu_q8.prepack_int8(layer.weight, layer.weight_scale, None,
-                                         group_size=layer.group_size)
-            )  # fmt: skip
-            layer.register_forward_hook(
-                lambda _m, args, out, w=w: cpu_q8.linear_q8(args[0], w)
-            )
+            w = _q8_weight(layer)
+            layer.register_forward_hook(lambda _m, args, out, w=w: cpu_q8.linear_q8(args[0], w))
     long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]  # prefill through the GEMM
     for prompt in [*PROMPTS[:2], long_prompt]:
         assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+
+
+def _q8_weight(layer):
+    """A QuantLinear's weight in our kernels' layout, made here from the layer's own tensors."""
+    from compress.kernels import cpu_q8
+
+    zp = None if layer.scheme.symmetric else layer.weight_zero_point
+    if layer.kind == "int4":
+        return cpu_q8.prepack_int4(layer.weight_packed, layer.weight_scale, zp,
+                                   group_size=layer.group_size, k=layer.in_features)  # fmt: skip
+    return cpu_q8.prepack_int8(layer.weight, layer.weight_scale, zp, group_size=layer.group_size)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -174,14 +175,7 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
     assert all(m.q8.float_rows == 8 for m in rt.layers.modules() if type(m).__name__ == holder)
 
     def ours(layer, x):
-        zp = None if layer.scheme.symmetric else layer.weight_zero_point
-        w = (
-            cpu_q8.prepack_int4(layer.weight_packed, layer.weight_scale, zp,
-                                group_size=layer.group_size, k=layer.in_features)
-            if bits == 4
-            else cpu_q8.prepack_int8(layer.weight, layer.weight_scale, zp,
-                                     group_size=layer.group_size)
-        )  # fmt: skip
+        w = _q8_weight(layer)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= 8:
             y = torch.nn.functional.linear(x2.float(), cpu_q8.dequantize_reference(w).float())
