@@ -190,17 +190,6 @@ def _sample_losses(
     return losses
 
 
-def _block_loss(
-    layer: nn.Module,
-    weights: dict[str, torch.Tensor],
-    inputs: LayerInputs,
-    targets: list[torch.Tensor],
-    indices: list[int],
-) -> torch.Tensor:
-    """Mean over ``indices`` of ``_sample_losses``."""
-    return torch.stack(_sample_losses(layer, weights, inputs, targets, indices)).mean()
-
-
 def _weights(
     linears: dict[str, tuple[nn.Linear, WeightScheme]], params: dict[str, RoundingParams]
 ) -> dict[str, torch.Tensor]:
@@ -258,7 +247,8 @@ def tune_block(
         for step in range(cfg.iters):
             batch = torch.randperm(n_samples, generator=generator)[: cfg.batch_size].tolist()
             with torch.enable_grad():
-                loss = _block_loss(layer, _weights(linears, params), inputs, targets, batch)
+                weights = _weights(linears, params)
+                loss = torch.stack(_sample_losses(layer, weights, inputs, targets, batch)).mean()
                 loss.backward()
             # the parameters before this step; ranked by their raw minibatch loss, as auto-round
             # does. Ranking by the ratio to RTN's loss on the same sequences instead (so that
