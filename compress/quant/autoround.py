@@ -232,11 +232,9 @@ def tune_block(
     clip_lr = cfg.clipping_lr if cfg.clipping_lr is not None else lr
     n_samples = len(inputs.hidden)
     everything = list(range(n_samples))
-    with torch.no_grad():  # RTN's loss per sequence: the yardstick of every step and the end
-        rtn_losses = [
-            float(v) for v in _sample_losses(layer, _weights(linears, params), inputs, targets,
-                                             everything)
-        ]  # fmt: skip
+    with torch.no_grad():  # RTN's loss per sequence, for the check at the end
+        rtn = _sample_losses(layer, _weights(linears, params), inputs, targets, everything)
+    rtn_losses = [float(v) for v in rtn]
     best, best_score = {n: p.copy() for n, p in params.items()}, float("inf")
     frozen = [(t, t.requires_grad) for t in layer.parameters()]
     try:
