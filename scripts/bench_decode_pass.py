@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_e2e import read_bandwidth  # scripts/ is on sys.path when a script runs
 
+from compress.eval.hardware import memory_bandwidth
 from compress.eval.report import environment, markdown_table
 from compress.kernels import cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--out", default="out/decode_pass")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth()  # bench_e2e's probe, so the two benches' MBU compare
+    bandwidth = memory_bandwidth()["bytes_per_s"]  # the product's probe, as bench_e2e's
     levels = cpu_q8.built_levels()
     layer, count, (vocab, hidden) = SHAPES[args.shape]
     repeats = max(args.hot, 1)

@@ -189,11 +189,6 @@ def llama_extra_buffers_work(python: Path, gguf: Path) -> bool:
     raise RuntimeError(f"llama.cpp could not run {gguf}: {done.stderr.decode()[-2000:]}")
 
 
-def read_bandwidth() -> float:
-    # the product's probe (1 GiB fp32 buffer, summed; best of 4), as compare's MBU uses
-    return memory_bandwidth(size_mb=1024, repeats=4)["bytes_per_s"]
-
-
 class Variant(NamedTuple):
     stream: Stream
     engine: str  # who makes the tokens: "hf generate", "runtime", "hf fallback", "llama.cpp"
@@ -377,7 +372,7 @@ def main() -> None:
         p.error("--new-tokens must be >= 2 (decode speed needs a second token), --reps >= 1")
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one decode graph per variant and batch size
-    bandwidth = read_bandwidth()
+    bandwidth = memory_bandwidth()["bytes_per_s"]  # the product's probe, as compare's MBU
     loaded = load_model(args.model)
     text = "The history of the city begins with a small settlement on the river, " * 8
     ids = loaded.tokenizer(text)["input_ids"][: args.prompt_len]
