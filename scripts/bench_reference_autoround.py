@@ -111,6 +111,7 @@ def run_ours(settings_path: str) -> None:
         symmetric_grid=s["grid"],
         target=s["target"],
         seed=s["seed"],
+        loss=s["loss"],
     )
     start = time.perf_counter()
     run_passes(loaded.model, [cfg], state)
@@ -165,6 +166,13 @@ def _parser(recipe) -> argparse.ArgumentParser:
         default="float_model",
         help="our block target: the float model's states (auto-round's) or the float block on "
         "the quantized inputs",
+    )
+    p.add_argument(
+        "--loss",
+        choices=["mse", "token_relative"],
+        default="mse",
+        help="our block loss: plain MSE (auto-round's) or each token's error relative to its "
+        "target's norm",
     )
     p.add_argument("--amp", action="store_true", help="auto-round's CPU default: bf16 autocast")
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: default)")
@@ -245,7 +253,8 @@ def _markdown(args, base, runs: dict) -> tuple[str, list[dict]]:
             "top1": 0.0,
         },
         _row(
-            f"compress quantize.autoround ({args.symmetric_grid} grid, target {args.target})",
+            f"compress quantize.autoround ({args.symmetric_grid} grid, target {args.target}, "
+            f"loss {args.loss})",
             runs["ours"],
             base,
         ),
@@ -305,6 +314,7 @@ def main() -> None:
         "grid": args.symmetric_grid,
         "target": args.target,
         "seed": args.seed,
+        "loss": args.loss,
         "seed_theirs": AUTOROUND_DEFAULT_SEED + args.seed,
     }
     runs = {side: _run_side(side, settings, out) for side in ("ours", "theirs")}

@@ -15,6 +15,8 @@ from compress.io.export import export_checkpoint, load_compressed
 from compress.quant.autoround import (
     AutoroundConfig,
     RoundingParams,
+    _minibatches,
+    _sample_losses,
     fake_quantize_learned,
     quantize_learned,
     tune_block,
@@ -129,6 +131,76 @@ def test_tune_clipping_false_learns_rounding_only():
     assert all(torch.equal(p.alpha, torch.ones_like(p.alpha)) for p in params.values())
     assert all(torch.equal(p.beta, torch.ones_like(p.beta)) for p in params.values())
     assert any(bool((p.v != 0).any()) for p in params.values())
+
+
+def test_token_relative_loss_against_float64_and_blind_to_a_token_s_scale():
+    layer, inputs, _ = _layer0_problem()
+    targets = run_layer(layer, inputs)
+    noisy = [
+        t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)) for t in targets
+    ]
+    weights = dict(layer.named_parameters())
+    everything = list(range(len(targets)))
+    got = _sample_losses(layer, weights, inputs, noisy, everything, "token_relative")
+    plain = _sample_losses(layer, weights, inputs, noisy, everything, "mse")
+    for i in everything:
+        out = run_layer(layer, inputs)[i].double()
+        want = noisy[i].double()
+        err = ((out - want) ** 2).sum(-1) / (want**2).sum(-1)  # per token, float64
+        assert float(got[i]) == pytest.approx(float(err.mean()), rel=1e-5)
+        assert float(plain[i]) == pytest.approx(float(((out - want) ** 2).mean()), rel=1e-5)
+    # one token's target 1000x larger, as the attention sink's state: plain MSE is then all that
+    # token, the relative loss moves by at most that token's share (its relative error -> 1)
+    sink = noisy[0].clone()
+    sink[:, 0] *= 1000
+    relative = _sample_losses(layer, weights, inputs, [sink], [0], "token_relative")
+    mse = _sample_losses(layer, weights, inputs, [sink], [0], "mse")
+    assert float(mse[0]) > 1000 * float(plain[0])
+    assert float(relative[0]) <= float(got[0]) + 1.01 / sink.shape[1]
+
+
+@pytest.mark.parametrize(("n", "size"), [(8, 2), (10, 4), (3, 5)])
+def test_cyclic_sampling_visits_every_sequence_once_per_pass(n, size):
+    cfg = AutoroundConfig(batch_size=size, sampling="cyclic")
+    batches = _minibatches(n, cfg, torch.Generator().manual_seed(0))
+    size = min(size, n)
+    per_pass = n // size
+    for _ in range(3):
+        seen = [i for _ in range(per_pass) for i in next(batches)]
+        assert len(seen) == len(set(seen)) == per_pass * size  # no repeats inside a pass
+        assert set(seen) <= set(range(n))
+    random = _minibatches(n, AutoroundConfig(batch_size=size), torch.Generator().manual_seed(0))
+    assert all(len(set(b)) == size for b in (next(random) for _ in range(20)))
+
+
+def test_tune_norms_moves_only_the_1d_parameters_within_half_a_4bit_step():
+    layer, inputs, linears = _layer0_problem()
+    before = {n: t.detach().clone() for n, t in layer.named_parameters()}
+    targets = run_layer(layer, inputs)
+    cfg = AutoroundConfig(iters=30, batch_size=2, lr=0.05, tune_norms=True)
+    _, info = tune_block(layer, linears, inputs, targets, cfg, torch.Generator())
+    assert info["kept_rtn"] == 0.0 and info["loss_tuned"] < info["loss_rtn"], info
+    moved = 0
+    for name, t in layer.named_parameters():
+        if t.dim() != 1:
+            assert torch.equal(t, before[name]), name  # linear weights: untouched in place
+            continue
+        width = float(before[name].clamp(min=0).max() - before[name].clamp(max=0).min())
+        assert float((t.detach() - before[name]).abs().max()) <= 0.5 * width / 15 + 1e-6, name
+        moved += int((t != before[name]).sum())
+    assert moved > 0
+    # the same block tuned without norms leaves them as they were
+    fresh, inputs2, linears2 = _layer0_problem()
+    norms = {n: t.detach().clone() for n, t in fresh.named_parameters() if t.dim() == 1}
+    tune_block(
+        fresh,
+        linears2,
+        inputs2,
+        run_layer(fresh, inputs2),
+        cfg.model_copy(update={"tune_norms": False}),
+        torch.Generator(),
+    )
+    assert all(torch.equal(fresh.get_parameter(n), t) for n, t in norms.items())
 
 
 def _heldout_layer0_error(base, cfg) -> float:
@@ -259,6 +331,9 @@ def test_export_reloads_in_our_loader_and_in_plain_transformers(tiny_tokenizer, 
         ("n_bits", 3),
         ("tune_clipping", "maybe"),
         ("iter", 10),
+        ("sampling", "sequential"),
+        ("tune_norms", "perhaps"),
+        ("loss", "l1"),
     ],
     ids=lambda v: str(v),
 )
