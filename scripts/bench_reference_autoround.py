@@ -112,6 +112,7 @@ def run_ours(settings_path: str) -> None:
         target=s["target"],
         seed=s["seed"],
         loss=s["loss"],
+        sampling=s["sampling"],
     )
     start = time.perf_counter()
     run_passes(loaded.model, [cfg], state)
@@ -170,9 +171,16 @@ def _parser(recipe) -> argparse.ArgumentParser:
     p.add_argument(
         "--loss",
         choices=["mse", "token_relative"],
-        default="mse",
-        help="our block loss: plain MSE (auto-round's) or each token's error relative to its "
-        "target's norm",
+        default="token_relative",
+        help="our block loss: each token's error relative to its target's norm (our default) "
+        "or plain MSE (auto-round's)",
+    )
+    p.add_argument(
+        "--sampling",
+        choices=["cyclic", "random"],
+        default="cyclic",
+        help="our minibatch order: shuffled passes over all sequences (auto-round's, our "
+        "default) or each step's drawn afresh",
     )
     p.add_argument("--amp", action="store_true", help="auto-round's CPU default: bf16 autocast")
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: default)")
@@ -254,7 +262,7 @@ def _markdown(args, base, runs: dict) -> tuple[str, list[dict]]:
         },
         _row(
             f"compress quantize.autoround ({args.symmetric_grid} grid, target {args.target}, "
-            f"loss {args.loss})",
+            f"loss {args.loss}, {args.sampling} sampling)",
             runs["ours"],
             base,
         ),
@@ -315,6 +323,7 @@ def main() -> None:
         "target": args.target,
         "seed": args.seed,
         "loss": args.loss,
+        "sampling": args.sampling,
         "seed_theirs": AUTOROUND_DEFAULT_SEED + args.seed,
     }
     runs = {side: _run_side(side, settings, out) for side in ("ours", "theirs")}

@@ -41,7 +41,11 @@ def main() -> None:
 
     loaded = load_model(args.model)
     cal = calibration_sequences(
-        "wikitext2-valid", loaded.tokenizer, num_samples=args.num_samples, seq_len=args.seq_len, seed=0
+        "wikitext2-valid",
+        loaded.tokenizer,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        seed=0,
     )
     base = loaded.model.eval()
     rtn = copy.deepcopy(base)

@@ -13,10 +13,13 @@ and ``beta`` (on the min) in [0.5, 1]:
 with ``s`` and ``z`` the min/max parameters of ``compress.quant.primitives`` computed from the
 clipped range (``s`` rounded to the stored scale dtype, so stored = used). All targeted linears of
 one decoder layer are tuned together to minimise the MSE between the float layer's output and the
-fake-quantized layer's output on the calibration inputs, by signed gradient descent
+fake-quantized layer's output on the calibration inputs (by default each token's squared error
+relative to its target's squared norm, ``loss``, so an attention sink's massive state does not
+take the loss), by signed gradient descent
 (``p -= lr_t * sign(grad)``, ``round`` with a straight-through estimator, ``lr`` decaying linearly
-from ``1/iters`` to 0, a minibatch of ``batch_size`` sequences per step), keeping the parameters
-with the lowest minibatch loss seen; these defaults follow the paper and auto-round. With
+from ``1/iters`` to 0, a minibatch of ``batch_size`` sequences per step, shuffled passes over
+the calibration set), keeping the parameters
+with the lowest minibatch loss seen; the step rule and lr follow the paper and auto-round. With
 ``V = 0, alpha = beta = 1`` (``iters: 0``) the result is RTN, code for code.
 
 Layers are processed one decoder layer at a time (``compress.quant.calibrated``): the inputs of
@@ -91,8 +94,9 @@ class AutoroundConfig(CalibratedWeightConfig):
     offload: OffloadMode = "none"  # where not-yet-processed decoder layers wait
     target: Literal["float_model", "quantized_inputs"] = "float_model"
     # "random": each step draws batch_size sequences afresh; "cyclic": auto-round's order, a
-    # shuffled pass over all sequences batch_size at a time (each seen once per pass)
-    sampling: Literal["random", "cyclic"] = "random"
+    # shuffled pass over all sequences batch_size at a time (each seen once per pass). Default
+    # cyclic with loss token_relative: docs/notes/2026-12-01-autoround-sink-loss.md
+    sampling: Literal["random", "cyclic"] = "cyclic"
     # also learn the block's 1-d parameters (norm weights, biases), each element moved by at
     # most half a 4-bit step of its tensor's range (auto-round's enable_norm_bias_tuning)
     tune_norms: bool = False
@@ -101,7 +105,7 @@ class AutoroundConfig(CalibratedWeightConfig):
     # norm) sees each token's state after an RMSNorm, so a token's relative error is what
     # reaches it; with plain MSE the attention-sink token (SmolLM2: 10^3-10^4 x the median
     # token's squared norm from layer 11 on) carries 60-97% of the loss and gets the tuning.
-    loss: Literal["mse", "token_relative"] = "mse"
+    loss: Literal["mse", "token_relative"] = "token_relative"
 
 
 @dataclass

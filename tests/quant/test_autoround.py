@@ -169,7 +169,9 @@ def test_cyclic_sampling_visits_every_sequence_once_per_pass(n, size):
         seen = [i for _ in range(per_pass) for i in next(batches)]
         assert len(seen) == len(set(seen)) == per_pass * size  # no repeats inside a pass
         assert set(seen) <= set(range(n))
-    random = _minibatches(n, AutoroundConfig(batch_size=size), torch.Generator().manual_seed(0))
+    random = _minibatches(
+        n, AutoroundConfig(batch_size=size, sampling="random"), torch.Generator().manual_seed(0)
+    )
     assert all(len(set(b)) == size for b in (next(random) for _ in range(20)))
 
 
