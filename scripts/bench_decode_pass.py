@@ -15,6 +15,10 @@ JSON + markdown:
     python scripts/bench_decode_pass.py --rounds 15 --out out/decode_pass
     python scripts/bench_decode_pass.py --shape 1.1b --group 128 --rounds 9 --out out/decode_pass_1b
     python scripts/bench_decode_pass.py --shape 1.1b --group 128 --hot 20 --out out/decode_1b_hot
+    python scripts/bench_decode_pass.py --stacked --rounds 15 --out out/decode_pass_stacked
+
+``--stacked`` adds our kernels with each layer's q/k/v and gate/up stacked into one call each,
+as the runtime calls them (4 calls per layer instead of 7).
 """
 
 from __future__ import annotations
@@ -95,8 +99,26 @@ def prepack(qs: list[QuantLinear]) -> list[cpu_q8.Q8Weight]:
     ]  # fmt: skip
 
 
-def our_pass(qs: list[QuantLinear], isa: str):
+# per decoder layer (q, k, v, o, gate, up, down): the projections of one input that the runtime
+# stacks into one call of our kernels (compress.runtime.engine._IntLinear.stacked)
+STACKED = ((0, 1, 2), (3,), (4, 5), (6,))
+
+
+def stack(weights: list[cpu_q8.Q8Weight]) -> list[cpu_q8.Q8Weight]:
+    """Per decoder layer of 7 weights, the 4 of STACKED (their rows concatenated)."""
+    out = []
+    for start in range(0, len(weights), 7):
+        for parts in STACKED:
+            ws = [weights[start + i] for i in parts]
+            out.append(cpu_q8.Q8Weight(ws[0].bits, torch.cat([w.codes for w in ws]),
+                                       torch.cat([w.scales for w in ws]), None,
+                                       ws[0].group_size))  # fmt: skip
+    return out
+
+
+def our_pass(qs: list[QuantLinear], isa: str, stacked: bool = False):
     weights = prepack(qs)
+    weights = stack(weights) if stacked else weights
     op = cpu_q8.ops(isa)
     calls = [
         (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(
@@ -120,6 +142,12 @@ def main() -> None:
         help="each layer called N times in a row, one decoder layer only: its weights then come "
         "from cache, so the GB/s is what the kernel computes, not what memory delivers",
     )
+    p.add_argument(
+        "--stacked",
+        action="store_true",
+        help="also time our kernels with each layer's q/k/v and gate/up stacked into one call "
+        "each, as the runtime runs them",
+    )
     p.add_argument("--out", default="out/decode_pass")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,6 +165,9 @@ def main() -> None:
         qs = layers(shapes, n_layers, bits, args.group)
         kernels = {"torch": torch_pass(qs, bits)}
         kernels |= {f"ours {isa}": our_pass(qs, isa) for isa in levels}
+        if args.stacked and len(shapes) == 7:
+            kernels |= {f"ours {isa}, q/k/v and gate/up stacked": our_pass(qs, isa, True)
+                        for isa in levels}  # fmt: skip
         # the ops themselves, as the runtime's compiled step calls them: torch's take bf16
         # activations (aligned fresh tensors), ours fp32
         xs = {k: torch.randn(1, k) for k in {q.in_features for q in qs}}

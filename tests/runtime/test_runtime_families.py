@@ -155,6 +155,66 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_projections_equal_separate_calls(family, monkeypatch):
+    # Our kernel runs q/k/v (and gate/up) of one input as one call; every output column is
+    # its own dot product, so prefill (the row-tile GEMM: 11 tokens) and decode logits must
+    # equal the separate calls' bit for bit, Qwen2's q/k/v biases included.
+    from compress.kernels import cpu_q8
+    from compress.runtime import engine
+
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
+    model = make_model(family)
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    settings = dict(max_seq_len=48, decode_dtype=torch.float32, compile=False, int4_kernel="q4q8")
+    stacked = Runtime(model, **settings)
+    for layer in stacked.layers:
+        assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
+        assert (layer.gate_up is None) == (family in MOE)
+    monkeypatch.setattr(engine._IntLinear, "stacked", classmethod(lambda cls, parts: None))
+    separate = Runtime(model, **settings)
+    assert all(layer.qkv is None and layer.q is not None for layer in separate.layers)
+    continuation = [40, 60, 80]
+    got = step_logits(stacked, PROMPTS[0], continuation)
+    assert torch.equal(got, step_logits(separate, PROMPTS[0], continuation))
+
+
+def test_projections_that_differ_are_not_stacked():
+    # A mixed recipe (int8 v, int4 q/k) keeps separate q/k/v calls (gate/up still stack), and
+    # kernels of other group sizes do not stack; those that do compute their parts' columns.
+    from compress.kernels import cpu_q8
+    from compress.quant.rtn import Int8RtnConfig
+    from compress.runtime import engine
+
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
+    model = make_model("qwen2")
+    float_v = [layer.self_attn.v_proj for layer in model.model.layers]
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    for layer, v in zip(model.model.layers, float_v, strict=True):
+        layer.self_attn.v_proj = v
+    quantize_linears(model, Int8RtnConfig(), 8, "test")
+    rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False,
+                 int4_kernel="q4q8", int8_kernel="q8q8")  # fmt: skip
+    assert type(rt.layers[0].v).__name__ == "_Int8Linear"
+    assert all(layer.qkv is None and layer.gate_up is not None for layer in rt.layers)
+
+    def kernel(n: int, group: int, offsets: bool) -> engine._Q8Kernel:
+        codes = torch.randint(0, 256, (n, 64), dtype=torch.uint8)
+        scales = torch.rand(n, 128 // group)
+        return engine._Q8Kernel(
+            cpu_q8.Q8Weight(4, codes, scales, torch.randn_like(scales) if offsets else None, group)
+        )
+
+    assert engine._Q8Kernel.stacked([kernel(8, 32, False), kernel(8, 64, False)]) is None
+    assert engine._Q8Kernel.stacked([kernel(8, 32, False), kernel(8, 32, True)]) is None
+    parts = [kernel(8, 32, True), kernel(24, 32, True)]
+    x = torch.randn(3, 128)
+    stacked = engine._Q8Kernel.stacked(parts)
+    assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
 def test_compiled_decode_step_equals_transformers_gemma3():
     # The one compiled family test: alternating sliding/global layers share one compiled
     # layer (their masks and rope tables are inputs).
