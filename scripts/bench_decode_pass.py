@@ -106,14 +106,11 @@ STACKED = ((0, 1, 2), (3,), (4, 5), (6,))
 
 def stack(weights: list[cpu_q8.Q8Weight]) -> list[cpu_q8.Q8Weight]:
     """Per decoder layer of 7 weights, the 4 of STACKED (their rows concatenated)."""
-    out = []
-    for start in range(0, len(weights), 7):
-        for parts in STACKED:
-            ws = [weights[start + i] for i in parts]
-            out.append(cpu_q8.Q8Weight(ws[0].bits, torch.cat([w.codes for w in ws]),
-                                       torch.cat([w.scales for w in ws]), None,
-                                       ws[0].group_size))  # fmt: skip
-    return out
+    return [
+        cpu_q8.stack([weights[start + i] for i in parts])
+        for start in range(0, len(weights), 7)
+        for parts in STACKED
+    ]
 
 
 def our_pass(qs: list[QuantLinear], isa: str, stacked: bool = False):

@@ -204,6 +204,20 @@ class Q8Weight:
         return self.codes.shape[1] * (2 if self.bits == 4 else 1)
 
 
+def stack(weights: list[Q8Weight]) -> Q8Weight | None:
+    """One weight whose output rows are ``weights``' in order (codes, scales and offsets
+    concatenated along N), so one call computes all their outputs; None where they differ in
+    bits, K, group size or in having offsets. Each output column is its own dot product, so
+    its value equals the part's bit for bit."""
+    first = weights[0]
+    key = (first.bits, first.k, first.group_size, first.offsets is None)
+    if any((w.bits, w.k, w.group_size, w.offsets is None) != key for w in weights):
+        return None
+    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
+    codes, scales = torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights])
+    return Q8Weight(first.bits, codes, scales, offsets, first.group_size)
+
+
 def unsupported_reason(n: int, k: int, group_size: int) -> str | None:
     """Why these kernels cannot take a layer's shape, or None (asked by ``dispatch``)."""
     if k % PAIR:

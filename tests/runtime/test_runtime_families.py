@@ -200,19 +200,18 @@ def test_projections_that_differ_are_not_stacked():
     assert type(rt.layers[0].v).__name__ == "_Int8Linear"
     assert all(layer.qkv is None and layer.gate_up is not None for layer in rt.layers)
 
-    def kernel(n: int, group: int, offsets: bool) -> engine._Q8Kernel:
+    def weight(n: int, group: int, offsets: bool) -> cpu_q8.Q8Weight:
         codes = torch.randint(0, 256, (n, 64), dtype=torch.uint8)
         scales = torch.rand(n, 128 // group)
-        return engine._Q8Kernel(
-            cpu_q8.Q8Weight(4, codes, scales, torch.randn_like(scales) if offsets else None, group)
-        )
+        return cpu_q8.Q8Weight(4, codes, scales, torch.randn_like(scales) if offsets else None,
+                               group)  # fmt: skip
 
-    assert engine._Q8Kernel.stacked([kernel(8, 32, False), kernel(8, 64, False)]) is None
-    assert engine._Q8Kernel.stacked([kernel(8, 32, False), kernel(8, 32, True)]) is None
-    parts = [kernel(8, 32, True), kernel(24, 32, True)]
+    assert cpu_q8.stack([weight(8, 32, False), weight(8, 64, False)]) is None
+    assert cpu_q8.stack([weight(8, 32, False), weight(8, 32, True)]) is None
+    parts = [weight(8, 32, True), weight(24, 32, True)]
     x = torch.randn(3, 128)
-    stacked = engine._Q8Kernel.stacked(parts)
-    assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1))
+    stacked = engine._Q8Kernel(cpu_q8.stack(parts))
+    assert torch.equal(stacked(x), torch.cat([engine._Q8Kernel(p)(x) for p in parts], dim=-1))
 
 
 def test_compiled_decode_step_equals_transformers_gemma3():
