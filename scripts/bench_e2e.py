@@ -2,10 +2,13 @@
 bf16), our runtime (fp32, bf16, W8, W4 g32/g128 with g64 fallback; the `-q8` rows decode int4
 and int8 layers through our integer-dot kernels, Q4 x Q8 / Q8 x Q8 at the CPU's ISA level,
 `-h8` adds an int8 lm_head) and llama.cpp (llama-cpp-python in its own venv
-built once from source, ~25 min on 2 cores: SmolLM2's shipped Q4_1 GGUF, and a Q8_0 that
-llama.cpp's quantizer makes from the fp32 weights our rows start from, scripts/gguf_export.py).
---synthetic-1b adds a random TinyLlama-1.1B-shaped Llama with SmolLM2's vocab (runtime bf16 vs
-W4 g128 through torch's and our kernels, and llama.cpp Q4_1/Q8_0 of the same weights).
+built once from source, ~25 min on 2 cores: SmolLM2's shipped Q4_1 GGUF, and llama.cpp's fastest
+4-bit and 8-bit types on x86 (``llama_ftypes``: Q4_0, Q4_K_M where the shape allows it, Q8_0),
+made by llama.cpp's quantizer from the fp32 weights our rows start from, scripts/gguf_export.py;
+each row's engine names the extra weight buffers, e.g. the repacked CPU_REPACK layout, that ran).
+--synthetic-1b adds a random TinyLlama-1.1B-shaped Llama with SmolLM2's vocab (runtime bf16, W8
+and W4 g128 through torch's and our kernels, and llama.cpp Q4_0/Q4_K_M/Q4_1/Q8_0 of the same
+weights).
 
 Every row is a ``compress.eval.latency.Stream`` timed by ``time_request`` (wall clock, each token
 stamped as it arrives): ``hf_stream(generate=True)``, ``Runtime.stream`` and the llama.cpp worker,
@@ -27,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -173,20 +177,37 @@ def llama_cpp_python() -> Path:
     return py
 
 
-def llama_extra_buffers_work(python: Path, gguf: Path) -> bool:
-    """Whether llama.cpp runs ``gguf`` with its extra weight buffers (AMX, repacking) here.
+def llama_extra_buffers_work(python: Path, gguf: Path) -> list[str] | None:
+    """Whether llama.cpp runs ``gguf`` with its extra weight buffers (AMX, repacking) here:
+    None where they crash, else the extra buffers that llama.cpp's load log says hold weights
+    (e.g. ["CPU_REPACK"]; [] where this type has none on this CPU: they are on but unused).
 
     On an x86 CPU whose cpuid lists AMX, the -march=native build sends Q4_1/Q8_0 matmuls to its
     AMX buffers, and on a VM that does not really enable AMX tile state the first one dies of
     SIGILL (``tilezero``; seen 2026-11-30 on a 2-core Xeon) or SIGSEGV (2026-12-01, the same
     kind of VM): any death by a signal counts as "no". Without extra buffers they run on
-    AVX-512/AVX2, and nothing else is lost for this bench's types: llama.cpp repacks only
-    Q4_0/Q4_K/Q2_K/IQ4_NL on x86, not Q4_1, Q8_0 or Q6_K."""
-    probe = "import sys; from llama_cpp import Llama; Llama(sys.argv[1], n_ctx=64, verbose=False)"
+    AVX-512/AVX2; llama.cpp repacks only Q4_0/Q4_K/Q2_K/IQ4_NL on x86, not Q4_1, Q8_0 or Q6_K,
+    so for Q4_0/Q4_K_M "no" also loses the repacked layout."""
+    probe = "import sys; from llama_cpp import Llama; Llama(sys.argv[1], n_ctx=64, verbose=True)"
     done = subprocess.run([python, "-c", probe + ".eval([1, 2])", gguf], capture_output=True)
-    if done.returncode <= 0:  # negative: killed by that signal
-        return done.returncode == 0
-    raise RuntimeError(f"llama.cpp could not run {gguf}: {done.stderr.decode()[-2000:]}")
+    log = done.stderr.decode(errors="replace")
+    if done.returncode < 0:  # killed by that signal
+        return None
+    if done.returncode > 0:
+        raise RuntimeError(f"llama.cpp could not run {gguf}: {log[-2000:]}")
+    # "load_tensors:   CPU_REPACK model buffer size =    59.06 MiB": one line per buffer type
+    # holding weights; plain CPU / CPU_Mapped ones are the default buffers, not extra ones
+    held = re.findall(r"(\S+) model buffer size =", log)
+    return sorted({b for b in held if b not in ("CPU", "CPU_Mapped")})
+
+
+def llama_ftypes(config, *also: str) -> tuple[str, ...]:
+    """llama.cpp's fastest 4-bit and 8-bit types on x86 for a model of this shape, plus ``also``:
+    Q4_0 (repacked to an interleaved layout where the extra buffers run), Q4_K_M only where the
+    hidden and MLP sizes are multiples of its 256-wide super-blocks (llama.cpp would silently
+    swap other types into the tensors that are not: SmolLM2's 576 is not), and Q8_0."""
+    k_quants = config.hidden_size % 256 == 0 and config.intermediate_size % 256 == 0
+    return ("Q4_0", *(("Q4_K_M",) if k_quants else ()), *also, "Q8_0")
 
 
 class Variant(NamedTuple):
@@ -265,17 +286,22 @@ def llama_variants(ggufs: dict[str, Path], ids, args) -> dict[str, Variant]:
     """One llama.cpp row per GGUF, each in its own LLAMA_WORKER process, warmed up. Bytes per
     decode step: the GGUF's tensor bytes (``gguf_export.tensor_bytes(decode=True)``: weights
     only, no KV cache, token_embd left out where an untied output.weight is read instead).
-    Where the extra buffers crash (llama_extra_buffers_work) the rows run without them and
-    their engine says so."""
+    Each row's engine names the extra buffers that held its weights (llama_extra_buffers_work,
+    probed per file: Q4_0's repacked layout runs or not); a file whose extra buffers crash runs
+    without them, and its engine says so."""
     from gguf_export import tensor_bytes
 
     variants = {}
     python = llama_cpp_python() if ggufs else None
-    extra = not ggufs or all(llama_extra_buffers_work(python, g) for g in ggufs.values())
-    engine = "llama.cpp" if extra else "llama.cpp, no extra buffers (AMX crashes here)"
     for name, gguf in ggufs.items():
         command = [python, "-c", LLAMA_WORKER, str(gguf), str(args.threads)]
-        stream = worker_stream(command + ([] if extra else ["--no-extra-buffers"]))
+        extra = llama_extra_buffers_work(python, gguf)
+        if extra is None:  # they crash here: the row runs without them
+            command.append("--no-extra-buffers")
+            engine = "llama.cpp, no extra buffers (they crash here)"
+        else:
+            engine = f"llama.cpp, extra buffers: {'+'.join(extra) or 'on, none used'}"
+        stream = worker_stream(command)
         time_request(stream, ids, args.new_tokens)  # warm-up
         variants[name] = Variant(stream, engine, read_bytes=tensor_bytes(gguf, decode=True))
     return variants
@@ -378,9 +404,10 @@ def main() -> None:
     ids = loaded.tokenizer(text)["input_ids"][: args.prompt_len]
     ggufs = {}
     if not args.no_llama_cpp and args.model in EMBEDDED:
-        # the shipped Q4_1 file, and a Q8_0 made by llama.cpp from the fp32 weights we load
+        # the shipped Q4_1 file, and llama.cpp's fastest types made by its quantizer from the
+        # fp32 weights we load
         ggufs = {"llama.cpp-q4_1": _gguf_location(EMBEDDED[args.model])}
-        ggufs |= llama_ggufs(loaded.model, args.model, ("Q8_0",), args)
+        ggufs |= llama_ggufs(loaded.model, args.model, llama_ftypes(loaded.model.config), args)
     variants = build_variants(loaded.model, ids, args, [v for v in args.variants.split(",") if v])
     variants |= llama_variants(ggufs, ids, args)
     results, md = {}, []
@@ -411,12 +438,13 @@ def main() -> None:
             )
         ).eval()
         args.new_tokens = max(8, args.new_tokens // 4)
-        names = ["rt-bf16", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h8"]
+        names = ["rt-bf16", "rt-w8-q8-h8", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h8"]
         # F16 source (2.3 GB, not 4.7) for llama.cpp's quantizer: these weights are random anyway
         big_ggufs = {}
         if not args.no_llama_cpp:
             name = "synthetic-1b-v49152-seed0"  # the cache key: change it with the weights
-            big_ggufs = llama_ggufs(big, name, ("Q4_1", "Q8_0"), args, dtype="f16")
+            ftypes = llama_ftypes(big.config, "Q4_1")  # Q4_1: as the earlier tables
+            big_ggufs = llama_ggufs(big, name, ftypes, args, dtype="f16")
         v = build_variants(big, ids, args, names)
         v |= llama_variants(big_ggufs, ids, args)
         results["synthetic_1b"] = run(v, ids, args.new_tokens, max(2, args.reps - 1), bandwidth)

@@ -6,9 +6,10 @@ must be the donor's), and the tensors under llama.cpp's names. llama.cpp's rope 
 rotates adjacent pairs (2i, 2i+1) of each head while transformers rotates halves (i, i + D/2),
 so the q and k rows are permuted per head (``permute_rope_rows``), as llama.cpp's own
 convert_hf_to_gguf.py does. ``quantize_gguf`` then runs llama.cpp's quantizer
-(``llama_model_quantize``, default params) in the llama-cpp-python venv, so the Q8_0 / Q4_1
-files are exactly what llama.cpp itself would make; it picks higher precision for some tensors
-on its own (e.g. the output matrix is Q6_K in a Q4_1 file), ``tensor_types`` lists them.
+(``llama_model_quantize``, default params) in the llama-cpp-python venv, so the Q4_0 / Q4_K_M /
+Q4_1 / Q8_0 files are exactly what llama.cpp itself would make; it picks other types for some
+tensors on its own (e.g. the output matrix is Q6_K in a Q4_1 file, some attn_v/ffn_down are
+Q6_K in a Q4_K_M one), ``tensor_types`` lists them.
 
 Files land in ``cache_dir() / "gguf"`` and are written to a ``.part`` name first, then renamed:
 a run cut short leaves no half file under the final name. Only plain Llama (no rope scaling,
@@ -28,7 +29,8 @@ import torch
 from compress.arch import arch_for, decoder_layers, output_weight_key
 from compress.io.load import cache_dir
 
-# Runs in the llama-cpp-python venv: argv = src, dst, ftype name (Q8_0, Q4_1, ...), threads.
+# Runs in the llama-cpp-python venv: argv = src, dst, ftype name, threads. Any LLAMA_FTYPE_MOSTLY_*
+# suffix works (Q4_0, Q4_K_M, Q4_1, Q8_0, ...): an unknown one fails there, with its name.
 QUANTIZE = r"""
 import ctypes, sys, llama_cpp
 src, dst, ftype, threads = sys.argv[1:5]
@@ -180,8 +182,8 @@ def write_llama_gguf(
 
 def quantize_gguf(src: Path, dst: Path, ftype: str, python: Path, threads: int = 2) -> Path:
     """llama.cpp's ``llama_model_quantize`` (default params; ``ftype`` a LLAMA_FTYPE_MOSTLY_*
-    suffix such as "Q8_0" or "Q4_1") of ``src`` into ``dst``, run by ``python`` (the venv with
-    llama_cpp) under nice."""
+    suffix such as "Q4_0", "Q4_K_M", "Q4_1" or "Q8_0") of ``src`` into ``dst``, run by
+    ``python`` (the venv with llama_cpp) under nice."""
     with _atomic(Path(dst)) as part:
         command = ["nice", "-n", "19", str(python), "-c", QUANTIZE, str(src), str(part), ftype]
         done = subprocess.run(command + [str(threads)], capture_output=True, text=True)
