@@ -17,11 +17,14 @@ from compress.core.errors import (
     DataError,
     KernelConstraintError,
     ModelLoadError,
+    NumericsError,
     OutputError,
     RecipeError,
 )
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, KernelConstraintError, OutputError)
+USER_ERRORS = (
+    RecipeError, ModelLoadError, DataError, KernelConstraintError, OutputError, NumericsError
+)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -63,7 +66,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.set)
     if args.full_eval:
         recipe = with_full_eval(recipe)
-    result = run_job(recipe, **_job_options(args))
+    stream = {"auto": None, "on": True, "off": False}[args.stream]
+    result = run_job(recipe, **_job_options(args), stream=stream)
     print(result.markdown)
     print(f"\nwrote {result.out_dir} (results.md, results.json, checkpoint)")
     return 0
@@ -385,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "512 tokens: on 2 idle CPU cores ~9 min for the baseline and ~15 for an "
                        "int4 model, several times that on busy cores (README); a stopped run "
                        "resumes when rerun")
+    p_run.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                       help="run the passes one decoder layer at a time, read from the "
+                       "checkpoint's shards and written to the export as they finish (peak "
+                       "memory follows one layer, not the model). auto: whenever every pass is "
+                       "layer-wise (RTN, GPTQ, AWQ, SmoothQuant, AutoRound) and the model is a "
+                       "local safetensors folder; off: load the model whole")
     p_run.add_argument("--no-resume", action="store_true",
                        help="recompute perplexity even when an earlier run saved it for the same "
                        "weights and protocol (saved under $COMPRESS_CACHE_DIR/perplexity)")

@@ -82,3 +82,48 @@ class MemoryMonitor:
             "peak_memory_bytes": self.peak_bytes,
             "peak_memory_over_start_bytes": max(0, self.peak_bytes - self.start_bytes),
         }
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process may still take: ``MemAvailable`` of ``/proc/meminfo``, lowered to
+    the cgroup's limit minus its usage where one is set (a container); None where unreadable."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as lim, open(usage_file) as use:
+                limit = lim.read().strip()
+                if limit != "max" and int(limit) < 1 << 60:
+                    found.append(int(limit) - int(use.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the OS (glibc ``malloc_trim``; a no-op
+    elsewhere). glibc raises its mmap threshold after large frees, so the next layer's
+    multi-megabyte tensors come from the heap, and a heap that is freed but not trimmed keeps
+    counting as resident: measured +12 MB per streamed decoder layer at hidden 512 without it,
+    flat with it."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None

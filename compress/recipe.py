@@ -136,6 +136,17 @@ class ExportConfig(_Section):
 
     enabled: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # the largest safetensors shard (5GB, 500MB, 2GiB); more tensors go to further shards,
+    # named model-0000k-of-0000n.safetensors with a model.safetensors.index.json
+    max_shard_size: str = "5GB"
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard_size(cls, value: str) -> str:
+        from compress.io.stream import parse_size
+
+        parse_size(value)  # ValueError names the accepted forms
+        return value
 
 
 TOP_LEVEL = {

@@ -14,6 +14,7 @@ __all__ = [
     "DataError",
     "KernelConstraintError",
     "ModelLoadError",
+    "NumericsError",
     "OutputError",
     "RecipeError",
 ]
@@ -37,3 +38,7 @@ class DataError(ValueError):
 
 class OutputError(ValueError):
     """An output folder cannot or may not be written (see ``compress.output_dir``)."""
+
+
+class NumericsError(ValueError):
+    """A model computed NaN or Inf where numbers were needed (logits to decode from)."""

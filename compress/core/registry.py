@@ -144,6 +144,9 @@ class CompressionState:
     reports: list[PassReport] = field(default_factory=list)
     progress: bool = True
     data_dir: str | None = None  # root of the local datasets (../shared/data by default)
+    # compress.io.stream.StreamedModel when the model's layers live on disk until a pass
+    # reaches them (layer-wise passes only, PassSpec.layerwise); None: the model is in memory
+    stream: Any = None
 
 
 PassFn = Callable[[nn.Module, PassConfig, CompressionState], PassReport]
@@ -156,6 +159,9 @@ class PassSpec:
     fn: PassFn
     needs_calibration: bool = False
     needs_teacher: bool = False
+    # works one decoder layer at a time through CompressionState.stream (the model a meta
+    # skeleton, layers read from the checkpoint as the pass reaches them)
+    layerwise: bool = False
 
 
 PASSES: dict[str, PassSpec] = {}
@@ -167,13 +173,14 @@ def register_pass(
     *,
     needs_calibration: bool = False,
     needs_teacher: bool = False,
+    layerwise: bool = False,
 ) -> Callable[[PassFn], PassFn]:
     """Decorator that registers a pass function under a dotted ``family.variant`` name."""
 
     def decorate(fn: PassFn) -> PassFn:
         if name in PASSES:
             raise RuntimeError(f"pass {name!r} is registered twice")
-        PASSES[name] = PassSpec(name, config_cls, fn, needs_calibration, needs_teacher)
+        PASSES[name] = PassSpec(name, config_cls, fn, needs_calibration, needs_teacher, layerwise)
         return fn
 
     return decorate
@@ -211,19 +218,22 @@ def raise_or_report_skips(cfg: PassConfig, report: PassReport, where: str) -> No
 
 
 # ---- running ------------------------------------------------------------------------------
-def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionState) -> nn.Module:
-    """Run each pass in order; a failing pass's exception gets its index and name attached."""
-    for index, cfg in enumerate(passes):
+def run_passes(
+    model: nn.Module, passes: list[PassConfig], state: CompressionState, *, first_index: int = 0
+) -> nn.Module:
+    """Run each pass in order; a failing pass's exception gets its index and name attached
+    (``first_index``: the recipe index of ``passes[0]``)."""
+    for index, cfg in enumerate(passes, start=first_index):
         spec = PASSES[pass_name_of(cfg)]
         if spec.needs_calibration and state.calibration_batches is None:
             raise RecipeError(
                 f"passes[{index}] ({spec.name}) needs calibration data: add a `calibration:` "
                 "section to the recipe"
             )
-        log.info("pass %d/%d %s starting", index + 1, len(passes), spec.name)
+        log.info("pass %d/%d %s starting", index + 1, first_index + len(passes), spec.name)
         start = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        if state.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(state.device)
         try:
             report = spec.fn(model, cfg, state)
         except Exception as exc:
@@ -231,9 +241,11 @@ def run_passes(model: nn.Module, passes: list[PassConfig], state: CompressionSta
             raise
         report.seconds = time.perf_counter() - start
         if report.peak_memory_bytes is None:
+            # the peak of the device the pass ran on: a CPU pass on a GPU host is not 0 bytes
             peaks = peak_memory_bytes()
             cuda = peaks["peak_cuda_allocated_bytes"]
-            report.peak_memory_bytes = cuda if cuda is not None else peaks["peak_rss_bytes"]
+            on_cuda = state.device.type == "cuda" and cuda is not None
+            report.peak_memory_bytes = cuda if on_cuda else peaks["peak_rss_bytes"]
         state.reports.append(report)
         log.info("%s", report.summary())
     return model

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from compress.arch import ARCHS, Arch, model_type, output_weight_key
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
+from compress.io.stream import no_weight_init
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 from compress.quant.linear import (
     INPUT_ACTIVATIONS,
@@ -194,22 +193,79 @@ def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, to
 
 
 def _plain_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    head_key = output_weight_key(model)
+    head_key = _tied_head_key(model)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
-        if tied and name == head_key:
+        if name == head_key:
             continue  # tied to the input embedding; transformers re-ties it on load
-        if tensor.is_floating_point() and not name.endswith(("weight_scale",)):
-            tensor = tensor.to(dtype)
         ptr = tensor.data_ptr()
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = export_tensor(name, tensor, dtype)
         if ptr in seen and tensor.numel():
             tensor = tensor.clone()
         seen.add(ptr)
         tensors[name] = tensor
     return tensors
+
+
+def _tied_head_key(model: nn.Module) -> str | None:
+    """The output head's state-dict key when it is tied to the embedding (never written)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    return output_weight_key(model) if tied else None
+
+
+def export_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the checkpoint stores it: floating tensors in the export ``dtype`` except
+    quantization scales (they keep their own), contiguous, on the CPU."""
+    if tensor.is_floating_point() and not name.endswith(("weight_scale",)):
+        tensor = tensor.to(dtype)
+    return tensor.detach().cpu().contiguous()
+
+
+class StreamedExport:
+    """The export of a ``compress.io.stream.StreamedModel`` into shards as its layers finish:
+    call it with ``(prefix, module)`` for each finished module (the stream's ``sink``), then
+    ``finish`` writes every tensor not written yet (from memory, the stream's scratch or the
+    source checkpoint), the shard index and ``config.json``. Families whose checkpoint names
+    differ from the module tree (MoE) are not streamed (``compress.pipeline``), so names are
+    written as they are."""
+
+    def __init__(self, model: nn.Module, directory: Path, dtype: str,
+                 max_shard_size: int | str) -> None:
+        from compress.io.stream import ShardWriter
+
+        self.model, self.directory, self.dtype_name = model, Path(directory), dtype
+        self.dtype = DTYPES[dtype]
+        self.writer = ShardWriter(self.directory, max_shard_size)
+        self.head_key = _tied_head_key(model)
+        self.written: set[str] = set()
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        if name == self.head_key or name in self.written:
+            return
+        self.writer.add(name, export_tensor(name, tensor, self.dtype))
+        self.written.add(name)
+
+    def __call__(self, prefix: str, module: nn.Module) -> None:
+        for name, tensor in module.state_dict(prefix=prefix).items():
+            self._add(name, tensor)
+
+    def finish(self, stream) -> list[Path]:
+        """Write the rest and close the shards; returns them."""
+        layer_prefix = stream.layer_prefix
+        for name, tensor in self.model.state_dict().items():
+            if name == self.head_key or name in self.written:
+                continue
+            if tensor.device.type == "meta":
+                index, _, rest = name[len(layer_prefix):].partition(".")
+                scratch = (stream.scratch_reader(int(index))
+                           if name.startswith(layer_prefix) else None)
+                tensor = scratch.read(rest) if scratch is not None else stream.reader.read(
+                    name, shape=tuple(tensor.shape))
+            self._add(name, tensor)
+        files = self.writer.finish()
+        write_config(self.model, self.directory, self.dtype_name)
+        return files
 
 
 @contextlib.contextmanager
@@ -313,6 +369,7 @@ def export_checkpoint(
     recipe_yaml: str | None = None,
     report: dict[str, Any] | None = None,
     overwrite: bool = False,
+    max_shard_size: int | str = "5GB",
 ) -> Path:
     """Write the checkpoint atomically to ``out_dir`` and return it. An existing ``out_dir`` is
     replaced only when it is empty or an earlier compress output, or with ``overwrite``.
@@ -331,19 +388,27 @@ def export_checkpoint(
             model.save_pretrained(tmp, safe_serialization=True)
             rewrite_json(tmp / "config.json", portable_config)  # RoPE fields transformers 4.x reads
         else:
-            _write_compressed_tensors(model, tmp, dtype)
+            _write_compressed_tensors(model, tmp, dtype, max_shard_size)
         write_provenance(tmp, tokenizer, recipe_yaml, report)
     return out_dir
 
 
-def _write_compressed_tensors(model: nn.Module, directory: Path, dtype: str) -> None:
-    """``model.safetensors``, ``config.json`` (with ``quantization_config``) and the generation
-    config of ``model`` into ``directory``."""
-    save_file(
-        _state_dict_for_export(model, DTYPES[dtype]),
-        directory / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+def _write_compressed_tensors(
+    model: nn.Module, directory: Path, dtype: str, max_shard_size: int | str
+) -> None:
+    """The weight shards (``compress.io.stream.ShardWriter``), ``config.json`` (with
+    ``quantization_config``) and the generation config of ``model`` into ``directory``."""
+    from compress.io.stream import ShardWriter
+
+    writer = ShardWriter(directory, max_shard_size)
+    writer.add_all(_state_dict_for_export(model, DTYPES[dtype]).items())
+    writer.finish()
+    write_config(model, directory, dtype)
+
+
+def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
+    """``config.json`` (with the ``quantization_config`` of the model's quantized layers) and
+    the generation config."""
     config = portable_config(model.config.to_dict())
     if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
         config["architectures"] = [type(model).__name__]
@@ -372,30 +437,35 @@ def _check_bnb_exportable(model: nn.Module, dtype: str) -> None:
 
 
 # ---- loading ------------------------------------------------------------------------------
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory; corrupt or partial files are a clear error."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} holds no *.safetensors file")
+def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (every shard), floating ones but scales cast to
+    ``dtype`` as each is read (never a second copy of the whole model). A corrupt, truncated or
+    missing shard, or a NaN/Inf scale, is a ``ModelLoadError`` naming the file and tensor
+    (``compress.io.stream.CheckpointReader``)."""
+    from compress.io.stream import CheckpointReader
+
+    reader = CheckpointReader(path)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ModelLoadError(
-                f"{file} is corrupt or partially written ({exc}); re-export the checkpoint"
-            ) from exc
+    for name in reader.names():
+        tensor = reader.read(name)
+        if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor
     return tensors
 
 
-def _no_weight_init() -> contextlib.AbstractContextManager:
-    """transformers' context that skips random weight init (buffers such as rotary frequencies
-    are still computed by the modules' own code); its home moved in transformers 5."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
+def check_shapes(path: Path, tensors: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Each tensor's shape against the model built from ``config.json``: a mismatch is one
+    ``ModelLoadError`` line naming the tensor and the fix."""
+    expected = model.state_dict(keep_vars=True)
+    for name, tensor in tensors.items():
+        want = expected.get(name)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {list(tensor.shape)} but config.json implies "
+                f"{list(want.shape)}; the config does not match the weights, fix config.json or "
+                "re-export the checkpoint"
+            )
 
 
 def _load_moe_experts(
@@ -474,9 +544,9 @@ def load_compressed(
         del config.quantization_config
     # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
     # initialised by the model's own code; the float weights are then replaced by assignment.
-    with _no_weight_init():  # every weight is assigned below (or the load fails): skip the
+    with no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
-    tensors = _load_moe_experts(model, read_tensors(path), quant, dtype, backend)
+    tensors = _load_moe_experts(model, read_tensors(path, dtype), quant, dtype, backend)
     ignore = quant.get("ignore", [])
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
@@ -501,8 +571,7 @@ def load_compressed(
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, quant_linear)
                 break
-    tensors = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("weight_scale") else v)
-               for k, v in tensors.items()}
+    check_shapes(path, tensors, model)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -60,6 +60,9 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
     config = json.loads((path / "config.json").read_text())
+    from compress.io.stream import verify_checkpoint
+
+    verify_checkpoint(path)  # corrupt shards, shapes against config.json, finite scales
     layers: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"bytes": 0, "tensors": {}, "shapes": {}}
     )

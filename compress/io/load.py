@@ -130,7 +130,7 @@ def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
     return target
 
 
-def _is_compressed_checkpoint(path: Path) -> bool:
+def is_compressed_checkpoint(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -181,7 +181,11 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = resolve_model_path(name_or_path, cache)
-    if isinstance(where, Path) and _is_compressed_checkpoint(where):
+    if isinstance(where, Path):
+        from compress.io.stream import verify_checkpoint
+
+        verify_checkpoint(where)  # headers, shapes against config.json, finite scales
+    if isinstance(where, Path) and is_compressed_checkpoint(where):
         from compress.io.export import load_compressed
 
         model = load_compressed(where, dtype=dtype, backend=backend)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.calibration import calibration_mix
+from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
 from compress.io.export import export_checkpoint, resolve_export_dtype
@@ -180,6 +181,44 @@ def model_folders(recipe: Recipe, model: str | None) -> list[Path]:
     return [d for d in map(local_model_dir, sources) if d is not None]
 
 
+def stream_refusal(recipe: Recipe, where) -> str | None:
+    """None when the recipe can run layer by layer from the checkpoint at ``where`` (the model
+    a meta skeleton, ``compress.io.stream``), else why not (the job then loads the model whole,
+    after the memory preflight)."""
+    from compress.io.load import is_compressed_checkpoint
+
+    if not isinstance(where, Path):
+        return "the model is not a local folder"
+    if is_compressed_checkpoint(where):
+        return "the model is already a compressed checkpoint"
+    if not recipe.export.enabled:
+        return "export is disabled (a streamed run writes its result as it goes)"
+    if not recipe.passes:
+        return "the recipe has no passes"
+    whole = [PASSES[pass_name_of(p)].name for p in recipe.passes
+             if not PASSES[pass_name_of(p)].layerwise]
+    if whole:
+        return f"{', '.join(whole)} work on the whole model"
+    return None
+
+
+def _skeleton_refusal(skeleton, reader) -> str | None:
+    """Streaming reads tensors under the module tree's names: a checkpoint stored under other
+    names (MoE experts, legacy keys) is loaded by transformers instead."""
+    from compress.arch import ARCHS, model_type
+    from compress.io.export import _tied_head_key
+
+    arch = ARCHS.get(model_type(skeleton))
+    if arch is None or arch.moe is not None:
+        return f"model_type {model_type(skeleton)!r} is not streamed (MoE or unknown family)"
+    names = set(skeleton.state_dict()) - {_tied_head_key(skeleton)}
+    stored = set(reader.names())
+    if names != stored:
+        odd = sorted(names ^ stored)[:3]
+        return f"the checkpoint's tensor names differ from the model's ({', '.join(odd)})"
+    return None
+
+
 def run_job(
     recipe: Recipe,
     *,
@@ -190,14 +229,22 @@ def run_job(
     overwrite: bool = False,
     resume: bool = True,
     kl_top_k: int = KL_TOP_K,
+    stream: bool | None = None,
 ) -> JobResult:
     """Run ``recipe`` and write the checkpoint and results into ``out_dir`` (default
     ``out/<recipe name>``). ``out_dir`` must be missing, empty or an earlier compress output
     unless ``overwrite``; it is never the model's own folder (checked before any work).
     resume: reuse perplexity windows saved by an earlier run on the same weights and protocol
     (see ``evaluate_perplexity``); False recomputes them. kl_top_k: baseline log-probs kept per
-    token for the KL columns (needs ``eval.baseline``); 0 leaves KL out."""
-    from compress.eval.report import environment, kl_cells, markdown_table
+    token for the KL columns (needs ``eval.baseline``); 0 leaves KL out.
+
+    stream: run the passes layer by layer from the checkpoint (``stream_refusal`` says when
+    that is possible; None: whenever it is). Streamed, only one decoder layer is in memory in
+    the compute dtype at a time and the export is written as layers finish; evaluation loads
+    the baseline and then the exported checkpoint whole, one at a time. Every job is first
+    checked against the available memory (``compress.pipeline.preflight``)."""
+    from compress.io.load import resolve_model_path
+    from compress.pipeline.preflight import check_memory
 
     started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
@@ -206,52 +253,131 @@ def run_job(
     if recipe.eval.perplexity is not None:
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
         text, source = path.read_text(encoding="utf-8"), str(path)
-    loaded = load_model(model or recipe.model)
-    state = recipe_state(recipe, loaded.tokenizer, progress=progress, data_dir=data_dir)
-    if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
-        state.teacher = copy.deepcopy(loaded.model).eval()
+    where = resolve_model_path(model or recipe.model)
+    refusal = stream_refusal(recipe, where)
+    skeleton = reader = None
+    if refusal is None:
+        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
 
+        verify_checkpoint(where)
+        reader, skeleton = CheckpointReader(where), meta_skeleton(where)
+        refusal = _skeleton_refusal(skeleton, reader)
+    if stream and refusal is not None:
+        raise RecipeError(f"this job cannot stream: {refusal}; leave `stream` unset")
+    streamed = refusal is None and stream is not False
+    estimate = check_memory(recipe, where, streamed=streamed, skeleton=skeleton)
+    memory: dict[str, Any] = {"streamed": streamed, "not_streamed_because": refusal,
+                              "estimate": estimate, "peak_rss_bytes": {}}
+    if streamed:
+        rows, payload_parts = _run_streamed(
+            recipe, model or recipe.model, where, skeleton, reader, out, text, source, data_dir,
+            progress, overwrite, resume, kl_top_k, memory)
+    else:
+        rows, payload_parts = _run_in_memory(
+            recipe, model, out, text, source, data_dir, progress, overwrite, resume, kl_top_k,
+            memory)
+    payload, compressed = payload_parts
+    payload["seconds"] = round(time.perf_counter() - started, 1)
+    protocol = ""
+    if compressed:
+        protocol = protocol_line(compressed, compressed.kl.top_k if compressed.kl else None)
+    known = {*dict(COLUMNS), "kl_stderr"}
+    extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in known]
+    columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
+    from compress.eval.report import markdown_table, write_results
+
+    markdown = (f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
+                + memory_line(memory))
+    write_results(out, "results", markdown, payload, overwrite=overwrite)
+    return JobResult(out, rows, markdown, payload)
+
+
+def memory_line(memory: dict[str, Any]) -> str:
+    """The table's footnote on memory: peak resident memory per phase, and how it ran."""
+    peaks = memory.get("peak_rss_bytes") or {}
+    if not peaks:
+        return ""
+    cells = ", ".join(f"{phase} {value / 2**30:.2f}" for phase, value in peaks.items())
+    how = ("streamed layer by layer" if memory.get("streamed")
+           else f"loaded whole ({memory.get('not_streamed_because') or 'stream: false'})")
+    return f"\n\nPeak resident memory per phase, GiB: {cells}; the model was {how}."
+
+
+class _Phase:
+    """Peak resident memory of one phase of the job (``compress.memory.MemoryMonitor``) into
+    ``memory["peak_rss_bytes"][name]``."""
+
+    def __init__(self, memory: dict[str, Any], name: str) -> None:
+        import torch
+
+        from compress.memory import MemoryMonitor
+
+        self.memory, self.name = memory, name
+        self.monitor = MemoryMonitor(torch.device("cpu"))
+
+    def __enter__(self) -> _Phase:
+        self.monitor.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.monitor.__exit__(*exc)
+        peaks = self.memory["peak_rss_bytes"]
+        peaks[self.name] = max(peaks.get(self.name, 0), self.monitor.peak_bytes)
+
+
+def _baseline_row(loaded, recipe, text, source, progress, resume, kl_top_k, data_dir):
     from compress.eval.compare import evaluate_extras
+    from compress.eval.report import kl_cells
 
-    rows: list[dict[str, Any]] = []
-    baseline, baseline_extras = None, {}
-    if recipe.eval.baseline:
-        baseline = evaluate_perplexity(
-            loaded.model, loaded.tokenizer, recipe, text, source, progress,
-            label="baseline perplexity", resume=resume, top_k=kl_top_k,
-        )
-        baseline_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
-        sizes = model_bytes(loaded.model)
-        rows.append({
-            "variant": f"baseline ({loaded.source})",
-            "perplexity": baseline.perplexity if baseline else None,
-            **kl_cells(baseline, baseline),
-            "linear_weight_mb": sizes["linear"] / 1e6,
-            "weight_mb": sizes["total"] / 1e6,
-            **extra_cells(baseline_extras),
-        })
-    run_passes(loaded.model, recipe.passes, state)
-    compressed = evaluate_perplexity(
+    baseline = evaluate_perplexity(
         loaded.model, loaded.tokenizer, recipe, text, source, progress,
+        label="baseline perplexity", resume=resume, top_k=kl_top_k,
+    )
+    extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
+    sizes = model_bytes(loaded.model)
+    row = {
+        "variant": f"baseline ({loaded.source})",
+        "perplexity": baseline.perplexity if baseline else None,
+        **kl_cells(baseline, baseline),
+        "linear_weight_mb": sizes["linear"] / 1e6,
+        "weight_mb": sizes["total"] / 1e6,
+        **extra_cells(extras),
+    }
+    return baseline, extras, row
+
+
+def _compressed_row(model, tokenizer, recipe, text, source, progress, resume, baseline,
+                    data_dir):
+    from compress.eval.compare import evaluate_extras
+    from compress.eval.report import kl_cells
+
+    compressed = evaluate_perplexity(
+        model, tokenizer, recipe, text, source, progress,
         label="compressed perplexity", resume=resume,
         kl_base=baseline.top_k_path if baseline else None,
     )
-    compressed_extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
-    sizes = model_bytes(loaded.model)
+    extras = evaluate_extras(model, tokenizer, recipe.eval, data_dir)
+    sizes = model_bytes(model)
     row = {
         "variant": recipe.name,
         "perplexity": compressed.perplexity if compressed else None,
         **kl_cells(compressed, baseline),
         "linear_weight_mb": sizes["linear"] / 1e6,
         "weight_mb": sizes["total"] / 1e6,
-        **extra_cells(compressed_extras),
+        **extra_cells(extras),
     }
     if baseline and compressed:
         row["ppl_delta_pct"] = 100 * (compressed.perplexity / baseline.perplexity - 1)
-    rows.append(row)
-    payload: dict[str, Any] = {
+    return compressed, extras, row
+
+
+def _payload(recipe, source, state, baseline, compressed, baseline_extras, compressed_extras,
+             rows, memory) -> dict[str, Any]:
+    from compress.eval.report import environment
+
+    return {
         "recipe": recipe.to_dict(),
-        "model": loaded.source,
+        "model": source,
         "environment": environment(),
         "passes": [r.to_dict() for r in state.reports],
         "eval": {
@@ -261,23 +387,120 @@ def run_job(
             "compressed_extras": compressed_extras,
         },
         "rows": rows,
+        "memory": memory,
     }
-    if recipe.export.enabled:
-        export_checkpoint(
-            loaded.model, loaded.tokenizer, out,
-            dtype=resolve_export_dtype(recipe.export.dtype, loaded.path),
-            recipe_yaml=recipe.to_yaml(), report=payload, overwrite=overwrite,
-        )
-        row["disk_mb"] = _dir_bytes(out) / 1e6
-    payload["seconds"] = round(time.perf_counter() - started, 1)
-    protocol = ""
-    if compressed:
-        protocol = protocol_line(compressed, compressed.kl.top_k if compressed.kl else None)
-    known = {*dict(COLUMNS), "kl_stderr"}
-    extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in known]
-    columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
-    markdown = f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
-    from compress.eval.report import write_results
 
-    write_results(out, "results", markdown, payload, overwrite=overwrite)
-    return JobResult(out, rows, markdown, payload)
+
+def _wants_eval(recipe: Recipe, text) -> bool:
+    cfg = recipe.eval
+    return (cfg.perplexity is not None and text is not None) or any(
+        getattr(cfg, k, None) is not None for k in ("tasks", "latency"))
+
+
+def _run_in_memory(recipe, model, out, text, source, data_dir, progress, overwrite, resume,
+                   kl_top_k, memory):
+    with _Phase(memory, "load"):
+        loaded = load_model(model or recipe.model)
+    state = recipe_state(recipe, loaded.tokenizer, progress=progress, data_dir=data_dir)
+    if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
+        state.teacher = copy.deepcopy(loaded.model).eval()
+    rows: list[dict[str, Any]] = []
+    baseline, baseline_extras = None, {}
+    if recipe.eval.baseline:
+        with _Phase(memory, "baseline eval"):
+            baseline, baseline_extras, row = _baseline_row(
+                loaded, recipe, text, source, progress, resume, kl_top_k, data_dir)
+        rows.append(row)
+    for index, cfg in enumerate(recipe.passes):
+        with _Phase(memory, f"pass {index} {pass_name_of(cfg)}"):
+            run_passes(loaded.model, [cfg], state, first_index=index)
+    with _Phase(memory, "eval"):
+        compressed, compressed_extras, row = _compressed_row(
+            loaded.model, loaded.tokenizer, recipe, text, source, progress, resume, baseline,
+            data_dir)
+    rows.append(row)
+    payload = _payload(recipe, loaded.source, state, baseline, compressed, baseline_extras,
+                       compressed_extras, rows, memory)
+    if recipe.export.enabled:
+        with _Phase(memory, "export"):
+            export_checkpoint(
+                loaded.model, loaded.tokenizer, out,
+                dtype=resolve_export_dtype(recipe.export.dtype, loaded.path),
+                recipe_yaml=recipe.to_yaml(), report=payload, overwrite=overwrite,
+                max_shard_size=recipe.export.max_shard_size,
+            )
+        row["disk_mb"] = _dir_bytes(out) / 1e6
+    return rows, (payload, compressed)
+
+
+def _run_streamed(recipe, model_source, where, skeleton, reader, out, text, source, data_dir,
+                  progress, overwrite, resume, kl_top_k, memory):
+    """The passes layer by layer (``compress.io.stream.StreamedModel``), the last one writing
+    each finished layer into the export; evaluation on whole models, one at a time."""
+    import gc
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from compress.arch import arch_for, decoder_layers
+    from compress.io.export import StreamedExport, atomic_directory, write_provenance
+    from compress.io.stream import StreamedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    state = recipe_state(recipe, tokenizer, progress=progress, data_dir=data_dir)
+    rows: list[dict[str, Any]] = []
+    baseline, baseline_extras = None, {}
+    if recipe.eval.baseline and _wants_eval(recipe, text):
+        with _Phase(memory, "baseline eval"):
+            loaded = load_model(str(where))
+            loaded.source = model_source
+            baseline, baseline_extras, row = _baseline_row(
+                loaded, recipe, text, source, progress, resume, kl_top_k, data_dir)
+            del loaded
+            gc.collect()
+        rows.append(row)
+    elif recipe.eval.baseline:
+        sizes = model_bytes(skeleton)
+        rows.append({"variant": f"baseline ({model_source})",
+                     "linear_weight_mb": sizes["linear"] / 1e6, "weight_mb": sizes["total"] / 1e6})
+    dtype = resolve_export_dtype(recipe.export.dtype, where)
+    compressed, compressed_extras = None, {}
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        arch = arch_for(skeleton, "streaming")
+        streamed = StreamedModel(skeleton, reader, torch.float32,
+                                 decoder_layers(skeleton, "streaming"), arch.layer_prefix,
+                                 tmp / ".scratch")
+        exporter = StreamedExport(skeleton, tmp, dtype, recipe.export.max_shard_size)
+        state.stream = streamed
+        try:
+            last = len(recipe.passes) - 1
+            for index, cfg in enumerate(recipe.passes):
+                streamed.sink = exporter if index == last else None
+                with _Phase(memory, f"pass {index} {pass_name_of(cfg)}"):
+                    run_passes(skeleton, [cfg], state, first_index=index)
+            with _Phase(memory, "export"):
+                exporter.finish(streamed)
+        except BaseException:
+            exporter.writer.abort()
+            raise
+        finally:
+            streamed.close()
+            state.stream = None
+        write_provenance(tmp, tokenizer, recipe.to_yaml(), None)
+        sizes = model_bytes(skeleton)
+        row = {"variant": recipe.name, "linear_weight_mb": sizes["linear"] / 1e6,
+               "weight_mb": sizes["total"] / 1e6}
+        if _wants_eval(recipe, text):
+            with _Phase(memory, "eval"):
+                loaded = load_model(str(tmp))
+                compressed, compressed_extras, row = _compressed_row(
+                    loaded.model, loaded.tokenizer, recipe, text, source, progress, resume,
+                    baseline, data_dir)
+                del loaded
+                gc.collect()
+        rows.append(row)
+        payload = _payload(recipe, model_source, state, baseline, compressed, baseline_extras,
+                           compressed_extras, rows, memory)
+        write_provenance(tmp, None, None, payload)
+        row["disk_mb"] = _dir_bytes(tmp) / 1e6
+    return rows, (payload, compressed)

@@ -385,7 +385,7 @@ def _initial(linears: dict[str, tuple[nn.Linear, WeightScheme]]) -> dict[str, Ro
     }
 
 
-@register_pass("quantize.autoround", AutoroundConfig, needs_calibration=True)
+@register_pass("quantize.autoround", AutoroundConfig, needs_calibration=True, layerwise=True)
 def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -> PassReport:
     """Quantize every targeted decoder Linear with learned rounding and clipping, one decoder
     layer at a time; the report gives each layer's block loss before (RTN) and after tuning."""

@@ -318,7 +318,7 @@ def scale_layer(
     return {c: stats.h[g[0]] for g in groups for c in g}
 
 
-@register_pass("quantize.awq", AwqConfig, needs_calibration=True)
+@register_pass("quantize.awq", AwqConfig, needs_calibration=True, layerwise=True)
 def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport:
     """Scale (and clip) then round every targeted decoder Linear, one decoder layer at a time."""
     report = PassReport("quantize.awq")

@@ -176,6 +176,7 @@ def run_sequential(
     offload: OffloadMode = "none",
     progress: bool = True,
     desc: str = "layers",
+    stream: Any = None,
 ) -> dict[str, Any]:
     """Call ``process_layer(i, layer, inputs)`` for each decoder layer in order, feeding each
     layer the outputs of the already-processed previous layers. Returns memory metrics.
@@ -183,29 +184,42 @@ def run_sequential(
     ``process_layer`` changes the layer in place (calibrate, quantize, swap modules); it may run
     ``run_layer(layer, inputs)`` as often as it needs. Decoder layers of the supported models hold
     no non-persistent buffers (rotary tables live on the model), so a layer written to disk is
-    restored exactly by ``to_empty`` + ``load_state_dict``."""
+    restored exactly by ``to_empty`` + ``load_state_dict``.
+
+    ``stream`` (a ``compress.io.stream.StreamedModel``): the model is a meta skeleton whose
+    layers are read from the checkpoint when their turn comes and handed back (to the export
+    or a scratch file) after it; ``offload`` is then moot. The capture materializes the
+    modules outside the decoder stack (embedding) for its length only."""
     layers = decoder_layers(model, "sequential calibration")
     with MemoryMonitor(device) as monitor:
-        disk = _DiskOffload(layers) if offload == "disk" else None
+        disk = _DiskOffload(layers) if offload == "disk" and stream is None else None
         try:
-            if offload == "cpu":
+            if offload == "cpu" and stream is None:
                 layers.to("cpu")
-            inputs = capture_first_layer_inputs(model, batches, device)
+            if stream is not None:
+                with stream.outside(device):
+                    inputs = capture_first_layer_inputs(model, batches, device)
+            else:
+                inputs = capture_first_layer_inputs(model, batches, device)
             for index in tqdm(range(len(layers)), desc=desc, disable=not progress):
                 layer = layers[index]
-                if disk is not None:
+                if stream is not None:
+                    stream.load_layer(index, device)
+                elif disk is not None:
                     disk.restore(layer, index, device)
                 layer.to(device)
                 inputs.kwargs = inputs.per_layer[index]
                 process_layer(index, layer, inputs)
                 inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
-                if offload != "none":
+                if stream is not None:
+                    stream.finish_layer(index)
+                elif offload != "none":
                     layer.to("cpu")
         finally:
             if disk is not None:
                 disk.close()
     metrics = monitor.metrics()
-    metrics["offload"] = offload
+    metrics["offload"] = "stream" if stream is not None else offload
     metrics["calibration_tokens"] = int(sum(b.numel() for b in batches))
     return metrics
 
@@ -254,6 +268,7 @@ def run_calibrated(
         offload=offload,
         progress=state.progress,
         desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
+        stream=state.stream,
     )
 
 

@@ -254,7 +254,7 @@ def _walk_columns(
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
 
-@register_pass("quantize.gptq", GptqConfig, needs_calibration=True)
+@register_pass("quantize.gptq", GptqConfig, needs_calibration=True, layerwise=True)
 def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassReport:
     """Quantize every targeted decoder Linear with GPTQ, one decoder layer at a time."""
     report = PassReport("quantize.gptq")

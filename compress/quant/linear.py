@@ -557,10 +557,12 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
     ``linear`` (every weight matrix ``weight_matrices`` counts: what quantization shrinks)."""
     seen: set[int] = set()
     total = 0
-    for tensor in model.state_dict().values():
-        if tensor.data_ptr() in seen:
+    for tensor in model.state_dict(keep_vars=True).values():
+        # tied tensors share storage; meta tensors (a streamed skeleton) have none: the object
+        key = id(tensor) if tensor.device.type == "meta" else tensor.data_ptr()
+        if key in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(key)
         total += tensor.numel() * tensor.element_size()
     linear = sum(w.stored_bytes for w in weight_matrices(model).values())
     return {"total": total, "linear": linear}

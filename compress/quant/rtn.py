@@ -71,9 +71,14 @@ def quantize_linears(
     n_bits: int,
     name: str,
     make: callable = QuantLinear.from_linear,  # type: ignore[valid-type]
+    stream=None,
 ) -> PassReport:
     """Swap every targeted Linear for a QuantLinear built by ``make(linear, scheme, backend=)``
-    and every targeted fused-experts module for a ``QuantExperts`` (RTN)."""
+    and every targeted fused-experts module for a ``QuantExperts`` (RTN).
+
+    ``stream`` (``compress.io.stream.StreamedModel``): the model is a meta skeleton; each
+    decoder layer with targets is read, quantized and handed back in turn, and a target
+    outside the stack (the output head) is read and stays resident once quantized."""
     report = PassReport(name)
     plan: list[tuple[str, nn.Linear, WeightScheme]] = []
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
@@ -89,7 +94,7 @@ def quantize_linears(
     bytes_before = quantization_coverage(model)["weight_bytes"]
     err_num = err_den = 0.0
     schemes: dict[str, int] = {}
-    for layer_name, linear, scheme in plan:
+    for layer_name, linear, scheme in _streamed(plan, stream):
         quant = make(linear, scheme, backend=cfg.backend)
         w = linear.weight.detach().to(torch.float32)
         err_num += float((quant.dequantized_weight() - w).pow(2).sum())
@@ -115,11 +120,36 @@ def quantize_linears(
     return report
 
 
-@register_pass("quantize.int4_rtn", Int4RtnConfig)
+def _streamed(plan: list[tuple[str, nn.Linear, WeightScheme]], stream):
+    """The plan in order; with a stream, each decoder layer's targets between reading that
+    layer and handing it back, then the targets outside the stack (read, kept resident)."""
+    if stream is None:
+        yield from plan
+        return
+    by_layer: dict[int, list[tuple[str, nn.Linear, WeightScheme]]] = {}
+    outside = []
+    for item in plan:
+        index = stream.layer_index(item[0])
+        if index is None:
+            outside.append(item)
+        else:
+            by_layer.setdefault(index, []).append(item)
+    for index, items in by_layer.items():
+        stream.load_layer(index)
+        yield from items
+        for _, linear, _ in items:  # swapped out but still referenced by the plan: free it
+            linear.to("meta")
+        stream.finish_layer(index)
+    for item in outside:
+        stream.load_module(item[0])
+        yield item
+
+
+@register_pass("quantize.int4_rtn", Int4RtnConfig, layerwise=True)
 def int4_rtn(model: nn.Module, cfg: Int4RtnConfig, state: CompressionState) -> PassReport:
-    return quantize_linears(model, cfg, 4, "quantize.int4_rtn")
+    return quantize_linears(model, cfg, 4, "quantize.int4_rtn", stream=state.stream)
 
 
-@register_pass("quantize.int8_rtn", Int8RtnConfig)
+@register_pass("quantize.int8_rtn", Int8RtnConfig, layerwise=True)
 def int8_rtn(model: nn.Module, cfg: Int8RtnConfig, state: CompressionState) -> PassReport:
-    return quantize_linears(model, cfg, 8, "quantize.int8_rtn")
+    return quantize_linears(model, cfg, 8, "quantize.int8_rtn", stream=state.stream)

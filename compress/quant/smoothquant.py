@@ -159,7 +159,7 @@ def smooth_layer(
         notes[prefix + m.producer + (f"[{m.part}]" if m.part else "")] = float(s.max() / s.min())
 
 
-@register_pass("quantize.smoothquant", SmoothquantConfig, needs_calibration=True)
+@register_pass("quantize.smoothquant", SmoothquantConfig, needs_calibration=True, layerwise=True)
 def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionState) -> PassReport:
     """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
     report = PassReport("quantize.smoothquant")

@@ -52,6 +52,7 @@ from compress.arch import (
     decoder_layers,
     runtime_model_types,
 )
+from compress.core.errors import NumericsError
 from compress.kernels import cpu_native, cpu_q8, dispatch
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
@@ -492,7 +493,14 @@ class _Sampling:
 
 
 def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
-    """Next tokens [B] from logits [B, V] (greedy when temperature is 0)."""
+    """Next tokens [B] from logits [B, V] (greedy when temperature is 0). Non-finite logits are
+    refused: argmax of NaN is token 0 and multinomial of NaN fails, both silent garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NumericsError(
+            "the model's next-token logits hold NaN or Inf, so there is nothing to decode; the "
+            "checkpoint's weights or scales are corrupt, or the model overflowed in this dtype "
+            "(try float32)"
+        )
     if s.temperature <= 0:
         return logits.argmax(-1)
     logits = logits / s.temperature

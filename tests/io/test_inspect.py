@@ -23,7 +23,9 @@ def test_natural_key_orders_numbers_by_value():
 def test_layers_are_listed_in_natural_order(tmp_path):
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.zeros(2, 2) for i in range(12)}
     save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    config = {"model_type": "llama", "hidden_size": 2, "intermediate_size": 2,
+              "num_hidden_layers": 12, "num_attention_heads": 1, "vocab_size": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # the shapes must match it
     modules = [r["module"] for r in inspect_checkpoint(tmp_path)["layers"]]
     assert modules == [f"model.layers.{i}.mlp.up_proj" for i in range(12)]
 

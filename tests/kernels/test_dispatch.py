@@ -211,6 +211,9 @@ def test_int_mm_is_trusted_only_with_vnni_that_onednn_may_use():
 
 def test_w8a8_cpu_backend_refuses_where_int_mm_would_be_inexact(monkeypatch):
     dispatch.cpu_int_mm_reason.cache_clear()
+    own = dispatch.cpu_int_mm_reason()
+    if own is not None and "ONEDNN_MAX_CPU_ISA" not in own:  # e.g. an AVX2-only EPYC
+        pytest.skip(f"torch._int_mm is refused here without the cap already: {own}")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     try:
         with pytest.raises(KernelConstraintError, match="exactly: .*ONEDNN_MAX_CPU_ISA=AVX2"):

@@ -1,0 +1,579 @@
+"""Streaming checkpoints: read one module's tensors at a time from safetensors shards, and write
+finished tensors into Hugging Face-style shards as they come (``compress.io`` imports no pass).
+
+* ``CheckpointReader`` reads the headers of every shard of a folder, and a tensor only when
+  asked for, in the dtype it is stored in (plain reads, no memory map). Every read is checked
+  against what the model expects (shape), and quantization scales and zero points must be
+  finite; a corrupt or truncated shard, a missing tensor or a mismatch is a ``ModelLoadError``
+  of one line naming the file, the tensor and the fix.
+* ``meta_skeleton`` builds a model from its config with every parameter on the meta device
+  (no memory), buffers computed by the model's own code (rotary tables).
+* ``materialize`` / ``release`` fill one submodule from the reader (cast to the compute dtype)
+  and send it back to meta.
+* ``ShardWriter`` appends tensors to ``model-0000k-of-0000n.safetensors`` files of at most
+  ``max_shard_size`` bytes each: a tensor's bytes go to disk when it is added (never a whole
+  shard in memory), the header is put in front when a shard closes, and the index
+  ``model.safetensors.index.json`` is written last. A checkpoint of one shard is a plain
+  ``model.safetensors``, as ``save_pretrained`` writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.core.errors import ModelLoadError
+from compress.memory import return_freed_memory
+
+INDEX_FILE = "model.safetensors.index.json"
+# transformers 4's save_pretrained default; a 7B bf16 checkpoint is 3 shards
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# safetensors dtype names <-> torch
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+# tensors that must be finite for the weights to mean anything (quantized layers)
+_MUST_BE_FINITE = ("weight_scale", "weight_zero_point", "input_scale")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``5GB``, ``500MB``, ``2GiB`` or an int (decimal units as transformers reads
+    them: GB = 10^9); ValueError names the accepted forms."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"a shard size must be positive, not {size}")
+        return size
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not found:
+        raise ValueError(f"{size!r} is not a size: write e.g. 5GB, 500MB or 2GiB")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    value = int(float(found.group(1)) * units[(found.group(2) or "B").lower()])
+    if value <= 0:
+        raise ValueError(f"a shard size must be positive, not {size!r}")
+    return value
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those its index names, else every
+    ``*.safetensors`` file; ModelLoadError when there are none or the index names a missing one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(
+                f"{index}: not a readable shard index ({exc}); re-download or re-export the "
+                "checkpoint"
+            ) from exc
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} names shards that are missing: {', '.join(missing[:5])}; the "
+                "download or export is incomplete, fetch or write it again"
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors file")
+    return files
+
+
+def read_header(file: Path) -> tuple[int, dict[str, dict]]:
+    """(offset of the data, {name: {dtype, shape, data_offsets}}) of a safetensors file, with
+    the checks safetensors makes: a readable header, known dtypes, sizes that match shapes and
+    data inside the file. Anything else is a ``ModelLoadError`` naming the file."""
+    def corrupt(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{file}: corrupt or partially written safetensors file ({why}); re-download or "
+            "re-export the checkpoint"
+        )
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise corrupt("shorter than its 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, 100 << 20):
+                raise corrupt(f"header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise corrupt(f"unreadable header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    start = 8 + length
+    for name, entry in header.items():
+        try:
+            dtype = _TORCH_DTYPES[entry["dtype"]]
+            begin, stop = entry["data_offsets"]
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= int(dim)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"tensor {name}: bad header entry {entry!r}") from exc
+        if stop - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise corrupt(f"tensor {name}: {stop - begin} bytes for shape {entry['shape']}")
+        if start + stop > size:
+            raise corrupt(f"tensor {name} ends at byte {start + stop} of a {size}-byte file, "
+                          "truncated")
+    return start, header
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint folder (all its shards). Only the headers are
+    read up front; a tensor is read from its file when asked for, with plain reads into a new
+    tensor, not through a memory map (a mapped file's touched pages count as the process's
+    resident memory until it is closed: 13.5 GB for a 7B checkpoint read through once)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._where: dict[str, Path] = {}
+        self._entries: dict[str, tuple[int, dict]] = {}
+        for file in shard_files(self.path):
+            self._index(file)
+
+    def _index(self, file: Path) -> None:
+        start, header = read_header(file)
+        for name, entry in header.items():
+            self._where[name] = file
+            self._entries[name] = (start, entry)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._entries[name][1]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _TORCH_DTYPES[self._entries[name][1]["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, stop = self._entries[name][1]["data_offsets"]
+        return stop - begin
+
+    def read(self, name: str, *, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored; ``shape``: what the model expects (checked first)."""
+        if name not in self._where:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name} is missing from the checkpoint; it does not match "
+                "its config.json, re-download or re-export it"
+            )
+        file = self._where[name]
+        if shape is not None and self.shape(name) != tuple(shape):
+            raise ModelLoadError(
+                f"{file}: tensor {name} has shape {list(self.shape(name))} but config.json "
+                f"implies {list(shape)}; the config does not match the weights, fix config.json "
+                "or re-export the checkpoint"
+            )
+        start, entry = self._entries[name]
+        begin, stop = entry["data_offsets"]
+        tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
+        try:
+            with open(file, "rb", buffering=0) as handle:
+                handle.seek(start + begin)
+                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) \
+                    if tensor.numel() else memoryview(bytearray())
+                got = handle.readinto(view) if tensor.numel() else 0
+                while got < stop - begin:  # readinto may return less for large reads
+                    more = handle.readinto(view[got:])
+                    if not more:
+                        break
+                    got += more
+        except OSError as exc:
+            raise ModelLoadError(f"{file}: tensor {name} cannot be read ({exc}); re-download "
+                                 "or re-export the checkpoint") from exc
+        if got != stop - begin:
+            raise ModelLoadError(
+                f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
+                "truncated, re-download or re-export the checkpoint"
+            )
+        if name.endswith(_MUST_BE_FINITE) and tensor.is_floating_point():
+            if not torch.isfinite(tensor).all():
+                raise ModelLoadError(
+                    f"{file}: tensor {name} holds NaN or Inf values, so the layer's weights are "
+                    "undefined; the checkpoint is corrupt, re-export it"
+                )
+        return tensor
+
+
+# ---- the model skeleton -------------------------------------------------------------------
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside this block get their parameters on the meta device (no memory);
+    buffers, such as rotary frequencies, are computed by the modules' own code as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def no_weight_init() -> contextlib.AbstractContextManager:
+    """transformers' context that skips random weight init (buffers such as rotary frequencies
+    are still computed by the modules' own code); its home moved in transformers 5."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
+    """The causal LM that ``path``'s config.json describes, every parameter on the meta device
+    (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
+            from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    try:
+        with no_weight_init(), parameters_on_meta():
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"{path}/config.json does not describe a model transformers can build ({exc}); fix it"
+        ) from exc
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Check a checkpoint folder before loading it, reading only headers and scales: every
+    shard opens (not corrupt or truncated), every tensor the config implies has that shape
+    (quantized layers: their ``weight_shape``), and quantization scales and zero points are
+    finite. Each problem is one ``ModelLoadError`` line naming the file, the tensor and the
+    fix. Tensors under names the model tree does not have (renamed MoE experts) are left to
+    the loader."""
+    path = Path(path)
+    reader = CheckpointReader(path)
+    skeleton = meta_skeleton(path)
+    expected = expected_tensors(skeleton)
+    for name in reader.names():
+        leaf = name.rpartition(".")[2]
+        if name in expected:
+            if reader.shape(name) != tuple(expected[name].shape):
+                reader.read(name, shape=tuple(expected[name].shape))  # raises, naming it
+        elif leaf == "weight_shape":
+            linear = expected.get(name.rpartition(".")[0] + ".weight")
+            shape = tuple(reader.read(name).tolist())
+            if linear is not None and shape != tuple(linear.shape):
+                raise ModelLoadError(
+                    f"{reader.file_of(name)}: tensor {name} says {list(shape)} but config.json "
+                    f"implies {list(linear.shape)}; the config does not match the weights, fix "
+                    "config.json or re-export the checkpoint"
+                )
+        if leaf in _MUST_BE_FINITE:
+            reader.read(name)  # raises on NaN/Inf
+
+
+def expected_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``module`` holds in a checkpoint: parameters and persistent buffers, by name."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+def is_resident(module: nn.Module) -> bool:
+    """True when no tensor of ``module`` is on the meta device."""
+    return all(t.device.type != "meta" for t in expected_tensors(module).values())
+
+
+def materialize(
+    module: nn.Module,
+    prefix: str,
+    reader: CheckpointReader,
+    dtype: torch.dtype | None,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Fill every meta tensor of ``module`` (checkpoint names ``prefix + name``) from
+    ``reader``, each floating tensor cast to ``dtype`` (None: as stored) on ``device``.
+    Tensors already resident are left alone."""
+    tensors = {}
+    for name, current in expected_tensors(module).items():
+        if current.device.type != "meta":
+            continue
+        tensor = reader.read(prefix + name, shape=tuple(current.shape))
+        if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.to(device)
+    if tensors:
+        module.load_state_dict(tensors, strict=False, assign=True)
+        for tensor in expected_tensors(module).values():  # parameters stay frozen
+            if isinstance(tensor, nn.Parameter):
+                tensor.requires_grad_(False)
+
+
+def release(module: nn.Module) -> None:
+    """Send every tensor of ``module`` back to the meta device (frees its memory)."""
+    module.to("meta")
+
+
+# ---- the writer ---------------------------------------------------------------------------
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor (bf16 included: viewed as uint8)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+class ShardWriter:
+    """Tensors appended to safetensors shards of at most ``max_shard_size`` bytes in
+    ``directory`` (a tensor larger than that gets a shard of its own). ``finish`` names the
+    shards ``model-0000k-of-0000n.safetensors`` (or ``model.safetensors`` when there is one)
+    and writes the index; until then the folder holds only ``.part`` files."""
+
+    def __init__(self, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                 metadata: dict[str, str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = parse_size(max_shard_size)
+        self.metadata = dict(metadata or {"format": "pt"})
+        self._shards: list[dict[str, tuple[str, list[int], int, int]]] = []
+        self._body = None
+        self._offset = 0
+        self.total_bytes = 0
+        self._names: set[str] = set()
+
+    def _body_path(self, index: int) -> Path:
+        return self.directory / f".shard-{index:05d}.body.part"
+
+    def _start_shard(self) -> None:
+        if self._body is not None:
+            self._body.close()
+        self._shards.append({})
+        self._body = open(self._body_path(len(self._shards) - 1), "wb")  # noqa: SIM115
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name} is written twice")
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors name")
+        data = tensor_bytes(tensor.cpu())
+        size = data.nbytes
+        if self._body is None or (self._offset and self._offset + size > self.max_bytes):
+            self._start_shard()
+        assert self._body is not None
+        self._body.write(data)
+        self._shards[-1][name] = (_DTYPE_NAMES[tensor.dtype], list(tensor.shape),
+                                  self._offset, self._offset + size)
+        self._offset += size
+        self.total_bytes += size
+        self._names.add(name)
+
+    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.add(name, tensor)
+
+    def finish(self) -> list[Path]:
+        """Write the shards' headers and the index; returns the shard files."""
+        if self._body is not None:
+            self._body.close()
+            self._body = None
+        if not self._shards:
+            self._start_shard()
+            self._body.close()  # type: ignore[union-attr]
+            self._body = None
+        count = len(self._shards)
+        names = (["model.safetensors"] if count == 1 else
+                 [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)])
+        weight_map = {}
+        for index, (entries, name) in enumerate(zip(self._shards, names, strict=True)):
+            header: dict[str, object] = {"__metadata__": self.metadata}
+            for tensor_name, (dtype, shape, begin, end) in entries.items():
+                header[tensor_name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+                weight_map[tensor_name] = name
+            encoded = json.dumps(header, separators=(",", ":")).encode()
+            encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+            body = self._body_path(index)
+            with open(self.directory / name, "wb") as out, open(body, "rb") as src:
+                out.write(struct.pack("<Q", len(encoded)))
+                out.write(encoded)
+                shutil.copyfileobj(src, out, 64 << 20)
+            body.unlink()
+        if count > 1:
+            index_doc = {"metadata": {"total_size": self.total_bytes},
+                         "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n")
+        return [self.directory / n for n in names]
+
+    def abort(self) -> None:
+        """Close and delete the unfinished shard bodies."""
+        if self._body is not None:
+            self._body.close()
+            self._body = None
+        for index in range(len(self._shards)):
+            self._body_path(index).unlink(missing_ok=True)
+
+
+# ---- a model whose decoder layers live on disk until a pass reaches them ---------------------
+class StreamedModel:
+    """``model`` (a ``meta_skeleton``) whose tensors stay in the checkpoint until asked for.
+
+    ``load_layer(i)`` fills decoder layer i: from the scratch file an earlier pass left for it
+    (its exact state, quantized buffers included), else from the source checkpoint cast to the
+    compute ``dtype``. ``finish_layer(i)`` hands the finished layer to ``sink`` when one is set
+    (the export writer, during the recipe's last pass), else saves it to scratch for the next
+    pass, and frees it. ``outside()`` keeps the modules outside the decoder stack (embedding,
+    final norm) resident for the length of a ``with`` block, for the calibration capture; the
+    output head stays on disk unless the embedding is tied to it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reader: CheckpointReader,
+        dtype: torch.dtype,
+        layers: nn.ModuleList,
+        layer_prefix: str,
+        scratch_dir: Path,
+    ) -> None:
+        self.model, self.reader, self.dtype = model, reader, dtype
+        self.layers, self.layer_prefix = layers, layer_prefix
+        self.scratch_dir = Path(scratch_dir)
+        self._scratch: dict[int, Path] = {}
+        self.sink = None  # callable(prefix, module) that exports a finished module
+        self.loads = 0  # layers materialized so far (a progress and test figure)
+
+    def _layer_file(self, index: int) -> Path:
+        return self.scratch_dir / f"layer{index:05d}.safetensors"
+
+    def load_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        layer = self.layers[index]
+        if index in self._scratch:
+            from safetensors.torch import load_file
+
+            state = load_file(self._scratch.pop(index), device=str(device))
+            layer.load_state_dict(state, strict=True, assign=True)
+            self._layer_file(index).unlink(missing_ok=True)
+        else:
+            materialize(layer, f"{self.layer_prefix}{index}.", self.reader, self.dtype, device)
+        self.loads += 1
+        return layer
+
+    def finish_layer(self, index: int) -> None:
+        layer = self.layers[index]
+        if self.sink is not None:
+            self.sink(f"{self.layer_prefix}{index}.", layer)
+        else:
+            from safetensors.torch import save_file
+
+            self.scratch_dir.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
+            save_file(state, self._layer_file(index))
+            self._scratch[index] = self._layer_file(index)
+        release(layer)
+        return_freed_memory()
+
+    def layer_index(self, module_name: str) -> int | None:
+        """The decoder layer a module name lies in, or None outside the stack."""
+        if not module_name.startswith(self.layer_prefix):
+            return None
+        return int(module_name[len(self.layer_prefix):].partition(".")[0])
+
+    def load_module(self, name: str, device: torch.device | str = "cpu") -> nn.Module:
+        """Make the module ``name`` outside the decoder stack resident (it stays so; a pass
+        that changes it keeps its result in memory). The output head tied to the embedding is
+        the embedding's weight."""
+        module = self.model.get_submodule(name)
+        tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
+        head = self.model.get_output_embeddings() if hasattr(
+            self.model, "get_output_embeddings") else None
+        if tied and module is head:
+            embed = self.model.get_input_embeddings()
+            embed_name = next(n for n, m in self.model.named_modules() if m is embed)
+            materialize(embed, f"{embed_name}.", self.reader, self.dtype, device)
+            self.model.tie_weights()
+        materialize(module, f"{name}.", self.reader, self.dtype, device)
+        return module
+
+    def has_scratch(self, index: int) -> bool:
+        return index in self._scratch
+
+    def scratch_reader(self, index: int) -> CheckpointReader | None:
+        """A reader of layer ``index``'s scratch file (names without the layer prefix)."""
+        if index not in self._scratch:
+            return None
+        return _FileReader(self._scratch[index])
+
+    def outside_modules(self) -> list[tuple[str, nn.Module]]:
+        """Top-level modules of the model outside the decoder stack that hold tensors,
+        as (name, module) (the output head included)."""
+        stack = self.layer_prefix.rstrip(".")
+        found = []
+        for name, module in self.model.named_modules():
+            if not name or name == stack or stack.startswith(name + "."):
+                continue
+            if name.startswith(stack + ".") or any(name.startswith(n + ".") for n, _ in found):
+                continue
+            if expected_tensors(module):
+                found.append((name, module))
+        return found
+
+    @contextlib.contextmanager
+    def outside(self, device: torch.device | str = "cpu", *, head: bool = False) -> Iterator[None]:
+        """The modules outside the decoder stack resident inside the block (the output head
+        only with ``head`` or when tied to the embedding); those that were on disk before go
+        back to meta after it."""
+        head_module = self.model.get_output_embeddings() if hasattr(
+            self.model, "get_output_embeddings") else None
+        tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
+        loaded = []
+        try:
+            for name, module in self.outside_modules():
+                if module is head_module and (tied or not head):
+                    continue  # tied: it is the embedding's weight, tied again below
+                if is_resident(module):
+                    continue
+                materialize(module, f"{name}.", self.reader, self.dtype, device)
+                loaded.append(module)
+            if tied and head_module is not None:
+                self.model.tie_weights()
+            yield
+        finally:
+            for module in loaded:
+                release(module)
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+
+class _FileReader(CheckpointReader):
+    """A reader of one safetensors file."""
+
+    def __init__(self, file: Path) -> None:  # one file, no folder
+        self.path = Path(file)
+        self._where, self._entries = {}, {}
+        self._index(self.path)

@@ -1,0 +1,150 @@
+"""The memory preflight of a job: before any work, estimate its peak resident memory from the
+checkpoint's shapes and refuse, with the need, what is available and the way out, a job that
+would be killed for memory half-way through.
+
+The estimate is deliberately simple, per phase, and its parts are returned for the report:
+
+* a base for the interpreter, torch and transformers (measured: ~0.6 GB resident after
+  importing them and building a tokenizer);
+* streamed passes (``compress.io.stream``): one decoder layer in float32, read from its stored
+  dtype (both alive while it is cast), the modules outside the stack during the calibration
+  capture (the embedding in float32), the calibration hidden states entering and leaving the
+  layer (float32, twice) and, for GPTQ, one Hessian per linear of the layer (float32
+  ``[in, in]``);
+* a model loaded whole (passes that need it, and every evaluation): every parameter in
+  float32, plus the same again for a distillation teacher, plus one window's logits.
+
+Set ``COMPRESS_SKIP_MEMORY_CHECK=1`` to run anyway (the estimate can be wrong for a family
+whose layers differ from their shapes' sum).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from compress.core.errors import RecipeError
+from compress.core.registry import PASSES, pass_name_of
+from compress.memory import available_memory_bytes
+
+BASE_BYTES = 600 * 2**20  # python + torch + transformers + a tokenizer, measured resident
+FLOAT32 = 4
+
+
+class InsufficientMemoryError(RecipeError):
+    """The job would not fit in the memory available."""
+
+
+def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
+    """(parameters in the decoder stack's largest layer, parameters outside the stack,
+    {"hidden", "vocab", "intermediate"}), from the meta skeleton, or None."""
+    if skeleton is None:
+        return None
+    from compress.arch import arch_for, decoder_layers
+
+    arch = arch_for(skeleton, "the memory preflight")
+    layers = decoder_layers(skeleton, "the memory preflight")
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    in_stack = sum(p.numel() for p in layers.parameters())
+    total = sum(p.numel() for p in skeleton.parameters())
+    cfg = skeleton.config
+    dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
+            "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
+            "layer_prefix": arch.layer_prefix}
+    return largest, total - in_stack, dims
+
+
+def _parameter_count(where) -> int | None:
+    """Parameters of a checkpoint folder from its safetensors headers (no tensor is read)."""
+    if not isinstance(where, Path):
+        return None
+    from compress.io.stream import CheckpointReader
+
+    reader = CheckpointReader(where)
+    count = 0
+    for name in reader.names():
+        numel = 1
+        for dim in reader.shape(name):
+            numel *= dim
+        count += numel
+    return count
+
+
+def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
+    """The estimated peak resident bytes of each phase of ``recipe`` on the checkpoint at
+    ``where``, and the largest (``peak_bytes``)."""
+    phases: dict[str, int] = {}
+    cal = recipe.calibration
+    tokens = cal.num_samples * cal.seq_len if cal is not None else 0
+    params = _parameter_count(where)
+    shapes = _shapes(where, skeleton)
+    if streamed and shapes is not None:
+        largest, outside, dims = shapes
+        layer = largest * (FLOAT32 + 2)  # float32 copy beside the stored (16-bit) one
+        hidden = 2 * tokens * dims["hidden"] * FLOAT32
+        for index, cfg in enumerate(recipe.passes):
+            name = pass_name_of(cfg)
+            need = layer + hidden
+            if PASSES[name].needs_calibration:
+                need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
+            if name == "quantize.gptq":
+                need += _hessian_bytes(skeleton)
+            phases[f"pass {index} {name}"] = BASE_BYTES + need
+    elif params is not None:
+        whole = params * FLOAT32
+        teacher = any(PASSES[pass_name_of(c)].needs_teacher for c in recipe.passes)
+        hidden = 0
+        if shapes is not None:
+            hidden = 2 * tokens * shapes[2]["hidden"] * FLOAT32
+        phases["passes (model loaded whole)"] = BASE_BYTES + whole * (2 if teacher else 1) + hidden
+    if params is not None and (recipe.eval.perplexity is not None or recipe.eval.tasks is not None
+                               or recipe.eval.latency is not None):
+        window = 0
+        if shapes is not None and recipe.eval.perplexity is not None:
+            window = recipe.eval.perplexity.context_length * shapes[2]["vocab"] * FLOAT32 * 3
+        phases["eval (model loaded whole)"] = BASE_BYTES + params * FLOAT32 + window
+    peak = max(phases.values()) if phases else None
+    return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
+
+
+def _hessian_bytes(skeleton) -> int:
+    """GPTQ's Hessians for one decoder layer: one float32 [in, in] per linear, all alive while
+    the layer's inputs are collected (linears reading the same input still get one each)."""
+    from torch import nn
+
+    from compress.arch import decoder_layers
+
+    layer = decoder_layers(skeleton, "the memory preflight")[0]
+    return sum(m.in_features ** 2 * FLOAT32 for m in layer.modules() if isinstance(m, nn.Linear))
+
+
+def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
+    """``estimate`` of the job, or a ``RecipeError`` before any work when its peak exceeds
+    the memory available (the message names the phase, the need, what is there and the way
+    out). Returns the estimate with ``available_bytes`` for the report."""
+    result = estimate(recipe, where, streamed=streamed, skeleton=skeleton)
+    available = available_memory_bytes()
+    result["available_bytes"] = available
+    peak = result["peak_bytes"]
+    if (peak is None or available is None or peak <= available
+            or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1"):
+        return result
+    phase = max(result["phases_bytes"], key=result["phases_bytes"].get)
+    gib = 2**30
+    ways = []
+    if "eval" in phase:
+        ways.append("leave evaluation out (`--set eval.baseline=false --set eval.perplexity=null`"
+                    ", and no tasks or latency) and evaluate the export on a larger machine")
+    if "whole" in phase and "eval" not in phase:
+        ways.append("use layer-wise passes only (quantize.int4_rtn/int8_rtn/gptq/awq/"
+                    "smoothquant/autoround stream one decoder layer at a time)")
+    if recipe.calibration is not None and "pass" in phase:
+        ways.append("lower calibration.num_samples or seq_len")
+    ways.append("free memory or use a machine with more (COMPRESS_SKIP_MEMORY_CHECK=1 runs "
+                "anyway)")
+    raise InsufficientMemoryError(
+        f"this job needs about {peak / gib:.1f} GiB in its phase '{phase}' but "
+        f"{available / gib:.1f} GiB of memory is available; nothing was written. Way out: "
+        + "; or ".join(ways)
+    )

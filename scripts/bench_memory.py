@@ -1,0 +1,205 @@
+"""Peak resident memory of `compress run` against model size: synthetic Llamas with random bf16
+weights in public models' shapes, written to disk as shards, compressed by W4 RTN g128 (and
+W4 GPTQ g128 with --gptq), each run a child process measured by `/usr/bin/time -v` (its
+maximum resident set size) and its results.json (peak per phase, streamed or not).
+
+Speed and memory do not depend on the weights' values, so random weights measure them; quality
+needs a real model (docs/results.md section 1). Calibration text is tokenized by a
+character-level tokenizer (``compress.testing.make_char_tokenizer``, 99 ids, inside every
+vocabulary): the hidden states are as large as with any tokenizer.
+
+    python scripts/bench_memory.py --shapes 1.1b,7b,13b --out out/bench_memory
+    python scripts/bench_memory.py --shapes 7b --gptq --out out/bench_memory_gptq
+
+Checkpoints are written once under --models (default .cache/compress/synthetic) and reused;
+each shape's free disk is checked first (bf16 size plus its W4 export), and a shape that does
+not fit is reported as skipped, with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# public models' shapes (hidden, intermediate, layers, heads, kv heads, vocab)
+SHAPES = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),  # TinyLlama
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),  # Llama-2-13B
+}
+
+RECIPES = {
+    "rtn": "passes: [{pass: quantize.int4_rtn, group_size: 128}]",
+    "gptq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
+             "passes: [{pass: quantize.gptq, group_size: 128}]"),
+}
+
+
+def write_synthetic(name: str, folder: Path, shard_size: str = "2GB") -> Path:
+    """A random-weight Llama of shape ``name`` in bf16 shards (written tensor by tensor, so
+    memory stays at one tensor), with a character tokenizer; kept when already complete."""
+    from transformers import LlamaConfig
+
+    from compress.io.stream import ShardWriter, expected_tensors, meta_skeleton
+    from compress.testing import make_char_tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[name], tie_word_embeddings=False, torch_dtype="bfloat16",
+                         max_position_embeddings=4096)
+    config.save_pretrained(tmp)
+    model = meta_skeleton(tmp)
+    writer = ShardWriter(tmp, shard_size)
+    generator = torch.Generator().manual_seed(0)
+    for key, meta in expected_tensors(model).items():
+        if meta.dim() == 1:  # norms: ones, as trained models keep them near
+            tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
+        writer.add(key, tensor)
+        del tensor
+    writer.finish()
+    make_char_tokenizer().save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return folder
+
+
+def _parse_time_v(text: str) -> dict[str, float]:
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text)
+    seconds = 0.0
+    if wall:
+        for part in wall.group(1).split(":"):
+            seconds = seconds * 60 + float(part)
+    return {"peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
+            "wall_s": seconds if wall else None}
+
+
+def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream: str) -> dict:
+    """``compress run`` of one recipe on one checkpoint, in a child under /usr/bin/time -v."""
+    recipe = out_root / f"{shape}-{algorithm}-{stream}.yaml"
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{RECIPES[algorithm]}\n"
+                      "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
+    out = out_root / f"{shape}-{algorithm}-{stream}"
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "compress.cli", "run", str(recipe),
+               "--model", str(model_dir), "--out", str(out), "--overwrite", "--no-progress",
+               "--stream", stream]
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    row = {"shape": shape, "algorithm": algorithm, "stream": stream,
+           "returncode": proc.returncode, **_parse_time_v(proc.stderr),
+           "seconds_measured": round(time.perf_counter() - started, 1)}
+    if proc.returncode != 0:
+        row["error"] = proc.stderr.strip().splitlines()[-3:]
+        return row
+    payload = json.loads((out / "results.json").read_text())
+    row["phases_peak_rss_bytes"] = payload["memory"]["peak_rss_bytes"]
+    row["streamed"] = payload["memory"]["streamed"]
+    row["estimate_peak_bytes"] = payload["memory"]["estimate"]["peak_bytes"]
+    row["parameters"] = payload["memory"]["estimate"]["model_parameters"]
+    row["export_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    row["checkpoint_bytes"] = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)  # the export is not needed once measured
+    return row
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [f"CPU: {env.get('cpu')}; {env.get('flags')}; torch {torch.__version__}; "
+             f"{os.cpu_count()} cores; RAM {env.get('ram_gib')} GiB", "",
+             "| shape | pass | path | checkpoint GB | parameters | peak RSS GB (time -v) | "
+             "estimate GB | wall s | s per 1e9 params | peak per phase GB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r.get("returncode") != 0:
+            lines.append(f"| {r['shape']} | {r['algorithm']} | {r.get('stream')} | — | — | — | — "
+                         f"| — | — | failed or skipped: {r.get('error') or r.get('skipped')} |")
+            continue
+        phases = ", ".join(f"{k}: {v / 1e9:.2f}" for k, v in r["phases_peak_rss_bytes"].items())
+        path = "streamed" if r["streamed"] else "whole model"
+        lines.append(
+            f"| {r['shape']} | {r['algorithm']} | {path} | {r['checkpoint_bytes'] / 1e9:.2f} | "
+            f"{r['parameters'] / 1e9:.2f}e9 | {r['peak_rss_bytes'] / 1e9:.2f} | "
+            f"{r['estimate_peak_bytes'] / 1e9:.2f} | {r['wall_s']:.0f} | "
+            f"{r['wall_s'] / (r['parameters'] / 1e9):.1f} | {phases} |")
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> dict:
+    from compress.eval.report import environment as env
+
+    info = env()
+    flags = sorted(set(re.findall(r"\b(avx\w*|amx\w*)\b", Path("/proc/cpuinfo").read_text())))
+    return {"cpu": info.get("cpu"), "flags": " ".join(flags),
+            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            **info}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="1.1b,7b,13b")
+    p.add_argument("--gptq", action="store_true", help="W4 GPTQ g128 instead of W4 RTN g128")
+    p.add_argument("--in-memory", default="1.1b",
+                   help="shapes also run with --stream off (the model loaded whole), for the "
+                   "per-parameter wall-time comparison; '' for none")
+    p.add_argument("--models", default=str(REPO / ".cache/compress/synthetic"))
+    p.add_argument("--delete-models", action="store_true",
+                   help="delete each synthetic checkpoint after its runs (disk)")
+    p.add_argument("--out", default="out/bench_memory", help="output prefix (.json, .md)")
+    args = p.parse_args()
+    algorithm = "gptq" if args.gptq else "rtn"
+    out_root = Path(args.out + "-runs")
+    out_root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    env = environment()
+    for shape in args.shapes.split(","):
+        model_dir = Path(args.models) / f"llama-{shape}-bf16"
+        params = sum(_numel(SHAPES[shape]))
+        need = params * 2 * (0 if (model_dir / "config.json").is_file() else 1) + params * 0.6
+        free = shutil.disk_usage(Path(args.models).parent if not Path(args.models).exists()
+                                 else args.models).free
+        if need > free:
+            rows.append({"shape": shape, "algorithm": algorithm, "returncode": None,
+                         "skipped": f"needs {need / 1e9:.0f} GB of disk, {free / 1e9:.0f} free"})
+            continue
+        Path(args.models).mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        write_synthetic(shape, model_dir)
+        print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
+        modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
+        for stream in modes:
+            row = run_one(shape, algorithm, model_dir, out_root, stream)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if args.delete_models:
+            shutil.rmtree(model_dir)
+    Path(args.out + ".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+    Path(args.out + ".md").write_text(markdown(rows, env))
+    print(markdown(rows, env))
+
+
+def _numel(shape: dict) -> list[int]:
+    h, i, n, v = (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
+                  shape["vocab_size"])
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    return [2 * v * h, n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h), h]
+
+
+if __name__ == "__main__":
+    main()
