@@ -2,17 +2,21 @@
 checkpoint's shapes and refuse, with the need, what is available and the way out, a job that
 would be killed for memory half-way through.
 
-The estimate is deliberately simple, per phase, and its parts are returned for the report:
+The estimate is deliberately simple, per phase, and its parts are returned for the report. Its
+constants come from ``scripts/bench_memory.py`` (W4 RTN, 2026-12-02, docs/results.md section 6):
+measured 1.21 GB streamed on the 1.1B shape (estimate 1.20), 2.47 GB streamed on the 7B shape
+(2.62), 7.10 GB loaded whole on the 1.1B shape (7.13).
 
-* a base for the interpreter, torch and transformers (measured: ~0.6 GB resident after
-  importing them and building a tokenizer);
-* streamed passes (``compress.io.stream``): one decoder layer in float32, read from its stored
-  dtype (both alive while it is cast), the modules outside the stack during the calibration
-  capture (the embedding in float32), the calibration hidden states entering and leaving the
-  layer (float32, twice) and, for GPTQ, one Hessian per linear of the layer (float32
-  ``[in, in]``);
-* a model loaded whole (passes that need it, and every evaluation): every parameter in
-  float32, plus the same again for a distillation teacher, plus one window's logits.
+* a base for the interpreter, torch, transformers, the tokenizer and the reader (~0.75 GB);
+* streamed passes (``compress.io.stream``): one decoder layer in float32 beside the stored
+  16-bit tensor being cast, the quantizer's temporaries for the largest linear (3.5 float32
+  copies: the codes, the dequantized weight and its error), the modules outside the stack
+  during the calibration capture (the embedding in float32), the calibration hidden states
+  entering and leaving the layer (float32) and, for GPTQ, one Hessian per linear of the layer
+  (float32 ``[in, in]``);
+* a model loaded whole (passes that need it, and every evaluation): 1.45 times its parameters
+  in float32 (transformers casts from the stored dtype), plus the same again for a
+  distillation teacher, plus a window's logits for evaluation.
 
 Set ``COMPRESS_SKIP_MEMORY_CHECK=1`` to run anyway (the estimate can be wrong for a family
 whose layers differ from their shapes' sum).
@@ -28,7 +32,9 @@ from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, pass_name_of
 from compress.memory import available_memory_bytes
 
-BASE_BYTES = 600 * 2**20  # python + torch + transformers + a tokenizer, measured resident
+BASE_BYTES = 750 * 10**6  # python, torch, transformers, a tokenizer, the reader
+LOAD_FACTOR = 1.45  # a model loaded whole, per float32 byte (measured, see above)
+TEMPORARIES = 3.5  # float32 copies of the largest linear while it is quantized
 FLOAT32 = 4
 
 
@@ -41,6 +47,8 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
     {"hidden", "vocab", "intermediate"}), from the meta skeleton, or None."""
     if skeleton is None:
         return None
+    from torch import nn
+
     from compress.arch import arch_for, decoder_layers
 
     arch = arch_for(skeleton, "the memory preflight")
@@ -49,8 +57,10 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
     in_stack = sum(p.numel() for p in layers.parameters())
     total = sum(p.numel() for p in skeleton.parameters())
     cfg = skeleton.config
+    linears = [m.weight.numel() for m in layers[0].modules() if isinstance(m, nn.Linear)]
     dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
             "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
+            "largest_linear": max(linears, default=0),
             "layer_prefix": arch.layer_prefix}
     return largest, total - in_stack, dims
 
@@ -81,7 +91,8 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
     shapes = _shapes(where, skeleton)
     if streamed and shapes is not None:
         largest, outside, dims = shapes
-        layer = largest * (FLOAT32 + 2)  # float32 copy beside the stored (16-bit) one
+        # float32 copy beside the stored (16-bit) one, and the quantizer's temporaries
+        layer = largest * (FLOAT32 + 2) + int(TEMPORARIES * dims["largest_linear"] * FLOAT32)
         hidden = 2 * tokens * dims["hidden"] * FLOAT32
         for index, cfg in enumerate(recipe.passes):
             name = pass_name_of(cfg)
@@ -92,7 +103,7 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
                 need += _hessian_bytes(skeleton)
             phases[f"pass {index} {name}"] = BASE_BYTES + need
     elif params is not None:
-        whole = params * FLOAT32
+        whole = int(params * FLOAT32 * LOAD_FACTOR)
         teacher = any(PASSES[pass_name_of(c)].needs_teacher for c in recipe.passes)
         hidden = 0
         if shapes is not None:
@@ -103,7 +114,8 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         window = 0
         if shapes is not None and recipe.eval.perplexity is not None:
             window = recipe.eval.perplexity.context_length * shapes[2]["vocab"] * FLOAT32 * 3
-        phases["eval (model loaded whole)"] = BASE_BYTES + params * FLOAT32 + window
+        phases["eval (model loaded whole)"] = (BASE_BYTES + int(params * FLOAT32 * LOAD_FACTOR)
+                                               + window)
     peak = max(phases.values()) if phases else None
     return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
 
