@@ -15,6 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny ops on a shared 2-core box spin-wait otherwise."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def tiny_model():
     return make_tiny_llama()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
@@ -27,14 +26,6 @@ def _params(intermediate: int) -> int:
     attn = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * 32  # q, o: 64x64; k, v: 32x64
     mlp = 3 * HIDDEN * intermediate
     return VOCAB * HIDDEN + 2 * (attn + mlp + 2 * HIDDEN) + HIDDEN
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core box
-    yield
-    torch.set_num_threads(before)
 
 
 def test_prune_distill_gptq_chain_with_unpruned_teacher(

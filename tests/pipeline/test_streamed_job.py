@@ -28,14 +28,6 @@ TEXT = "".join(f"Line {i}: the quick brown fox number {i * 7 % 13} jumps over {i
 
 
 @pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core box
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def checkpoint(tmp_path, monkeypatch):
     """A tiny Llama stored in bf16, untied head (the case 7B checkpoints are), with 3 layers."""
     monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
