@@ -219,6 +219,21 @@ def _skeleton_refusal(skeleton, reader) -> str | None:
     return None
 
 
+def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
+    """A streamed job scores its export; that is the whole-model path's numbers only when the
+    export keeps the checkpoint's float dtype (a float32 source exported in bf16 would be
+    scored with rounded embeddings and norms)."""
+    from compress.core.registry import DTYPES
+
+    stored = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
+    export = DTYPES[resolve_export_dtype(recipe.export.dtype, where)]
+    if stored <= {export}:
+        return None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
+    return (f"evaluation scores the model in its checkpoint's {names}; a streamed job would "
+            f"score the export, rounded to {str(export).removeprefix('torch.')}")
+
+
 def run_job(
     recipe: Recipe,
     *,
@@ -262,6 +277,8 @@ def run_job(
         verify_checkpoint(where)
         reader, skeleton = CheckpointReader(where), meta_skeleton(where)
         refusal = _skeleton_refusal(skeleton, reader)
+        if refusal is None and _wants_eval(recipe, text):
+            refusal = _eval_refusal(recipe, where, reader)
     if stream and refusal is not None:
         raise RecipeError(f"this job cannot stream: {refusal}; leave `stream` unset")
     streamed = refusal is None and stream is not False
