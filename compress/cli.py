@@ -316,7 +316,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="latency workload: single = one request at a time (default); batch = "
                    "static batches (B requests arrive together, served B at a time), one row "
                    "set per --batch-sizes value; poisson = --requests arrivals at --rate, "
-                   "continuous batching up to --max-batch; trace = arrivals from --trace")
+                   "up to --max-batch requests in flight, their tokens interleaved one request "
+                   "at a time (not batched compute); trace = arrivals from --trace")
     p.add_argument("--batch-sizes", type=_int_list, metavar="B,B,...",
                    help="batch workload: comma-separated batch sizes, each measured and reported "
                    "as its own rows with a 'batch' column (default 1,4,8)")

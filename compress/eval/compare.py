@@ -336,9 +336,10 @@ def _workload_note(s: CompareSettings) -> str:
         "single": "single stream",
         "batch": f"static batches of {s.batch_sizes or DEFAULT_BATCH_SIZES} requests arriving "
         "together, served that many at a time",
-        "poisson": f"{s.requests} Poisson arrivals at {s.rate} req/s, continuous batching up to "
-        f"{s.max_batch}",
-        "trace": f"arrivals from {s.trace}, continuous batching up to {s.max_batch}",
+        "poisson": f"{s.requests} Poisson arrivals at {s.rate} req/s, up to {s.max_batch} in "
+        "flight, their tokens interleaved one request at a time (not batched compute)",
+        "trace": f"arrivals from {s.trace}, up to {s.max_batch} in flight, interleaved one "
+        "request at a time (not batched compute)",
     }[s.workload]
     count = f"{s.prompts} prompts x " if s.workload == "single" else ""
     own = " unless a trace line sets its own" if s.workload == "trace" else ""
