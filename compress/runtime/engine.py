@@ -388,6 +388,20 @@ class _Layer(nn.Module):
         ``Runtime._apply``); slots [T] cache indices the T new positions are written to;
         decode attends to the first ``length`` slots."""
         b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin, decode)
+        # the whole buffer when every row is in use: a write into a view of a compiled graph's
+        # input costs a copy of the view
+        full = b == k_cache.shape[0]
+        (k_cache if full else k_cache[:b]).index_copy_(2, slots, k.to(k_cache.dtype))
+        (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
+        # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
+        keys, values = (k_cache[:b, :, :length], v_cache[:b, :, :length]) if decode else (k, v)
+        return self.finish(x, self.attend(q, keys, values, mask), decode)
+
+    def project_qkv(self, x, cos, sin, decode: bool):
+        """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
+        projected, q/k-normed and rotated (cos/sin [B, T, D])."""
+        b, t, _ = x.shape
         h = _rms_norm(x, self.norm_in, self.eps)
         if self.qkv is not None:
             kv_width = self.n_kv * self.head_dim
@@ -402,14 +416,12 @@ class _Layer(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # the whole buffer when every row is in use: a write into a view of a compiled graph's
-        # input costs a copy of the view
-        full = b == k_cache.shape[0]
-        (k_cache if full else k_cache[:b]).index_copy_(2, slots, k.to(k_cache.dtype))
-        (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
-        # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
-        keys, values = (k_cache[:b, :, :length], v_cache[:b, :, :length]) if decode else (k, v)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, q, keys, values, mask) -> torch.Tensor:
+        """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
+        mask broadcastable to [B, 1, T, L] -> [B, T, heads * D] fp32."""
+        b, _, t, _ = q.shape
         if self.softcap is None:
             a = F.scaled_dot_product_attention(
                 q.to(keys.dtype),
@@ -421,7 +433,12 @@ class _Layer(nn.Module):
             )
         else:
             a = softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
-        a = a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        # [B, heads, T, D] -> [B, T, heads * D]
+        return a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+
+    def finish(self, x, a, decode: bool) -> torch.Tensor:
+        """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
+        residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = _rms_norm(x, self.norm_post, self.eps)
         if self.sparse_mlp is not None:

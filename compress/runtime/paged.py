@@ -1,0 +1,197 @@
+"""The paged KV cache and the runtime's forward over it (continuous batching,
+``runtime/scheduler.py``).
+
+Storage: per layer, keys and values in one pool of ``num_blocks * block_size`` token slots,
+``[slots, kv_heads, head_dim]``; slot ``block * block_size + offset`` holds one token. A
+request's block table (``runtime/blocks.py``) lists its blocks in token order, so its keys are
+the pool rows of its slot list. PagedAttention's layout and vLLM's block-major slot mapping;
+attention here gathers a batch's slots into a contiguous ``[B, kv_heads, L, head_dim]`` and
+calls the same attention as the contiguous runtime (``_Layer.attend``), so paged and contiguous
+compute the same numbers bit for bit on the same keys. The gather is a copy per layer per step
+(what a fused paged-attention kernel would save; not written yet).
+
+``kv_dtype`` int8 stores each token's key and value per head as int8 codes with one fp32 scale
+(absmax / 127 over head_dim, per token and head: the KIVI/vLLM int8 granularity that keeps an
+outlier token from costing the others precision); a gather dequantizes to fp32. Bytes per
+token and head: head_dim + 4, against 2 * head_dim in bf16 and 4 * head_dim in fp32.
+
+The forward runs the runtime's own layer holders (``engine._Layer``): the projections of every
+token of a step as one call (decode rows of all requests; prefill chunks of several requests
+side by side), attention per request over its own slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def kv_bytes_per_token(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes over all layers in ``dtype`` (int8: codes + scales)."""
+    per_head = head_dim + 4 if dtype == torch.int8 else head_dim * dtype.itemsize
+    return 2 * n_layers * n_kv * per_head
+
+
+class PagedKVCache:
+    """Keys and values of every layer in ``num_blocks`` blocks of ``block_size`` slots."""
+
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if dtype not in KV_DTYPES.values():
+            raise ValueError(f"kv dtype {dtype} is not one of {list(KV_DTYPES)}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.compute_dtype = dtype, compute_dtype
+        slots = num_blocks * block_size
+        shape = (slots, n_kv, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            scale = (slots, n_kv)
+            self.k_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
+            self.v_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
+        self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [N, kv_heads, D] of N tokens at pool ``slots`` [N]."""
+        if self.k_scale is None:
+            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+            return
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize_int8(x)
+            codes[layer].index_copy_(0, slots, q)
+            scales[layer].index_copy_(0, slots, s)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` [B, L] -> [B, kv_heads, L, D] in the compute dtype."""
+        b, length = slots.shape
+        flat = slots.reshape(-1)
+        out = []
+        for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = codes[layer].index_select(0, flat)  # [B * L, Hkv, D]
+            if scales is not None:
+                x = dequantize_int8(x, scales[layer].index_select(0, flat))
+            # [B * L, Hkv, D] -> [B, Hkv, L, D]
+            out.append(x.to(self.compute_dtype).view(b, length, *x.shape[1:]).transpose(1, 2))
+        return out[0], out[1]
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 codes [..., D] and fp32 scales [...] (symmetric, absmax / 127)."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=1e-8) / 127.0
+    codes = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference inverse of ``quantize_int8``: codes * scale, fp32."""
+    return codes.float() * scale[..., None]
+
+
+@dataclass
+class Segment:
+    """One request's tokens in a step: ``tokens`` at ``positions`` (consecutive from
+    ``start``), its KV going to pool ``slots``; its keys are ``context`` (every slot from 0
+    through its last new token, in order)."""
+
+    start: int
+    tokens: list[int]
+    slots: list[int]
+    context: list[int]
+
+
+def _segment_tensors(segments: list[Segment], device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([t for s in segments for t in s.tokens], device=device)
+    positions = torch.cat(
+        [torch.arange(s.start, s.start + len(s.tokens), device=device) for s in segments]
+    )
+    return ids, positions
+
+
+def _causal_mask(queries: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[T, L] bool: query at position ``queries[i]`` sees keys at positions 0..queries[i]
+    (and, with a sliding window, only the last ``window`` of them)."""
+    keys = torch.arange(length, device=queries.device)
+    mask = keys[None, :] <= queries[:, None]
+    if window is not None:
+        mask &= keys[None, :] > queries[:, None] - window
+    return mask
+
+
+@torch.no_grad()
+def forward_decode(runtime, cache: PagedKVCache, segments: list[Segment]) -> torch.Tensor:
+    """One decode step of B requests (one new token each) -> next-token logits [B, V] fp32.
+    Rows attend to their own slots, padded to the longest context and masked."""
+    device = runtime.device
+    ids, positions = _segment_tensors(segments, device)  # [B]
+    length = max(len(s.context) for s in segments)
+    # padding slots repeat a row's own first slot: finite values, masked out
+    context = torch.tensor(
+        [s.context + [s.context[0]] * (length - len(s.context)) for s in segments], device=device
+    )  # [B, L]
+    new_slots = torch.tensor([s.slots[0] for s in segments], device=device)
+    masks = {
+        w: _causal_mask(positions, length, w)[:, None, None, :]  # [B, 1, 1, L]
+        for w in {layer.window for layer in runtime.layers}
+    }
+    ropes = {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in
+             runtime.rope.items()}  # fmt: skip
+    x = runtime._embed(ids[:, None])  # [B, 1, H]
+    for i, layer in enumerate(runtime.layers):
+        cos, sin = ropes[layer.rope_key]
+        q, k, v = layer.project_qkv(x, cos, sin, True)  # q [B, h, 1, D], k/v [B, hkv, 1, D]
+        cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
+        keys, values = cache.read(i, context)
+        x = layer.finish(x, layer.attend(q, keys, values, masks[layer.window]), True)
+    return runtime.head(x[:, -1])
+
+
+@torch.no_grad()
+def forward_prefill(runtime, cache: PagedKVCache, segments: list[Segment]) -> torch.Tensor:
+    """Prefill chunks of several requests in one forward (their projections as one call) ->
+    the logits [S, V] fp32 after each segment's last token. A segment that starts at 0 attends
+    to its own fresh keys, as the contiguous runtime's prefill does; a later chunk (or the rest
+    of a prompt after a prefix-cache hit) attends to its slots in the cache."""
+    device = runtime.device
+    ids, positions = _segment_tensors(segments, device)  # [N]
+    slots = torch.tensor([x for s in segments for x in s.slots], device=device)
+    sizes = [len(s.tokens) for s in segments]
+    ropes = {key: (cos[positions][None], sin[positions][None]) for key, (cos, sin) in
+             runtime.rope.items()}  # fmt: skip
+    contexts = [torch.tensor(s.context, device=device)[None] for s in segments]
+    per_segment = list(zip(positions.split(sizes), contexts, strict=True))
+    masks = {
+        w: [_causal_mask(p, len(s.context) if s.start else len(s.tokens), w)[None, None]
+            for s, (p, _) in zip(segments, per_segment, strict=True)]
+        for w in {layer.window for layer in runtime.layers}
+    }  # fmt: skip
+    x = runtime._embed(ids[None])  # [1, N, H]
+    for i, layer in enumerate(runtime.layers):
+        cos, sin = ropes[layer.rope_key]
+        q, k, v = layer.project_qkv(x, cos, sin, False)  # [1, heads, N, D]
+        # [1, hkv, N, D] -> [N, hkv, D]
+        cache.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        parts = []
+        pieces = zip(segments, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2),
+                     per_segment, masks[layer.window], strict=True)  # fmt: skip
+        for s, qs, ks, vs, (_, context), mask in pieces:
+            keys, values = cache.read(i, context) if s.start else (ks, vs)
+            parts.append(layer.attend(qs, keys, values, mask))
+        x = layer.finish(x, torch.cat(parts, 1), False)
+    last = torch.tensor(sizes, device=device).cumsum(0) - 1
+    return runtime.head(x[0, last])

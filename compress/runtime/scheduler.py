@@ -1,0 +1,380 @@
+"""Continuous batching over the paged KV cache: requests join the running batch at token
+boundaries and leave when they finish.
+
+Each ``step``:
+1. every running request that is decoding gets the slot for its next token; when no block is
+   left, the most recently admitted request is preempted (its blocks released, its tokens kept;
+   it re-enters the queue at the front and recomputes its cache, mostly from the prefix cache);
+2. prompts are prefilled in chunks under a token budget per step (``prefill_budget``), oldest
+   first, so a long prompt delays running decodes by one chunk rather than by its whole length;
+   waiting requests are admitted while a batch slot, budget and blocks for their first chunk
+   are there (admission control: never more than memory allows, never a crash);
+3. one batched decode forward for all decoding requests and one forward for the prefill
+   chunks (the phases keep their own matmul dtypes, so a request's tokens do not depend on
+   what it was batched with beyond float rounding);
+4. each request samples with its own settings and seeded generator; a stop token or its
+   length limit retires it, and its full blocks stay in the prefix cache.
+
+A request's cache holds ``num_computed`` of its ``tokens`` (prompt + output); the last output
+token is fed by the next decode step. Prefix caching: on admission the full blocks of its tokens
+(all but the last token, which must be computed for logits) are looked up by content key
+(``runtime/blocks.py``) and held instead of recomputed. The model of this design is nano-vllm.
+
+Not done: speculative decoding through the scheduler, swapping preempted caches to memory
+elsewhere (preemption recomputes), a fused paged-attention kernel (``runtime/paged.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from compress.runtime.blocks import ROOT_KEY, BlockPool, block_key
+from compress.runtime.engine import Runtime, _make_sampling, _sample, _Sampling
+from compress.runtime.paged import (
+    KV_DTYPES,
+    PagedKVCache,
+    Segment,
+    forward_decode,
+    forward_prefill,
+    kv_bytes_per_token,
+)
+
+
+@dataclass
+class Sequence:
+    """One request's state in the scheduler."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: _Sampling
+    stop: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # block table, token order
+    keys: list[bytes] = field(default_factory=list)  # content keys of the full blocks
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted: int = -1  # admission order (preemption takes the newest)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class Event:
+    """A token for request ``id``; ``finish_reason`` set on its last event."""
+
+    id: int
+    token: int | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    decode_rows: int = 0  # sum over steps of the decode batch size
+    prefill_tokens: int = 0  # tokens computed by prefill chunks
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    cached_prompt_tokens: int = 0  # of those, served by the prefix cache
+    preemptions: int = 0
+    peak_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+class Scheduler:
+    """Continuous batching for one ``Runtime`` (its layers, head and rope tables; not its
+    contiguous cache). ``kv_memory``: bytes for the paged cache (or ``num_blocks``);
+    ``max_batch``: requests running at once; ``prefill_budget``: prompt tokens computed per
+    step; ``kv_dtype``: ``None`` (the runtime's KV dtype), ``"float32"``, ``"bfloat16"`` or
+    ``"int8"``."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        kv_memory: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_batch: int = 32,
+        prefill_budget: int = 512,
+        kv_dtype: str | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
+        if runtime.fallback_reason is not None:
+            raise ValueError(f"the runtime does not run this model: {runtime.fallback_reason}")
+        if block_size < 1 or max_batch < 1 or prefill_budget < 1:
+            raise ValueError(
+                f"block_size={block_size}, max_batch={max_batch} and prefill_budget="
+                f"{prefill_budget} must be >= 1"
+            )
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)}")
+        self.runtime = runtime
+        first = runtime.layers[0]
+        dtype = runtime.kv_dtype if kv_dtype is None else KV_DTYPES[kv_dtype]
+        per_block = block_size * kv_bytes_per_token(
+            len(runtime.layers), first.n_kv, first.head_dim, dtype
+        )
+        if num_blocks is None:
+            if kv_memory is None:
+                raise ValueError("give the paged cache kv_memory (bytes) or num_blocks")
+            num_blocks = kv_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_memory={kv_memory} bytes holds no block of {block_size} tokens "
+                f"({per_block} bytes each); give more KV memory"
+            )
+        # int8 pages dequantize to the dtype the contiguous runtime would attend in
+        compute = runtime.kv_dtype if dtype == torch.int8 else dtype
+        self.cache = PagedKVCache(
+            n_layers=len(runtime.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            n_kv=first.n_kv,
+            head_dim=first.head_dim,
+            dtype=dtype,
+            compute_dtype=compute,
+            device=runtime.device,
+        )
+        self.pool = BlockPool(num_blocks, prefix_caching=prefix_caching)
+        self.block_size, self.max_batch, self.prefill_budget = block_size, max_batch, prefill_budget
+        self.watermark = max(1, num_blocks // 100)  # blocks kept free at admission
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        stop_tokens=(),
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> int:
+        """Queue a request; returns its id. Raises ValueError for a request that can never run
+        (empty, out-of-vocabulary, longer than the runtime's positions or the whole cache)."""
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, max_new_tokens)
+        sampling = _make_sampling(temperature, top_k, top_p, seed)
+        seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens))
+        self.waiting.append(seq)
+        return seq.id
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        """The ValueError ``add`` would raise for this request, if any."""
+        self.runtime._check([prompt], max_new_tokens)
+        need = -(-(len(prompt) + max_new_tokens) // self.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens need {need} KV blocks of "
+                f"{self.block_size}; the cache has {self.pool.num_blocks}: give it more KV "
+                "memory or ask for fewer tokens"
+            )
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a request (a client that went away); its blocks are freed. False if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.id == seq_id:
+                    queue.remove(seq)
+                    seq.finish_reason = "abort"
+                    self._release(seq)
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_bytes_in_use(self) -> int:
+        return self.pool.in_use * self.cache.bytes_per_block
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Schedule and run one step; the tokens it produced (see the module docstring)."""
+        decode, chunks = self._schedule()
+        while not decode and not chunks and self.running:
+            # prompts in progress hold every block between them: the newest makes way
+            self._preempt(max(self.running, key=lambda s: s.admitted))
+            decode, chunks = self._schedule()
+        if not decode and not chunks:
+            return []
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.in_use)
+        self.stats.steps += 1
+        events: list[Event] = []
+        if decode:
+            segments = [self._segment(seq, 1) for seq in decode]
+            logits = forward_decode(self.runtime, self.cache, segments)
+            self.stats.decode_rows += len(decode)
+            for seq in decode:
+                seq.num_computed += 1
+                self._register_full_blocks(seq)
+            events += self._emit(decode, logits)
+        if chunks:
+            segments = [self._segment(seq, n) for seq, n in chunks]
+            logits = forward_prefill(self.runtime, self.cache, segments)
+            done, rows = [], []
+            for row, (seq, n) in enumerate(chunks):
+                seq.num_computed += n
+                self.stats.prefill_tokens += n
+                self._register_full_blocks(seq)
+                if seq.num_computed == len(seq.tokens):  # the whole prompt is in: sample
+                    done.append(seq)
+                    rows.append(row)
+            if done:
+                events += self._emit(done, logits[rows])
+        return events
+
+    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's decoding requests and prefill chunks (request, tokens), blocks held."""
+        decode = self._reserve_decodes()
+        budget = self.prefill_budget
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in [s for s in self.running if s not in decode]:  # prompts in progress
+            n = self._reserve_chunk(seq, budget)
+            if n == 0:
+                break
+            chunks.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            chunks.append((seq, n))
+            budget -= n
+        return decode, chunks
+
+    def _reserve_decodes(self) -> list[Sequence]:
+        """Running requests with one token to feed, each given the slot for it (preempting the
+        newest requests while blocks run out)."""
+        decode = []
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq not in self.running or len(seq.tokens) - seq.num_computed != 1:
+                continue  # preempted meanwhile, or still prefilling
+            while not self._grow(seq, seq.num_computed + 1):
+                victim = max(self.running, key=lambda s: s.admitted)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                decode.append(seq)
+        return [s for s in decode if s in self.running]
+
+    def _reserve_chunk(self, seq: Sequence, budget: int, reserve: int = 0) -> int:
+        """Tokens of ``seq``'s prompt to prefill this step (0: no budget or no blocks), leaving
+        ``reserve`` blocks available."""
+        n = min(budget, len(seq.tokens) - seq.num_computed)
+        while n > 0 and not self._grow(seq, seq.num_computed + n, reserve):
+            n = (seq.num_computed + n - 1) // self.block_size * self.block_size - seq.num_computed
+        return max(n, 0)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move the first waiting request into the batch with its prefix-cache hits and a first
+        chunk; 0 (and nothing held) when the blocks for that chunk are not there."""
+        tokens = seq.tokens
+        parent = ROOT_KEY
+        hits = []
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            key = block_key(parent, tokens[start : start + self.block_size])
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append((block, key))
+            parent = key
+        for block, key in hits:
+            self.pool.acquire(block)
+            seq.blocks.append(block)
+            seq.keys.append(key)
+        seq.num_computed = len(hits) * self.block_size
+        # Keep a few blocks free for the running requests' next tokens when admitting: else a
+        # request admitted into the last blocks is preempted at the next decode step.
+        reserve = self.watermark if self.running else 0
+        n = self._reserve_chunk(seq, budget, reserve)
+        if n == 0:
+            self._release(seq)
+            return 0
+        self.waiting.pop(0)
+        self.running.append(seq)
+        seq.admitted = next(self._admissions)
+        if seq.preemptions == 0:
+            seq.cached_tokens = seq.num_computed
+            self.stats.prompt_tokens += len(seq.prompt)
+            self.stats.cached_prompt_tokens += seq.num_computed
+        return n
+
+    def _grow(self, seq: Sequence, tokens: int, reserve: int = 0) -> bool:
+        """Hold blocks for ``tokens`` slots of ``seq``; False (nothing more held) if the pool
+        cannot and still keep ``reserve`` available."""
+        need = -(-tokens // self.block_size) - len(seq.blocks)
+        if need > self.pool.available - reserve:
+            return False
+        seq.blocks += [self.pool.allocate() for _ in range(need)]
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        for block in seq.blocks:
+            self.pool.release(block)
+        seq.blocks, seq.keys, seq.num_computed = [], [], 0
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        tokens = seq.tokens
+        while (len(seq.keys) + 1) * self.block_size <= seq.num_computed:
+            i = len(seq.keys)
+            parent = seq.keys[-1] if seq.keys else ROOT_KEY
+            key = block_key(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.register(seq.blocks[i], key)
+            seq.keys.append(key)
+
+    def _segment(self, seq: Sequence, n: int) -> Segment:
+        start, bs = seq.num_computed, self.block_size
+        slots = [seq.blocks[p // bs] * bs + p % bs for p in range(start + n)]
+        return Segment(start, seq.tokens[start : start + n], slots[start:], slots)
+
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
+        """Sample each row with its request's settings; retire finished requests."""
+        greedy = [i for i, s in enumerate(seqs) if s.sampling.temperature <= 0]
+        tokens: dict[int, int] = {}
+        if greedy:
+            picked = _sample(logits[greedy], _Sampling())
+            tokens.update(zip(greedy, picked.tolist(), strict=True))
+        for i, seq in enumerate(seqs):
+            if i not in tokens:
+                tokens[i] = int(_sample(logits[i : i + 1], seq.sampling)[0])
+        events = []
+        for i, seq in enumerate(seqs):
+            token = tokens[i]
+            seq.output.append(token)
+            reason = None
+            if token in seq.stop:
+                reason = "stop"
+            elif len(seq.output) >= seq.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                seq.finish_reason = reason
+                self.running.remove(seq)
+                self._release(seq)
+            events.append(Event(seq.id, token, reason))
+        return events

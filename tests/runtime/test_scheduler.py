@@ -1,0 +1,260 @@
+"""Continuous batching over the paged KV cache (``compress/runtime/scheduler.py``).
+
+References: the contiguous static-cache runtime (``Runtime.generate`` / ``prefill`` / ``score``)
+on the same model, and invariants of the block pool. Every runtime family, tiny random models
+(the families test's settings: sliding windows, softcaps, multipliers, MoE)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from compress.runtime.blocks import ROOT_KEY, BlockPool, OutOfBlocks, block_key
+from compress.runtime.engine import Runtime
+from compress.runtime.paged import dequantize_int8, kv_bytes_per_token, quantize_int8
+from compress.runtime.scheduler import Scheduler
+from compress.testing import make_tiny_model
+
+from .test_runtime_families import FAMILIES, make_model
+
+ALL_FAMILIES = ["llama", *FAMILIES]
+
+
+def family_model(family: str, seed: int = 0):
+    if family == "llama":
+        model = make_tiny_model("llama", seed, initializer_range=0.3)
+        model.config._attn_implementation = "eager"
+        return model
+    return make_model(family, seed)
+
+
+def random_requests(rng: random.Random, n: int, vocab: int = 300):
+    return [
+        ([rng.randrange(1, vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 24))
+        for _ in range(n)
+    ]
+
+
+def drive(scheduler: Scheduler, requests, rng: random.Random | None = None):
+    """Run ``requests`` through ``scheduler``, adding them at random steps (``rng``) or all at
+    once; the tokens of each request, in request order."""
+    pending, ids, out = list(range(len(requests))), {}, {}
+    while pending or scheduler.has_work:
+        while pending and (rng is None or rng.random() < 0.5 or not scheduler.has_work):
+            i = pending.pop(0)
+            prompt, n = requests[i]
+            ids[scheduler.add(prompt, n)] = i
+            out[i] = []
+            if rng is not None:
+                break
+        for event in scheduler.step():
+            out[ids[event.id]].append(event.token)
+    return [out[i] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_continuous_batching_gives_each_request_its_tokens_alone(family):
+    """Randomized arrivals and lengths, a pool small enough to force preemption, prompts that
+    share prefixes: greedy fp32 tokens equal each request run alone on the contiguous runtime."""
+    runtime = Runtime(family_model(family), max_seq_len=96, compile=False)
+    rng = random.Random(ALL_FAMILIES.index(family))
+    requests = random_requests(rng, 10)
+    shared = requests[0][0][:9]
+    requests += [(shared + p[:10], n) for p, n in requests[1:4]]  # prefix hits
+    alone = [runtime.generate([p], n)[0] for p, n in requests]
+    scheduler = Scheduler(runtime, num_blocks=24, block_size=4, max_batch=5, prefill_budget=20)
+    assert drive(scheduler, requests, rng) == alone
+    assert scheduler.stats.preemptions > 0  # the pool was too small for every request at once
+    assert scheduler.pool.in_use == 0 and not scheduler.has_work
+
+
+class _Logits:
+    """Wraps a scheduler's sampling to record each request's logits rows as they are used."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        emit = scheduler._emit
+
+        def recording(seqs, logits):
+            for seq, row in zip(seqs, logits, strict=True):
+                self.rows.setdefault(seq.id, []).append(row.clone())
+            return emit(seqs, logits)
+
+        scheduler._emit = recording
+
+
+def contiguous_logits(runtime: Runtime, prompt: list[int], tokens: list[int]):
+    """The contiguous runtime's logits before each of ``tokens``: its prefill as ``generate``
+    runs it (the head on the last row only), then one decode step per token."""
+    t = len(prompt)
+    slots = torch.arange(t)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        x = runtime._layers(torch.tensor([prompt]), slots[None], causal, slots, 1, t, decode=False)
+        rows = [runtime.head(x[:, -1])[0]]
+    runtime.position = t
+    rows += [runtime.score([token])[0] for token in tokens[:-1]]
+    return rows
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3_text", "qwen3_moe"])
+def test_paged_equals_contiguous_bit_for_bit(family):
+    """One request at a time: the same matmul shapes as the contiguous runtime, keys read
+    through block tables with slots scattered over the pool -> the same logits, bit for bit."""
+    runtime = Runtime(family_model(family), max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=24, block_size=4, max_batch=1, prefill_budget=64)
+    # scatter the free list so that block tables are not 0, 1, 2, ...
+    order = list(range(24))
+    random.Random(1).shuffle(order)
+    scheduler.pool.free.clear()
+    scheduler.pool.free.extend(order)
+    recorder = _Logits(scheduler)
+    for prompt in ([3, 17, 29, 41, 5, 60, 7, 80, 9, 10, 11], [250, 4, 2]):
+        seq_id = scheduler.add(prompt, 20)
+        tokens = []
+        while scheduler.has_work:
+            tokens += [e.token for e in scheduler.step()]
+        expected = contiguous_logits(runtime, prompt, tokens)
+        got = recorder.rows[seq_id]
+        assert len(got) == len(expected) == 20
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_prefix_hit_equals_a_miss_bit_for_bit(family):
+    """A second request sharing a 12-token system prompt reuses its three blocks (computing
+    only its own suffix) and gets the logits of a cold run. The cold run prefills the prompt in
+    the same two chunks (prefix, then suffix): a GEMM's rounding depends on its row count, so
+    only the same chunking is comparable bit for bit."""
+    system = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
+    first, second = system + [2, 3, 4], system + [5, 6]
+    runtime = Runtime(family_model(family), max_seq_len=64, compile=False)
+
+    def run(prompts, prefix_caching):
+        scheduler = Scheduler(
+            runtime, num_blocks=32, block_size=4, max_batch=1, prefill_budget=len(system),
+            prefix_caching=prefix_caching,
+        )  # fmt: skip
+        recorder = _Logits(scheduler)
+        ids = [scheduler.add(p, 6) for p in prompts]
+        while scheduler.has_work:
+            scheduler.step()
+        return scheduler, [recorder.rows[i] for i in ids]
+
+    warm, (_, hit) = run([first, second], True)
+    assert warm.stats.cached_prompt_tokens == len(system)  # three 4-token blocks reused
+    assert warm.stats.prefix_hit_rate == pytest.approx(12 / (15 + 14))
+    _, (miss,) = run([second], False)
+    for a, b in zip(hit, miss, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_request_too_big_for_the_cache_is_refused_and_a_full_pool_preempts():
+    runtime = Runtime(family_model("llama"), max_seq_len=96, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=8, block_size=4, max_batch=8)
+    with pytest.raises(ValueError, match="need 9 KV blocks"):
+        scheduler.add(list(range(1, 30)), 7)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.add([10_000], 2)
+    requests = [([5 + i, 9, 12], 20) for i in range(4)]  # 6 blocks each, 8 in all
+    alone = [runtime.generate([p], n)[0] for p, n in requests]
+    assert drive(scheduler, requests) == alone
+    assert scheduler.stats.preemptions > 0 and scheduler.pool.in_use == 0
+
+
+def test_abort_frees_the_blocks_and_the_others_go_on():
+    runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=16, block_size=4, max_batch=4, prefix_caching=False)
+    keep = scheduler.add([1, 2, 3, 4, 5], 12)
+    drop = scheduler.add([9, 8, 7], 30)
+    tokens = [e.token for e in scheduler.step() if e.id == keep]
+    held = scheduler.pool.in_use
+    assert scheduler.abort(drop) and not scheduler.abort(drop)
+    assert scheduler.pool.in_use == held - 1  # the dropped request's one block
+    while scheduler.has_work:
+        tokens += [e.token for e in scheduler.step() if e.id == keep]
+    assert tokens == runtime.generate([[1, 2, 3, 4, 5]], 12)[0]
+    assert scheduler.pool.in_use == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    """Each request samples with its own generator: the same seed gives the same tokens alone
+    and beside others."""
+    runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False)
+    settings = dict(temperature=0.8, top_k=40, seed=5)
+
+    def tokens(extra: int) -> list[int]:
+        scheduler = Scheduler(runtime, num_blocks=64, block_size=4, max_batch=8)
+        target = scheduler.add([4, 8, 15, 16, 23, 42], 16, **settings)
+        for i in range(extra):
+            scheduler.add([100 + i, 7], 16, temperature=1.0, seed=i)
+        out = []
+        while scheduler.has_work:
+            out += [e.token for e in scheduler.step() if e.id == target]
+        return out
+
+    assert tokens(0) == tokens(5)
+
+
+def test_int8_pages_hold_about_twice_the_tokens_of_bf16_and_stay_close():
+    runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False)
+    layers, n_kv, d = len(runtime.layers), runtime.layers[0].n_kv, runtime.layers[0].head_dim
+    bf16 = kv_bytes_per_token(layers, n_kv, d, torch.bfloat16)
+    int8 = kv_bytes_per_token(layers, n_kv, d, torch.int8)
+    assert bf16 == 2 * layers * n_kv * d * 2 and int8 == 2 * layers * n_kv * (d + 4)
+    memory = 64 * 4 * bf16  # 64 bf16 blocks of 4 tokens
+
+    def blocks(kv_dtype: str) -> int:
+        return Scheduler(runtime, kv_memory=memory, block_size=4, kv_dtype=kv_dtype).pool.num_blocks
+
+    assert blocks("bfloat16") == 64 and blocks("int8") == 64 * 2 * d // (d + 4)
+    x = torch.randn(50, 2, 16) * torch.logspace(-2, 2, 50)[:, None, None]
+    codes, scale = quantize_int8(x)
+    # symmetric rounding: at most half a step per element, each token at its own scale
+    assert (dequantize_int8(codes, scale) - x).abs().le(scale[..., None] / 2 + 1e-7).all()
+    scheduler = Scheduler(runtime, num_blocks=32, block_size=4, kv_dtype="int8")
+    recorder = _Logits(scheduler)
+    prompt = [3, 17, 29, 41, 5, 60, 7, 80]
+    seq_id = scheduler.add(prompt, 8)
+    tokens = []
+    while scheduler.has_work:
+        tokens += [e.token for e in scheduler.step()]
+    exact = contiguous_logits(runtime, prompt, tokens)
+    for a, b in zip(recorder.rows[seq_id], exact, strict=True):
+        p, q = a.log_softmax(-1), b.log_softmax(-1)
+        # KL per token; this random model's activations are wide (init 0.3), a real model's
+        # cost is measured by scripts/bench_serving.py
+        assert float((q.exp() * (q - p)).sum()) < 0.05
+    assert tokens[0] == int(exact[0].argmax())
+
+
+# ---- the block pool ----------------------------------------------------------------------
+def test_block_pool_counts_caches_and_evicts_least_recent_first():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    with pytest.raises(OutOfBlocks):
+        pool.allocate()
+    key_a, key_b = block_key(ROOT_KEY, [1, 2]), block_key(ROOT_KEY, [3, 4])
+    pool.register(a, key_a)
+    pool.register(b, key_b)
+    pool.register(c, key_a)  # same content computed twice: the first copy stays cached
+    for block in (b, a, c):
+        pool.release(block)
+    assert pool.available == 3 and pool.in_use == 0
+    assert pool.lookup(key_a) == a and pool.lookup(key_b) == b
+    pool.acquire(a)  # a hit takes it out of the evictable set
+    assert pool.allocate() == c  # unkeyed blocks first
+    assert pool.allocate() == b and pool.lookup(key_b) is None  # then the oldest cached
+    assert pool.evictions == 1
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(c) or pool.release(c)
+
+
+def test_block_keys_chain_over_the_whole_prefix():
+    one = block_key(block_key(ROOT_KEY, [1, 2]), [5, 6])
+    other = block_key(block_key(ROOT_KEY, [1, 3]), [5, 6])
+    assert one != other and one == block_key(block_key(ROOT_KEY, [1, 2]), [5, 6])
+    assert BlockPool(2, prefix_caching=False).lookup(one) is None
