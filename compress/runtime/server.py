@@ -1,0 +1,525 @@
+"""``compress serve``: an OpenAI-compatible HTTP server on the continuous-batching scheduler.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends
+server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, and
+``GET /stats`` (scheduler counters and KV memory in use; not OpenAI's). Built on FastAPI and
+uvicorn (the ``serve`` extra).
+
+One engine thread owns the model: it runs ``Scheduler.step`` while there is work and hands each
+token to the request's asyncio queue. Handlers validate and tokenize on the event loop, add the
+request under a lock (between steps) and stream what arrives. Bad requests get a 400 with an
+OpenAI-style error body naming the field; more than ``max_waiting`` queued requests get a 503;
+a client that disconnects aborts its request, which frees its KV blocks. Ctrl-C stops
+accepting connections and lets the requests in flight finish (uvicorn's graceful shutdown).
+
+Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
+Not supported (400): ``n`` > 1, ``logprobs``, ``echo``, ``best_of``, ``suffix``, tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from compress.runtime.engine import _make_sampling
+from compress.runtime.scheduler import Event, Scheduler
+
+
+class _Request(BaseModel):
+    """The sampling fields both endpoints take (OpenAI's names and defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None)  # -1 or None: off (vLLM's convention)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: Any = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+
+class RequestError(ValueError):
+    """A request we cannot serve: a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Open:
+    """A request in flight: where its tokens go."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class Engine:
+    """The thread that steps the scheduler. Handlers add and abort requests through a short
+    lock on a hand-over list that the thread applies between steps, so the event loop never
+    waits for a step."""
+
+    def __init__(self, scheduler: Scheduler, *, max_waiting: int = 256) -> None:
+        self.scheduler, self.max_waiting = scheduler, max_waiting
+        self._lock = threading.Lock()  # guards the three below, never held during a step
+        self._incoming: list[tuple[int, list[int], int, dict[str, Any]]] = []
+        self._aborts: list[int] = []
+        self._open: dict[int, _Open] = {}  # request key -> where its events go
+        self._keys = itertools.count()
+        self._seq_of: dict[int, int] = {}  # request key -> scheduler id (engine thread only)
+        self._key_of: dict[int, int] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.snapshot: dict[str, Any] = self._stats()
+        self._thread = threading.Thread(target=self._loop, name="compress-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, prompt: list[int], max_new_tokens: int, **sampling) -> tuple[int, asyncio.Queue]:
+        """Queue a request from the event loop; its events arrive on the returned queue.
+        Raises RequestError (400) for a request that cannot run, OverflowError (503) when
+        ``max_waiting`` requests wait already."""
+        try:
+            self.scheduler.check(prompt, max_new_tokens)
+            _make_sampling(**{k: v for k, v in sampling.items() if k != "stop_tokens"})
+        except ValueError as exc:
+            raise RequestError(str(exc), "prompt") from None
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error}")
+            waiting = self.snapshot["waiting"] + len(self._incoming)
+            if waiting >= self.max_waiting:
+                raise OverflowError(
+                    f"{waiting} requests are waiting already (the bound is {self.max_waiting}); "
+                    "retry later"
+                )
+            key = next(self._keys)
+            self._incoming.append((key, prompt, max_new_tokens, sampling))
+            self._open[key] = _Open(queue, asyncio.get_running_loop())
+        self._wake.set()
+        return key, queue
+
+    def abort(self, key: int) -> None:
+        """Drop a request (finished ones too: then nothing happens)."""
+        with self._lock:
+            if self._open.pop(key, None) is not None:
+                self._aborts.append(key)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()  # before the hand-over: an add after this wakes the wait
+                self._apply_handover()
+                if self.scheduler.has_work:
+                    self._deliver(self.scheduler.step())
+                self.snapshot = self._stats()
+                if not self.scheduler.has_work:
+                    self._wake.wait(0.5)
+        except BaseException as exc:  # noqa: BLE001  (every waiter must hear of it)
+            self._fail(exc)
+
+    def _apply_handover(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            aborts, self._aborts = self._aborts, []
+        for key, prompt, max_new_tokens, sampling in incoming:
+            seq_id = self.scheduler.add(prompt, max_new_tokens, **sampling)
+            self._seq_of[key], self._key_of[seq_id] = seq_id, key
+        for key in aborts:
+            seq_id = self._seq_of.pop(key, None)
+            if seq_id is not None:
+                self._key_of.pop(seq_id, None)
+                self.scheduler.abort(seq_id)
+
+    def _deliver(self, events: list[Event]) -> None:
+        for event in events:
+            key = self._key_of.get(event.id)
+            if event.finish_reason is not None and key is not None:
+                del self._key_of[event.id], self._seq_of[key]
+            with self._lock:
+                target = self._open.get(key)
+                if target is not None and event.finish_reason is not None:
+                    del self._open[key]
+            if target is not None:
+                target.loop.call_soon_threadsafe(target.queue.put_nowait, event)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.error = exc
+            targets, self._open = list(self._open.values()), {}
+        for target in targets:
+            target.loop.call_soon_threadsafe(target.queue.put_nowait, exc)
+
+    def _stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_blocks": s.pool.num_blocks,
+            "kv_blocks_in_use": s.pool.in_use,
+            "kv_bytes_in_use": s.kv_bytes_in_use(),
+            "kv_bytes_peak": s.stats.peak_blocks * s.cache.bytes_per_block,
+            "kv_dtype": str(s.cache.dtype).removeprefix("torch."),
+            "block_size": s.block_size,
+            "steps": s.stats.steps,
+            "decode_rows": s.stats.decode_rows,
+            "prefill_tokens": s.stats.prefill_tokens,
+            "prompt_tokens": s.stats.prompt_tokens,
+            "cached_prompt_tokens": s.stats.cached_prompt_tokens,
+            "prefix_hit_rate": s.stats.prefix_hit_rate,
+            "preemptions": s.stats.preemptions,
+        }
+
+
+class _Detokenizer:
+    """Text of a growing token list, released as deltas: decoding the whole each time keeps
+    multi-token characters right; a trailing replacement character waits for its next token."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def add(self, token: int | None, final: bool) -> tuple[str, bool]:
+        """The new text after ``token`` and whether a stop string ended the output."""
+        if token is not None:
+            self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for stop in self.stops:
+            at = text.find(stop, max(0, len(self.sent) - len(stop)))
+            if at != -1:
+                delta, self.sent = text[len(self.sent) : at], text[:at]
+                return delta, True
+        if not final:
+            # hold back what could still grow into a stop string or a whole character
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            keep = len(text) - hold if hold else len(text)
+            while keep > len(self.sent) and text[keep - 1] == "\ufffd":
+                keep -= 1
+            text = text[: max(keep, len(self.sent))]
+        delta, self.sent = text[len(self.sent) :], text
+        return delta, False
+
+
+class Server:
+    """The OpenAI-compatible app over one engine; ``app`` is the ASGI application."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, *, max_model_len: int) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+        stops = getattr(tokenizer, "eos_token_id", None)
+        self.eos = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+        app = FastAPI(title="compress serve", docs_url=None, redoc_url=None)
+        self.app = app
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+            return _error(400, f"{param}: {first.get('msg', 'invalid request')}", param)
+
+        @app.get("/health")
+        async def health():
+            if engine.error is not None:
+                return _error(503, f"the engine stopped: {engine.error}", None, "server_error")
+            return {"status": "ok"}
+
+        @app.get("/stats")
+        async def stats():
+            return engine.snapshot
+
+        @app.get("/v1/models")
+        async def models():
+            card = {
+                "id": model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "compress",
+                "max_model_len": max_model_len,
+            }
+            return {"object": "list", "data": [card]}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            try:
+                prompts = self._completion_prompts(body)
+            except RequestError as exc:
+                return _error(400, str(exc), exc.param)
+            return await self._serve(body, prompts, request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatRequest, request: Request):
+            try:
+                prompts = [self._chat_prompt(body)]
+            except RequestError as exc:
+                return _error(400, str(exc), exc.param)
+            return await self._serve(body, prompts, request, chat=True)
+
+    # ---- request -> token ids ------------------------------------------------------------
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+            if not ids:
+                raise RequestError("a prompt has no tokens", "prompt")
+            out.append(ids)
+        return out
+
+    def _chat_prompt(self, body: ChatRequest) -> list[int]:
+        if body.tools:
+            raise RequestError("tools are not supported by this server", "tools")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError(
+                f"{self.model_name}'s tokenizer has no chat template; use /v1/completions",
+                "messages",
+            )
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: text only
+                if any(part.get("type") != "text" for part in content):
+                    raise RequestError("only text content parts are supported", "messages")
+                content = "".join(part.get("text", "") for part in content)
+            messages.append({"role": m.role, "content": content or ""})
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns an encoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _sampling(self, body: _Request, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+        unsupported = {
+            "n": body.n != 1,
+            "logprobs": body.logprobs not in (None, False),
+            "echo": body.echo,
+            "best_of": body.best_of not in (None, 1),
+            "suffix": body.suffix is not None,
+        }
+        for name, bad in unsupported.items():
+            if bad:
+                raise RequestError(f"{name} is not supported by this server", name)
+        limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; this server's max_model_len is "
+                f"{self.max_model_len}",
+                "prompt",
+            )
+        if limit is None:
+            limit = min(room, 16 if isinstance(body, CompletionRequest) else room)
+        top_k = None if body.top_k in (None, -1, 0) else body.top_k
+        if top_k is not None and top_k < 1:
+            raise RequestError(f"top_k must be -1 (off) or >= 1, got {top_k}", "top_k")
+        top_p = None if body.top_p >= 1.0 else body.top_p
+        stops = () if body.ignore_eos else self.eos
+        return limit, dict(
+            stop_tokens=stops,
+            temperature=body.temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=body.seed,
+        )
+
+    # ---- serving ---------------------------------------------------------------------------
+    async def _serve(self, body: _Request, prompts: list[list[int]], request, *, chat: bool):
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
+        try:
+            for prompt in prompts:
+                limit, sampling = self._sampling(body, prompt)
+                seq_id, queue = self.engine.add(prompt, limit, **sampling)
+                opened.append((seq_id, queue, _Detokenizer(self.tokenizer, stops)))
+        except (RequestError, OverflowError, RuntimeError) as exc:
+            for seq_id, _, _ in opened:
+                self.engine.abort(seq_id)
+            if isinstance(exc, RequestError):
+                return _error(400, str(exc), exc.param)
+            return _error(503, str(exc), None, "server_error")
+        usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": 0}
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            events = self._stream(rid, opened, usage, chat=chat, include_usage=include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        texts = ["" for _ in opened]
+        reasons: list[str | None] = [None] * len(opened)
+        try:
+            async for index, delta, reason in self._merge(opened, usage, request):
+                texts[index] += delta
+                reasons[index] = reason or reasons[index]
+        except RuntimeError as exc:
+            return _error(500, str(exc), None, "server_error")
+        finally:
+            for seq_id, _, _ in opened:
+                self.engine.abort(seq_id)  # no-op for finished requests
+        if any(r is None for r in reasons):  # the client went away
+            return JSONResponse({}, status_code=499)
+        return self._body(rid, texts, reasons, usage, chat=chat)
+
+    async def _merge(self, opened, usage, request=None) -> AsyncIterator[tuple[int, str, str]]:
+        """(choice index, text delta, finish reason or None) as tokens arrive, every choice."""
+        pending = {i: q.get() for i, (_, q, _) in enumerate(opened)}
+        tasks = {asyncio.ensure_future(c): i for i, c in pending.items()}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, timeout=1.0, return_when="FIRST_COMPLETED")
+                if not done and request is not None and await request.is_disconnected():
+                    return
+                for task in done:
+                    index = tasks.pop(task)
+                    event = task.result()
+                    if isinstance(event, BaseException):
+                        raise RuntimeError(f"the engine failed: {event}") from event
+                    seq_id, queue, detok = opened[index]
+                    usage["completion_tokens"] += event.token is not None
+                    final = event.finish_reason is not None
+                    delta, stopped = detok.add(event.token, final)
+                    if stopped:
+                        self.engine.abort(seq_id)
+                        yield index, delta, "stop"
+                        continue
+                    yield index, delta, event.finish_reason
+                    if not final:
+                        tasks[asyncio.ensure_future(queue.get())] = index
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _stream(self, rid, opened, usage, *, chat: bool, include_usage: bool):
+        """Server-sent events; a disconnect cancels this generator, whose finally aborts."""
+        try:
+            if chat:
+                yield _sse(self._chunk(rid, 0, None, None, chat=True, role=True))
+            async for index, delta, reason in self._merge(opened, usage):
+                if delta or reason:
+                    yield _sse(self._chunk(rid, index, delta, reason, chat=chat))
+            if include_usage:
+                chunk = self._chunk(rid, 0, None, None, chat=chat)
+                chunk["choices"] = []
+                chunk["usage"] = _usage(usage)
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+        except RuntimeError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error"}})
+        finally:
+            for seq_id, _, _ in opened:
+                self.engine.abort(seq_id)
+
+    def _chunk(self, rid, index, delta, reason, *, chat: bool, role: bool = False) -> dict:
+        if chat:
+            content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
+            choice = {"index": index, "delta": content, "finish_reason": reason}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {
+                "index": index,
+                "text": delta or "",
+                "finish_reason": reason,
+                "logprobs": None,
+            }
+            kind = "text_completion"
+        return {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+        }
+
+    def _body(self, rid, texts, reasons, usage, *, chat: bool) -> dict:
+        if chat:
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
+            kind = "chat.completion"
+        else:
+            choices = [
+                {"index": i, "text": t, "finish_reason": r, "logprobs": None}
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
+            kind = "text_completion"
+        return {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(usage),
+        }
+
+
+def _usage(usage: dict[str, int]) -> dict[str, int]:
+    return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the app until Ctrl-C; requests in flight finish first, then the engine stops."""
+    import uvicorn
+
+    try:
+        uvicorn.run(server.app, host=host, port=port, log_level="info")
+    finally:
+        server.engine.stop()

@@ -1,0 +1,300 @@
+"""``compress serve`` through real HTTP clients (the ``openai`` package and httpx) against a real
+socket on localhost: a tiny random Llama with a character tokenizer. The reference for the text
+is the contiguous runtime's greedy tokens for the same prompt, decoded by the same tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from compress.runtime.engine import Runtime
+from compress.runtime.scheduler import Scheduler
+from compress.runtime.server import Engine, Server
+from compress.testing import make_char_tokenizer, make_tiny_model
+
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def tiny():
+    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer
+
+
+class Running:
+    """A server on a free localhost port, in a thread, stopped at exit."""
+
+    def __init__(self, runtime, tokenizer, *, max_waiting=64, **scheduler):
+        scheduler = Scheduler(runtime, **{"num_blocks": 64, "block_size": 4, **scheduler})
+        self.engine = Engine(scheduler, max_waiting=max_waiting)
+        self.app = Server(self.engine, tokenizer, "tiny", max_model_len=runtime.max_seq_len).app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+
+    def stats(self):
+        return httpx.get(self.url + "/stats").json()
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, tokenizer = tiny()
+    runtime = Runtime(model, max_seq_len=128, compile=False)
+    running = Running(runtime, tokenizer)
+    yield running, runtime, tokenizer
+    running.close()
+
+
+def greedy_text(runtime, tokenizer, ids, n):
+    return tokenizer.decode(runtime.generate([ids], n)[0], skip_special_tokens=True)
+
+
+def test_openai_client_streams_completions_and_chat(served):
+    running, runtime, tokenizer = served
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = "Hello, world"
+    expected = greedy_text(runtime, tokenizer, tokenizer(prompt)["input_ids"], 20)
+    stream = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    expected = greedy_text(runtime, tokenizer, list(ids), 12)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == 12
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_token_id_prompts_several_choices_and_stop_strings(served):
+    running, runtime, tokenizer = served
+    prompts = [[1, 40, 50, 60], [1, 70, 80]]
+    body = {"prompt": prompts, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    texts = [c["text"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
+    assert texts == [greedy_text(runtime, tokenizer, p, 10) for p in prompts]
+    full = texts[0]
+    stop = full[3:5]
+    body = {"prompt": prompts[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stop": [stop]}  # fmt: skip
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["text"] == full[: full.find(stop)]
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, "n is not supported"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": [1, 99999], "max_tokens": 2}, "outside the vocabulary"),
+        ({"prompt": "x" * 200, "max_tokens": 2}, "max_model_len"),
+        ({"prompt": "hi", "max_tokens": 500}, "max_seq_len"),
+        ({"prompt": "hi", "top_k": -5}, "top_k"),
+    ],
+)
+def test_malformed_requests_get_a_400_that_names_the_problem(served, body, fragment):
+    running, _, _ = served
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert fragment in reply.json()["error"]["message"]
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+
+
+def test_invalid_json_and_unknown_roles_are_400(served):
+    running, _, _ = served
+    reply = httpx.post(running.url + "/v1/completions", content=b"{not json", timeout=30,
+                       headers={"content-type": "application/json"})  # fmt: skip
+    assert reply.status_code == 400
+    body = {"messages": [{"role": "wizard", "content": "x"}]}
+    assert httpx.post(running.url + "/v1/chat/completions", json=body).status_code == 400
+
+
+def test_a_client_that_disconnects_frees_its_blocks_and_others_finish(served):
+    running, runtime, tokenizer = served
+    body = {"prompt": [1, 5, 6, 7], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # the connection is closed: the request is aborted and its blocks go back
+    for _ in range(200):
+        stats = running.stats()
+        if stats["running"] == 0 and stats["kv_blocks_in_use"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+    reply = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={"prompt": [1, 9], "max_tokens": 5, "temperature": 0,
+                             "ignore_eos": True}).json()  # fmt: skip
+    assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 9], 5)
+
+
+def test_blocks_running_out_preempts_and_every_request_still_gets_its_text():
+    model, tokenizer = tiny()
+    runtime = Runtime(model, max_seq_len=96, compile=False)
+    running = Running(runtime, tokenizer, num_blocks=14, max_batch=8)  # 56 slots for 6 x 40
+    try:
+        prompts = [[1, 10 + i, 20 + i, 30] for i in range(6)]
+        results = [None] * len(prompts)
+
+        def ask(i):
+            body = {"prompt": prompts[i], "max_tokens": 36, "temperature": 0, "ignore_eos": True}
+            results[i] = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        texts = [r.json()["choices"][0]["text"] for r in results]
+        assert texts == [greedy_text(runtime, tokenizer, p, 36) for p in prompts]
+        assert running.stats()["preemptions"] > 0
+    finally:
+        running.close()
+
+
+def test_overload_queues_up_to_the_bound_then_answers_503():
+    model, tokenizer = tiny()
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    running = Running(runtime, tokenizer, max_waiting=2)
+    release = threading.Event()
+    step = running.engine.scheduler.step
+
+    def held_step():
+        release.wait(30)
+        return step()
+
+    running.engine.scheduler.step = held_step
+    try:
+        body = {"prompt": [1, 5], "max_tokens": 3, "temperature": 0}
+        replies = []
+        threads = [
+            threading.Thread(target=lambda: replies.append(
+                httpx.post(running.url + "/v1/completions", json=body, timeout=60)))
+            for _ in range(3)
+        ]  # fmt: skip
+        for t in threads:  # one at a time: the first is in the held step, two wait
+            t.start()
+            time.sleep(0.3)
+        rejected = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+        assert rejected.status_code == 503 and "retry later" in rejected.json()["error"]["message"]
+        release.set()
+        for t in threads:
+            t.join()
+        assert [r.status_code for r in replies] == [200, 200, 200]
+    finally:
+        release.set()
+        running.close()
+
+
+def test_ctrl_c_drains_requests_in_flight(tmp_path):
+    """``compress serve`` in its own process: SIGINT while a stream is open lets it finish."""
+    model, tokenizer = tiny()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "compress.cli", "serve", str(tmp_path), "--port", str(port),
+               "--max-model-len", "128", "--kv-memory", "4MB"]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": [1, 5, 6], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        texts, reasons = [], []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    texts.append(None)
+                    break
+                choice = json.loads(line[6:])["choices"][0]
+                if not texts:
+                    proc.send_signal(signal.SIGINT)  # mid-stream
+                texts.append(choice["text"])
+                reasons.append(choice["finish_reason"])
+        assert texts[-1] is None and reasons[-1] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    expected = Runtime(model, max_seq_len=128, compile=False).generate([[1, 5, 6]], 100)[0]
+    assert "".join(texts[:-1]) == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_engine_failure_reaches_the_waiting_client():
+    model, tokenizer = tiny()
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    running = Running(runtime, tokenizer)
+
+    def broken_step():
+        raise torch.cuda.OutOfMemoryError("simulated")
+
+    running.engine.scheduler.step = broken_step
+    try:
+        body = {"prompt": [1, 5], "max_tokens": 3}
+        reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 500 and "simulated" in reply.text
+        assert httpx.get(running.url + "/health").status_code == 503
+    finally:
+        running.close()
