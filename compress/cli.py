@@ -355,8 +355,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="latency workload: single = one request at a time (default); batch = "
                    "static batches (B requests arrive together, served B at a time), one row "
                    "set per --batch-sizes value; poisson = --requests arrivals at --rate, "
-                   "up to --max-batch requests in flight, their tokens interleaved one request "
-                   "at a time (not batched compute); trace = arrivals from --trace")
+                   "up to --max-batch requests in flight; trace = arrivals from --trace")
     p.add_argument("--batch-sizes", type=_int_list, metavar="B,B,...",
                    help="batch workload: comma-separated batch sizes, each measured and reported "
                    "as its own rows with a 'batch' column (default 1,4,8)")
@@ -369,8 +368,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="poisson/trace workloads: requests decoded together at most (default 8)")
     p.add_argument("--engine", default="runtime", choices=["runtime", "hf"],
-                   help="latency engine: runtime = our static-cache runtime, what `compress "
-                   "generate` serves (concurrent requests interleaved; models it does not run "
+                   help="latency engine: runtime = our runtime (single: its static cache, what "
+                   "`compress generate` runs; other workloads: its continuous-batching scheduler "
+                   "over a paged KV cache, what `compress serve` runs; models it does not run "
                    "fall back to transformers, marked 'hf fallback'); hf = transformers with its "
                    "KV cache (batched decode)")
     p.add_argument("--compile", action="store_true",

@@ -6,10 +6,11 @@ one warm-up request per model, in interleaved rounds (baseline, variant 1, varia
 ...) so that drifting load from other work on the machine hits every variant alike, under one of
 four workloads: ``single`` (one request at a time), ``batch`` (static batches: B requests arrive
 together and are served B at a time, one row set per batch size), ``poisson`` (arrivals at a
-rate, served by the continuous-batching loop of ``workload.serve``) or ``trace`` (arrivals and
-lengths from a file). The engine is our static-cache ``runtime`` (default; what ``compress
-generate`` serves) or transformers (``hf``); every latency row names its engine, and a model the
-runtime does not run is timed on transformers and marked ``hf fallback``. With a
+rate) or ``trace`` (arrivals and lengths from a file). The engine is our ``runtime`` (default:
+one request at a time on its static cache for ``single``, else its continuous-batching
+scheduler over a paged KV cache, what ``compress serve`` runs) or transformers (``hf``); every
+latency row names its engine, and a model the runtime does not run is timed on transformers and
+marked ``hf fallback``. With a
 draft model, the baseline also runs speculative decoding on the same prompts. Output:
 ``compare.md``, ``compare.csv``, ``compare.json`` and ``compare.png``, each with the environment.
 Perplexity is per token, so it is only comparable between models that share a tokenizer: a
@@ -337,9 +338,8 @@ def _workload_note(s: CompareSettings) -> str:
         "batch": f"static batches of {s.batch_sizes or DEFAULT_BATCH_SIZES} requests arriving "
         "together, served that many at a time",
         "poisson": f"{s.requests} Poisson arrivals at {s.rate} req/s, up to {s.max_batch} in "
-        "flight, their tokens interleaved one request at a time (not batched compute)",
-        "trace": f"arrivals from {s.trace}, up to {s.max_batch} in flight, interleaved one "
-        "request at a time (not batched compute)",
+        "flight",
+        "trace": f"arrivals from {s.trace}, up to {s.max_batch} in flight",
     }[s.workload]
     count = f"{s.prompts} prompts x " if s.workload == "single" else ""
     own = " unless a trace line sets its own" if s.workload == "trace" else ""

@@ -247,6 +247,56 @@ def runtime_stream(
     return stream
 
 
+def runtime_scheduler(
+    model: nn.Module,
+    *,
+    max_seq_len: int,
+    max_batch: int,
+    int_kernels: str = "torch",
+    kv_dtype: str | None = None,
+    kv_memory: int | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+):
+    """The runtime's continuous-batching scheduler over ``model`` (``compress serve``'s engine),
+    or None for a model the runtime does not run. ``kv_memory`` None sizes the paged cache for
+    ``max_batch`` requests of ``max_seq_len`` tokens (no preemption); ``engine_name`` names it
+    for reports."""
+    from compress.runtime.engine import Runtime, unsupported_reason
+    from compress.runtime.scheduler import Scheduler
+
+    if unsupported_reason(model) is not None:
+        return None
+    if int_kernels not in INT_KERNELS:
+        raise ValueError(f"int_kernels={int_kernels!r}: expected one of {INT_KERNELS}")
+    ours = int_kernels == "ours"
+    runtime = Runtime(
+        model,
+        max_seq_len=max_seq_len,
+        compile=False,
+        int4_kernel="q4q8" if ours else "torch",
+        int8_kernel="q8q8" if ours else "torch",
+    )
+    blocks = None if kv_memory is not None else max_batch * -(-max_seq_len // block_size) + 1
+    return Scheduler(
+        runtime,
+        kv_memory=kv_memory,
+        num_blocks=blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        kv_dtype=kv_dtype,
+        prefix_caching=prefix_caching,
+    )
+
+
+def engine_name(scheduler) -> str:
+    """How reports name the scheduler's engine."""
+    rt = scheduler.runtime
+    kernels = f", our int kernels ({rt.q8_isa})" if rt.q8_layers else ""
+    kv = str(scheduler.cache.dtype).removeprefix("torch.")
+    return f"runtime scheduler (continuous batching, paged {kv} KV{kernels})"
+
+
 def decode_speed(
     model: nn.Module, prompt: list[int], new_tokens: int, repeats: int
 ) -> dict[str, Any]:

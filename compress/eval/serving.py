@@ -1,10 +1,11 @@
 """Latency runs of ``compress compare``: every model measured under one workload and engine.
 
 A run is a list of requests cut from real text (``workload.make_requests`` or a trace). The
-``single`` workload times one request at a time (busy time = the sum of request latencies); the
-others go through ``workload.serve`` (wall time of the workload), with our static-cache runtime,
-one cache per open request, interleaved (``runtime``, the default: the engine ``compress
-generate`` serves) or transformers' batched decode (``hf``). Every row names its ``engine``; a
+``single`` workload times one request at a time on the static-cache runtime (busy time = the
+sum of request latencies); the others (wall time of the workload) go through the runtime's
+continuous-batching scheduler (``runtime``, the default: the engine ``compress serve`` runs;
+paged KV cache sized for ``max_batch`` requests, ``workload.serve_scheduled``) or through
+transformers' batched decode (``hf``, ``workload.serve``). Every row names its ``engine``; a
 model the runtime does not run is timed on transformers and marked ``hf fallback``. Models run
 interleaved, round by round, each after one warm-up request, so that load from other work on the
 machine hits every model alike. ``batch`` gives one run per batch size; its rows carry a
@@ -21,11 +22,13 @@ from compress.eval.hardware import matmul_peak, memory_bandwidth
 from compress.eval.latency import (
     Slo,
     cost,
+    engine_name,
     hf_stream,
     kv_bytes_per_token,
     matmul_params,
     prefill_flops,
     roofline,
+    runtime_scheduler,
     runtime_stream,
     seq_len_for,
     summarize,
@@ -41,6 +44,7 @@ from compress.eval.workload import (
     poisson_arrivals,
     read_trace,
     serve,
+    serve_scheduled,
     trace_requests,
 )
 
@@ -65,18 +69,28 @@ def time_rounds(streams, requests, rounds: int) -> list[list[Any]]:
     return timings
 
 
+def _serve_one(engine, requests: list[Request], max_batch: int):
+    """(timings, wall seconds, cache record or None) of one pass through ``engine``: a
+    ``Scheduler`` (continuous batching) or an engine of ``workload.serve``."""
+    if isinstance(engine, HFEngine | StreamEngine):
+        return (*serve(engine, requests, max_batch=max_batch), None)
+    return serve_scheduled(engine, requests)
+
+
 def _serve_rounds(engines, requests, max_batch: int, rounds: int):
-    """Timings and summed wall time per engine through ``serve``, rounds interleaved."""
+    """Timings, summed wall time and the last round's cache record per engine, rounds
+    interleaved."""
     for engine in engines:
-        serve(engine, [Request(requests[0].prompt, 2)], max_batch=1)  # warm-up, excluded
+        _serve_one(engine, [Request(requests[0].prompt, 2)], 1)  # warm-up, excluded
     timings: list[list[Any]] = [[] for _ in engines]
     durations = [0.0] * len(engines)
+    caches: list[dict[str, Any] | None] = [None] * len(engines)
     for _ in range(rounds):
         for index, engine in enumerate(engines):
-            done, duration = serve(engine, requests, max_batch=max_batch)
+            done, duration, caches[index] = _serve_one(engine, requests, max_batch)
             timings[index] += done
             durations[index] += duration
-    return timings, durations
+    return timings, durations, caches
 
 
 def _runs(ids: list[int], s: CompareSettings) -> list[tuple[dict[str, Any], list[Request]]]:
@@ -99,29 +113,39 @@ def _runs(ids: list[int], s: CompareSettings) -> list[tuple[dict[str, Any], list
 
 
 def _measure(models, requests: list[Request], max_batch: int | None, s: CompareSettings):
-    """Timings, busy/wall seconds and the engine that made the tokens, per model, for one run.
-    ``runtime`` falls back to transformers (engine ``"hf fallback"``) only for a model the
-    runtime does not run."""
-    if s.engine == "runtime":
-        need = seq_len_for(max(len(r.prompt) + r.max_new_tokens for r in requests))
-        streams = [
-            runtime_stream(
-                m,
-                max_seq_len=need,
-                slots=max_batch or 1,
-                compile=s.compile,
-                int_kernels=s.int_kernels,
-            )
-            for m in models
-        ]
-    else:
-        streams = [hf_stream(m) for m in models]
-    names = [stream.engine for stream in streams]
+    """Timings, busy/wall seconds, cache records and the engine that made the tokens, per
+    model, for one run. ``runtime`` falls back to transformers (engine ``"hf fallback"``) only
+    for a model the runtime does not run."""
+    need = seq_len_for(max(len(r.prompt) + r.max_new_tokens for r in requests))
+
+    def stream(model):
+        if s.engine == "hf":
+            return hf_stream(model)
+        return runtime_stream(model, max_seq_len=need, compile=s.compile, int_kernels=s.int_kernels)
+
     if max_batch is None:  # single stream: the server is busy only inside requests
+        streams = [stream(m) for m in models]
         timings = time_rounds(streams, requests, s.rounds)
-        return timings, [sum(t.e2e for t in ts) for ts in timings], names
-    engines = [HFEngine(m) for m in models] if s.engine == "hf" else map(StreamEngine, streams)
-    return (*_serve_rounds(list(engines), requests, max_batch, s.rounds), names)
+        busy = [sum(t.e2e for t in ts) for ts in timings]
+        return timings, busy, [None] * len(models), [st.engine for st in streams]
+    engines, names = [], []
+    for model in models:
+        scheduler = None
+        if s.engine == "runtime":
+            scheduler = runtime_scheduler(
+                model, max_seq_len=need, max_batch=max_batch, int_kernels=s.int_kernels
+            )
+        if scheduler is not None:
+            engines.append(scheduler)
+            names.append(engine_name(scheduler))
+        elif s.engine == "hf":
+            engines.append(HFEngine(model))
+            names.append("hf")
+        else:  # a model the runtime does not run: transformers, one request at a time
+            fallback = stream(model)
+            engines.append(StreamEngine(fallback))
+            names.append(f"{fallback.engine} (interleaved, not batched)")
+    return (*_serve_rounds(engines, requests, max_batch, s.rounds), names)
 
 
 def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
@@ -130,27 +154,38 @@ def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
     peak = matmul_peak()["flops_per_s"]
     slo = Slo(s.slo_ttft_ms, s.slo_tpot_ms)
     models = [lm.model for lm in loaded]
-    workload: dict[str, Any] = {"kind": s.workload, "engine": s.engine, "rounds": s.rounds,
-                                "runs": []}
+    workload: dict[str, Any] = {
+        "kind": s.workload,
+        "engine": s.engine,
+        "rounds": s.rounds,
+        "runs": [],
+    }
     out_rows = []
     for run, requests in _runs(ids, s):
         started = time.perf_counter()
-        all_timings, durations, engines = _measure(models, requests, run.get("max_batch"), s)
+        all_timings, durations, caches, engines = _measure(
+            models, requests, run.get("max_batch"), s
+        )
         log.info("latency run %s took %.1f s", run, time.perf_counter() - started)
-        workload["runs"].append({
-            **run,
-            "requests": len(requests),
-            "arrival_s": [r.arrival_s for r in requests],
-            "prompt_tokens": [len(r.prompt) for r in requests],
-            "output_tokens": [r.max_new_tokens for r in requests],
-        })
-        for row, name, model, timings, duration, engine in zip(
-            rows, names, models, all_timings, durations, engines, strict=True
+        workload["runs"].append(
+            {
+                **run,
+                "requests": len(requests),
+                "arrival_s": [r.arrival_s for r in requests],
+                "prompt_tokens": [len(r.prompt) for r in requests],
+                "output_tokens": [r.max_new_tokens for r in requests],
+            }
+        )
+        for row, name, model, timings, duration, engine, cache in zip(
+            rows, names, models, all_timings, durations, engines, caches, strict=True
         ):
             new = {**row, **({"batch_size": run["batch_size"]} if "batch_size" in run else {})}
             new["engine"] = engine
             record = _latency_record(new, model, timings, duration, slo, s, bandwidth, peak)
             record["workload"] = run
+            if cache is not None:  # the paged cache's real use replaces the estimate
+                record["kv_cache"] = cache
+                new["kv_mb_at_peak"] = cache["kv_bytes_peak"] / 1e6
             if "batch_size" in run:
                 runs = details[name].setdefault("latency", {"by_batch_size": {}})
                 runs["by_batch_size"][str(run["batch_size"])] = record
@@ -210,5 +245,10 @@ def _latency_record(row, model, timings, duration, slo, s, bandwidth, peak) -> d
         }
         for t in timings
     ]
-    return {"summary": stats, "roofline": roof, "cost": money, "kv_bytes_per_token": kv,
-            "requests": per_request}
+    return {
+        "summary": stats,
+        "roofline": roof,
+        "cost": money,
+        "kv_bytes_per_token": kv,
+        "requests": per_request,
+    }

@@ -1,4 +1,4 @@
-"""Workloads: real tokenized prompts, arrival processes, and a simple continuous-batching server.
+"""Workloads: real tokenized prompts, arrival processes, and the loops that serve them.
 
 Prompts are slices of real text (WikiText-2 test by default, via ``compress.data``) tokenized
 once; prompt and output lengths are fixed or drawn uniformly from a range with a seeded
@@ -6,7 +6,13 @@ generator, so every variant sees the same requests. Arrivals are all-at-once (st
 Poisson at a rate (exponential gaps), or a trace file (JSON lines with ``arrival_s`` and optional
 ``prompt_tokens`` / ``output_tokens``).
 
-``serve`` is a deliberately simple continuous-batching loop, one iteration per decode step:
+``serve_scheduled`` drives the runtime's continuous-batching scheduler (``compress/runtime/
+scheduler.py``: paged KV cache, chunked prefill, one batched decode forward per step): each
+request is added when its arrival time has passed, every token is stamped when the step that
+made it returns, and the KV memory in use is sampled per step. That is the engine the product
+serves (``compress serve``).
+
+``serve`` is the loop for engines without a scheduler, one iteration per decode step:
 (1) admit every request that has arrived while a batch slot is free, running its prefill alone
 (one request per prefill, its first token stamped when the prefill returns); (2) run one batched
 decode step over all active requests; (3) retire requests that reached their output length.
@@ -15,8 +21,8 @@ Requests wait in the queue while others decode, so queueing shows up in TTFT. Wi
 length, masks the padding, passes each request's own positions, and splits the new cache back.
 That copy per step costs time at long contexts; it keeps the loop short and exact (greedy
 tokens match plain decoding, tested). ``StreamEngine`` serves any ``Stream`` callable by
-advancing each request's iterator in turn: interleaved, not batched compute. The product serves
-``latency.runtime_stream`` (our static-cache runtime, one cache per open request) through it.
+advancing each request's iterator in turn: interleaved, not batched compute (transformers'
+fallback for a model the runtime does not run).
 """
 
 from __future__ import annotations
@@ -254,3 +260,52 @@ def serve(
             timings[i].tokens.append(token)
         active = [(i, s) for i, s in active if len(timings[i].tokens) < requests[i].max_new_tokens]
     return [t for t in timings if t is not None], clock() - start
+
+
+def serve_scheduled(
+    scheduler,
+    requests: list[Request],
+    *,
+    clock: Clock = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[list[RequestTiming], float, dict[str, Any]]:
+    """Run ``requests`` through a ``compress.runtime.scheduler.Scheduler`` (greedy, every
+    request to its full length: no stop tokens). Returns the timings in request order, the
+    wall-clock duration and what the cache did: ``kv_bytes_peak`` and ``kv_bytes_mean`` (in
+    use, sampled per step), ``prefix_hit_rate``, ``preemptions``, ``mean_decode_rows_per_step``."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    timings: list[RequestTiming | None] = [None] * len(requests)
+    index_of: dict[int, int] = {}
+    in_use: list[int] = []
+    before = (scheduler.stats.decode_rows, scheduler.stats.steps, scheduler.stats.preemptions,
+              scheduler.stats.prompt_tokens, scheduler.stats.cached_prompt_tokens)  # fmt: skip
+    start = clock()
+    while order or scheduler.has_work:
+        now = clock() - start
+        while order and requests[order[0]].arrival_s <= now:
+            i = order.pop(0)
+            timings[i] = RequestTiming(start + requests[i].arrival_s, len(requests[i].prompt))
+            index_of[scheduler.add(requests[i].prompt, requests[i].max_new_tokens)] = i
+        if not scheduler.has_work:
+            sleep(max(0.0, start + requests[order[0]].arrival_s - clock()))
+            continue
+        events = scheduler.step()
+        stamp = clock()
+        in_use.append(scheduler.kv_bytes_in_use())
+        for event in events:
+            timing = timings[index_of[event.id]]
+            timing.token_times.append(stamp)
+            timing.tokens.append(event.token)
+    duration = clock() - start
+    stats = scheduler.stats
+    rows, steps = stats.decode_rows - before[0], stats.steps - before[1]
+    prompt, cached = stats.prompt_tokens - before[3], stats.cached_prompt_tokens - before[4]
+    cache = {
+        "kv_bytes_peak": max(in_use, default=0),
+        "kv_bytes_mean": sum(in_use) / len(in_use) if in_use else 0.0,
+        "kv_dtype": str(scheduler.cache.dtype).removeprefix("torch."),
+        "prefix_hit_rate": cached / prompt if prompt else None,
+        "preemptions": stats.preemptions - before[2],
+        "mean_decode_rows_per_step": rows / steps if steps else None,
+    }
+    return [t for t in timings if t is not None], duration, cache

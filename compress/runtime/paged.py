@@ -50,8 +50,8 @@ class PagedKVCache:
         compute_dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        if dtype not in KV_DTYPES.values():
-            raise ValueError(f"kv dtype {dtype} is not one of {list(KV_DTYPES)}")
+        if not (dtype.is_floating_point or dtype == torch.int8):  # float: the runtime's own
+            raise ValueError(f"kv dtype {dtype} is neither a float dtype nor int8")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.compute_dtype = dtype, compute_dtype
         slots = num_blocks * block_size

@@ -71,6 +71,11 @@ def test_batch_workload_one_row_set_per_batch_size(tmp_path, text_file, models, 
             assert len(requests) == size
             assert all(r["output_tokens"] == 3 and r["prompt_tokens"] == 8 for r in requests)
     assert "| batch |" in payload["markdown"] and "output tok/s" in payload["markdown"]
+    if engine == "runtime":  # continuous batching over the paged cache, its use recorded
+        assert all(r["engine"].startswith("runtime scheduler (continuous") for r in rows)
+        for detail in saved["details"].values():
+            cache = detail["latency"]["by_batch_size"]["2"]["kv_cache"]
+            assert cache["kv_bytes_peak"] > 0 and cache["preemptions"] == 0
 
 
 def test_poisson_workload_through_the_cli(tmp_path, text_file, models, capsys):
