@@ -162,11 +162,15 @@ def forward_decode(runtime, cache: PagedKVCache, segments: list[Segment]) -> tor
 
 
 @torch.no_grad()
-def forward_prefill(runtime, cache: PagedKVCache, segments: list[Segment]) -> torch.Tensor:
+def forward_prefill(
+    runtime, cache: PagedKVCache, segments: list[Segment], *, every_row: bool = False
+) -> torch.Tensor:
     """Prefill chunks of several requests in one forward (their projections as one call) ->
-    the logits [S, V] fp32 after each segment's last token. A segment that starts at 0 attends
-    to its own fresh keys, as the contiguous runtime's prefill does; a later chunk (or the rest
-    of a prompt after a prefix-cache hit) attends to its slots in the cache."""
+    the logits [S, V] fp32 after each segment's last token (``every_row``: [N, V] after every
+    token). A segment that starts at 0 attends to its own fresh keys, as the contiguous
+    runtime's prefill does; a later chunk (or the rest of a prompt after a prefix-cache hit)
+    attends to its slots in the cache, its own new keys included (as stored: int8 pages are
+    read back rounded)."""
     device = runtime.device
     ids, positions = _segment_tensors(segments, device)  # [N]
     slots = torch.tensor([x for s in segments for x in s.slots], device=device)
@@ -193,5 +197,28 @@ def forward_prefill(runtime, cache: PagedKVCache, segments: list[Segment]) -> to
             keys, values = cache.read(i, context) if s.start else (ks, vs)
             parts.append(layer.attend(qs, keys, values, mask))
         x = layer.finish(x, torch.cat(parts, 1), False)
+    if every_row:
+        return runtime.head(x[0])
     last = torch.tensor(sizes, device=device).cumsum(0) - 1
     return runtime.head(x[0, last])
+
+
+@torch.no_grad()
+def paged_logits(runtime, cache: PagedKVCache, tokens: list[int]) -> torch.Tensor:
+    """Logits [T, V] after each of ``tokens`` with every key but the first read back from
+    ``cache`` (its first blocks overwritten): the first token alone, then the rest in one chunk
+    that attends to the stored keys, as decode steps do. Scores what a KV dtype costs."""
+    bs = cache.block_size
+    need = -(-len(tokens) // bs)
+    if need > cache.num_blocks:
+        raise ValueError(
+            f"{len(tokens)} tokens need {need} blocks; the cache has {cache.num_blocks}"
+        )
+    slots = list(range(len(tokens)))  # blocks 0, 1, ... in order
+    first = forward_prefill(
+        runtime, cache, [Segment(0, tokens[:1], slots[:1], slots[:1])], every_row=True
+    )
+    if len(tokens) == 1:
+        return first
+    rest = Segment(1, tokens[1:], slots[1:], slots)
+    return torch.cat([first, forward_prefill(runtime, cache, [rest], every_row=True)])

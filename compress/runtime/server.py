@@ -444,8 +444,9 @@ class Server:
             if chat:
                 yield _sse(self._chunk(rid, 0, None, None, chat=True, role=True))
             async for index, delta, reason in self._merge(opened, usage):
-                if delta or reason:
-                    yield _sse(self._chunk(rid, index, delta, reason, chat=chat))
+                # one event per token, as OpenAI's and vLLM's servers send, even when its text
+                # waits for the next token (a split character): clients count tokens by events
+                yield _sse(self._chunk(rid, index, delta, reason, chat=chat))
             if include_usage:
                 chunk = self._chunk(rid, 0, None, None, chat=chat)
                 chunk["choices"] = []
