@@ -43,7 +43,7 @@ from compress.runtime.paged import (
 )
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups compare objects, not fields
 class Sequence:
     """One request's state in the scheduler."""
 
