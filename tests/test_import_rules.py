@@ -11,7 +11,7 @@ Rules:
   ``quant.scheme`` and ``quant.calibrated`` instead);
 - checkpoint I/O and the layer types it builds (``io_modules``) import no pass, not even
   through other modules;
-- nothing imports the CLI.
+- nothing imports the CLI, and only the CLI imports the HTTP server (``runtime.server``).
 
 Imports under ``if TYPE_CHECKING:`` are not counted: they never run (annotations only).
 The implicit import of a parent package (``compress/__init__.py`` runs before any submodule)
@@ -226,6 +226,8 @@ def violations(sources: dict[str, str]) -> list[str]:
             )
         if target == "compress.cli" and module != "compress.cli":
             problems.append(f"nothing may import the CLI: {_where(edge)}")
+        if target == "compress.runtime.server" and module not in ("compress.cli", target):
+            problems.append(f"only the CLI may import the HTTP server: {_where(edge)}")
     for module in sorted(io_modules(sources) & set(sources)):
         for target, chain in _reachable(module, edges).items():
             # the first pass on each chain only: what it imports in turn adds nothing
@@ -261,6 +263,7 @@ def _with(sources: dict[str, str], module: str, line: str) -> dict[str, str]:
         ("compress.quant.awq", "from compress.quant.gptq import GptqConfig", "another pass"),
         ("compress.io.inspect", "import compress.quant.awq", "I/O may not import a pass"),
         ("compress.eval.compare", "from compress import cli", "nothing may import the CLI"),
+        ("compress.eval.serving", "import compress.runtime.server", "only the CLI may import"),
     ],
 )
 def test_a_broken_rule_is_reported(module, line, expected):
