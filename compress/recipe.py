@@ -109,7 +109,17 @@ class TasksConfig(_Section):
 
 
 class LatencyConfig(_Section):
-    """Single-stream greedy latency on real prompts (see compress.eval.compare)."""
+    """Greedy latency on real prompts (see compress.eval.compare): ``single`` times one request
+    at a time on the runtime's static cache; ``batch`` (all of a batch arriving together, one
+    run per ``batch_sizes`` entry) and ``poisson`` (``requests`` arrivals at ``rate`` per second,
+    up to ``max_batch`` decoded together) run through the runtime's continuous-batching
+    scheduler, what ``compress serve`` runs."""
+
+    workload: Literal["single", "batch", "poisson"] = "single"
+    batch_sizes: list[Annotated[int, Field(ge=1, le=256)]] | None = None  # batch: default 1,4,8
+    rate: float | None = Field(None, gt=0)  # poisson: requests per second (required there)
+    requests: Annotated[int, Field(ge=1), at_most(4096, "each is a full request")] = 16
+    max_batch: Annotated[int, Field(ge=1, le=256)] = 8  # poisson: decoded together at most
 
     prompts: Annotated[  # requests per round
         int, Field(ge=1), at_most(1024, "requests are timed one after another")
@@ -120,6 +130,12 @@ class LatencyConfig(_Section):
     slo_ttft_ms: float | None = Field(None, gt=0)  # goodput bound on time to first token
     slo_tpot_ms: float | None = Field(None, gt=0)  # goodput bound on time per output token
     usd_per_hour: float = Field(1.0, ge=0)  # machine price, for cost per 1M tokens
+
+    @model_validator(mode="after")
+    def _rate_for_poisson(self):
+        if self.workload == "poisson" and self.rate is None:
+            raise ValueError("workload poisson needs rate (requests per second), e.g. rate: 2")
+        return self
 
 
 class EvalConfig(_Section):

@@ -43,7 +43,12 @@ from compress.eval.report import (
     write_csv,
     write_results,
 )
-from compress.eval.serving import DEFAULT_BATCH_SIZES, measure_latency, time_rounds
+from compress.eval.serving import (
+    DEFAULT_BATCH_SIZES,
+    measure_latency,
+    served_latency,
+    time_rounds,
+)
 from compress.eval.workload import Lengths, lengths_bounds, make_requests, read_trace
 from compress.memory import peak_memory_bytes
 
@@ -442,7 +447,20 @@ def evaluate_extras(model, tokenizer, cfg: Any, data_dir: str | None = None) -> 
         out["tasks"] = run_tasks(
             model, tokenizer, list(t.names), limit=t.limit, tasks_dir=t.tasks_dir, data_dir=data_dir
         )
-    if getattr(cfg, "latency", None) is not None:
+    if getattr(cfg, "latency", None) is not None and cfg.latency.workload != "single":
+        lat = cfg.latency
+        text = resolve_text_path("wikitext2", data_dir).read_text(encoding="utf-8")
+        ids = tokenizer(text[:200_000], add_special_tokens=False)["input_ids"]
+        settings = CompareSettings(
+            prompts=lat.prompts, prompt_tokens=lat.prompt_tokens, output_tokens=lat.output_tokens,
+            rounds=lat.rounds, slo_ttft_ms=lat.slo_ttft_ms, slo_tpot_ms=lat.slo_tpot_ms,
+            usd_per_hour=lat.usd_per_hour, workload=lat.workload, batch_sizes=lat.batch_sizes,
+            rate=lat.rate, requests=lat.requests, max_batch=lat.max_batch,
+        )  # fmt: skip
+        runs = served_latency(model, ids, settings)
+        # the headline: the largest batch, or the poisson run
+        out["latency"] = {**runs[-1], "workload": lat.workload, "runs": runs}
+    elif getattr(cfg, "latency", None) is not None:
         lat = cfg.latency
         text = resolve_text_path("wikitext2", data_dir).read_text(encoding="utf-8")
         ids = tokenizer(text[:200_000], add_special_tokens=False)["input_ids"]

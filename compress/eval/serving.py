@@ -148,6 +148,26 @@ def _measure(models, requests: list[Request], max_batch: int | None, s: CompareS
     return (*_serve_rounds(engines, requests, max_batch, s.rounds), names)
 
 
+def served_latency(model, ids: list[int], s: CompareSettings) -> list[dict[str, Any]]:
+    """One model under a batch or poisson workload (a recipe's ``eval.latency``): per run its
+    description, engine, summary (distributions, throughput, goodput), cost and cache use."""
+    slo = Slo(s.slo_ttft_ms, s.slo_tpot_ms)
+    out = []
+    for run, requests in _runs(ids, s):
+        timings, durations, caches, engines = _measure([model], requests, run["max_batch"], s)
+        stats = summarize(timings[0], durations[0], slo)
+        out.append(
+            {
+                **run,
+                "engine": engines[0],
+                "summary": stats,
+                "kv_cache": caches[0],
+                "cost": cost(s.usd_per_hour, stats["goodput"]),
+            }
+        )
+    return out
+
+
 def measure_latency(rows, details, names, loaded, s: CompareSettings, ids):
     """Latency rows (one set per run) and the workload record for the JSON."""
     bandwidth = memory_bandwidth()["bytes_per_s"]

@@ -84,3 +84,30 @@ def test_recipe_latency_tokens_come_from_the_runtime(tiny_tokenizer, data_dir):
     assert out["latency"]["engine"] == "runtime"
     assert out["latency"]["summary"]["requests"] == 2
     assert out["latency"]["summary"]["tpot_ms"]["n"] == 2
+
+
+@pytest.mark.parametrize(
+    "workload, runs",
+    [({"workload": "batch", "batch_sizes": [1, 3]}, [1, 3]),
+     ({"workload": "poisson", "rate": 50, "requests": 3, "max_batch": 2}, [None])],
+)
+def test_recipe_latency_workloads_run_through_the_scheduler(tiny_tokenizer, data_dir, workload,
+                                                             runs):
+    from compress.eval.compare import evaluate_extras
+    from compress.testing import make_tiny_llama
+
+    model = make_tiny_llama(initializer_range=0.3)
+    lat = {"prompt_tokens": 6, "output_tokens": 4, **workload}
+    cfg = parse_recipe({"passes": [], "eval": {"latency": lat}}).eval
+    out = evaluate_extras(model, tiny_tokenizer, cfg, data_dir=str(data_dir))["latency"]
+    assert [r.get("batch_size") for r in out["runs"]] == runs
+    assert out["engine"].startswith("runtime scheduler (continuous batching")
+    for run in out["runs"]:
+        assert run["summary"]["requests"] == run.get("batch_size", 3)
+        assert run["summary"]["tpot_ms"]["n"] == run["summary"]["requests"]
+        assert run["kv_cache"]["kv_bytes_peak"] > 0
+
+
+def test_a_poisson_latency_section_needs_a_rate():
+    with pytest.raises(RecipeError, match="poisson needs rate"):
+        parse_recipe({"passes": [], "eval": {"latency": {"workload": "poisson"}}})
