@@ -142,7 +142,7 @@ class ServerProcess:
                     "2048",
                     "--max-num-seqs",
                     str(args.max_batch),
-                    "--disable-log-requests",
+                    
                     *extra,
                 ],
             )

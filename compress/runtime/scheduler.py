@@ -350,8 +350,8 @@ class Scheduler:
 
     def _segment(self, seq: Sequence, n: int) -> Segment:
         start, bs = seq.num_computed, self.block_size
-        slots = [seq.blocks[p // bs] * bs + p % bs for p in range(start + n)]
-        return Segment(start, seq.tokens[start : start + n], slots[start:], slots)
+        slots = [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return Segment(start, seq.tokens[start : start + n], slots, list(seq.blocks))
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         """Sample each row with its request's settings; retire finished requests."""
