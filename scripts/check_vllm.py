@@ -1,0 +1,433 @@
+"""Does vLLM read every kind of our export as we do? The slow-tier check of issue 33.
+
+For each case (a model and an export kind) it exports with ``compress run RECIPE`` (evaluation
+off), scores a real WikiText-2 passage (PASSAGE_TOKENS tokens from the start of the test split,
+teacher-forced) in vLLM (scripts/vllm_score.py in the cached venv of scripts/vllm_env.py, offline
+``LLM``, enforce_eager) and with ``compress.load`` (fp32), and reports the share of positions
+whose most likely next token is the same in both. The yardstick is the noise floor measured the
+same way: the unquantized model in vLLM (bf16) against ours (fp32). Cases:
+
+- the real SmolLM2-135M: the floor in bf16 and in fp32, W4 RTN symmetric and asymmetric (g128,
+  g64 fallback), mixed groups and bits, W8 weight-only, SmoothQuant W8A8; for these also the
+  agreement of each variant with its own baseline, in vLLM and in ours (quantization changes the
+  same tokens in both when both read the export alike);
+- every runtime family (``compress.arch.runtime_model_types``: dense and MoE), as random models of
+  a shape vLLM's CPU kernels take (head_dim 64, SmolLM2's tokenizer): unquantized and W4. Random
+  weights say "loads and computes the same function", not "keeps quality".
+
+A kind vLLM refuses is a result: its error message is reported (the engine's reason, read from
+its stderr). Writes results.json and results.md to --out, with each vLLM log under logs/.
+Takes minutes (~1 min per vLLM start on 2 cores): the slow tier (tests/scripts/test_check_vllm.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSAGE_TOKENS = 400
+REAL = "smollm2"
+W4 = "recipes/smollm2-w4g128-rtn.yaml"  # g128, g64 where 128 does not divide in_features
+NO_EVAL = ("eval.baseline=false", "eval.perplexity=null")
+MIXED = (
+    "passes.0.overrides=[{layers: 're:.*self_attn.*', group_size: 32}, "
+    "{layers: 're:.*layers\\.(0|29)\\.mlp\\.down_proj$', n_bits: 8, group_size: channel}]"
+)
+EXPERTS_FLOAT = "passes.0.ignore=[lm_head, 're:.*experts$']"  # quantize attention, keep experts
+# kind -> (recipe, --set overrides); None: the unquantized model itself
+KINDS: dict[str, tuple[str, tuple[str, ...]] | None] = {
+    "base": None,
+    "w4-sym": (W4, ()),
+    "w4-asym": (W4, ("passes.0.symmetric=false",)),
+    "w4-mixed": (W4, (MIXED,)),  # attention g32, MLP g128/g64, first and last down_proj W8
+    "w8": ("recipes/smollm2-w8-rtn.yaml", ()),
+    "w8a8-smoothquant": ("recipes/smollm2-w8a8-smoothquant.yaml", ("calibration.num_samples=16",)),
+    "w4-experts-float": (W4, (EXPERTS_FLOAT,)),
+    "w8a8-smoothquant-experts-float": (
+        "recipes/smollm2-w8a8-smoothquant.yaml",
+        ("calibration.num_samples=16", EXPERTS_FLOAT),
+    ),
+}
+REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-mixed", "w8", "w8a8-smoothquant")
+FAMILY_KINDS = ("base", "w4-sym")
+MOE_KINDS = ("base", "w4-sym", "w4-experts-float", "w8a8-smoothquant-experts-float")
+# random models vLLM's CPU attention takes (head_dim 64) with SmolLM2's vocabulary; sliding
+# windows of 128 so that the passage runs past them. Gemma scales the embeddings by
+# sqrt(hidden): with a random tied embedding the residual stream is then mostly the input
+# token's embedding and every next-token argmax is the input token itself (the decoder layers
+# would not matter), so the Gemma models get a separate head and embeddings divided by
+# sqrt(hidden).
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    initializer_range=0.1,
+)  # sharper logits than 0.02: fewer near-ties in the argmax
+MOE_SHAPE = {
+    "mixtral": dict(intermediate_size=128),
+    "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=512),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # REAL or a model_type
+    kind: str  # a key of KINDS
+    vllm_dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.vllm_dtype == "bfloat16" else f"@{self.vllm_dtype}"
+        return f"{self.model}/{self.kind}{suffix}"
+
+
+def plan_cases(families: list[str]) -> list[Case]:
+    cases = [Case(REAL, kind) for kind in REAL_KINDS]
+    cases += [Case(REAL, kind, "float32") for kind in ("base", "w4-sym", "w8a8-smoothquant")]
+    return cases + [
+        Case(family, kind)
+        for family in families
+        for kind in (MOE_KINDS if family in MOE_SHAPE else FAMILY_KINDS)
+    ]
+
+
+# ---- pure logic: agreement, refusals, the report (tests/scripts/test_check_vllm.py) --------
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    if len(a) != len(b) or not a:
+        raise ValueError(f"agreement: lists of {len(a)} and {len(b)} tokens")
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def floor_margin(floor: float, n: int) -> float:
+    """Three binomial standard errors of an agreement rate ``floor`` over ``n`` positions (at
+    least 2 positions' worth): how far below the floor a case may fall by chance."""
+    return max(3 * math.sqrt(floor * (1 - floor) / n), 2 / n)
+
+
+_ERROR_LINE = re.compile(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception|Refused)): (.+)$")
+_GENERIC = (
+    "Engine core initialization failed",
+    "EngineCore failed",
+    "See root cause above",
+    "Engine process failed to start",
+    "died unexpectedly",
+    "Worker failed",
+)
+
+
+def refusal_reason(error: str, stderr: str) -> str:
+    """The most specific reason vLLM gave: the last ``SomeError: message`` line of its stderr
+    that is not a generic "engine failed" wrapper, else ``error`` (the exception the LLM
+    constructor raised), both stripped of vLLM's ``(EngineCore pid=N)`` prefixes."""
+    found = []
+    for line in stderr.splitlines():
+        line = re.sub(r"^\(\w+ pid=\d+\)\s*", "", line.strip())
+        match = _ERROR_LINE.search(line)
+        if match and not any(g in match.group(2) for g in _GENERIC):
+            found.append(f"{match.group(1)}: {match.group(2).strip()}")
+    return found[-1] if found else error.strip() or "no error message (see the log)"
+
+
+def compare(rows: dict[str, dict], cases: list[Case]) -> list[dict]:
+    """One summary row per case from the raw scores in ``rows`` (case name -> {"vllm": ...,
+    "ours": ...}): agreement with ours, the floor of its model and vLLM dtype, whether it falls
+    below that floor by more than ``floor_margin``, and (quantized kinds) each side's agreement
+    with its own unquantized baseline."""
+    out = []
+    for case in cases:
+        raw = rows.get(case.name, {})
+        row = {
+            "case": case.name,
+            "model": case.model,
+            "kind": case.kind,
+            "vllm_dtype": case.vllm_dtype,
+            "status": raw.get("status", "not run"),
+        }
+        if raw.get("error"):
+            row["error"] = raw["error"]
+        if row["status"] == "ok":
+            vllm, ours = raw["vllm"], raw["ours"]
+            n = len(ours["argmax"])
+            row["positions"] = n
+            row["agree"] = agreement(vllm["argmax"], ours["argmax"])
+            row["distinct"] = len(set(ours["argmax"]))  # a degenerate model predicts few
+            row["logprob_mad"] = (
+                sum(abs(a - b) for a, b in zip(vllm["logprob"], ours["logprob"], strict=True)) / n
+            )
+            base = rows.get(Case(case.model, "base", case.vllm_dtype).name, {})
+            if base.get("status") == "ok":
+                floor = agreement(base["vllm"]["argmax"], base["ours"]["argmax"])
+                row["floor"] = floor
+                row["below_floor"] = row["agree"] < floor - floor_margin(floor, n)
+                if case.kind != "base":
+                    row["vllm_vs_own_base"] = agreement(vllm["argmax"], base["vllm"]["argmax"])
+                    row["ours_vs_own_base"] = agreement(ours["argmax"], base["ours"]["argmax"])
+        out.append(row)
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def render_markdown(summary: list[dict], header: dict) -> str:
+    lines = [f"# vLLM export check ({header['date']})", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items() if key != "date"]
+    lines += [
+        "",
+        "| case | vLLM dtype | status | agree with ours | floor | Δ logprob (mean abs) "
+        "| vLLM vs own base | ours vs own base | distinct argmax |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in summary:
+        status = row["status"] + (" (below floor)" if row.get("below_floor") else "")
+        mad = f"{row['logprob_mad']:.3f}" if "logprob_mad" in row else "—"
+        lines.append(
+            f"| {row['case']} | {row['vllm_dtype']} | {status} | {_pct(row.get('agree'))} "
+            f"| {_pct(row.get('floor'))} | {mad} | {_pct(row.get('vllm_vs_own_base'))} "
+            f"| {_pct(row.get('ours_vs_own_base'))} | {row.get('distinct', '—')} |"
+        )
+    refused = [row for row in summary if row["status"] != "ok"]
+    if refused:
+        lines += ["", "## Not run or refused", ""]
+        lines += [
+            f"- **{row['case']}** ({row['status']}): `{row.get('error', '')[:600]}`"
+            for row in refused
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the work: models, exports, scores --------------------------------------------------
+
+
+def passage_ids(tokenizer, data_dir: Path) -> list[int]:
+    text = (data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text()[: PASSAGE_TOKENS * 12]
+    ids = tokenizer(text)["input_ids"][:PASSAGE_TOKENS]
+    if len(ids) < PASSAGE_TOKENS:
+        raise SystemExit(f"the passage has {len(ids)} tokens, fewer than {PASSAGE_TOKENS}")
+    return ids
+
+
+def make_family_model(family: str, tokenizer, folder: Path) -> Path:
+    """A random ``family`` model of SHAPE with SmolLM2's tokenizer, saved to ``folder``."""
+    from compress.testing import make_tiny_model, make_tiny_moe
+
+    if family in MOE_SHAPE:
+        model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))
+    elif family.startswith("gemma"):
+        model = make_tiny_model(family, **SHAPE, sliding_window=128, tie_word_embeddings=False)
+        model.get_input_embeddings().weight.data /= SHAPE["hidden_size"] ** 0.5
+    else:
+        sliding = {"sliding_window": 128} if family == "mistral" else {}
+        model = make_tiny_model(family, **SHAPE, **sliding)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def export(case: Case, model_dir: Path, out: Path, log: Path) -> str | None:
+    """``compress run`` of the case's recipe on ``model_dir`` into ``out``; None, or the error."""
+    recipe, sets = KINDS[case.kind]
+    cmd = [
+        sys.executable,
+        "-m",
+        "compress.cli",
+        "run",
+        recipe,
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--no-progress",
+    ]
+    for item in (*NO_EVAL, *sets):
+        cmd += ["--set", item]
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode == 0:
+        return None
+    return refusal_reason(f"compress run exited {proc.returncode}", log.read_text())
+
+
+def ours_scores(path: Path, ids: list[int]) -> dict:
+    """Our argmax after each position and log-prob of each next token (fp32, compress.load)."""
+    import torch
+
+    import compress
+
+    loaded = compress.load(str(path))
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([ids])).logits[0, :-1].float()  # [T-1, vocab]
+    logprob = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return {"argmax": logits.argmax(-1).tolist(), "logprob": logprob.tolist()}
+
+
+def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path, env: dict) -> dict:
+    result = log.with_suffix(".json")
+    result.unlink(missing_ok=True)
+    cmd = [
+        str(python),
+        str(ROOT / "scripts" / "vllm_score.py"),
+        str(path),
+        str(ids_file),
+        str(result),
+        "--dtype",
+        dtype,
+    ]
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
+    if not result.is_file():
+        return {"ok": False, "error": f"vllm_score.py exited {proc.returncode} without a result"}
+    return json.loads(result.read_text())
+
+
+def run_case(case: Case, ctx: dict) -> dict:
+    out: Path = ctx["out"]
+    safe = case.name.replace("/", "__").replace("@", "_")
+    model_dir = ctx["models"][case.model]
+    path = model_dir
+    if KINDS[case.kind] is not None:
+        path = out / "exports" / f"{case.model}__{case.kind}"
+        if path not in ctx["exported"]:
+            error = export(case, model_dir, path, out / "logs" / f"{safe}.export.log")
+            if error:
+                return {"status": "export failed", "error": error}
+            ctx["exported"].add(path)
+    started = time.perf_counter()
+    vllm = vllm_scores(
+        ctx["python"],
+        path,
+        ctx["ids_file"],
+        case.vllm_dtype,
+        out / "logs" / f"{safe}.vllm.log",
+        ctx["env"],
+    )
+    if not vllm["ok"]:
+        log = (out / "logs" / f"{safe}.vllm.log").read_text()
+        return {"status": "refused", "error": refusal_reason(vllm["error"], log)}
+    key = (case.model, case.kind)
+    if key not in ctx["ours"]:
+        ctx["ours"][key] = ours_scores(path, ctx["ids"])
+    return {
+        "status": "ok",
+        "vllm": vllm,
+        "ours": ctx["ours"][key],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _header(args, versions: dict) -> dict:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown"
+    )
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    cpu += f" ({' '.join(f for f in flags if re.match('avx512_?(f|bf16|vnni)$|amx|avx_vnni', f))})"
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["scripts/check_vllm.sh", *sys.argv[1:]]),
+        "cpu": f"{cpu}, torch threads {torch.get_num_threads()}",
+        "vLLM venv": ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "vLLM settings": f"offline LLM, enforce_eager, max_model_len 1024, "
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib:g} GiB",
+        "passage": f"first {PASSAGE_TOKENS} tokens of WikiText-2 test (wiki.test.raw), "
+        f"{PASSAGE_TOKENS - 1} scored positions, teacher-forced",
+        "ours": "compress.load, fp32 activations, auto backend",
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "check-vllm")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="regex over case names (e.g. 'smollm2/|qwen'"
+        "); the base cases their floors need are added",
+    )
+    parser.add_argument("--families", default="all", help="comma-separated model_types, or all")
+    parser.add_argument("--kv-cache-gib", type=float, default=2)
+    parser.add_argument("--data-dir", type=Path, default=None)
+    args = parser.parse_args()
+    logging_setup()
+    from transformers import AutoTokenizer
+    from vllm_env import venv_versions, vllm_environ, vllm_python
+
+    from compress.arch import runtime_model_types
+    from compress.data import resolve_data_dir
+    from compress.io.load import embedded_model_dir
+
+    python = vllm_python()
+    families = list(runtime_model_types()) if args.families == "all" else args.families.split(",")
+    cases = plan_cases(families)
+    if args.only:
+        wanted = {c for c in cases if re.search(args.only, c.name)}
+        wanted |= {Case(c.model, "base", c.vllm_dtype) for c in wanted}  # their floors
+        cases = [c for c in cases if c in wanted]
+    for sub in ("logs", "exports", "models"):
+        (args.out / sub).mkdir(parents=True, exist_ok=True)
+    real_dir = embedded_model_dir("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(real_dir)
+    ids = passage_ids(tokenizer, resolve_data_dir(args.data_dir))
+    ids_file = args.out / "passage_ids.json"
+    ids_file.write_text(json.dumps(ids))
+    models = {REAL: real_dir}
+    for family in sorted({c.model for c in cases} - {REAL}):
+        models[family] = make_family_model(family, tokenizer, args.out / "models" / family)
+    ctx = {
+        "out": args.out,
+        "models": models,
+        "python": python,
+        "ids": ids,
+        "ids_file": ids_file,
+        "env": vllm_environ(kv_cache_gib=args.kv_cache_gib),
+        "exported": set(),
+        "ours": {},
+    }
+    rows = {}
+    for case in cases:
+        print(f"[{time.strftime('%H:%M:%S')}] {case.name} ...", flush=True)
+        rows[case.name] = run_case(case, ctx)
+        print(
+            f"    {rows[case.name]['status']} {rows[case.name].get('error', '')[:300]}", flush=True
+        )
+    summary = compare(rows, cases)
+    header = _header(args, venv_versions())
+    (args.out / "results.json").write_text(
+        json.dumps({"header": header, "cases": summary, "raw": rows}, indent=1)
+    )
+    (args.out / "results.md").write_text(render_markdown(summary, header))
+    print(render_markdown(summary, header))
+    return 0
+
+
+def logging_setup() -> None:
+    import logging
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
