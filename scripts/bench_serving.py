@@ -142,7 +142,6 @@ class ServerProcess:
                     "2048",
                     "--max-num-seqs",
                     str(args.max_batch),
-                    
                     *extra,
                 ],
             )
@@ -287,6 +286,19 @@ def rate_runs(server, name, ids, args) -> list[dict]:
     return out
 
 
+def concurrency_run(server, name, ids, args) -> dict:
+    """Output tok/s of 1 request alone and of 8 arriving together (batched decode)."""
+    out = {}
+    for n in (1, 8):
+        requests = make_requests(
+            ids, n, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, seed=5
+        )
+        timings, duration = run_workload(server, name, requests)
+        out[str(n)] = sum(len(t.token_times) for t in timings) / duration
+    out["ratio"] = out["8"] / out["1"]
+    return out
+
+
 def prefix_run(server, name, ids, args) -> dict:
     """Sequential requests sharing a 256-token system prompt, each with its own 32-token
     question: TTFT of the first (cold) against the median of the others."""
@@ -399,6 +411,12 @@ def markdown(results: dict) -> str:
         lines.append("")
         for variant, servers in per_variant.items():
             for kind, block in servers.items():
+                if "concurrency" in block:
+                    c = block["concurrency"]
+                    lines.append(
+                        f"- {variant}, {kind}: 8 requests at once {c['8']:.1f} out tok/s, "
+                        f"1 alone {c['1']:.1f} ({c['ratio']:.2f}x)"
+                    )
                 if "prefix" in block:
                     pr = block["prefix"]
                     lines.append(
@@ -521,6 +539,7 @@ def main() -> None:
                         "start_s": server.start_s,
                         "rates": rate_runs(server, name, ids, args),
                         "prefix": prefix_run(server, name, ids, args),
+                        "concurrency": concurrency_run(server, name, ids, args),
                     }
                 finally:
                     server.stop()
