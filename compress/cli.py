@@ -618,8 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "over a paged KV cache with prefix caching")
     p_srv.add_argument("model", nargs="?", default="smollm2-135m",
                        help="model or checkpoint (default smollm2-135m)")
-    p_srv.add_argument("--host", default="127.0.0.1")
-    p_srv.add_argument("--port", type=int, default=8000)
+    p_srv.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only)")
+    p_srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p_srv.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
     p_srv.add_argument("--max-model-len", type=int, default=2048,
                        help="longest prompt + output in tokens")
