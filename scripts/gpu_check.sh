@@ -1,43 +1,42 @@
 #!/usr/bin/env bash
-# One-command GPU check of the Triton kernels (one H200: about 7 minutes measured on 2026-11-30):
-#   1. kernel tests on CUDA (interpreter off), 2. kernel benchmark, 3. SmolLM2 decode tokens/s.
-# Results go to $OUT (default ./out). Every step has its own timeout and the benchmark saves its
-# JSON after each shape.
-# On a machine without registries: wheels in .whl/ (pydantic's, see docs/notes/gpu-check.md) are
-# installed first, then this checkout without dependencies. SMOLLM2_CONFIG=path/config.json makes
-# step 3 build the model from that config with random weights (no checkpoint on the machine).
+# One-command GPU check of issue 34 on one H200, at most 8 minutes (budget 450 s + setup):
+#   1. kernel tests on CUDA, 2. kernel table vs cuBLAS bf16 / torch int4pack / _int_mm on decode
+#   shapes (CUDA graphs, median and spread) -> kernel_table.json, 3. runtime decode bf16 vs W4 vs
+#   W8A8 (SmolLM2-135M and 1.1B shapes, random weights; eager and one CUDA-graph step),
+#   4. GPTQ / AWQ / AutoRound of the 1.1B shape with `device: cuda`, 5. perplexity GPU vs CPU.
+# Writes gpu_check.json, gpu_check.md, kernel_table.json, kernel_tests.log into $OUT (or --out
+# DIR; default ./out). A failing section records its error; the others still run.
+#   bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--sections 12345] [--budget-s 450]
+# --dry-run: the same Python on the CPU, tiny shapes, kernels interpreted (plumbing only).
+# On the device machine (no registry): wheels in .whl/ (pydantic's; docs/notes/gpu-check.md) are
+# installed first, then this checkout without dependencies; carry .whl and .gpu. Sections 4-5
+# read calibration/eval text from .gpu/data (a copy of $COMPRESS_DATA_DIR's wikitext-2-raw).
+# To commit the measured table: cp $OUT/kernel_table.json compress/kernels/configs/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) OUT="$2"; shift 2 ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
 mkdir -p "$OUT"
-unset TRITON_INTERPRET
-if [ -d .whl ]; then
+DRY=0
+for a in "${ARGS[@]+"${ARGS[@]}"}"; do [ "$a" = "--dry-run" ] && DRY=1; done
+[ "$DRY" -eq 1 ] || unset TRITON_INTERPRET
+if [ -d .whl ] && [ "$DRY" -eq 0 ]; then
     SITE="${WHEEL_SITE:-$(mktemp -d)}"  # where the carried wheels are unpacked
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE"
+        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c "import compress.kernels" 2>/dev/null \
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3
-export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
-torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-
-status=0
-# the CPU-only kernel tests (alignment, AVX2 extension) are CI's; here only what runs on CUDA
-timeout 240 python3 -m pytest tests/kernels -m "not slow" -q -p no:cacheprovider \
-    --ignore tests/kernels/test_alignment.py --ignore tests/kernels/test_cpu_q8.py \
-    2>&1 | tee "$OUT/kernel_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "kernel tests FAILED or timed out"; status=1; }
-
-timeout 200 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "benchmark FAILED or timed out (partial JSON kept)"; status=1; }
-
-# End-to-end decode needs compress.io.load and the SmolLM2 weights: optional, reported if absent.
-if python3 -c "from compress.io.load import load_model" 2>/dev/null; then
-    timeout 120 python3 scripts/bench_kernels.py --out "$OUT/e2e" --shapes --e2e \
-        ${SMOLLM2_CONFIG:+--config "$SMOLLM2_CONFIG"} 2>&1 \
-        | tee "$OUT/e2e.log" || echo "e2e decode FAILED or timed out"
-else
-    echo "e2e decode skipped: compress.io.load.load_model is not available" | tee "$OUT/e2e.log"
-fi
-exit $status
+[ -d .gpu/data ] && export COMPRESS_DATA_DIR="$PWD/.gpu/data"
+export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}" PYTHONUNBUFFERED=1
+timeout 480 python3 scripts/gpu_check.py --out "$OUT" "${ARGS[@]+"${ARGS[@]}"}" 2>&1 \
+    | tee "$OUT/gpu_check.log"
+status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] || echo "gpu_check.py exited with $status (124: the 480 s timeout); partial results kept in $OUT"
+exit "$status"

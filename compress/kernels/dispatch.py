@@ -13,9 +13,18 @@ phase, when it re-holds a layer). Layer kinds and their backends:
   rows on the kernel runs as a row-tile GEMM); the runtime holds the other layers as
   dequantized floats in both phases; a layer it cannot take keeps the plan it had;
 - ``w8a8`` (``W8A8Linear``): ``auto | reference | float_exact | cpu | triton``. ``auto`` picks
-  triton on CUDA, ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products (VNNI/AMX)
-  when ``ONEDNN_MAX_CPU_ISA`` does not keep oneDNN below them, ``float_exact`` otherwise; an
-  explicit ``cpu`` raises there (oneDNN's int8 without VNNI saturates: wrong int32 products).
+  triton on CUDA (below), ``cpu`` (``torch._int_mm``) on CPUs that report int8 dot products
+  (VNNI/AMX) when ``ONEDNN_MAX_CPU_ISA`` does not keep oneDNN below them, ``float_exact``
+  otherwise; an explicit ``cpu`` raises there (oneDNN's int8 without VNNI saturates: wrong
+  int32 products).
+
+On CUDA a ``triton`` plan is a family, not one kernel: per call the glue (``triton_ops``) takes
+the kernel for this (N, K, group, M) from the GPU's measured table, ``kernel_table.choose``
+(``cuda_kernel`` here answers the same question for a report): our split-K GEMV (M <= 4) or
+GEMM, and for ``auto`` also torch's ``_weight_int4pack_mm`` / ``_int_mm``. ``Plan.kernel`` says
+which set (``"auto"`` or ``"triton"``); the layer passes it on as ``kernel=``. Without a
+measured table the choice is ``kernel_table.default_kernel`` (documented there, from the
+2026-11-30 H200 numbers: torch's int4 kernel at decode, our GEMMs for prefill).
 
 Shape and group-size constraints live in one ``*_unsupported_reason`` function per kernel, in
 the kernel's module; only this module asks them. Falling back from ``auto`` (or from the q4q8
@@ -35,7 +44,7 @@ from typing import Literal
 
 import torch
 
-from . import cpu_native, cpu_q8, cpuinfo
+from . import cpu_native, cpu_q8, cpuinfo, kernel_table
 from .errors import KernelConstraintError
 
 log = logging.getLogger(__name__)
@@ -53,10 +62,13 @@ INT8_KERNELS: tuple[str, ...] = ("torch", "q8q8")  # ... and for int8
 @dataclass(frozen=True)
 class Plan:
     """What runs a layer: ``backend`` (a name from the kind's list above, or ``q4q8``/``torch``)
-    and, when ``auto`` or a preference fell back to something slower, ``reason`` why."""
+    and, when ``auto`` or a preference fell back to something slower, ``reason`` why. For a
+    ``triton`` backend ``kernel`` is the ``triton_ops`` ``kernel=`` argument: ``"auto"`` (our
+    kernels or torch's, per the measured table) or ``"triton"`` (ours only); else None."""
 
     backend: str
     reason: str | None = None
+    kernel: str | None = None
 
 
 @functools.cache
@@ -187,12 +199,12 @@ def _plan_weight_only(
         reason = _triton_reason(op, device=device, **sizes)
         if reason:
             raise KernelConstraintError(f"backend='triton' cannot run {shape}: {reason}")
-        return Plan("triton")
+        return Plan("triton", kernel="triton")
     # auto
     if device.type == "cuda":
         reason = _triton_reason(op, device=device, **sizes)
         if reason is None:
-            return Plan("triton")
+            return Plan("triton", kernel="auto")
     elif device.type == "cpu":
         reason = _cpu_reason(op, **sizes)
         if reason is None:
@@ -226,11 +238,11 @@ def _plan_w8a8(requested: str, *, device: torch.device, n: int, k: int) -> Plan:
     if requested == "triton":
         if triton_reason:
             raise KernelConstraintError(f"backend='triton' cannot run {shape}: {triton_reason}")
-        return Plan("triton")
+        return Plan("triton", kernel="triton")
     # auto
     if device.type == "cuda":
         if triton_reason is None:
-            return Plan("triton")
+            return Plan("triton", kernel="auto")
         return _fallback("w8a8", "float_exact", triton_reason)
     if device.type == "cpu" and cpu_int_mm_fast():
         return Plan("cpu")
@@ -256,3 +268,28 @@ def resolve_backend(
     return plan_linear(
         op, requested, device=device, n=n, k=k, group_size=group_size, symmetric=symmetric
     ).backend
+
+
+def cuda_kernel(
+    kind: Kind,
+    plan: Plan,
+    *,
+    gpu_name: str,
+    n: int,
+    k: int,
+    group_size: int | None,
+    m: int,
+    x_dtype: torch.dtype = torch.bfloat16,
+) -> kernel_table.Choice | None:
+    """The kernel a ``triton`` ``plan`` of a ``kind`` layer runs at M rows on the GPU called
+    ``gpu_name`` (the choice ``triton_ops`` makes per call); None for other plans."""
+    if plan.backend != "triton" or kind not in ("int4", "int8", "w8a8"):
+        return None
+    allowed = kernel_table.KERNELS if plan.kernel == "auto" else kernel_table.TRITON_KERNELS
+    if kind == "int8":  # torch has no CUDA int8 weight-only GEMM
+        allowed = kernel_table.TRITON_KERNELS
+    return kernel_table.choose(
+        kernel_table.load_table(gpu_name), op=kind, n=n, k=k,
+        group_size=k if group_size is None else group_size, m=m, x_dtype=x_dtype,
+        allowed=allowed,
+    )  # fmt: skip

@@ -1,9 +1,11 @@
 """Glue between ``QuantLinear`` / ``dispatch`` and the Triton kernels.
 
 ``dispatch`` asks ``unsupported_reason`` whether a layer can run here; ``QuantLinear`` calls the
-``*_linear`` functions with 2-D activations. These make activations contiguous (a free view in
-the model path), pick the tuned config list of the current GPU (``load_tuned_configs``) and call
-the launchers in ``int4_gemm`` / ``int8_gemm``, which check everything else.
+``*_linear`` functions with 2-D activations. Per call they pick the kernel for this (shape, M)
+from the GPU's measured table (``kernel_table.choose``, memoized: one dict lookup on the hot
+path): the split-K GEMV of ``gemv`` for M <= 4, the GEMMs of ``int4_gemm`` / ``int8_gemm``
+(with the tuned config lists of ``load_tuned_configs``), or, with ``kernel="auto"``, torch's
+``_weight_int4pack_mm`` / ``_int_mm``. The launchers check everything else.
 The kernel modules are imported on first use, so importing this module never imports triton.
 """
 
@@ -14,6 +16,8 @@ import json
 from importlib import resources
 
 import torch
+
+from . import kernel_table, reference
 
 OPS = ("int4", "int8")
 # keys of a tuned-config file: kernel list name -> launcher path
@@ -63,47 +67,159 @@ def int4_linear(
     zeros: torch.Tensor | None,
     *,
     group_size: int,
+    kernel: str = "triton",
+    cache: dict | None = None,
 ) -> torch.Tensor:
-    """W4A16 ``x [M, K] @ W.T -> [M, N]`` (layout in ``int4_gemm``), x's dtype."""
+    """W4A16 ``x [M, K] @ W.T -> [M, N]`` (layout in ``int4_gemm``), x's dtype.
+
+    ``kernel``: "triton" runs our kernels (the GEMV up to ``gemv.GEMV_MAX_M`` rows, else the
+    GEMM), the one of the two ``kernel_table.choose`` picks; "auto" lets it pick torch's
+    ``_weight_int4pack_mm`` too, whose repacked weight is made once into ``cache`` (the
+    caller's per-layer dict, e.g. ``QuantLinear._prepared``); without ``cache`` torch's kernel
+    is not a candidate (it would repack per call)."""
+    x = x.contiguous()
+    n, k = w_packed.shape[0], x.shape[1]
+    allowed = TRITON_ONLY if kernel == "triton" or cache is None else ALL_KERNELS
+    choice = _choice("int4", x.device, x.dtype, n, k, group_size, x.shape[0], allowed)
+    if choice.kernel == "triton_gemv":
+        from . import gemv
+
+        return gemv.int4_gemv_triton(x, w_packed, scales, zeros, group_size=group_size,
+                                     config=_gemv_config(choice))  # fmt: skip
+    if choice.kernel == "torch_int4pack":
+        assert cache is not None, "torch_int4pack is allowed only with a cache"
+        if "int4pack" not in cache:
+            cache["int4pack"] = prepare_int4pack(w_packed, scales, zeros, group_size=group_size)
+        packed, scale_and_zero = cache["int4pack"]
+        return torch._weight_int4pack_mm(x, packed, group_size, scale_and_zero)
     from . import int4_gemm
 
-    x = x.contiguous()
     path = "int4_decode" if int4_gemm.is_decode(x.shape[0]) else "int4_gemm"
-    config = _tuned_list(x.device, path)
     return int4_gemm.int4_gemm_triton(
-        x, w_packed, scales, zeros, group_size=group_size, config=config
+        x, w_packed, scales, zeros, group_size=group_size, config=_tuned_list(x.device, path)
     )
 
 
 def int8_linear(
-    x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    *,
+    kernel: str = "triton",
 ) -> torch.Tensor:
-    """W8A16 ``x [M, K] @ ((w_q - zeros) * scales).T -> [M, N]``, x's dtype."""
+    """W8A16 ``x [M, K] @ ((w_q - zeros) * scales).T -> [M, N]``, x's dtype; ``kernel`` as in
+    ``int4_linear`` (both kernels are ours here: torch has no CUDA int8 weight-only GEMM)."""
+    x = x.contiguous()
+    n, k, groups = w_q.shape[0], x.shape[1], scales.shape[1]
+    choice = _choice("int8", x.device, x.dtype, n, k, k // groups, x.shape[0], TRITON_ONLY)
+    if choice.kernel == "triton_gemv":
+        from . import gemv
+
+        return gemv.int8_gemv_triton(x, w_q, scales, zeros, config=_gemv_config(choice))
     from . import int4_gemm, int8_gemm
 
-    x = x.contiguous()
     path = "int8_decode" if int4_gemm.is_decode(x.shape[0]) else "int8_gemm"
     config = _tuned_list(x.device, path)
     return int8_gemm.int8_weight_gemm_triton(x, w_q, scales, zeros, config=config)
 
 
-def int8_int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+def int8_int8_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor, *, kernel: str = "triton"
+) -> torch.Tensor:
     """W8A8 with dynamic per-token activation quantization: ``x [M, K]`` float, ``w_q [N, K]``
-    int8, ``w_scales [N, 1]`` -> ``[M, N]`` in x's dtype (two launches: quantize, GEMM)."""
-    from . import int4_gemm, int8_gemm
+    int8, ``w_scales [N, 1]`` -> ``[M, N]`` in x's dtype (two launches: quantize, GEMM; the
+    GEMV's split-K reduce makes three). ``kernel="auto"`` may pick ``torch._int_mm`` (M > 16)."""
+    from . import int8_gemm
 
     x_q, x_scales = int8_gemm.quantize_per_token_triton(x.contiguous())
-    path = "int8_decode" if int4_gemm.is_decode(x.shape[0]) else "int8_gemm"
-    config = _tuned_list(x.device, path)
+    (m, k), n = x.shape, w_q.shape[0]
+    allowed = TRITON_ONLY if kernel == "triton" else ALL_KERNELS
+    choice = _choice("w8a8", x.device, x.dtype, n, k, k, m, allowed)
+    if choice.kernel == "triton_gemv":
+        from . import gemv
+
+        return gemv.int8_int8_gemv_triton(x_q, x_scales, w_q, w_scales, out_dtype=x.dtype,
+                                          config=_gemv_config(choice))  # fmt: skip
+    if choice.kernel == "torch_int_mm":
+        acc = torch._int_mm(x_q, w_q.t())  # [M, N] int32, exact
+        return (acc.to(torch.float32) * x_scales * w_scales.to(torch.float32).t()).to(x.dtype)
+    from . import int4_gemm
+
+    path = "int8_decode" if int4_gemm.is_decode(m) else "int8_gemm"
     return int8_gemm.int8_int8_gemm_triton(
-        x_q, x_scales, w_q, w_scales, out_dtype=x.dtype, config=config
+        x_q, x_scales, w_q, w_scales, out_dtype=x.dtype, config=_tuned_list(x.device, path)
     )
+
+
+# ---- the per-call kernel choice (kernel_table) and torch's int4 layout -----------------------
+TRITON_ONLY = kernel_table.TRITON_KERNELS
+ALL_KERNELS = kernel_table.KERNELS
+
+
+@functools.lru_cache(maxsize=4096)
+def _choice(op, device, x_dtype, n, k, group_size, m, allowed) -> kernel_table.Choice:
+    """``kernel_table.choose`` for one call, memoized: the hot path pays one dict lookup."""
+    table = None
+    if device.type == "cuda":
+        table = kernel_table.load_table(_device_name(device.index or 0))
+    sizes = dict(op=op, n=n, k=k, group_size=group_size, m=m)
+    return kernel_table.choose(
+        table, **sizes, device_type=device.type, x_dtype=x_dtype, allowed=allowed
+    )
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=256)
+def _gemv_config(choice: kernel_table.Choice):
+    """The table's GEMV config as a ``triton.Config``; None (tune in process) without one."""
+    if choice.config is None:
+        return None
+    from . import gemv
+
+    c = dict(choice.config)
+    return gemv.gemv_config(c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"],
+                            c["num_stages"])  # fmt: skip
+
+
+def int4pack_parts(
+    w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our packed int4 weight in the form torch's int4 kernels take, before their repack:
+    ``(q uint8 [N, K / 2]`` with code pairs (even k in the high nibble, odd k low), each
+    ``q = w_q + 8``; ``scale_and_zero [K / g, N, 2]`` in the scales' dtype)``. torch computes
+    ``w = (q - 8) * s + z``; ours is ``(w_q - zero) * s``, so ``z = -zero * s``."""
+    n = w_packed.shape[0]
+    k = w_packed.shape[1] * 8
+    codes = reference.unpack_int4(w_packed, k).to(torch.int32) + 8  # [N, K] in 0..15
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()  # [N, K / 2]
+    s = scales.to(torch.float32)
+    z = torch.zeros_like(s)
+    if zeros is not None:
+        z = -reference.unpack_int4(zeros, n, dim=0).to(torch.float32) * s
+    sz = torch.stack([s.t(), z.t()], dim=-1).to(scales.dtype).contiguous()  # [K / g, N, 2]
+    return pairs, sz
+
+
+def prepare_int4pack(
+    w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, scale_and_zero)`` for ``torch._weight_int4pack_mm`` on CUDA (bf16 scales and
+    activations), made once per layer. Needs ``kernel_table.runs(..., "torch_int4pack")``."""
+    pairs, sz = int4pack_parts(w_packed, scales.to(torch.bfloat16), zeros, group_size=group_size)
+    inner = kernel_table.int4pack_inner_k_tiles(pairs.shape[1] * 2)
+    return torch._convert_weight_to_int4pack(pairs, inner), sz
 
 
 def config_files() -> list[str]:
     """Names of the shipped tuned-config files (``compress/kernels/configs/*.json``)."""
     folder = resources.files(__package__) / "configs"
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".json"))
+    names = (p.name for p in folder.iterdir() if p.name.endswith(".json"))
+    return sorted(name for name in names if name != kernel_table.TABLE_FILE)
 
 
 def read_config_file(name: str) -> dict:
@@ -174,15 +290,43 @@ COMPILE_VARIANTS = {
         {"A_INT8": False, "HAS_ZEROS": True, "ATOMIC_OUT": True},
     ),
     "quantize_per_token": ("int8_gemm", "_quantize_per_token_kernel", {}),
+    # the decode GEMVs, at M = 1 (BLOCK_M 1); BLOCK_M is a flag here, not a config key
+    "int4_gemv": ("gemv", "_int4_gemv_kernel", {"HAS_ZEROS": True, "HAS_BIAS": False}),
+    "int8_gemv": (
+        "gemv",
+        "_int8_gemv_kernel",
+        {"A_INT8": False, "GROUPED": False, "HAS_ZEROS": False, "HAS_BIAS": False},
+    ),
+    "w8a8_gemv": (
+        "gemv",
+        "_int8_gemv_kernel",
+        {"A_INT8": True, "GROUPED": False, "HAS_ZEROS": False, "HAS_BIAS": False},
+    ),
 }
 # Strides equal to 1 and sizes divisible by 16 are what a launch with contiguous tensors sees:
 # triton specializes both, so the offline build must too to produce the same code.
 _UNIT_STRIDES = ("stride_xk", "stride_wk", "stride_sg", "stride_zg", "stride_on")
 _POINTER_TYPES = {"x_ptr": "*fp16", "w_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*i32",
-                  "x_scales_ptr": "*fp32", "out_ptr": "*fp16", "x_q_ptr": "*i8"}  # fmt: skip
+                  "x_scales_ptr": "*fp32", "out_ptr": "*fp16", "x_q_ptr": "*i8",
+                  "bias_ptr": "*fp16"}  # fmt: skip
 
 
-def compile_offline(variant: str, config, *, group_size: int = 128, arch: int = 90) -> dict:
+def _gemv_types(variant: str, split_k: int) -> dict[str, str]:
+    """Pointer types of a GEMV launch: int8 weights for the int8 kernels, int8 x for W8A8, and
+    fp32 (int32 for W8A8) partials when split-K stores them instead of y."""
+    types = dict(_POINTER_TYPES)
+    if variant != "int4_gemv":
+        types.update(w_ptr="*i8", zeros_ptr="*i8")
+    if variant == "w8a8_gemv":
+        types["x_ptr"] = "*i8"
+    if split_k > 1:
+        types["out_ptr"] = "*i32" if variant == "w8a8_gemv" else "*fp32"
+    return types
+
+
+def compile_offline(
+    variant: str, config, *, group_size: int = 128, arch: int = 90, block_m: int = 1
+) -> dict:
     """Compile one kernel variant with one ``triton.Config`` for ``sm_<arch>`` without a GPU.
 
     Returns ``{"registers", "shared_bytes", "spill_bytes", "stack_bytes", "wgmma"}``, read from
@@ -199,9 +343,13 @@ def compile_offline(variant: str, config, *, group_size: int = 128, arch: int = 
     if not isinstance(fn, triton.runtime.JITFunction):
         raise RuntimeError("compile_offline needs a process without TRITON_INTERPRET=1")
     int8_x = flags.get("A_INT8", False)
-    constexprs = {**flags, **config.kwargs, "GROUP_SIZE": group_size, "DOT_FP32": False,
-                  "GROUPED": False, **dict.fromkeys(_UNIT_STRIDES, 1)}  # fmt: skip
+    # BLOCK_M: the GEMMs' comes from their config, the GEMV's (M rounded up) from block_m
+    constexprs = {"GROUPED": False, "BLOCK_M": block_m, **flags, **config.kwargs,
+                  "GROUP_SIZE": group_size, "DOT_FP32": False,
+                  **dict.fromkeys(_UNIT_STRIDES, 1)}  # fmt: skip
     types = dict(_POINTER_TYPES, w_ptr="*i8" if module == "int8_gemm" else "*i32")
+    if module == "gemv":
+        types = _gemv_types(variant, config.kwargs["SPLIT_K"])
     if int8_x:
         types["x_ptr"] = "*i8"
     if flags.get("ATOMIC_OUT") or int8_x:

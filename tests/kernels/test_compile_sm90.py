@@ -38,11 +38,28 @@ print(json.dumps(rows))
 """
 
 
-def _compile(plan: dict[str, int]) -> list[dict]:
+_GEMV_SCRIPT = """
+import json, sys
+from compress.kernels import gemv, triton_ops
+count = int(sys.argv[1])
+rows = []
+for variant in ("int4_gemv", "int8_gemv", "w8a8_gemv"):
+    for block_m in (1, 4):
+        min_k = 8 if variant == "int4_gemv" else 16
+        configs = gemv.valid_configs(gemv._configs(), m=block_m, n=4096, k=4096, group_size=128,
+                                     min_block_k=min_k)[:count]
+        for config in configs:
+            usage = triton_ops.compile_offline(variant, config, group_size=128, block_m=block_m)
+            rows.append({"variant": variant, "block_m": block_m, "config": str(config), **usage})
+print(json.dumps(rows))
+"""
+
+
+def _compile(plan, script: str = _SCRIPT) -> list[dict]:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when it is unset
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(plan)],
+        [sys.executable, "-c", script, json.dumps(plan)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
@@ -69,3 +86,15 @@ def test_main_configs_compile_for_sm90():
 @pytest.mark.slow
 def test_every_tuned_config_compiles_for_sm90():
     _check(_compile(dict.fromkeys(MAIN_CONFIGS, 100)))
+
+
+EVERY = pytest.param(100, id="every", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("count", [pytest.param(1, id="first"), EVERY])
+def test_gemv_configs_compile_for_sm90_without_spills(count):
+    """The decode GEMVs at M = 1 and 4 (the configs ``valid_configs`` keeps for 4096 x 4096,
+    g128): no local memory, no stack (a stack frame is where registers spill first)."""
+    rows = _compile(count, _GEMV_SCRIPT)
+    assert len(rows) >= 6
+    _check(rows)
