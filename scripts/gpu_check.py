@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -347,7 +348,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")
-    work = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check_work"))
+    work = Path(os.environ.get("GPU_CHECK_WORK") or Path(tempfile.gettempdir()) / "gpu_check_work")
     work.mkdir(parents=True, exist_ok=True)
     ctx = {"out": args.out, "work": work, "dry_run": args.dry_run, "device": device,
            "versions": versions(device),

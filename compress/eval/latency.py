@@ -186,6 +186,22 @@ def seq_len_for(longest: int) -> int:
 INT_KERNELS = ("torch", "ours")
 
 
+def _runtime(model: nn.Module, max_seq_len: int, compile: bool, int_kernels: str):
+    """The runtime over ``model`` with torch's or our int4/int8 kernels (``INT_KERNELS``)."""
+    from compress.runtime.engine import Runtime
+
+    if int_kernels not in INT_KERNELS:
+        raise ValueError(f"int_kernels={int_kernels!r}: expected one of {INT_KERNELS}")
+    ours = int_kernels == "ours"
+    return Runtime(
+        model,
+        max_seq_len=max_seq_len,
+        compile=compile,
+        int4_kernel="q4q8" if ours else "torch",
+        int8_kernel="q8q8" if ours else "torch",
+    )
+
+
 def runtime_stream(
     model: nn.Module,
     *,
@@ -205,23 +221,14 @@ def runtime_stream(
     to ``slots`` of them) each take a fork of it; a fork is handed back as soon as its request's
     last token is out, because ``serve`` stops advancing a finished iterator without closing it.
     """
-    from compress.runtime.engine import Runtime, unsupported_reason
+    from compress.runtime.engine import unsupported_reason
 
     reason = unsupported_reason(model)
     if reason is not None:
         fallback = hf_stream(model)
         fallback.engine, fallback.fallback_reason = "hf fallback", reason
         return fallback
-    if int_kernels not in INT_KERNELS:
-        raise ValueError(f"int_kernels={int_kernels!r}: expected one of {INT_KERNELS}")
-    ours = int_kernels == "ours"
-    first = Runtime(
-        model,
-        max_seq_len=max_seq_len,
-        compile=compile,
-        int4_kernel="q4q8" if ours else "torch",
-        int8_kernel="q8q8" if ours else "torch",
-    )
+    first = _runtime(model, max_seq_len, compile, int_kernels)
     free = [first] + [first.fork() for _ in range(slots - 1)]
 
     def stream(prompt: list[int], max_new_tokens: int) -> Iterator[int]:
@@ -262,21 +269,12 @@ def runtime_scheduler(
     or None for a model the runtime does not run. ``kv_memory`` None sizes the paged cache for
     ``max_batch`` requests of ``max_seq_len`` tokens (no preemption); ``engine_name`` names it
     for reports."""
-    from compress.runtime.engine import Runtime, unsupported_reason
+    from compress.runtime.engine import unsupported_reason
     from compress.runtime.scheduler import Scheduler
 
     if unsupported_reason(model) is not None:
         return None
-    if int_kernels not in INT_KERNELS:
-        raise ValueError(f"int_kernels={int_kernels!r}: expected one of {INT_KERNELS}")
-    ours = int_kernels == "ours"
-    runtime = Runtime(
-        model,
-        max_seq_len=max_seq_len,
-        compile=False,
-        int4_kernel="q4q8" if ours else "torch",
-        int8_kernel="q8q8" if ours else "torch",
-    )
+    runtime = _runtime(model, max_seq_len, False, int_kernels)
     blocks = None if kv_memory is not None else max_batch * -(-max_seq_len // block_size) + 1
     return Scheduler(
         runtime,
