@@ -29,7 +29,9 @@ def peak_rss_bytes() -> int | None:
 def peak_memory_bytes() -> dict[str, int | None]:
     """Peak resident memory of this process (whole lifetime) and peak CUDA allocation (None
     without CUDA)."""
-    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    from compress.core.device import cuda_available
+
+    cuda = torch.cuda.max_memory_allocated() if cuda_available() else None
     return {"peak_rss_bytes": peak_rss_bytes(), "peak_cuda_allocated_bytes": cuda}
 
 

@@ -18,6 +18,7 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
+    from compress.core.device import cuda_available
     from compress.kernels import cpu_q8, cpuinfo
 
     flags = cpuinfo.cpu_flags()
@@ -33,7 +34,7 @@ def environment() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         # switches that cap the ISA of torch, MKL, oneDNN or our kernels (set ones only)
         "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)},
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_device_name(0) if cuda_available() else None,
     }
 
 

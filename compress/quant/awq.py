@@ -209,8 +209,8 @@ def search_clip(
     blocks = torch.stack([h[j : j + g, j : j + g] for j in range(0, k, g)])  # [K/g, g, g]
     grouped = w.reshape(n, k // g, g)
     wmax, wmin = grouped.amax(-1, keepdim=True), grouped.amin(-1, keepdim=True)
-    best = torch.full((n, k // g, 1), float("inf"))
-    best_ratio = torch.ones(n, k // g, 1)
+    best = torch.full((n, k // g, 1), float("inf"), device=w.device)
+    best_ratio = torch.ones(n, k // g, 1, device=w.device)
     for i in range(int(cfg.max_shrink * cfg.clip_grid) + 1):
         ratio = 1 - i / cfg.clip_grid
         clipped = torch.minimum(torch.maximum(grouped, wmin * ratio), wmax * ratio).reshape(n, k)

@@ -12,6 +12,13 @@ at a time. ``offload="cpu"`` keeps unprocessed layers on the CPU and moves each 
 temporary folder and frees them (meta tensors) until their turn, so host RAM holds only the
 processed (quantized) layers plus one float layer.
 
+On a GPU (``state.device``): the capture runs there with the modules outside the decoder stack
+that its forward touches (embedding, rotary tables, final norm; not the output head) copied to
+the device for its length only; each layer goes to the device for its turn, is calibrated and
+quantized there (Hessians, scale searches and sign-SGD follow the layer's tensors) and comes
+back to where it was (the CPU), or to the streamed export. The hidden states between layers
+stay on the device. On the CPU nothing moves: the numbers are the CPU path's, bit for bit.
+
 Peak memory is measured, not estimated (``compress.memory.MemoryMonitor``). Only decoder stacks
 that ``compress.arch.decoder_layers`` finds are supported.
 
@@ -23,10 +30,11 @@ per-channel scale into the producer of an input (``migrate_scales``, AWQ and Smo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from compress.arch import Arch, NormForm, arch_for, decoder_layers
+from compress.core.device import model_device, move_tensor, on_device
 from compress.core.errors import DataError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
@@ -66,6 +75,10 @@ class LayerInputs:
     per_layer: list[list[dict[str, Any]]] = field(default_factory=list)  # [layer][sample]
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    return bool(torch.isfinite(x).all())
+
+
 def _layer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     keep = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "use_cache")}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
@@ -87,7 +100,7 @@ def capture_first_layer_inputs(
         def identity(*args: Any, **kwargs: Any) -> torch.Tensor:
             hidden = args[0] if args else kwargs.pop("hidden_states")
             if index == 0:
-                if not torch.isfinite(hidden).all():
+                if not _all_finite(hidden):
                     raise ValueError(
                         "calibration activations contain NaN/Inf before decoder layer 0"
                     )
@@ -106,7 +119,7 @@ def capture_first_layer_inputs(
             layer.forward = identity_for(index)  # instance attribute: shadows the class method
         for ids in batches:
             try:
-                model(ids.to(device), use_cache=False)
+                model(move_tensor(ids, device, None), use_cache=False)
             except _StopForward:
                 pass
     finally:
@@ -128,7 +141,7 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "") -> list
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
         out = layer(hidden, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        if check and not torch.isfinite(out).all():
+        if check and not _all_finite(out):
             raise ValueError(
                 f"{check}: activations became NaN/Inf; lower the damping/alpha settings or check "
                 "the model in float32"
@@ -166,6 +179,35 @@ class _DiskOffload:
 LayerFn = Callable[[int, nn.Module, LayerInputs], None]
 
 
+def _send(layer: nn.Module, device: torch.device) -> None:
+    """Move ``layer`` to ``device`` (``nn.Module.to``, through ``compress.core.device``'s one
+    tensor move); a layer that changes device drops its quantized modules' cached kernel
+    layouts, which belong to the old one. Nothing happens when it is there already."""
+    if all(t.device == device for t in (*layer.parameters(), *layer.buffers())):
+        return
+    layer._apply(lambda t: move_tensor(t, device, None))
+    for module in layer.modules():
+        if isinstance(getattr(module, "_prepared", None), dict):
+            module._prepared.clear()
+
+
+@contextlib.contextmanager
+def _capture_on(
+    model: nn.Module, layers: nn.ModuleList, device: torch.device, stream: Any
+) -> Iterator[None]:
+    """The modules outside the decoder stack on ``device`` for the capture: a streamed model's
+    are read from the checkpoint straight to the device; resident ones (rotary tables, modules an
+    earlier pass kept) are copied there and put back after. The output head is left where it is
+    (the capture stops before it)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = [layers] + ([head] if head is not None else [])
+    with contextlib.ExitStack() as stack:
+        if stream is not None:
+            stack.enter_context(stream.outside(device))
+        stack.enter_context(on_device(model, device, skip=skip))
+        yield
+
+
 @torch.no_grad()
 def run_sequential(
     model: nn.Module,
@@ -196,25 +238,25 @@ def run_sequential(
         try:
             if offload == "cpu" and stream is None:
                 layers.to("cpu")
-            if stream is not None:
-                with stream.outside(device):
-                    inputs = capture_first_layer_inputs(model, batches, device)
-            else:
+            with _capture_on(model, layers, device, stream):
                 inputs = capture_first_layer_inputs(model, batches, device)
             for index in tqdm(range(len(layers)), desc=desc, disable=not progress):
                 layer = layers[index]
+                # where the layer goes back to: the CPU unless it lived on the device all along
+                home = torch.device("cpu")
                 if stream is not None:
                     stream.load_layer(index, device)
                 elif disk is not None:
                     disk.restore(layer, index, device)
-                layer.to(device)
+                elif offload == "none":
+                    home = model_device(layer)
+                _send(layer, device)
                 inputs.kwargs = inputs.per_layer[index]
                 process_layer(index, layer, inputs)
                 inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
+                _send(layer, home)  # the export and scratch files take CPU tensors
                 if stream is not None:
                     stream.finish_layer(index)
-                elif offload != "none":
-                    layer.to("cpu")
         finally:
             if disk is not None:
                 disk.close()

@@ -97,7 +97,9 @@ class HessianHooks:
     def __init__(
         self, linears: dict[str, nn.Linear], sink_weight: float | Literal["seq_len"] = 1.0
     ) -> None:
-        self.h = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
+        # on each linear's device: the Hessians accumulate where the layer runs (the GPU)
+        self.h = {n: torch.zeros(m.in_features, m.in_features, device=m.weight.device)
+                  for n, m in linears.items()}
         self.count = dict.fromkeys(linears, 0)
         self.sink_weight = sink_weight
         self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
@@ -177,7 +179,8 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     dev = w.device
-    perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else torch.arange(k)
+    perm = (torch.argsort(torch.diag(h), descending=True) if cfg.act_order
+            else torch.arange(k, device=dev))
     n_groups = k // group
     scales = torch.ones(n, n_groups, device=dev)
     zeros = None if scheme.symmetric else torch.zeros(n, n_groups, dtype=torch.int8, device=dev)

@@ -1,0 +1,176 @@
+"""The compute device, in one place: what a recipe or ``--device`` may name, what it resolves
+to, the evaluation dtype that goes with it, and moving a model's tensors there for a block.
+
+``device: auto | cpu | cuda | cuda:N``. ``auto`` is the first GPU when torch sees one, else the
+CPU; ``cuda_available`` is the only code that asks ``torch.cuda.is_available()`` (STYLE 1b: the
+device is a parameter, never a global), and ``resolve_device`` is called by the orchestration
+(``run_job``, the CLI), never on import. A CUDA device on a machine without one is a
+``RecipeError`` that names the fix, raised before any work.
+
+``on_device`` swaps a module's tensors for copies on the device (floating parameters cast to a
+dtype) for the length of a ``with`` block and puts the original tensor objects back after:
+exact (nothing is copied back), and a no-op that touches nothing when the tensors already are
+where and what they should be (the CPU path is unchanged, bit for bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from compress.core.errors import RecipeError
+
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N (N the GPU index, e.g. cuda:0)"
+_SPEC = re.compile(r"auto|cpu|cuda(?::\d+)?")
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a usable GPU: the only place the package asks (``compress.kernels``
+    aside, which imports nothing of ours)."""
+    return torch.cuda.is_available()
+
+
+def check_device_spec(value: object) -> str:
+    """``value`` itself when it is one of ``DEVICE_FORMS``; ValueError naming it otherwise."""
+    if not isinstance(value, str) or not _SPEC.fullmatch(value):
+        raise ValueError(f"device={value!r} is not a device: write {DEVICE_FORMS}")
+    return value
+
+
+def resolve_device(spec: str = "auto", *, where: str = "device") -> torch.device:
+    """The ``torch.device`` a spec names (``check_device_spec``): ``auto`` is ``cuda:0`` when
+    CUDA is available, else ``cpu``. ``where`` names the setting in errors (``--device``,
+    ``recipe.yaml: device``). RecipeError for a malformed spec, for CUDA without CUDA and for a
+    GPU index the machine does not have."""
+    try:
+        check_device_spec(spec)
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    if spec == "cpu":
+        return torch.device("cpu")
+    available = cuda_available()
+    if spec == "auto":
+        return torch.device("cuda", 0) if available else torch.device("cpu")
+    if not available:
+        build = (f"this torch {torch.__version__} is built for CUDA {torch.version.cuda} but "
+                 "finds no GPU" if torch.version.cuda else
+                 f"this torch {torch.__version__} is a CPU-only build")
+        raise RecipeError(
+            f"{where}: {spec} was asked for, but CUDA is not available ({build}). Fix: use "
+            "device: cpu (or auto, which picks the GPU only where there is one), or run on a "
+            "machine with a GPU and a CUDA build of torch"
+        )
+    device = torch.device(spec)
+    index = 0 if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RecipeError(
+            f"{where}: {spec} was asked for, but this machine has {count} GPU(s) "
+            f"(cuda:0 to cuda:{count - 1}). Fix: pick one of them, or device: auto"
+        )
+    return torch.device("cuda", index)
+
+
+def eval_dtype(device: torch.device) -> torch.dtype:
+    """The dtype evaluation runs the float weights in: bfloat16 on a GPU (its tensor cores;
+    what the models are served in), float32 on the CPU (the numbers the CPU path always gave)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H200)``: what results and reports say they ran on."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """Where the first non-meta tensor of ``module`` lives (the CPU when it holds none)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def move_tensor(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """``tensor`` on ``device``; floating tensors cast to ``dtype`` (None: kept), integer ones
+    (codes, token ids) keep theirs. The tensor itself when nothing changes."""
+    cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return tensor.to(device=device, dtype=cast)
+
+
+def move_tensors(
+    module: nn.Module, device: torch.device, dtype: torch.dtype | None = None,
+    *, skip: Iterable[nn.Module] = (),
+) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """Replace every tensor of ``module`` (its own and its submodules', except those inside
+    ``skip``) that is not on ``device`` or not in ``dtype`` by a copy that is; floating
+    parameters are cast to ``dtype`` (None: kept), buffers keep their dtype (rotary tables stay
+    float32). Meta tensors are left alone. A tensor shared by several modules (tied weights)
+    gets one copy, so ties hold. Returns what was replaced, for ``restore_tensors``. Cached
+    kernel layouts (``_prepared`` dicts of quantized layers) belong to the old device: a moved
+    module gets an empty one."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    copies: dict[int, torch.Tensor] = {}
+    replaced: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    for owner in module.modules():
+        if id(owner) in skipped:
+            continue
+        moved_any = False
+        for kind, table in (("param", owner._parameters), ("buffer", owner._buffers)):
+            for name, tensor in list(table.items()):
+                if tensor is None or tensor.device.type == "meta":
+                    continue
+                want = dtype if kind == "param" else None
+                if tensor.device == device and (
+                        want is None or not tensor.is_floating_point() or tensor.dtype == want):
+                    continue
+                if id(tensor) not in copies:
+                    new = move_tensor(tensor.detach(), device, want)
+                    if kind == "param":
+                        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    copies[id(tensor)] = new
+                table[name] = copies[id(tensor)]
+                replaced.append((owner, kind, name, tensor))
+                moved_any = True
+        prepared = getattr(owner, "_prepared", None)
+        if moved_any and isinstance(prepared, dict):
+            replaced.append((owner, "prepared", "_prepared", prepared))  # type: ignore[arg-type]
+            owner._prepared = {}
+    return replaced
+
+
+def restore_tensors(replaced: list[tuple[nn.Module, str, str, torch.Tensor]]) -> None:
+    """Put back the original tensors ``move_tensors`` replaced (exact: the same objects)."""
+    for owner, kind, name, tensor in reversed(replaced):
+        if kind == "param":
+            owner._parameters[name] = tensor  # type: ignore[assignment]
+        elif kind == "buffer":
+            owner._buffers[name] = tensor
+        else:
+            owner._prepared = tensor
+
+
+@contextlib.contextmanager
+def on_device(
+    module: nn.Module, device: torch.device | None, dtype: torch.dtype | None = None,
+    *, skip: Iterable[nn.Module] = (),
+) -> Iterator[nn.Module]:
+    """``module`` with its tensors on ``device`` (floating parameters in ``dtype``) inside the
+    block, as it was after (``move_tensors``). ``device`` None: nothing moves. The host copy
+    stays alive meanwhile: the device holds a second copy, the host nothing extra."""
+    replaced = move_tensors(module, device, dtype, skip=skip) if device is not None else []
+    try:
+        yield module
+    finally:
+        restore_tensors(replaced)
