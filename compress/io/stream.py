@@ -318,13 +318,16 @@ def materialize(
     reader: CheckpointReader,
     dtype: torch.dtype | None,
     device: torch.device | str = "cpu",
+    *,
+    skip: tuple[str, ...] = (),
 ) -> None:
     """Fill every meta tensor of ``module`` (checkpoint names ``prefix + name``) from
     ``reader``, each floating tensor cast to ``dtype`` (None: as stored) on ``device``.
-    Tensors already resident are left alone."""
+    Tensors already resident are left alone, and so are those whose name starts with one of
+    ``skip`` (submodules read later)."""
     tensors = {}
     for name, current in expected_tensors(module).items():
-        if current.device.type != "meta":
+        if current.device.type != "meta" or name.startswith(skip):
             continue
         tensor = reader.read(prefix + name, shape=tuple(current.shape))
         if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
@@ -470,7 +473,12 @@ class StreamedModel:
     def _layer_file(self, index: int) -> Path:
         return self.scratch_dir / f"layer{index:05d}.safetensors"
 
-    def load_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+    def load_layer(
+        self, index: int, device: torch.device | str = "cpu", *, defer: Iterable[nn.Module] = (),
+    ) -> nn.Module:
+        """Fill decoder layer ``index``. ``defer``: submodules of it left on meta when read
+        from the source checkpoint, for ``load_part`` to read one at a time (a scratch file
+        is read whole: it holds an earlier pass's exact state)."""
         layer = self.layers[index]
         if index in self._scratch:
             from safetensors.torch import load_file
@@ -479,9 +487,19 @@ class StreamedModel:
             layer.load_state_dict(state, strict=True, assign=True)
             self._layer_file(index).unlink(missing_ok=True)
         else:
-            materialize(layer, f"{self.layer_prefix}{index}.", self.reader, self.dtype, device)
+            deferred = {id(m) for m in defer}
+            skip = tuple(f"{n}." for n, m in layer.named_modules() if id(m) in deferred)
+            materialize(layer, f"{self.layer_prefix}{index}.", self.reader, self.dtype, device,
+                        skip=skip)
         self.loads += 1
         return layer
+
+    def load_part(self, index: int, module: nn.Module, device: torch.device | str = "cpu") -> None:
+        """Fill ``module``, a submodule of decoder layer ``index`` that ``load_layer`` deferred
+        (nothing to do when it is resident)."""
+        layer = self.layers[index]
+        name = next(n for n, m in layer.named_modules() if m is module)
+        materialize(module, f"{self.layer_prefix}{index}.{name}.", self.reader, self.dtype, device)
 
     def finish_layer(self, index: int) -> None:
         layer = self.layers[index]

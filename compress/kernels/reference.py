@@ -32,6 +32,9 @@ from __future__ import annotations
 import torch
 
 _NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # shift of code i within its word
+# elements per block where an op over a whole weight would make temporaries several times the
+# weight (packing, RTN codes): 4M elements, 16 MB in fp32; row-independent ops, same result
+ROW_BLOCK_ELEMENTS = 1 << 22
 
 
 def pack_int4(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -47,16 +50,21 @@ def pack_int4(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
         raise ValueError("pack_int4: codes must lie in [-8, 7]")
     n, k = w_q.shape
     k_padded = (k + 7) // 8 * 8
-    codes = w_q.to(torch.int32) + 8  # [N, K] in 0..15
-    if k_padded != k:
-        codes = torch.nn.functional.pad(codes, (0, k_padded - k), value=0)
-    codes = codes.view(n, k_padded // 8, 8)  # [N, K/8, 8]
-    shifted = codes << _NIBBLE_SHIFTS.to(codes.device)
-    # The 8 nibbles occupy disjoint bits, so a sum is an OR; int64 avoids sign overflow
-    # of the top nibble, then we reinterpret the low 32 bits as int32.
-    words = shifted.to(torch.int64).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).contiguous()
+    out = torch.empty(n, k_padded // 8, dtype=torch.int32, device=w_q.device)
+    # Rows in blocks: the temporaries take 16 bytes per code (int32 and int64 copies), 1.1 GB
+    # for one 13824 x 5120 linear at once; a block bounds them (rows are packed independently).
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(k_padded, 1))
+    for r0 in range(0, n, rows):
+        codes = w_q[r0 : r0 + rows].to(torch.int32) + 8  # [rows, K] in 0..15
+        if k_padded != k:
+            codes = torch.nn.functional.pad(codes, (0, k_padded - k), value=0)
+        codes = codes.view(codes.shape[0], k_padded // 8, 8)  # [rows, K/8, 8]
+        shifted = codes << _NIBBLE_SHIFTS.to(codes.device)
+        # The 8 nibbles occupy disjoint bits, so a sum is an OR; int64 avoids sign overflow
+        # of the top nibble, then we reinterpret the low 32 bits as int32.
+        words = shifted.to(torch.int64).sum(dim=-1)
+        out[r0 : r0 + rows] = torch.where(words >= 2**31, words - 2**32, words)
+    return out
 
 
 def unpack_int4(w_packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:

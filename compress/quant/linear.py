@@ -77,14 +77,28 @@ def rtn_codes(
     """Round-to-nearest ``(codes int8 [N, K], scales [N, K/g] in the stored dtype, zeros)`` of
     ``w [N, K]`` under ``scheme``, the min/max parameters of ``quant_primitives``."""
     group = scheme.resolved_group(w.shape[1])
-    scales, zeros = quant_primitives.compute_qparams(
-        w, n_bits=scheme.n_bits, group_size=group, symmetric=scheme.symmetric,
-        grid=scheme.grid,
-    )
-    # Codes are computed against the scales as stored, so that stored = used.
-    scales = scales.to(scheme.scale_dtype)
-    w_q = quant_primitives.quantize(w, scales, zeros, n_bits=scheme.n_bits, group_size=group)
-    return w_q, scales, zeros
+    n, k = w.shape
+    # Rows in blocks (each row's groups are independent, so the result is the same): the fp32
+    # temporaries of a whole 13B-sized linear would be several times its size.
+    rows = max(1, reference.ROW_BLOCK_ELEMENTS // max(k, 1))
+    w_q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scales_parts, zeros_parts = [], []
+    for r0 in range(0, max(n, 1), rows):  # once for an empty weight
+        block = w[r0 : r0 + rows]
+        scales, zeros = quant_primitives.compute_qparams(
+            block, n_bits=scheme.n_bits, group_size=group, symmetric=scheme.symmetric,
+            grid=scheme.grid,
+        )
+        # Codes are computed against the scales as stored, so that stored = used.
+        scales = scales.to(scheme.scale_dtype)
+        w_q[r0 : r0 + rows] = quant_primitives.quantize(
+            block, scales, zeros, n_bits=scheme.n_bits, group_size=group)
+        scales_parts.append(scales)
+        zeros_parts.append(zeros)
+    scales = torch.cat(scales_parts) if len(scales_parts) > 1 else scales_parts[0]
+    if zeros_parts[0] is None:
+        return w_q, scales, None
+    return w_q, scales, torch.cat(zeros_parts) if len(zeros_parts) > 1 else zeros_parts[0]
 
 
 class QuantLinear(nn.Module):

@@ -25,6 +25,7 @@ from compress.core.registry import (
     raise_or_report_skips,
     register_pass,
 )
+from compress.kernels import reference
 from compress.quant.coverage import report_coverage
 from compress.quant.experts import plan_experts, rtn_experts
 from compress.quant.linear import QuantLinear, WeightScheme, quantization_coverage
@@ -96,9 +97,8 @@ def quantize_linears(
     schemes: dict[str, int] = {}
     for layer_name, linear, scheme in _streamed(plan, stream):
         quant = make(linear, scheme, backend=cfg.backend)
-        w = linear.weight.detach().to(torch.float32)
-        err_num += float((quant.dequantized_weight() - w).pow(2).sum())
-        err_den += float(w.pow(2).sum())
+        num, den = _squared_error(quant, linear.weight.detach())
+        err_num, err_den = err_num + num, err_den + den
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
         schemes[scheme.describe()] = schemes.get(scheme.describe(), 0) + 1
@@ -120,6 +120,23 @@ def quantize_linears(
     return report
 
 
+def _squared_error(quant: QuantLinear, weight: torch.Tensor) -> tuple[float, float]:
+    """``(sum (dequantized - w)^2, sum w^2)`` over row blocks: the whole dequantized fp32 copy
+    and its difference would be ~3x the weight at once (1 GB for a 13B-sized linear)."""
+    w_q, zeros = quant.codes()
+    group = quant.group_size
+    rows = max(1, reference.ROW_BLOCK_ELEMENTS // max(weight.shape[1], 1))
+    num = den = 0.0
+    for r0 in range(0, weight.shape[0], rows):
+        w = weight[r0 : r0 + rows].to(torch.float32)
+        block_zeros = None if zeros is None else zeros[r0 : r0 + rows]
+        dq = reference.dequantize(w_q[r0 : r0 + rows], quant.weight_scale[r0 : r0 + rows],
+                                  block_zeros, group, torch.float32)
+        num += float((dq - w).pow(2).sum())
+        den += float(w.pow(2).sum())
+    return num, den
+
+
 def _streamed(plan: list[tuple[str, nn.Linear, WeightScheme]], stream):
     """The plan in order; with a stream, each decoder layer's targets between reading that
     layer and handing it back, then the targets outside the stack (read, kept resident)."""
@@ -135,10 +152,13 @@ def _streamed(plan: list[tuple[str, nn.Linear, WeightScheme]], stream):
         else:
             by_layer.setdefault(index, []).append(item)
     for index, items in by_layer.items():
-        stream.load_layer(index)
-        yield from items
-        for _, linear, _ in items:  # swapped out but still referenced by the plan: free it
-            linear.to("meta")
+        # The layer without its targets, then one target at a time, freed once quantized: the
+        # peak follows the largest linear, not the layer (a 13B layer is 1.3 GB in fp32).
+        stream.load_layer(index, defer=[linear for _, linear, _ in items])
+        for item in items:
+            stream.load_part(index, item[1])
+            yield item
+            item[1].to("meta")  # swapped out but still referenced by the plan: free it
         stream.finish_layer(index)
     for item in outside:
         stream.load_module(item[0])

@@ -102,8 +102,8 @@ def test_stream_reads_the_checkpoint_dtype_and_layers_one_at_a_time(checkpoint, 
     resident_max = []
     original = stream_module.StreamedModel.load_layer
 
-    def load_layer(self, index, device="cpu"):
-        layer = original(self, index, device)
+    def load_layer(self, index, device="cpu", **kwargs):
+        layer = original(self, index, device, **kwargs)
         resident = [i for i, other in enumerate(self.layers) if stream_module.is_resident(other)]
         resident_max.append(len(resident))
         assert all(p.dtype == torch.float32 for p in layer.parameters())
@@ -115,6 +115,38 @@ def test_stream_reads_the_checkpoint_dtype_and_layers_one_at_a_time(checkpoint, 
     assert resident_max == [1, 1, 1]
     reader = CheckpointReader(checkpoint)
     assert reader.dtype("model.layers.0.mlp.up_proj.weight") == torch.bfloat16
+
+
+def test_streamed_rtn_holds_one_float_linear_at_a_time(checkpoint, tmp_path, monkeypatch,
+                                                     one_thread):
+    """RTN reads a layer's targets one at a time: when a linear is quantized, it is the only
+    float nn.Linear of the decoder stack in memory (the peak follows the largest linear, not
+    the layer); the checkpoint is still the in-memory run's (test above)."""
+    from compress.quant import rtn
+
+    seen = []
+    original = rtn._squared_error
+
+    def squared_error(quant, weight):
+        layers = run_model["model"].model.layers
+        seen.append(sum(1 for m in layers.modules() if isinstance(m, torch.nn.Linear)
+                        and m.weight.device.type != "meta"))
+        return original(quant, weight)
+
+    run_model = {}
+    from compress.io import stream as stream_module
+
+    skeleton = stream_module.meta_skeleton
+
+    def keep_skeleton(path):
+        run_model["model"] = skeleton(path)
+        return run_model["model"]
+
+    monkeypatch.setattr(stream_module, "meta_skeleton", keep_skeleton)
+    monkeypatch.setattr(rtn, "_squared_error", squared_error)
+    recipe = _recipe(tmp_path, PASSES["int4_rtn"])
+    run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "out", stream=True, progress=False)
+    assert len(seen) >= 3 * 7 and max(seen[: 3 * 7]) == 1, seen
 
 
 def test_sharded_export_reloads_in_transformers_with_the_same_logits(checkpoint, tmp_path,

@@ -57,7 +57,9 @@ def test_rtn_error_within_half_a_step(n, groups, group_size, n_bits, symmetric, 
     assert int(w_q.min()) >= qmin and int(w_q.max()) <= qmax
     w_hat = reference.dequantize(w_q, scales, zeros, group_size, torch.float64)
     step = scales.to(torch.float64).repeat_interleave(group_size, dim=1)
-    assert torch.all((w_hat - w).abs() <= step / 2 + 1e-12)
+    # the quantizer computes in float32 (w is rounded to it first): allow fp32 rounding of
+    # w / scale, a few 1e-7 of a step (seen: 5e-7 at n=6, 8-bit asymmetric, seed 4096)
+    assert torch.all((w_hat - w).abs() <= step / 2 * (1 + 1e-5))
 
 
 def test_dequantize_matches_float64_formula():
