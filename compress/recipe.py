@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 # Every pass module, imported here for its @register_pass side effect: a recipe may name any
 # registered pass, so parsing or printing one needs them all (STYLE 5.3: explicit, no discovery).
 from compress import distill  # noqa: F401
+from compress.core.device import DEVICE_FORMS, check_device_spec
 from compress.core.errors import RecipeError
 from compress.core.registry import (
     MAX_TOKENS,
@@ -169,6 +170,7 @@ TOP_LEVEL = {
     "name": str,
     "description": str,
     "model": str,
+    "device": str,
     "calibration": CalibrationConfig,
     "passes": list,
     "export": ExportConfig,
@@ -211,11 +213,15 @@ class Recipe:
     calibration: CalibrationConfig | None = None
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # where the passes and the evaluation run: auto (the first GPU when there is one) | cpu |
+    # cuda | cuda:N; resolved by run_job (compress.core.device.resolve_device), not here
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         try:
             check_recipe_name(self.name)
             check_text(self.model)
+            check_device_spec(self.device)
         except ValueError as exc:
             raise RecipeError(f"invalid recipe: {exc}") from None
 
@@ -224,6 +230,8 @@ class Recipe:
         if self.description:
             out["description"] = self.description
         out["model"] = self.model
+        if self.device != "auto":  # the default stays out: older recipes' YAML is unchanged
+            out["device"] = self.device
         if self.calibration is not None:
             out["calibration"] = self.calibration.model_dump(mode="json")
         out["passes"] = [
@@ -375,6 +383,8 @@ def _top_level_string(key: str, raw: Any) -> str:
         raise ValueError(f"{key} must be a string, got {_shown(raw)}")
     if key == "name":
         return check_recipe_name(raw)  # its message starts with name=...
+    if key == "device":
+        return check_device_spec(raw)  # its message starts with device=...
     try:
         return check_text(raw, allow="\n\t\r" if key == "description" else "")
     except ValueError as exc:
@@ -505,6 +515,8 @@ def recipe_reference() -> str:
         "name: recipe  # str: one folder name (the default output is out/<name>)",
         "description: ''  # str",
         f"model: {Recipe().model}  # embedded name, model directory or hub id",
+        f"device: {Recipe().device}  # {DEVICE_FORMS}: where passes and evaluation run "
+        "(auto: the first GPU when there is one)",
         f"calibration:  # optional; {_summary(CalibrationConfig)}",
         *_model_reference(CalibrationConfig, 2),
         "passes:  # ordered list; each entry is `pass: <name>` plus that pass's settings",

@@ -75,10 +75,29 @@ def resolve_device(spec: str = "auto", *, where: str = "device") -> torch.device
     return torch.device("cuda", index)
 
 
-def eval_dtype(device: torch.device) -> torch.dtype:
-    """The dtype evaluation runs the float weights in: bfloat16 on a GPU (its tensor cores;
-    what the models are served in), float32 on the CPU (the numbers the CPU path always gave)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def eval_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype evaluation casts the float weights to: bfloat16 on a GPU (its tensor cores;
+    what the models are served in); None on the CPU, where the model keeps its own dtype (the
+    numbers the CPU path always gave)."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def float_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the first floating parameter of ``module`` (None when it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+@contextlib.contextmanager
+def on_eval_device(
+    module: nn.Module, device: torch.device | None
+) -> Iterator[dict[str, str | None]]:
+    """``module`` where evaluation runs it (``on_device`` with ``eval_dtype``) for the block;
+    yields what results record: ``{"device": device_name, "dtype": "bfloat16"}``. ``device``
+    None: where the module already is."""
+    with on_device(module, device, None if device is None else eval_dtype(device)):
+        where = model_device(module)
+        dtype = float_dtype(module)
+        yield {"device": device_name(where), "dtype": dtype_name(dtype) if dtype else None}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.calibration import calibration_mix
+from compress.core.device import device_name, on_eval_device, resolve_device
 from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
@@ -95,9 +96,12 @@ def evaluate_perplexity(
         log.info("%s: scoring every window of %s (WikiText-2 test: 593 windows, 10-15 min per "
                  "model on 2 idle CPU cores); stop at any time, the same command resumes", label,
                  cfg.dataset)
-    with dequantized_for_scoring(model):
+    # on the recipe's device, in bf16 on a GPU; the protocol records where and in what dtype
+    with on_eval_device(model, resolve_device(recipe.device)) as placed, \
+            dequantized_for_scoring(model):
         result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
                              top_k, kl_base)
+    result = dataclasses.replace(result, protocol={**result.protocol, **placed})
     log.info("%s: %.2f over %d windows (%d scored tokens)%s", label, result.perplexity,
              result.windows, result.scored_tokens,
              f"; KL {result.kl.kl_mean:.4g}, top-1 changed {result.kl.top1_changed_pct:.2f}%"
@@ -162,7 +166,8 @@ def recipe_state(
 ) -> CompressionState:
     """The ``CompressionState`` a recipe's passes run with: its calibration sequences (drawn
     once, handed out as batches of one) when it has a ``calibration`` section."""
-    state = CompressionState(tokenizer=tokenizer, progress=progress, data_dir=data_dir)
+    state = CompressionState(tokenizer=tokenizer, progress=progress, data_dir=data_dir,
+                             device=resolve_device(recipe.device))
     if recipe.calibration is not None:
         cal = recipe.calibration
         batches = calibration_mix(
@@ -264,6 +269,7 @@ def run_job(
     started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
     check_output_dir(out, overwrite=overwrite, protect=model_folders(recipe, model))
+    resolve_device(recipe.device)  # cuda without a GPU fails here, before any work
     text, source = None, None
     if recipe.eval.perplexity is not None:
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
@@ -350,7 +356,8 @@ def _baseline_row(loaded, recipe, text, source, progress, resume, kl_top_k, data
         loaded.model, loaded.tokenizer, recipe, text, source, progress,
         label="baseline perplexity", resume=resume, top_k=kl_top_k,
     )
-    extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
+    with on_eval_device(loaded.model, resolve_device(recipe.device)):
+        extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(loaded.model)
     row = {
         "variant": f"baseline ({loaded.source})",
@@ -373,7 +380,8 @@ def _compressed_row(model, tokenizer, recipe, text, source, progress, resume, ba
         label="compressed perplexity", resume=resume,
         kl_base=baseline.top_k_path if baseline else None,
     )
-    extras = evaluate_extras(model, tokenizer, recipe.eval, data_dir)
+    with on_eval_device(model, resolve_device(recipe.device)):
+        extras = evaluate_extras(model, tokenizer, recipe.eval, data_dir)
     sizes = model_bytes(model)
     row = {
         "variant": recipe.name,
@@ -396,6 +404,7 @@ def _payload(recipe, source, state, baseline, compressed, baseline_extras, compr
         "recipe": recipe.to_dict(),
         "model": source,
         "environment": environment(),
+        "device": device_name(state.device),  # where the passes ran (eval: its protocol)
         "passes": [r.to_dict() for r in state.reports],
         "eval": {
             "baseline": baseline.to_dict() if baseline else None,

@@ -142,8 +142,9 @@ def test_validate_show_without_a_recipe_prints_the_reference(capsys):
     assert main(["validate", "--show"]) == 0
     text = capsys.readouterr().out
     reference = yaml.safe_load(text)  # valid YAML: keys with their defaults
-    assert set(reference) == {"name", "description", "model", "calibration", "passes", "export",
-                              "eval"}
+    assert set(reference) == {"name", "description", "model", "device", "calibration", "passes",
+                              "export", "eval"}
+    assert reference["device"] == "auto"
     assert {p["pass"] for p in reference["passes"]} == set(compress.PASSES)
     assert "num_samples: 128  # int, >= 1, <= 65,536" in text
     assert "limit: null  # int | None, >= 1" in text
