@@ -631,6 +631,7 @@ class Runtime:
             )
         self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
         self.fallback_reason = unsupported_reason(model)
+        self.device = model.get_input_embeddings().weight.device  # seeded generators live here
         if self.fallback_reason is not None:
             warnings.warn(
                 f"compress runtime falls back to transformers generate: {self.fallback_reason}",
@@ -733,7 +734,8 @@ class Runtime:
         if self.fallback_reason is not None:
             yield from self.generate([input_ids], max_new_tokens, stop_tokens=stop, **sampling)[0]
             return
-        for tokens in self._run([list(input_ids)], max_new_tokens, _make_sampling(**sampling)):
+        sampling_ = _make_sampling(**sampling, device=self.device)
+        for tokens in self._run([list(input_ids)], max_new_tokens, sampling_):
             token = int(tokens[0])
             yield token
             if token in stop:
@@ -758,7 +760,7 @@ class Runtime:
         """
         prompts = [list(p) for p in prompts]
         stop = set(stop_tokens or ())
-        sampling = _make_sampling(temperature, top_k, top_p, seed)
+        sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.device)
         if self.fallback_reason is not None:
             return self._hf_generate(prompts, max_new_tokens, stop, sampling)
         out: list[list[int]] = [[] for _ in prompts]
@@ -999,7 +1001,10 @@ def _make_sampling(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    device: torch.device | None = None,
 ) -> _Sampling:
+    """Sampling settings; a seed makes a generator on ``device`` (the model's: multinomial on
+    CUDA refuses a CPU generator; None: the CPU)."""
     if (
         temperature < 0
         or (top_k is not None and top_k < 1)
@@ -1010,5 +1015,5 @@ def _make_sampling(
         )
     generator = None
     if seed is not None:
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=device or "cpu").manual_seed(seed)
     return _Sampling(temperature, top_k, top_p, generator)

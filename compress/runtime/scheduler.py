@@ -170,7 +170,7 @@ class Scheduler:
         (empty, out-of-vocabulary, longer than the runtime's positions or the whole cache)."""
         prompt = [int(t) for t in prompt]
         self.check(prompt, max_new_tokens)
-        sampling = _make_sampling(temperature, top_k, top_p, seed)
+        sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device)
         seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens))
         self.waiting.append(seq)
         return seq.id

@@ -375,3 +375,23 @@ def test_w8a8_layers_keep_int8_activations_in_the_runtime(model):
     rt = Runtime(model, max_seq_len=64, compile=False)
     for prompt in PROMPTS:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+def test_seeded_generator_is_made_on_the_models_device(api, model, monkeypatch):
+    """multinomial on CUDA refuses a CPU generator (issue 34): the seeded generator is made on
+    the runtime's device. A CPU-only build cannot make a CUDA generator, so the check is that
+    the runtime names its device (the old code named none: always the CPU's)."""
+    rt = Runtime(model, max_seq_len=64, compile=False)
+    asked, real = [], torch.Generator
+
+    def generator(device=None):
+        asked.append(device)
+        return real(device=device)
+
+    monkeypatch.setattr(torch, "Generator", generator)
+    if api == "generate":
+        rt.generate([PROMPTS[0]], 2, temperature=1.0, seed=0)
+    else:
+        list(rt.stream(PROMPTS[0], 2, temperature=1.0, seed=0))
+    assert asked == [rt.device] == [torch.device("cpu")]
