@@ -282,16 +282,26 @@ def optimizer_step(optimizer, scheduler) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def accelerator_settings(mixed_precision: str, device: torch.device) -> tuple[str, bool]:
+    """``(mixed_precision, cpu)`` for accelerate's ``Accelerator``: training runs on ``device``
+    (``state.device``), and ``auto`` is bf16 only when that is a GPU with bf16 (a CPU run on a
+    GPU host is not autocast to bf16 because CUDA exists). Multi-process runs take their GPU
+    from accelerate's launcher (one per rank), not from the index of ``device``."""
+    on_gpu = device.type == "cuda"
+    if mixed_precision == "auto":
+        mixed_precision = "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "no"
+    return mixed_precision, not on_gpu
+
+
 @register_pass("distill.logits", LogitsConfig, needs_teacher=True)
 def distill_logits(student: nn.Module, cfg: LogitsConfig, state: CompressionState) -> PassReport:
     from accelerate import Accelerator
 
     if state.tokenizer is None:
         raise ConfigError("distill.logits needs the tokenizer in state to read its data")
-    precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    accelerator = Accelerator(mixed_precision=precision, cpu=state.device.type == "cpu")
+    precision, cpu = accelerator_settings(cfg.mixed_precision, state.device)
+    accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
+    home = next(student.parameters()).device  # where the student goes back to after training
     world, rank, main = (
         accelerator.num_processes,
         accelerator.process_index,
@@ -371,6 +381,10 @@ def distill_logits(student: nn.Module, cfg: LogitsConfig, state: CompressionStat
             accelerator.wait_for_everyone()
     student.eval()
     teacher_ppl = held_out_perplexity(teacher, held_out, cfg.batch_size)
+    # back where they were (the host): later passes, evaluation and export find the model where
+    # the job keeps it, as after every other pass
+    student.to(home)
+    teacher.to(home)
     seconds = time.perf_counter() - started
     report = PassReport("distill.logits", changed=["all student parameters"])
     report.metrics.update(

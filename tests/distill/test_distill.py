@@ -16,6 +16,7 @@ import torch
 from compress.core.errors import ConfigError
 from compress.distill import (
     LogitsConfig,
+    accelerator_settings,
     batch_for,
     distill_logits,
     kl_loss,
@@ -179,6 +180,19 @@ def test_two_process_accelerate_matches_single_process(tmp_path, text_file):
         if n in teacher and v.shape == teacher[n].shape and not torch.equal(v, teacher[n])
     ]
     assert moved  # training changed the student
+
+
+@pytest.mark.parametrize("requested", ["auto", "no", "bf16"])
+def test_training_runs_on_the_state_device_with_its_precision(requested, monkeypatch):
+    """On a GPU host with state.device cpu, auto is not bf16 (it was: "CUDA exists") and the
+    accelerator trains on the CPU; on a GPU, auto is bf16 and the accelerator is not the CPU
+    (issue 34; cpu= was always true because run_job never set state.device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    on_cpu = accelerator_settings(requested, torch.device("cpu"))
+    on_gpu = accelerator_settings(requested, torch.device("cuda", 0))
+    assert on_cpu == ({"auto": "no"}.get(requested, requested), True)
+    assert on_gpu == ({"auto": "bf16"}.get(requested, requested), False)
 
 
 def test_bad_config_messages():
