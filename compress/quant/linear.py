@@ -279,18 +279,22 @@ class QuantLinear(nn.Module):
             x, self._prepared["cpu_int8_weight"], self._prepared["cpu_int8_scales"]  # type: ignore[arg-type]
         )
 
-    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_triton(self, x: torch.Tensor, plan: dispatch.Plan) -> torch.Tensor:
+        """``plan.kernel`` is the set the per-call choice may pick from: ``auto`` (the plan of
+        ``backend="auto"``: the measured table, torch's int4 kernel included, its repacked weight
+        cached in ``_prepared``) or ``triton`` (ours only, an explicit ``backend="triton"``)."""
         from compress.kernels import triton_ops
 
         x2 = x.reshape(-1, self.in_features)
+        zp = None if self.scheme.symmetric else self.weight_zero_point
+        kernel = plan.kernel or "triton"
         if self.scheme.n_bits == 4:
-            zp = None if self.scheme.symmetric else self.weight_zero_point
             y = triton_ops.int4_linear(
-                x2, self.weight_packed, self.weight_scale, zp, group_size=self.group_size
+                x2, self.weight_packed, self.weight_scale, zp, group_size=self.group_size,
+                kernel=kernel, cache=self._prepared,
             )
         else:
-            zp = None if self.scheme.symmetric else self.weight_zero_point
-            y = triton_ops.int8_linear(x2, self.weight, self.weight_scale, zp)
+            y = triton_ops.int8_linear(x2, self.weight, self.weight_scale, zp, kernel=kernel)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,11 +302,12 @@ class QuantLinear(nn.Module):
         if dense is not None:
             y = torch.nn.functional.linear(x, dense.to(x.dtype))  # type: ignore[union-attr]
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        backend = self.resolved_backend(x.device)
+        plan = self.plan(x.device)
+        backend = plan.backend
         if backend == "cpu":
             y = self._forward_cpu(x)
         elif backend == "triton":
-            y = self._forward_triton(x)
+            y = self._forward_triton(x, plan)
         else:
             y = torch.nn.functional.linear(x, self.dequantized_weight(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -402,13 +407,15 @@ class W8A8Linear(QuantLinear):
         return "w8a8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.resolved_backend(x.device)
+        plan = self.plan(x.device)
+        backend = plan.backend
         x2 = x.reshape(-1, self.in_features)  # [..., K] -> [M, K]
         w_scales = self.weight_scale.to(torch.float32).reshape(1, -1)  # [1, N]
         if backend == "triton":
             from compress.kernels import triton_ops
 
-            y = triton_ops.int8_int8_linear(x2, self.weight, self.weight_scale.reshape(-1, 1))
+            y = triton_ops.int8_int8_linear(x2, self.weight, self.weight_scale.reshape(-1, 1),
+                                            kernel=plan.kernel or "triton")
         else:
             x_q, x_scales = reference.quantize_per_token_int8(x2)
             if backend == "cpu":

@@ -73,3 +73,30 @@ def test_runtime_int8_and_float_layers():
         "_FloatLinear"
     )
     assert not notes
+
+
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "w8a8"])
+def test_triton_layers_hand_the_plans_kernel_set_to_the_glue(kind, kernel, monkeypatch):
+    """A ``triton`` plan's ``kernel`` reaches ``triton_ops`` (issue 34: the layers dropped it,
+    so ``backend="auto"`` on CUDA could never pick torch's int4 kernel from the measured table).
+    The plan and the glue are stood in for: on the CPU no plan is ``triton`` with ``auto``."""
+    from compress.kernels import triton_ops
+
+    if kind == "w8a8":
+        layer = w8a8_from_linear(torch.nn.Linear(128, 64), torch.float32, "auto")
+    else:
+        layer = _layer(scheme=INT4_G32 if kind == "int4" else WeightScheme(8, None, True))
+    calls = []
+
+    def glue(x, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros(x.shape[0], 64)
+
+    glue_name = {"int4": "int4_linear", "int8": "int8_linear", "w8a8": "int8_int8_linear"}[kind]
+    monkeypatch.setattr(triton_ops, glue_name, glue)
+    layer.plan = lambda device, **_: dispatch.Plan("triton", kernel=kernel)
+    assert layer(torch.randn(3, 128)).shape == (3, 64)
+    assert calls[0]["kernel"] == kernel
+    if kind == "int4":  # torch's repacked weight is made once per layer, into its own cache
+        assert calls[0]["cache"] is layer._prepared
