@@ -59,11 +59,25 @@ def _job_options(args: argparse.Namespace) -> dict:
                 overwrite=args.overwrite, kl_top_k=args.kl_top_k)
 
 
+def _with_device(recipe, device: str | None):
+    """``recipe`` with ``--device`` in place of its ``device`` key (None: the recipe's)."""
+    import dataclasses
+
+    return recipe if device is None else dataclasses.replace(recipe, device=device)
+
+
+def _device(args: argparse.Namespace):
+    """The torch device ``--device`` names (RecipeError before any work when it cannot be)."""
+    from compress.core.device import resolve_device
+
+    return resolve_device(args.device, where="--device")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from compress.pipeline.job import run_job, with_full_eval
     from compress.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = _with_device(load_recipe(args.recipe, args.set), args.device)
     if args.full_eval:
         recipe = with_full_eval(recipe)
     stream = {"auto": None, "on": True, "off": False}[args.stream]
@@ -78,7 +92,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from compress.pipeline.sweep import run_sweep
     from compress.recipe import load_recipe
 
-    recipes = [load_recipe(path, args.set) for path in args.recipes]
+    recipes = [_with_device(load_recipe(path, args.set), args.device) for path in args.recipes]
     if args.full_eval:
         recipes = [with_full_eval(r) for r in recipes]
     result = run_sweep(recipes, **_job_options(args))
@@ -123,7 +137,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         algorithm=args.algorithm, pass_options=_tune_pass_options(args),
         symmetric_grid=args.symmetric_grid, num_samples=args.num_samples, seq_len=args.seq_len,
         limit=None if args.full_eval else args.limit, out_dir=args.out, data_dir=args.data_dir,
-        progress=not args.no_progress, overwrite=args.overwrite,
+        progress=not args.no_progress, overwrite=args.overwrite, device=args.device,
     )  # fmt: skip
     from compress.pipeline.tune import tune_markdown
 
@@ -143,6 +157,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from compress.core.device import place_for_eval
     from compress.data import resolve_text_path
     from compress.eval.lm_eval_tasks import check_tasks, run_tasks, task_folder, task_manager
     from compress.eval.quality import perplexity
@@ -152,7 +167,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if tasks:  # unknown names fail here, before the model loads
         check_tasks(tasks, task_manager(task_folder(args.tasks_dir, args.data_dir)))
     path = None if args.no_perplexity else resolve_text_path(args.dataset, args.data_dir)
+    device = _device(args)
     loaded = load_model(args.model, backend=args.backend)
+    placed = place_for_eval(loaded.model, device)  # bf16 on a GPU; the CPU: as loaded
     out: dict = {}
     if path is not None:
         result = perplexity(
@@ -166,6 +183,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         out = result.to_dict()
+        out["protocol"].update(placed)
+    out["device"] = placed
     if tasks:  # on the in-memory model: quantized modules run as they are
         # lm-eval prints progress lines to stdout; keep stdout one JSON document
         with contextlib.redirect_stdout(sys.stderr):
@@ -185,13 +204,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     """Stream the tokens as they come; timings go to stderr so stdout is the text alone."""
     import time
 
+    from compress.core.device import place_for_eval
     from compress.io.load import load_model
     from compress.runtime.engine import Runtime
 
     started = time.perf_counter()
+    device = _device(args)
     loaded = load_model(args.model, backend=args.backend)
+    placed = place_for_eval(loaded.model, device)
     loaded_at = time.perf_counter()
-    print(f"loaded {args.model} in {loaded_at - started:.1f} s", file=sys.stderr)
+    print(f"loaded {args.model} in {loaded_at - started:.1f} s on {placed['device']}",
+          file=sys.stderr)
     ids = loaded.tokenizer(args.prompt)["input_ids"]
     need = len(ids) + args.max_new_tokens
     steps = ["one-time weight repack"]
@@ -347,6 +370,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         int_kernels=args.int_kernels,
         draft=args.draft,
         draft_k=args.draft_k,
+        device=args.device,
     )
     result = compare(args.baseline, args.variants, settings, args.out, overwrite=args.overwrite)
     print(result["markdown"])
@@ -415,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
+        p.add_argument("--device", default=None if recipe else "auto", metavar="DEVICE",
+                       help="where the work runs: auto (the first GPU when there is one, else "
+                       "the CPU), cpu, cuda or cuda:N; on a GPU evaluation runs in bf16 "
+                       + ("(default: the recipe's `device` key, auto)" if recipe
+                          else "(default: auto)"))
+
     def add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
         p.add_argument("recipe", nargs="?" if optional else None,
                        help="path to a recipe .yaml file (see recipes/)"
@@ -454,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "weights and protocol (saved under $COMPRESS_CACHE_DIR/perplexity)")
     p_run.add_argument("--kl-top-k", type=_kl_top_k_arg, default=32, metavar="K",
                        help=KL_TOP_K_HELP)
+    add_device_arg(p_run, recipe=True)
     p_run.set_defaults(func=_cmd_run)
 
     p_sweep = sub.add_parser(
@@ -477,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="recompute finished rows and saved perplexity windows")
     p_sweep.add_argument("--kl-top-k", type=_kl_top_k_arg, default=32, metavar="K",
                          help=KL_TOP_K_HELP)
+    add_device_arg(p_sweep, recipe=True)
     p_sweep.set_defaults(func=_cmd_sweep)
 
     p_tune = sub.add_parser(
@@ -517,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "../shared/data)")
     p_tune.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_tune.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_device_arg(p_tune)
     p_tune.set_defaults(func=_cmd_tune)
 
     p_val = sub.add_parser("validate", help="check a recipe completely and exit (no model work)")
@@ -549,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<data dir>/lm_eval_tasks)")
     p_eval.add_argument("--data-dir", help="data folder")
     p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_device_arg(p_eval)
     p_eval.set_defaults(func=_cmd_eval)
 
     p_cmp = sub.add_parser("compare", help="baseline vs variants: quality, latency, size, cost "
@@ -588,6 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--data-dir", help="data folder")
     p_cmp.add_argument("--no-progress", action="store_true", help="hide progress bars")
     _add_workload_args(p_cmp)
+    add_device_arg(p_cmp)
     p_cmp.set_defaults(func=_cmd_compare)
 
     p_gen = sub.add_parser("generate", help="generate text with the static-cache runtime")
@@ -612,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--lm-head-bits", type=int, choices=[4, 8],
                        help="quantize a copy of the output head for decode (8: +0.01-0.1%% ppl "
                        "measured on SmolLM2, the largest matrix of small models)")
+    add_device_arg(p_gen)
     p_gen.set_defaults(func=_cmd_generate)
 
     p_srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching "

@@ -87,6 +87,16 @@ def float_dtype(module: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
+def place_for_eval(module: nn.Module, device: torch.device) -> dict[str, str | None]:
+    """Move ``module`` to ``device`` for good, floating parameters in ``eval_dtype`` (the
+    commands that only evaluate or generate: nothing to put back); returns what ``on_eval_device``
+    yields. On the CPU nothing moves or changes dtype."""
+    move_tensors(module, device, eval_dtype(device))
+    dtype = float_dtype(module)
+    where = model_device(module)
+    return {"device": device_name(where), "dtype": dtype_name(dtype) if dtype else None}
+
+
 @contextlib.contextmanager
 def on_eval_device(
     module: nn.Module, device: torch.device | None

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compress.core.device import place_for_eval, resolve_device
 from compress.core.errors import ConfigError, DataError
 from compress.data import resolve_text_path
 from compress.eval.latency import (
@@ -88,6 +89,8 @@ class CompareSettings:
     int_kernels: str = "ours"
     draft: str | None = None  # speculative decoding of the baseline with this draft model
     draft_k: int = 4  # draft tokens proposed per target forward
+    # where every model runs (auto: the first GPU when there is one); bf16 on a GPU
+    device: str = "auto"
 
 
 WORKLOADS = ("single", "batch", "poisson", "trace")
@@ -180,6 +183,7 @@ def compare(
     from compress.output_dir import check_output_dir
 
     check_settings(settings)
+    device = resolve_device(settings.device, where="--device")  # before any model loads
     names = [baseline, *variants]
     models = [*names, *([settings.draft] if settings.draft else [])]
     protect = [d for d in map(local_model_dir, models) if d is not None]
@@ -189,19 +193,22 @@ def compare(
         path = resolve_text_path(settings.dataset, settings.data_dir)
         text, source = path.read_text(encoding="utf-8"), str(path)
     loaded = [load_model(n, backend=settings.backend) for n in names]
+    sizes = [_sizes(lm.model) for lm in loaded]  # as stored, before a GPU's bf16 copy
+    placed = [place_for_eval(lm.model, device) for lm in loaded]
     if text is not None:
         _check_tokenizers(names, [m.tokenizer for m in loaded])
     draft = None
     if settings.draft is not None:  # loaded first so that a wrong tokenizer fails before work
         draft = load_model(settings.draft, backend=settings.backend)
+        place_for_eval(draft.model, device)
         _check_draft_tokenizer(settings.draft, draft.tokenizer, baseline, loaded[0].tokenizer)
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     base_ppl = None
-    for name, lm in zip(names, loaded, strict=True):
+    for name, lm, where, size in zip(names, loaded, placed, sizes, strict=True):
         row: dict[str, Any] = {"variant": Path(name).name or name, "source": name}
-        row.update(_sizes(lm.model))
-        details[name] = {}
+        row.update(size)
+        details[name] = {"device": where}
         if text is not None:
             ppl = _perplexity(lm, text, source, settings, row["variant"], base_ppl)
             base_ppl = base_ppl or ppl

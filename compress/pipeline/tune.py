@@ -504,9 +504,12 @@ def run_tune(
     data_dir: str | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Measure, solve, write the recipe, run it and verify (module docstring). Returns the tune
-    report (also written as ``tune.json`` / ``tune.md`` beside the run's results)."""
+    report (also written as ``tune.json`` / ``tune.md`` beside the run's results). ``device``:
+    the written recipe's (its passes and evaluation); the sensitivities are measured on the
+    CPU."""
     from compress.calibration import calibration_mix as draw_calibration
     from compress.eval.report import environment, write_results
     from compress.io.load import load_model
@@ -575,7 +578,7 @@ def run_tune(
         calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
         symmetric_grid=symmetric_grid, pass_options=pass_options,
     )  # fmt: skip
-    recipe = parse_recipe(raw, source="compress tune")
+    recipe = replace(parse_recipe(raw, source="compress tune"), device=device)
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
     out = Path(out_dir or Path("out") / tag)
     result = run_job(recipe, model=model_id, out_dir=out, data_dir=data_dir, progress=progress,

@@ -58,3 +58,38 @@ def test_perplexity_result_names_its_device_and_dtype(tiny_model, tiny_tokenizer
     result = evaluate_perplexity(tiny_model, tiny_tokenizer, recipe, "hello world " * 20, "text",
                                  False, label="ppl", resume=False)
     assert result.protocol["device"] == "cpu" and result.protocol["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("command", ["run", "sweep", "tune", "eval", "compare", "generate"])
+def test_every_command_that_computes_takes_device(command, capsys):
+    from compress.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--device DEVICE" in capsys.readouterr().out
+
+
+def test_device_flag_replaces_the_recipes_key():
+    from compress.cli import _with_device
+
+    recipe = Recipe(device="cpu")
+    assert _with_device(recipe, None) is recipe
+    assert _with_device(recipe, "cuda:1").device == "cuda:1"
+    with pytest.raises(RecipeError, match="device='gpu'"):
+        _with_device(recipe, "gpu")
+
+
+@no_gpu
+@pytest.mark.parametrize("argv", [
+    ["eval", "no-such-model", "--device", "cuda"],
+    ["generate", "hi", "--model", "no-such-model", "--device", "cuda:0"],
+    ["compare", "no-such-model", "other", "--device", "cuda", "--no-latency"],
+], ids=["eval", "generate", "compare"])
+def test_cuda_flag_on_a_cpu_host_fails_before_loading(argv, capsys, tmp_path, monkeypatch):
+    from compress.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, *(["--out", str(tmp_path / "o")] if argv[0] == "compare" else [])]) == 2
+    err = capsys.readouterr().err
+    assert "--device: cuda" in err and "CUDA is not available" in err
+    assert "no-such-model" not in err, "the device is checked before the model is looked up"
