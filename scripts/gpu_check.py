@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -259,9 +260,18 @@ def section_ppl(ctx: dict) -> dict:
         cmd = [sys.executable, "-m", "compress.cli", "eval", exports[0], "--device", device,
                "--limit", "4"]  # fmt: skip
         proc = _run(cmd, ctx, cap_s=60)
+        found = re.search(r'"perplexity": ([0-9.eE+-]+)', proc["output"])
         out[device] = {"returncode": proc["returncode"], "seconds": proc["seconds"],
+                       "perplexity": float(found.group(1)) if found else None,
                        "tail": proc["output"].strip().splitlines()[-4:]}  # fmt: skip
+    gpu, cpu = out["cuda"]["perplexity"], out["cpu"]["perplexity"]
+    if gpu and cpu:  # GPU in bf16, CPU in the export's dtype; 1% is a guess at bf16's noise
+        out["relative_difference"] = abs(gpu / cpu - 1)
+        out["within_1pct"] = out["relative_difference"] <= PPL_TOLERANCE
     return out
+
+
+PPL_TOLERANCE = 0.01  # relative; bf16 weights and activations against the CPU's numbers
 
 
 SECTIONS = {"1 kernel tests": section_tests, "2 kernel table": section_table,
