@@ -120,17 +120,39 @@ def _digest_model(model: nn.Module, digest: Any) -> None:
             digest.update(f"{name}:backend={backend}".encode())
 
 
-def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: int) -> str:
-    """What a saved perplexity state depends on: weights, token ids, windows, device, versions."""
+def _digest_files(folder: Path, digest: Any) -> None:
+    """Feed a checkpoint folder's safetensors files into ``digest`` without reading their
+    weights (a 13B model is 26 GB): each shard's name, size, modification time and header (every
+    tensor's name, dtype, shape and offsets). A rewritten shard changes its time."""
+    from compress.io.stream import read_header, shard_files
+
+    for file in shard_files(folder):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(json.dumps(read_header(file)[1], sort_keys=True).encode())
+
+
+def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: int,
+              stream: Any = None) -> str:
+    """What a saved perplexity state depends on: weights, token ids, windows, device, versions.
+    A model scored layer by layer (``stream``) is known by its checkpoint files, not its
+    tensors (``_digest_files``)."""
     import transformers
 
     digest = hashlib.sha256()
-    device = next(model.parameters()).device
+    device = (torch.device("cpu") if stream is not None else next(model.parameters()).device)
     settings = (_STATE_VERSION, context_length, stride, device.type, torch.__version__,
-                transformers.__version__)
+                transformers.__version__, "layer by layer" if stream is not None else "whole")
     digest.update(repr(settings).encode())
     digest.update(ids.numpy().tobytes())
-    _digest_model(model, digest)
+    if stream is not None:
+        _digest_files(stream.reader.path, digest)
+        for name, module in model.named_modules():
+            backend = getattr(module, "backend", None)
+            if isinstance(backend, str):
+                digest.update(f"{name}:backend={backend}".encode())
+    else:
+        _digest_model(model, digest)
     return digest.hexdigest()[:32]
 
 
@@ -342,6 +364,77 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
         bar.close()
 
 
+@torch.no_grad()
+def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc: str,
+                             progress: bool) -> None:
+    """``_score_windows`` for a model whose decoder layers stay on disk (``stream``, a
+    ``compress.io.stream.StreamedModel`` without a sink): every forward batch of
+    ``_batches`` through layer i, then layer i+1, each layer read, run and freed in turn;
+    then the model's own forward from the final norm on (norm, head, any logit scaling), with
+    the decoder stack replaced by the stored last hidden states. The batches and the ops are
+    the whole-model forward's, so the numbers are its numbers. Memory: one layer plus the
+    hidden states of the windows scored (windows x context x hidden x 4 bytes, twice while a
+    layer runs). Quantized weight-only layers are scored dequantized, one layer at a time."""
+    from compress.arch import decoder_layers
+    from compress.quant.calibrated import capture_first_layer_inputs, run_layer
+    from compress.quant.linear import dequantized_for_scoring
+
+    model = stream.model
+    todo = [i for i in range(len(spans)) if scores.needs(i)]
+    batches = _batches(todo, spans)
+    windows = [torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch]) for batch in batches]
+    layers = decoder_layers(model, "layer-by-layer scoring")
+    bar = tqdm(total=len(layers) + 1, desc=f"{desc}, layer by layer", disable=not progress)
+    try:
+        with stream.outside():
+            inputs = capture_first_layer_inputs(model, windows, torch.device("cpu"))
+        for index in range(len(layers)):
+            layer = stream.load_layer(index)
+            inputs.kwargs = inputs.per_layer[index]
+            with dequantized_for_scoring(layer):
+                inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
+            stream.finish_layer(index)
+            bar.update(1)
+        with stream.outside(head=True):
+            for batch, batch_ids, hidden in zip(batches, windows, inputs.hidden, strict=True):
+                logits = _logits_from_last_hidden(model, layers, batch_ids, hidden)
+                for row, index in enumerate(batch):
+                    begin, end, first_scored = spans[index]
+                    targets = batch_ids[row, first_scored - begin :]
+                    preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
+                    scores.add(index, preds, targets)
+                del logits
+                save(False)
+        bar.update(1)
+    except BaseException:
+        scores.trim()
+        save(True)
+        raise
+    finally:
+        bar.close()
+
+
+def _logits_from_last_hidden(model: nn.Module, layers: nn.ModuleList, batch_ids: torch.Tensor,
+                             hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits for ``batch_ids`` whose last decoder layer output ``hidden``: its own
+    forward runs with the first decoder layer returning ``hidden`` and the others passing it
+    through (embedding lookups aside, nothing of the stack is recomputed)."""
+
+    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
+
+    def passthrough(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    try:
+        for index, layer in enumerate(layers):
+            layer.forward = first if index == 0 else passthrough  # shadows the class method
+        return model(batch_ids, use_cache=False).logits
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
 def _attach_kl_base(scores: _Scores, folder: Path, saved: dict[str, Any], digest: str,
                     spans: list) -> None:
     """Make ``scores`` compare with the baseline in ``folder``, resuming the KL sums ``saved``
@@ -383,6 +476,7 @@ def perplexity(
     top_k: int | None = None,
     top_k_dir: str | os.PathLike[str] | None = None,
     kl_base: str | os.PathLike[str] | None = None,
+    stream: Any = None,
 ) -> PerplexityResult:
     """Token perplexity of ``model`` on ``text`` under the protocol in the module docstring.
 
@@ -391,7 +485,10 @@ def perplexity(
     docstring); None keeps nothing. resume=False ignores (and then overwrites) a saved state.
     top_k: also write this model's top-k log-probs per window into ``<top_k_dir>/<key>.top<k>``
     (``result.top_k_path``), to serve as a later run's ``kl_base``. kl_base: such a folder of a
-    baseline scored on the same text and windows: the result gets ``kl``.
+    baseline scored on the same text and windows: the result gets ``kl``. stream: score layer
+    by layer (``_score_windows_layerwise``): ``model`` is then ``stream.model``, a skeleton
+    whose layers ``stream`` (a ``compress.io.stream.StreamedModel`` without a sink) reads in
+    turn; the numbers are the whole-model path's.
     """
     stride = stride or context_length
     if stride > context_length:
@@ -403,7 +500,8 @@ def perplexity(
     spans = all_spans[:limit] if limit is not None else all_spans
     if not spans:
         raise ValueError(f"{source}: text too short to score ({len(ids)} tokens)")
-    key = state_key(model, ids, context_length, stride) if state_dir or top_k else None
+    key = (state_key(model, ids, context_length, stride, stream)
+           if state_dir or top_k else None)
     path = Path(state_dir) / f"{key}.json" if state_dir is not None else None
     state = _read_state(path, key) if path is not None and resume else {}
     scores = _Scores(state.get("window_nll", []), state.get("window_tokens", []))
@@ -424,7 +522,8 @@ def perplexity(
             "window_kl": scores.kl, "window_kl_sq": scores.kl_sq, "window_changed": scores.changed}}
     reused = sum(not scores.needs(i) for i in range(len(spans)))
     _run_windows(model, ids, spans, scores, path, record, reused, label=label, source=source,
-                 progress=progress, save_every_s=save_every_s, context_length=context_length)
+                 progress=progress, save_every_s=save_every_s, context_length=context_length,
+                 stream=stream)
     result = _result(scores, spans, all_spans, ids, limit, source, context_length, stride)
     result.reused_windows = reused
     if kl_base is not None:
@@ -435,7 +534,7 @@ def perplexity(
 
 
 def _run_windows(model, ids, spans, scores, path, record, reused, *, label, source, progress,
-                 save_every_s, context_length) -> None:
+                 save_every_s, context_length, stream=None) -> None:
     """Score what is missing, saving ``record`` at ``path`` (when not None) as it goes."""
     if reused == len(spans):
         log.info("%s: all %d windows already scored, result read from %s", label, reused, path)
@@ -451,8 +550,11 @@ def _run_windows(model, ids, spans, scores, path, record, reused, *, label, sour
             last_save[0] = time.monotonic()
 
     name = Path(source).name or source
-    _score_windows(model, ids, spans, scores, save, progress=progress,
-                   desc=f"{label} ({name}, {len(spans)} windows of {context_length})")
+    desc = f"{label} ({name}, {len(spans)} windows of {context_length})"
+    if stream is not None:
+        _score_windows_layerwise(stream, ids, spans, scores, save, progress=progress, desc=desc)
+    else:
+        _score_windows(model, ids, spans, scores, save, progress=progress, desc=desc)
     save(True)
 
 

@@ -530,6 +530,85 @@ def _expert_scheme(quant: dict[str, Any], name: str, scale: torch.Tensor) -> Wei
     raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
 
 
+def swap_quantized_linears(
+    model: nn.Module, quant: dict[str, Any], stored_dtype, path: Path, dtype: torch.dtype,
+    backend: str,
+) -> None:
+    """Replace each ``nn.Linear`` that ``quant`` (a ``quantization_config``) quantizes by the
+    empty QuantLinear / W8A8Linear its config group describes, built on the device of the
+    linear's weight (meta for a skeleton). ``stored_dtype(name)``: the dtype the checkpoint
+    stores tensor ``name`` in, None when it is missing (the scales' dtype is the scheme's)."""
+    ignore = quant.get("ignore", [])
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
+            continue
+        for group in quant.get("config_groups", {}).values():
+            if any(matches(name, module, t) for t in group["targets"]):
+                scale_dtype = stored_dtype(f"{name}.weight_scale")
+                if scale_dtype is None:
+                    raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
+                scheme = _scheme_from_args(group["weights"], scale_dtype)
+                cls = QuantLinear
+                if (group.get("input_activations") or {}).get("strategy") == "token":
+                    cls = W8A8Linear  # dynamic int8 inputs
+                with torch.device(module.weight.device):
+                    quant_linear = cls(
+                        module.in_features,
+                        module.out_features,
+                        scheme,
+                        bias=module.bias is not None,
+                        dtype=dtype,
+                        backend=backend,
+                    )
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, quant_linear)
+                break
+
+
+def compressed_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        backend: str = "auto") -> nn.Module:
+    """``load_compressed``'s model with every tensor on the meta device (a
+    ``compress.io.stream.meta_skeleton`` with the quantized layers swapped in, reading only the
+    shards' headers), for reading one layer at a time. Fused MoE experts are not supported
+    here (ModelLoadError): they are renamed and regrouped on load."""
+    from compress.io.stream import CheckpointReader, meta_skeleton
+
+    path = Path(path)
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    model = meta_skeleton(path)
+    if _moe_arch(model) is not None:
+        raise ModelLoadError(f"{path}: a fused-experts (MoE) checkpoint is not read layer by "
+                             "layer; load it whole (compress.load)")
+    reader = CheckpointReader(path)
+    swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
+                           path, dtype, backend)
+    return model
+
+
+def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                    backend: str = "auto"):
+    """A ``compress.io.stream.StreamedModel`` over the checkpoint at ``path`` (plain or
+    compressed), for reading it one decoder layer at a time and nothing else: a finished layer
+    is freed, never saved (layer-by-layer evaluation, ``compress.eval.quality``)."""
+    from compress.arch import arch_for, decoder_layers
+    from compress.io.stream import CheckpointReader, StreamedModel, meta_skeleton
+
+    path = Path(path)
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
+            from exc
+    skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
+                if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
+    layers = decoder_layers(skeleton, "layer-by-layer reading")
+    stream = StreamedModel(skeleton, CheckpointReader(path), dtype, layers,
+                           arch_for(skeleton, "layer-by-layer reading").layer_prefix,
+                           scratch_dir=path / ".unused-scratch")
+    stream.sink = lambda prefix, module: None  # read-only: finished layers are only freed
+    return stream
+
+
 def load_compressed(
     path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> nn.Module:
@@ -547,30 +626,8 @@ def load_compressed(
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
     tensors = _load_moe_experts(model, read_tensors(path, dtype), quant, dtype, backend)
-    ignore = quant.get("ignore", [])
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
-            continue
-        for group in quant.get("config_groups", {}).values():
-            if any(matches(name, module, t) for t in group["targets"]):
-                scale = tensors.get(f"{name}.weight_scale")
-                if scale is None:
-                    raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
-                scheme = _scheme_from_args(group["weights"], scale.dtype)
-                cls = QuantLinear
-                if (group.get("input_activations") or {}).get("strategy") == "token":
-                    cls = W8A8Linear  # dynamic int8 inputs
-                quant_linear = cls(
-                    module.in_features,
-                    module.out_features,
-                    scheme,
-                    bias=module.bias is not None,
-                    dtype=dtype,
-                    backend=backend,
-                )
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, quant_linear)
-                break
+    swap_quantized_linears(model, quant, lambda n: None if n not in tensors else tensors[n].dtype,
+                           path, dtype, backend)
     check_shapes(path, tensors, model)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):

@@ -341,8 +341,19 @@ def materialize(
 
 
 def release(module: nn.Module) -> None:
-    """Send every tensor of ``module`` back to the meta device (frees its memory)."""
-    module.to("meta")
+    """Send every tensor of ``module`` that the checkpoint holds (parameters, persistent
+    buffers) back to the meta device, freeing its memory. Non-persistent buffers (rotary
+    tables, Gemma's embedding scale) stay: the model's code computed them and no checkpoint
+    can give them back, so a module read a second time would be missing them."""
+    kept = []  # (owner, name, buffer): out of the way of nn.Module.to (it keeps ties)
+    for owner in module.modules():
+        for name in owner._non_persistent_buffers_set & set(owner._buffers):
+            kept.append((owner, name, owner._buffers.pop(name)))
+    try:
+        module.to("meta")
+    finally:
+        for owner, name, buffer in kept:
+            owner._buffers[name] = buffer
 
 
 # ---- the writer ---------------------------------------------------------------------------
