@@ -139,11 +139,9 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
     available = available_memory_bytes()
     result["available_bytes"] = available
     peak = result["peak_bytes"]
-    if (peak is None or available is None or peak <= available
-            or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1"):
+    if _fits(peak, available):
         return result
     phase = max(result["phases_bytes"], key=result["phases_bytes"].get)
-    gib = 2**30
     ways = []
     if "eval" in phase:
         ways.append("leave evaluation out (`--set eval.baseline=false --set eval.perplexity=null`"
@@ -153,10 +151,28 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
                     "smoothquant/autoround stream one decoder layer at a time)")
     if recipe.calibration is not None and "pass" in phase:
         ways.append("lower calibration.num_samples or seq_len")
-    ways.append("free memory or use a machine with more (COMPRESS_SKIP_MEMORY_CHECK=1 runs "
-                "anyway)")
+    _refuse(phase, peak, available, ways)
+
+
+def check_phase(phase: str, need: int | None, way_out: str) -> None:
+    """The same refusal for work outside a job (``compress tune``'s sensitivity measurement):
+    ``need`` bytes at the peak of ``phase`` (None: unknown, not checked)."""
+    available = available_memory_bytes()
+    if not _fits(need, available):
+        _refuse(phase, need, available, [way_out])
+
+
+def _fits(need: int | None, available: int | None) -> bool:
+    return (need is None or available is None or need <= available
+            or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1")
+
+
+def _refuse(phase: str, need: int, available: int, ways: list[str]):
+    gib = 2**30
+    ways = [*ways, "free memory or use a machine with more (COMPRESS_SKIP_MEMORY_CHECK=1 runs "
+            "anyway)"]
     raise InsufficientMemoryError(
-        f"this job needs about {peak / gib:.1f} GiB in its phase '{phase}' but "
+        f"this job needs about {need / gib:.1f} GiB in its phase '{phase}' but "
         f"{available / gib:.1f} GiB of memory is available; nothing was written. Way out: "
         + "; or ".join(ways)
     )
