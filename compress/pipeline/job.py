@@ -1,27 +1,34 @@
 """``compress run``: load the model, evaluate the baseline, run the passes, evaluate the result,
 export the checkpoint and write the baseline-vs-compressed table.
 
-Everything that can be checked before the expensive work is checked first: the recipe (already
-validated), the output directory, the model source, and the evaluation and calibration data.
-This is the orchestration layer, so it (like the CLI) may import ``compress.eval``.
+This is the one orchestration of ``run``, ``sweep`` and ``tune``: ``plan_job`` checks a job
+before any work (the output folder is the caller's; then the device, the evaluation data, the
+model source, whether it can stream and the memory preflight), ``execute_job`` runs load ->
+baseline -> passes -> evaluation -> export, streamed layer by layer or on the model loaded
+whole, and each caller turns its outcome into its own table. This is the orchestration layer,
+so it (like the CLI) may import ``compress.eval``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from compress.calibration import calibration_mix
 from compress.core.device import device_name, on_eval_device, resolve_device
 from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
-from compress.io.export import export_checkpoint, resolve_export_dtype
+from compress.io.export import export_checkpoint, resolve_export_dtype, write_provenance
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
 from compress.quant.linear import dequantized_for_scoring, model_bytes
@@ -239,6 +246,119 @@ def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
             f"score the export, rounded to {str(export).removeprefix('torch.')}")
 
 
+class JobOptions(BaseModel):
+    """How a job runs, as the CLI's flags set it (``run_job`` documents each)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_dir: str | None = None  # data folder (default: $COMPRESS_DATA_DIR)
+    progress: bool = True  # progress bars
+    overwrite: bool = False  # replace a folder that is not an earlier compress output
+    resume: bool = True  # reuse perplexity windows saved by an earlier run
+    kl_top_k: int = KL_TOP_K  # baseline log-probs kept per token for KL; 0 leaves KL out
+
+
+@dataclass
+class JobPlan:
+    """A job checked before any work (``plan_job``): the recipe, where the model is read from,
+    the evaluation text, whether it streams and the memory preflight's estimate. A plan runs
+    once: a streamed job's passes rewrite its meta ``skeleton`` in place."""
+
+    recipe: Recipe
+    source: str  # the model as asked for (a folder, a hub id or an embedded name)
+    where: Path | str  # where it is read from (``compress.io.load.resolve_model_path``)
+    text: str | None  # the perplexity text; None when the recipe scores none
+    text_source: str | None  # its path, for the protocol
+    skeleton: Any  # the meta skeleton a streamed job works on, else None
+    reader: Any  # the checkpoint's ``CheckpointReader`` when streamed, else None
+    # streamed, not_streamed_because, estimate; peak_rss_bytes is filled as phases run
+    memory: dict[str, Any]
+
+    @property
+    def streamed(self) -> bool:
+        return self.memory["streamed"]
+
+
+@dataclass
+class Evaluation:
+    """What a job measured on one model, the baseline or the compressed one. ``evaluated`` is
+    False for a streamed job that evaluates nothing: only ``sizes`` (of its skeleton) then."""
+
+    perplexity: Any  # compress.eval.quality's result; None without eval.perplexity
+    extras: dict[str, Any]  # lm-eval tasks / latency, when the recipe asks for them
+    sizes: dict[str, int]  # compress.quant.linear.model_bytes
+    bits_per_weight: float | None = None  # over every weight matrix (quant.linear)
+    evaluated: bool = True
+
+
+@dataclass
+class JobOutcome:
+    """One job's results, before a caller turns them into its rows."""
+
+    state: CompressionState  # its reports
+    baseline: Evaluation | None  # the baseline it scored against (given or its own)
+    compressed: Evaluation
+    pass_seconds: float  # wall time of the passes
+    pass_peak_bytes: int  # the largest peak resident memory of a pass
+    report: dict[str, Any] | None = None  # what ``report`` returned (the export's report.json)
+    disk_bytes: int | None = None  # the checkpoint's size on disk, None when none was kept
+
+
+def plan_job(
+    recipe: Recipe, *, model: str | None = None, data_dir: str | None = None,
+    stream: bool | None = None,
+) -> JobPlan:
+    """Every check that needs no model in memory, in order: the device, the evaluation text,
+    the model source, whether the job can stream (``stream`` as for ``run_job``) and the
+    memory preflight (``compress.pipeline.preflight.check_memory``, which refuses a job that
+    would not fit). Reads only file headers and config.json."""
+    from compress.io.load import resolve_model_path
+    from compress.pipeline.preflight import check_memory
+
+    resolve_device(recipe.device)  # cuda without a GPU fails here, before any work
+    text, source = None, None
+    if recipe.eval.perplexity is not None:
+        path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    where = resolve_model_path(model or recipe.model)
+    refusal = stream_refusal(recipe, where)
+    skeleton = reader = None
+    if refusal is None:
+        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
+
+        verify_checkpoint(where)
+        reader, skeleton = CheckpointReader(where), meta_skeleton(where)
+        refusal = _skeleton_refusal(skeleton, reader)
+        if refusal is None and _wants_eval(recipe, text):
+            refusal = _eval_refusal(recipe, where, reader)
+    if stream and refusal is not None:
+        raise RecipeError(f"this job cannot stream: {refusal}; leave `stream` unset")
+    streamed = refusal is None and stream is not False
+    estimate = check_memory(recipe, where, streamed=streamed, skeleton=skeleton)
+    memory: dict[str, Any] = {"streamed": streamed, "not_streamed_because": refusal,
+                              "estimate": estimate, "peak_rss_bytes": {}}
+    if not streamed:
+        skeleton = reader = None  # the job loads the model whole; the skeleton is not needed
+    return JobPlan(recipe, model or recipe.model, where, text, source, skeleton, reader, memory)
+
+
+def _plan_key(recipe: Recipe) -> tuple:
+    """What a plan's decisions depend on: the passes' kinds, the calibration, the evaluation,
+    the export and the device (``compress.pipeline.preflight.estimate``, ``stream_refusal``)."""
+    return ([pass_name_of(p) for p in recipe.passes], recipe.calibration, recipe.eval,
+            recipe.export, recipe.device, recipe.model)
+
+
+def with_recipe(plan: JobPlan, recipe: Recipe) -> JobPlan:
+    """``plan`` for ``recipe``, a recipe its checks hold for unchanged: the same pass kinds,
+    calibration, evaluation, export, device and model, other settings (formats per layer)
+    free. ``compress tune`` plans its verification before it knows the layers' formats."""
+    if _plan_key(recipe) != _plan_key(plan.recipe):
+        raise ValueError(f"recipe {recipe.name!r} differs from the planned {plan.recipe.name!r} "
+                         "in what the plan checked (passes, calibration, eval, export, device)")
+    return dataclasses.replace(plan, recipe=recipe)
+
+
 def run_job(
     recipe: Recipe,
     *,
@@ -263,56 +383,77 @@ def run_job(
     the compute dtype at a time and the export is written as layers finish; evaluation loads
     the baseline and then the exported checkpoint whole, one at a time. Every job is first
     checked against the available memory (``compress.pipeline.preflight``)."""
-    from compress.io.load import resolve_model_path
-    from compress.pipeline.preflight import check_memory
-
-    started = time.perf_counter()
     out = Path(out_dir or Path("out") / recipe.name)
     check_output_dir(out, overwrite=overwrite, protect=model_folders(recipe, model))
-    resolve_device(recipe.device)  # cuda without a GPU fails here, before any work
-    text, source = None, None
-    if recipe.eval.perplexity is not None:
-        path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
-        text, source = path.read_text(encoding="utf-8"), str(path)
-    where = resolve_model_path(model or recipe.model)
-    refusal = stream_refusal(recipe, where)
-    skeleton = reader = None
-    if refusal is None:
-        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
+    plan = plan_job(recipe, model=model, data_dir=data_dir, stream=stream)
+    options = JobOptions(data_dir=data_dir, progress=progress, overwrite=overwrite,
+                         resume=resume, kl_top_k=kl_top_k)
+    return run_planned(plan, out, options)
 
-        verify_checkpoint(where)
-        reader, skeleton = CheckpointReader(where), meta_skeleton(where)
-        refusal = _skeleton_refusal(skeleton, reader)
-        if refusal is None and _wants_eval(recipe, text):
-            refusal = _eval_refusal(recipe, where, reader)
-    if stream and refusal is not None:
-        raise RecipeError(f"this job cannot stream: {refusal}; leave `stream` unset")
-    streamed = refusal is None and stream is not False
-    estimate = check_memory(recipe, where, streamed=streamed, skeleton=skeleton)
-    memory: dict[str, Any] = {"streamed": streamed, "not_streamed_because": refusal,
-                              "estimate": estimate, "peak_rss_bytes": {}}
-    if streamed:
-        rows, payload_parts = _run_streamed(
-            recipe, model or recipe.model, where, skeleton, reader, out, text, source, data_dir,
-            progress, overwrite, resume, kl_top_k, memory)
-    else:
-        rows, payload_parts = _run_in_memory(
-            recipe, model, out, text, source, data_dir, progress, overwrite, resume, kl_top_k,
-            memory)
-    payload, compressed = payload_parts
+
+def run_planned(plan: JobPlan, out: Path, options: JobOptions) -> JobResult:
+    """``run_job`` after its checks: the job of ``plan`` (``execute_job``), its checkpoint in
+    ``out`` and its results table (``results.md``/``results.json``) beside it."""
+    from compress.eval.report import markdown_table, write_results
+
+    started = time.perf_counter()
+    recipe = plan.recipe
+    rows: list[dict[str, Any]] = []
+
+    def report(outcome: JobOutcome) -> dict[str, Any]:
+        rows.extend(_job_rows(plan, outcome))
+        return _payload(plan, outcome, rows)
+
+    outcome = execute_job(plan, out, options, report=report)
+    payload = outcome.report
+    if outcome.disk_bytes is not None:
+        rows[-1]["disk_mb"] = outcome.disk_bytes / 1e6  # after report.json was written
     payload["seconds"] = round(time.perf_counter() - started, 1)
+    compressed = outcome.compressed.perplexity
     protocol = ""
     if compressed:
         protocol = protocol_line(compressed, compressed.kl.top_k if compressed.kl else None)
     known = {*dict(COLUMNS), "kl_stderr"}
     extra = [(k, LATENCY_COLUMNS.get(k, f"{k} acc")) for k in rows[-1] if k not in known]
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
-    from compress.eval.report import markdown_table, write_results
-
     markdown = (f"## {recipe.name}\n\n" + markdown_table(rows, columns) + protocol
-                + memory_line(memory))
-    write_results(out, "results", markdown, payload, overwrite=overwrite)
+                + memory_line(plan.memory))
+    write_results(out, "results", markdown, payload, overwrite=options.overwrite)
     return JobResult(out, rows, markdown, payload)
+
+
+def execute_job(
+    plan: JobPlan, out: Path, options: JobOptions, *, export: bool = True,
+    baseline: Evaluation | None = None, report=None, label: str = "compressed perplexity",
+) -> JobOutcome:
+    """The one orchestration of ``run``, ``sweep`` and ``tune``: load, baseline, passes,
+    evaluation, export, each phase's peak memory into ``plan.memory``. Streamed when the plan
+    says so (``_run_streamed``), else on the model loaded whole (``_run_in_memory``).
+
+    export: write the checkpoint into ``out`` (atomically). Without it nothing is kept: a
+    streamed job writes its export into a scratch folder beside ``out``, scores it there and
+    removes it. baseline: an evaluation of the unmodified model to score against (a sweep's
+    shared one); None evaluates one here when ``recipe.eval.baseline``. report: called with the
+    outcome once the compressed model is evaluated; what it returns is the export's
+    ``report.json``. label: the compressed perplexity's progress-bar name."""
+    run = _run_streamed if plan.streamed else _run_in_memory
+    return run(plan, out, options, export=export, baseline=baseline, report=report,
+               label=label)
+
+
+def evaluate_baseline(plan: JobPlan, options: JobOptions) -> Evaluation:
+    """The unmodified model of ``plan`` loaded whole, evaluated under its recipe's ``eval``
+    (with the top-k log-probs later variants' KL needs) and freed before this returns: a
+    sweep's shared baseline, and a streamed job's own."""
+    import gc
+
+    with _Phase(plan.memory, "baseline eval"):
+        loaded = _load_whole(plan)
+        result = _evaluate(plan, loaded.model, loaded.tokenizer, options,
+                           label="baseline perplexity", top_k=options.kl_top_k)
+        del loaded
+        gc.collect()
+    return result
 
 
 def memory_line(memory: dict[str, Any]) -> str:
@@ -348,72 +489,82 @@ class _Phase:
         peaks[self.name] = max(peaks.get(self.name, 0), self.monitor.peak_bytes)
 
 
-def _baseline_row(loaded, recipe, text, source, progress, resume, kl_top_k, data_dir):
+def _load_whole(plan: JobPlan):
+    """The model loaded whole (float32). A streamed plan reads the folder it resolved (an
+    embedded model's cache); the source stays what was asked for, for the tables."""
+    loaded = load_model(str(plan.where) if plan.streamed else plan.source)
+    loaded.source = plan.source
+    return loaded
+
+
+def _evaluate(plan: JobPlan, model, tokenizer, options: JobOptions, *, label: str,
+              top_k: int | None = None, baseline: Evaluation | None = None) -> Evaluation:
+    """Perplexity (with the KL against ``baseline``'s top-k), the recipe's tasks and latency,
+    and the sizes of ``model``."""
     from compress.eval.compare import evaluate_extras
-    from compress.eval.report import kl_cells
+    from compress.quant.linear import bits_per_weight
 
-    baseline = evaluate_perplexity(
-        loaded.model, loaded.tokenizer, recipe, text, source, progress,
-        label="baseline perplexity", resume=resume, top_k=kl_top_k,
-    )
-    with on_eval_device(loaded.model, resolve_device(recipe.device)):
-        extras = evaluate_extras(loaded.model, loaded.tokenizer, recipe.eval, data_dir)
-    sizes = model_bytes(loaded.model)
-    row = {
-        "variant": f"baseline ({loaded.source})",
-        "perplexity": baseline.perplexity if baseline else None,
-        **kl_cells(baseline, baseline),
-        "linear_weight_mb": sizes["linear"] / 1e6,
-        "weight_mb": sizes["total"] / 1e6,
-        **extra_cells(extras),
-    }
-    return baseline, extras, row
-
-
-def _compressed_row(model, tokenizer, recipe, text, source, progress, resume, baseline,
-                    data_dir):
-    from compress.eval.compare import evaluate_extras
-    from compress.eval.report import kl_cells
-
-    compressed = evaluate_perplexity(
-        model, tokenizer, recipe, text, source, progress,
-        label="compressed perplexity", resume=resume,
-        kl_base=baseline.top_k_path if baseline else None,
+    recipe = plan.recipe
+    kl_base = baseline.perplexity.top_k_path if baseline and baseline.perplexity else None
+    result = evaluate_perplexity(
+        model, tokenizer, recipe, plan.text, plan.text_source, options.progress,
+        label=label, resume=options.resume, top_k=top_k, kl_base=kl_base,
     )
     with on_eval_device(model, resolve_device(recipe.device)):
-        extras = evaluate_extras(model, tokenizer, recipe.eval, data_dir)
-    sizes = model_bytes(model)
-    row = {
-        "variant": recipe.name,
-        "perplexity": compressed.perplexity if compressed else None,
-        **kl_cells(compressed, baseline),
-        "linear_weight_mb": sizes["linear"] / 1e6,
-        "weight_mb": sizes["total"] / 1e6,
-        **extra_cells(extras),
-    }
-    if baseline and compressed:
-        row["ppl_delta_pct"] = 100 * (compressed.perplexity / baseline.perplexity - 1)
-    return compressed, extras, row
+        extras = evaluate_extras(model, tokenizer, recipe.eval, options.data_dir)
+    return Evaluation(result, extras, model_bytes(model), bits_per_weight(model))
 
 
-def _payload(recipe, source, state, baseline, compressed, baseline_extras, compressed_extras,
-             rows, memory) -> dict[str, Any]:
+def _sizes_only(model) -> Evaluation:
+    """A streamed job that evaluates nothing still reports its (skeleton's) sizes."""
+    return Evaluation(None, {}, model_bytes(model), evaluated=False)
+
+
+def _job_rows(plan: JobPlan, outcome: JobOutcome) -> list[dict[str, Any]]:
+    """``compress run``'s table: the baseline (when evaluated here or given) and the result."""
+    from compress.eval.report import kl_cells
+
+    def row(variant: str, ev: Evaluation, base) -> dict[str, Any]:
+        cells: dict[str, Any] = {"variant": variant}
+        if ev.evaluated:
+            cells["perplexity"] = ev.perplexity.perplexity if ev.perplexity else None
+            cells.update(kl_cells(ev.perplexity, base))
+        cells["linear_weight_mb"] = ev.sizes["linear"] / 1e6
+        cells["weight_mb"] = ev.sizes["total"] / 1e6
+        return {**cells, **extra_cells(ev.extras)}
+
+    rows = []
+    baseline = outcome.baseline.perplexity if outcome.baseline else None
+    if outcome.baseline is not None:
+        rows.append(row(f"baseline ({plan.source})", outcome.baseline, baseline))
+    compressed = outcome.compressed
+    rows.append(row(plan.recipe.name, compressed, baseline))
+    if baseline and compressed.perplexity:
+        rows[-1]["ppl_delta_pct"] = 100 * (compressed.perplexity.perplexity
+                                           / baseline.perplexity - 1)
+    return rows
+
+
+def _payload(plan: JobPlan, outcome: JobOutcome, rows) -> dict[str, Any]:
     from compress.eval.report import environment
 
+    baseline, compressed = outcome.baseline, outcome.compressed
     return {
-        "recipe": recipe.to_dict(),
-        "model": source,
+        "recipe": plan.recipe.to_dict(),
+        "model": plan.source,
         "environment": environment(),
-        "device": device_name(state.device),  # where the passes ran (eval: its protocol)
-        "passes": [r.to_dict() for r in state.reports],
+        "device": device_name(outcome.state.device),  # where the passes ran (eval: its protocol)
+        "passes": [r.to_dict() for r in outcome.state.reports],
         "eval": {
-            "baseline": baseline.to_dict() if baseline else None,
-            "compressed": compressed.to_dict() if compressed else None,
-            "baseline_extras": baseline_extras,  # lm-eval tasks / latency, when requested
-            "compressed_extras": compressed_extras,
+            "baseline": baseline.perplexity.to_dict() if baseline and baseline.perplexity
+            else None,
+            "compressed": compressed.perplexity.to_dict() if compressed.perplexity else None,
+            # lm-eval tasks / latency, when requested
+            "baseline_extras": baseline.extras if baseline else {},
+            "compressed_extras": compressed.extras,
         },
         "rows": rows,
-        "memory": memory,
+        "memory": plan.memory,
     }
 
 
@@ -423,110 +574,134 @@ def _wants_eval(recipe: Recipe, text) -> bool:
         getattr(cfg, k, None) is not None for k in ("tasks", "latency"))
 
 
-def _run_in_memory(recipe, model, out, text, source, data_dir, progress, overwrite, resume,
-                   kl_top_k, memory):
-    with _Phase(memory, "load"):
-        loaded = load_model(model or recipe.model)
-    state = recipe_state(recipe, loaded.tokenizer, progress=progress, data_dir=data_dir)
+def _run_passes_timed(plan: JobPlan, model, state: CompressionState, before_each=None):
+    """Each pass in its own memory phase; returns (seconds, the largest pass peak).
+    before_each(index): called before pass ``index`` (a stream points its sink there)."""
+    started = time.perf_counter()
+    peaks = plan.memory["peak_rss_bytes"]
+    names = []
+    for index, cfg in enumerate(plan.recipe.passes):
+        if before_each is not None:
+            before_each(index)
+        names.append(f"pass {index} {pass_name_of(cfg)}")
+        with _Phase(plan.memory, names[-1]):
+            run_passes(model, [cfg], state, first_index=index)
+    return time.perf_counter() - started, max((peaks[n] for n in names), default=0)
+
+
+def _run_in_memory(plan, out, options, *, export, baseline, report, label) -> JobOutcome:
+    recipe = plan.recipe
+    with _Phase(plan.memory, "load"):
+        loaded = _load_whole(plan)
+    state = recipe_state(recipe, loaded.tokenizer, progress=options.progress,
+                         data_dir=options.data_dir)
     if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
         state.teacher = copy.deepcopy(loaded.model).eval()
-    rows: list[dict[str, Any]] = []
-    baseline, baseline_extras = None, {}
-    if recipe.eval.baseline:
-        with _Phase(memory, "baseline eval"):
-            baseline, baseline_extras, row = _baseline_row(
-                loaded, recipe, text, source, progress, resume, kl_top_k, data_dir)
-        rows.append(row)
-    for index, cfg in enumerate(recipe.passes):
-        with _Phase(memory, f"pass {index} {pass_name_of(cfg)}"):
-            run_passes(loaded.model, [cfg], state, first_index=index)
-    with _Phase(memory, "eval"):
-        compressed, compressed_extras, row = _compressed_row(
-            loaded.model, loaded.tokenizer, recipe, text, source, progress, resume, baseline,
-            data_dir)
-    rows.append(row)
-    payload = _payload(recipe, loaded.source, state, baseline, compressed, baseline_extras,
-                       compressed_extras, rows, memory)
-    if recipe.export.enabled:
-        with _Phase(memory, "export"):
+    if baseline is None and recipe.eval.baseline:
+        with _Phase(plan.memory, "baseline eval"):  # on the loaded model: no second load
+            baseline = _evaluate(plan, loaded.model, loaded.tokenizer, options,
+                                 label="baseline perplexity", top_k=options.kl_top_k)
+    seconds, peak = _run_passes_timed(plan, loaded.model, state)
+    with _Phase(plan.memory, "eval"):
+        compressed = _evaluate(plan, loaded.model, loaded.tokenizer, options, label=label,
+                               baseline=baseline)
+    outcome = JobOutcome(state, baseline, compressed, seconds, peak)
+    outcome.report = report(outcome) if report else None
+    if export and recipe.export.enabled:
+        with _Phase(plan.memory, "export"):
             export_checkpoint(
                 loaded.model, loaded.tokenizer, out,
                 dtype=resolve_export_dtype(recipe.export.dtype, loaded.path),
-                recipe_yaml=recipe.to_yaml(), report=payload, overwrite=overwrite,
-                max_shard_size=recipe.export.max_shard_size,
+                recipe_yaml=recipe.to_yaml(), report=outcome.report,
+                overwrite=options.overwrite, max_shard_size=recipe.export.max_shard_size,
             )
-        row["disk_mb"] = _dir_bytes(out) / 1e6
-    return rows, (payload, compressed)
+        outcome.disk_bytes = _dir_bytes(out)
+    return outcome
 
 
-def _run_streamed(recipe, model_source, where, skeleton, reader, out, text, source, data_dir,
-                  progress, overwrite, resume, kl_top_k, memory):
+@contextlib.contextmanager
+def _scratch_directory(near: Path) -> Iterator[Path]:
+    """A hidden sibling of ``near`` for a streamed job that keeps no checkpoint (a sweep row):
+    its export is written, scored and removed there. Beside the output, not in the system
+    temp folder: on the same disk, which the preflight's user chose for checkpoints."""
+    import shutil
+    import tempfile
+
+    near.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{near.name}.scratch-", dir=near.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_streamed(plan, out, options, *, export, baseline, report, label) -> JobOutcome:
     """The passes layer by layer (``compress.io.stream.StreamedModel``), the last one writing
     each finished layer into the export; evaluation on whole models, one at a time."""
     import gc
 
-    import torch
     from transformers import AutoTokenizer
 
-    from compress.arch import arch_for, decoder_layers
-    from compress.io.export import StreamedExport, atomic_directory, write_provenance
-    from compress.io.stream import StreamedModel
+    from compress.io.export import atomic_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(where)
-    state = recipe_state(recipe, tokenizer, progress=progress, data_dir=data_dir)
-    rows: list[dict[str, Any]] = []
-    baseline, baseline_extras = None, {}
-    if recipe.eval.baseline and _wants_eval(recipe, text):
-        with _Phase(memory, "baseline eval"):
-            loaded = load_model(str(where))
-            loaded.source = model_source
-            baseline, baseline_extras, row = _baseline_row(
-                loaded, recipe, text, source, progress, resume, kl_top_k, data_dir)
-            del loaded
-            gc.collect()
-        rows.append(row)
-    elif recipe.eval.baseline:
-        sizes = model_bytes(skeleton)
-        rows.append({"variant": f"baseline ({model_source})",
-                     "linear_weight_mb": sizes["linear"] / 1e6, "weight_mb": sizes["total"] / 1e6})
-    dtype = resolve_export_dtype(recipe.export.dtype, where)
-    compressed, compressed_extras = None, {}
-    with atomic_directory(out, overwrite=overwrite) as tmp:
-        arch = arch_for(skeleton, "streaming")
-        streamed = StreamedModel(skeleton, reader, torch.float32,
-                                 decoder_layers(skeleton, "streaming"), arch.layer_prefix,
-                                 tmp / ".scratch")
-        exporter = StreamedExport(skeleton, tmp, dtype, recipe.export.max_shard_size)
-        state.stream = streamed
-        try:
-            last = len(recipe.passes) - 1
-            for index, cfg in enumerate(recipe.passes):
-                streamed.sink = exporter if index == last else None
-                with _Phase(memory, f"pass {index} {pass_name_of(cfg)}"):
-                    run_passes(skeleton, [cfg], state, first_index=index)
-            with _Phase(memory, "export"):
-                exporter.finish(streamed)
-        except BaseException:
-            exporter.writer.abort()
-            raise
-        finally:
-            streamed.close()
-            state.stream = None
-        write_provenance(tmp, tokenizer, recipe.to_yaml(), None)
-        sizes = model_bytes(skeleton)
-        row = {"variant": recipe.name, "linear_weight_mb": sizes["linear"] / 1e6,
-               "weight_mb": sizes["total"] / 1e6}
-        if _wants_eval(recipe, text):
-            with _Phase(memory, "eval"):
+    recipe, skeleton = plan.recipe, plan.skeleton
+    tokenizer = AutoTokenizer.from_pretrained(plan.where)
+    state = recipe_state(recipe, tokenizer, progress=options.progress, data_dir=options.data_dir)
+    wants_eval = _wants_eval(recipe, plan.text)
+    if baseline is None and recipe.eval.baseline:
+        baseline = evaluate_baseline(plan, options) if wants_eval else _sizes_only(skeleton)
+    folder = (atomic_directory(out, overwrite=options.overwrite) if export
+              else _scratch_directory(out))
+    with folder as tmp:
+        seconds, peak = _stream_passes(plan, state, tmp, tokenizer)
+        compressed = _sizes_only(skeleton)
+        if wants_eval:
+            with _Phase(plan.memory, "eval"):
                 loaded = load_model(str(tmp))
-                compressed, compressed_extras, row = _compressed_row(
-                    loaded.model, loaded.tokenizer, recipe, text, source, progress, resume,
-                    baseline, data_dir)
+                compressed = _evaluate(plan, loaded.model, loaded.tokenizer, options,
+                                       label=label, baseline=baseline)
                 del loaded
                 gc.collect()
-        rows.append(row)
-        payload = _payload(recipe, model_source, state, baseline, compressed, baseline_extras,
-                           compressed_extras, rows, memory)
-        write_provenance(tmp, None, None, payload)
-        row["disk_mb"] = _dir_bytes(tmp) / 1e6
-    return rows, (payload, compressed)
+        outcome = JobOutcome(state, baseline, compressed, seconds, peak)
+        outcome.report = report(outcome) if report else None
+        if export:
+            write_provenance(tmp, None, None, outcome.report)
+            outcome.disk_bytes = _dir_bytes(tmp)
+    return outcome
+
+
+def _stream_passes(plan: JobPlan, state: CompressionState, folder: Path, tokenizer):
+    """Run the passes on the stream, the last one sinking finished layers into the export in
+    ``folder``; then the rest of the export and its tokenizer and recipe. Returns
+    ``_run_passes_timed``'s (seconds, peak)."""
+    import torch
+
+    from compress.arch import arch_for, decoder_layers
+    from compress.io.export import StreamedExport
+    from compress.io.stream import StreamedModel
+
+    recipe, skeleton = plan.recipe, plan.skeleton
+    arch = arch_for(skeleton, "streaming")
+    streamed = StreamedModel(skeleton, plan.reader, torch.float32,
+                             decoder_layers(skeleton, "streaming"), arch.layer_prefix,
+                             folder / ".scratch")
+    dtype = resolve_export_dtype(recipe.export.dtype, plan.where)
+    exporter = StreamedExport(skeleton, folder, dtype, recipe.export.max_shard_size)
+    state.stream = streamed
+    last = len(recipe.passes) - 1
+
+    def sink_after_last(index: int) -> None:
+        streamed.sink = exporter if index == last else None
+
+    try:
+        timed = _run_passes_timed(plan, skeleton, state, before_each=sink_after_last)
+        with _Phase(plan.memory, "export"):
+            exporter.finish(streamed)
+    except BaseException:
+        exporter.writer.abort()
+        raise
+    finally:
+        streamed.close()
+        state.stream = None
+    write_provenance(folder, tokenizer, recipe.to_yaml(), None)
+    return timed
