@@ -4,14 +4,17 @@ share a baseline are refused before any work."""
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
 
 import pytest
+import torch
 import yaml
 
 from compress.cli import main
 from compress.core.errors import RecipeError
-from compress.pipeline import sweep as sweep_module
+from compress.pipeline import job as job_module
 from compress.pipeline.job import run_job
 from compress.pipeline.sweep import run_sweep
 from compress.recipe import load_recipe
@@ -67,7 +70,7 @@ def test_finished_rows_are_read_back_not_recomputed(inputs, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished row ran its passes again")
 
-    monkeypatch.setattr(sweep_module, "run_passes", must_not_run)
+    monkeypatch.setattr(job_module, "run_passes", must_not_run)  # jobs run the passes
     again = run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False)
     assert [r["perplexity"] for r in again.rows] == [r["perplexity"] for r in first.rows]
     assert [r["kl"] for r in again.rows] == [r["kl"] for r in first.rows]
@@ -80,7 +83,7 @@ def test_finished_rows_are_read_back_not_recomputed(inputs, monkeypatch):
 def test_recipes_that_cannot_share_a_baseline_are_refused_before_work(inputs, monkeypatch):
     _, paths, tmp_path = inputs
     w4, w8 = load_recipe(paths[0]), load_recipe(paths[1], ["eval.perplexity.limit=2"])
-    monkeypatch.setattr(sweep_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(job_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(RecipeError, match="same settings"):
         run_sweep([w4, w8], out_dir=tmp_path / "sweep", progress=False)
     with pytest.raises(RecipeError, match="names must differ"):
@@ -114,3 +117,130 @@ def test_latency_columns_come_from_the_runtime_for_every_row(inputs, monkeypatch
     again = run_sweep(recipes, out_dir=tmp_path / "sweep-latency", progress=False)
     assert "TPOT p50 ms" in again.markdown
     assert again.rows[1]["tpot_p50_ms"] == result.rows[1]["tpot_p50_ms"]
+
+
+# ---- one orchestration (issue 31): each row is a job of compress.pipeline.job -------------
+def _bf16_checkpoint(tmp_path):
+    """The tiny model stored in bf16: its jobs stream (the export keeps the checkpoint's dtype,
+    so the streamed job scores what the whole-model path scores)."""
+    from compress.testing import make_char_tokenizer, make_tiny_llama
+
+    folder = tmp_path / "tiny-bf16"
+    make_tiny_llama().to(torch.bfloat16).save_pretrained(folder)
+    make_char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _live_models() -> list:
+    """Causal LMs alive in this process with real (not meta) weights (GenerationMixin: the
+    LlamaModel inside each is a PreTrainedModel too, not a second copy)."""
+    from transformers import GenerationMixin
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, GenerationMixin)
+            and any(p.device.type != "meta" for p in o.parameters())]
+
+
+def _old_loop_rows(recipes):
+    """What sweep computed before it ran each recipe as a job: one model loaded, the baseline
+    scored on it, each recipe's passes on a deep copy (the reference for the numbers)."""
+    from compress.core.registry import run_passes
+    from compress.io.load import load_model
+    from compress.pipeline.job import evaluate_perplexity, recipe_state
+    from compress.quant.linear import bits_per_weight, model_bytes
+
+    loaded = load_model(recipes[0].model)
+    text = recipes[0].eval.perplexity.dataset
+    base = evaluate_perplexity(loaded.model, loaded.tokenizer, recipes[0], open(text).read(), text,
+                               False, label="baseline perplexity", resume=False, top_k=32)
+    rows = {}
+    for recipe in recipes:
+        variant = copy.deepcopy(loaded.model)
+        run_passes(variant, recipe.passes, recipe_state(recipe, loaded.tokenizer, progress=False))
+        result = evaluate_perplexity(variant, loaded.tokenizer, recipe, open(text).read(), text,
+                                     False, label="x", resume=False, kl_base=base.top_k_path)
+        rows[recipe.name] = {"perplexity": result.perplexity, "kl": result.kl.kl_mean,
+                             "top1_changed_pct": result.kl.top1_changed_pct,
+                             "bits_per_weight": bits_per_weight(variant),
+                             "weight_mb": model_bytes(variant)["total"] / 1e6}
+    return base.perplexity, rows
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_rows_equal_the_old_shared_model_loop_exactly(inputs, stored, one_thread):
+    """Each row a job (loaded afresh, streamed from the bf16 checkpoint) gives the numbers the
+    old loop over deep copies of one loaded model gave, exactly; a calibrated GPTQ row too."""
+    from compress.io import stream as stream_module
+
+    model_dir, paths, tmp_path = inputs
+    if stored == "bfloat16":
+        model_dir = _bf16_checkpoint(tmp_path)
+    cal = json.dumps({"source": str(tmp_path / "text.txt"), "num_samples": 2, "seq_len": 24})
+    overrides = [f"model={model_dir}"]
+    recipes = [load_recipe(p, overrides) for p in paths]
+    recipes.append(load_recipe(paths[0], [*overrides, "name=gptq", f"calibration={cal}",
+                                          'passes=[{"pass": "quantize.gptq", "group_size": 32}]']))
+    layers = []
+    original = stream_module.StreamedModel.load_layer
+
+    def counted(self, index, *args, **kwargs):
+        layers.append(index)
+        return original(self, index, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_module.StreamedModel, "load_layer", counted)
+        result = run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False, resume=False)
+    assert bool(layers) == (stored == "bfloat16")  # streamed exactly where a job can stream
+    base, expected = _old_loop_rows(recipes)
+    assert result.rows[0]["perplexity"] == base
+    for row in result.rows[1:]:
+        assert {k: row[k] for k in expected[row["variant"]]} == expected[row["variant"]]
+    # a streamed row's scratch export is gone; only the tables were written
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == [
+        ".compress-output", "sweep.json", "sweep.md"]
+    assert not list(tmp_path.glob(".sweep.*"))
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_sweep_never_holds_two_copies_of_the_model(inputs, stored, monkeypatch, one_thread):
+    """While a row's passes run and while it is scored, one model with real weights is alive
+    (the old loop kept the loaded model beside each row's deep copy: two)."""
+    model_dir, paths, tmp_path = inputs
+    if stored == "bfloat16":
+        model_dir = _bf16_checkpoint(tmp_path)
+    recipes = [load_recipe(p, [f"model={model_dir}"]) for p in paths]
+    seen = []
+    run_passes, evaluate = job_module.run_passes, job_module.evaluate_perplexity
+    before = {id(m) for m in _live_models()}  # the fixture's model, earlier tests' leftovers
+
+    def count() -> int:
+        return sum(1 for m in _live_models() if id(m) not in before)
+
+    def passes(model, *args, **kwargs):
+        seen.append(("passes", count()))
+        return run_passes(model, *args, **kwargs)
+
+    def scored(*args, **kwargs):
+        seen.append(("eval", count()))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "run_passes", passes)
+    monkeypatch.setattr(job_module, "evaluate_perplexity", scored)
+    run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False)
+    assert {what for what, _ in seen} == {"passes", "eval"}
+    # streamed, the passes run on a meta skeleton: no model with real weights at all
+    assert max(n for what, n in seen if what == "passes") == (1 if stored == "float32" else 0)
+    assert max(n for _, n in seen) == 1
+
+
+def test_preflight_refuses_an_impossible_sweep_before_any_work(inputs, monkeypatch):
+    import compress.pipeline.preflight as preflight
+    from compress.pipeline.preflight import InsufficientMemoryError
+
+    _, paths, tmp_path = inputs
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 10 * 2**20)
+    monkeypatch.setattr(job_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(InsufficientMemoryError, match=r"needs about .* GiB in its phase .* is "
+                                                      r"available; nothing was written"):
+        run_sweep([load_recipe(p) for p in paths], out_dir=tmp_path / "sweep", progress=False)
+    assert not (tmp_path / "sweep").exists() and not list(tmp_path.glob(".sweep*"))
