@@ -14,10 +14,13 @@
 4. **Write** a recipe a person can read and edit: one weight-quantization pass (GPTQ by default,
    or AWQ, or the AutoRound rounding pass with its own ``iters``/``batch_size``) whose default
    is the most chosen format, per-layer ``overrides`` grouped into one regex per projection and
-   format, float layers in ``ignore``. Then **verify**: ``run_job`` runs it, the
+   format, float layers in ``ignore``. Then **verify**: the recipe runs as one job of
+   ``compress.pipeline.job`` (what ``compress run`` does, streamed when it can be), the
    bits per weight are read back from the exported safetensors (scales and zero points
    included), the quality is the run's perplexity on the test split, and a TPOT target is
-   measured through the runtime.
+   measured through the runtime. That job is planned, and it and the measurement are checked
+   against the available memory, before the model is loaded; the measurement's copy of the
+   model is freed before the job loads its own.
 
 Budgets: average bits per decoder linear weight; checkpoint bytes (everything that is not a
 decoder linear weight is counted at the export dtype and subtracted); or TPOT on this machine
@@ -174,6 +177,37 @@ def measure_sensitivity(
         for p, flag in requires.items():
             p.requires_grad_(flag)
     return scores, sizes
+
+
+def sensitivity_bytes(where, formats: list[Format], batch_tokens: int) -> int | None:
+    """Estimated peak resident bytes of ``measure_sensitivity`` on the checkpoint folder
+    ``where`` (None where it cannot be read without loading: a hub id, a compressed
+    checkpoint), from its meta skeleton: the model loaded whole in float32, the RTN error
+    ``W_q - W`` (float32) of every decoder linear in every integer format that fits it, all
+    alive through the measurement, and the activations autograd keeps for one batch of
+    ``batch_tokens`` tokens. The activation term is a guess from the tensors a Llama layer
+    saves for its backward (about 8 hidden-sized and 4 intermediate-sized per token and layer,
+    and the logits three times), not a measurement; it is small beside the errors."""
+    from compress.io.load import is_compressed_checkpoint
+    from compress.io.stream import meta_skeleton
+    from compress.pipeline.preflight import BASE_BYTES, FLOAT32, LOAD_FACTOR
+
+    if not isinstance(where, Path) or is_compressed_checkpoint(where):
+        return None
+    skeleton = meta_skeleton(where)
+    params = sum(p.numel() for p in skeleton.parameters())
+    errors = 0
+    for name in decoder_linears(skeleton):
+        linear = skeleton.get_submodule(name)
+        fits = sum(1 for f in formats if not f.is_float and f.fits(linear))
+        errors += fits * linear.weight.numel() * FLOAT32
+    cfg = skeleton.config
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    intermediate = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    per_token = (int(getattr(cfg, "num_hidden_layers", 0) or 0) * (8 * hidden + 4 * intermediate)
+                 + 3 * int(getattr(cfg, "vocab_size", 0) or 0))
+    return (BASE_BYTES + int(params * FLOAT32 * LOAD_FACTOR) + errors
+            + batch_tokens * per_token * FLOAT32)
 
 
 # ---- 2./3. budget and solver -------------------------------------------------------------
@@ -333,6 +367,15 @@ def recipe_dict(
     step.update(pass_options or {})
     if overrides:
         step["overrides"] = overrides
+    return _recipe_frame(name=name, model=model, calibration=calibration,
+                         perplexity=perplexity, description=description, step=step)
+
+
+def _recipe_frame(*, name: str, model: str, calibration: dict[str, Any],
+                  perplexity: dict[str, Any], description: str,
+                  step: dict[str, Any]) -> dict[str, Any]:
+    """Everything of a tune recipe but its pass's formats: what the verification job is
+    planned (and its memory checked) with before the formats are known."""
     return {
         "name": name,
         "description": description,
@@ -473,11 +516,13 @@ def fit_tpot(model, names, formats, sizes, prompt: list[int], new_tokens: int = 
     from compress.eval.latency import decode_speed
 
     float_bytes = sum(sizes[n]["float"] for n in names if "float" in sizes[n])
-    fast, fast_bytes = _uniform_variant(model, names, formats, sizes)
     points = []
-    for variant, nbytes in ((copy.deepcopy(model).to(torch.bfloat16), float_bytes),
-                            (fast, fast_bytes)):  # fmt: skip
+    # one variant beside the model at a time: each is built, timed and freed before the next
+    for build in (lambda: (copy.deepcopy(model).to(torch.bfloat16), float_bytes),
+                  lambda: _uniform_variant(model, names, formats, sizes)):  # fmt: skip
+        variant, nbytes = build()
         speed = decode_speed(variant, prompt, new_tokens, repeats=3)
+        del variant
         points.append({"linear_bytes": nbytes, "tpot_ms": 1e3 / speed["decode_tok_s"],
                        "engine": speed["engine"]})  # fmt: skip
     (b0, t0), (b1, t1) = ((p["linear_bytes"], p["tpot_ms"]) for p in points)
@@ -510,10 +555,14 @@ def run_tune(
     report (also written as ``tune.json`` / ``tune.md`` beside the run's results). ``device``:
     the written recipe's (its passes and evaluation); the sensitivities are measured on the
     CPU."""
+    import gc
+
     from compress.calibration import calibration_mix as draw_calibration
     from compress.eval.report import environment, write_results
     from compress.io.load import load_model
-    from compress.pipeline.job import run_job
+    from compress.output_dir import check_output_dir
+    from compress.pipeline.job import JobOptions, model_folders, plan_job, run_planned, with_recipe
+    from compress.pipeline.preflight import check_phase
     from compress.recipe import parse_recipe
 
     target.check()
@@ -523,6 +572,24 @@ def run_tune(
         raise ConfigError(f"tune: symmetric grid {symmetric_grid!r}: choose one of {GRIDS}")
     # the grid applies to every symmetric candidate, in the sensitivity and the written recipe
     candidates = [replace(parse_format(f), grid=symmetric_grid) for f in formats]
+    mix = calibration_mix or {"wikitext2-valid": 1.0}
+    calibration = {"num_samples": num_samples, "seq_len": seq_len, "seed": 0, "mix": mix}
+    perplexity = {"dataset": eval_dataset, "context_length": context_length, "limit": limit}
+    tag = name or f"tune-{model_id.replace('/', '-')}"[:80]
+    out = Path(out_dir or Path("out") / tag)
+    # Before any work: the verification job is planned (output folder, data, streaming, the
+    # memory preflight) with the recipe tune will write, less its per-layer formats, which
+    # change none of those checks (``with_recipe`` holds the written one to that).
+    frame = _recipe_frame(name=tag, model=model_id, calibration=calibration,
+                          perplexity=perplexity, description=f"compress tune: {target}",
+                          step={"pass": f"quantize.{algorithm}", **(pass_options or {})})
+    planned = replace(parse_recipe(frame, source="compress tune"), device=device)
+    check_output_dir(out, overwrite=overwrite, protect=model_folders(planned, model_id))
+    plan = plan_job(planned, model=model_id, data_dir=data_dir)
+    check_phase("sensitivity (model loaded whole)",
+                sensitivity_bytes(plan.where, candidates, min(num_samples, 4) * seq_len),
+                "fewer candidate formats (--formats) or a shorter --seq-len")
+
     loaded = load_model(model_id)
     model = loaded.model.float().eval()
     arch = ARCHS.get(model_type(model))
@@ -535,8 +602,6 @@ def run_tune(
         )
     names = decoder_linears(model)
     numels = {n: model.get_submodule(n).weight.numel() for n in names}
-    mix = calibration_mix or {"wikitext2-valid": 1.0}
-    calibration = {"num_samples": num_samples, "seq_len": seq_len, "seed": 0, "mix": mix}
     grid_key = {} if symmetric_grid == "restricted" else {"grid": symmetric_grid}
     key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
                      layers=names, version=1, **grid_key)  # fmt: skip
@@ -571,8 +636,6 @@ def run_tune(
     assignment = assign_formats(scores, sizes, budget)
     predicted_bits = bits_per_weight(assignment, sizes, numels)
 
-    tag = name or f"tune-{loaded.source.replace('/', '-')}"[:80]
-    perplexity = {"dataset": eval_dataset, "context_length": context_length, "limit": limit}
     raw = recipe_dict(
         name=tag, model=model_id, assignment=assignment, algorithm=algorithm,
         calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
@@ -580,9 +643,12 @@ def run_tune(
     )  # fmt: skip
     recipe = replace(parse_recipe(raw, source="compress tune"), device=device)
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
-    out = Path(out_dir or Path("out") / tag)
-    result = run_job(recipe, model=model_id, out_dir=out, data_dir=data_dir, progress=progress,
-                     overwrite=overwrite)  # fmt: skip
+    tokenizer = loaded.tokenizer
+    # the job loads the model itself (whole or layer by layer): this copy goes first
+    del model, loaded
+    gc.collect()
+    result = run_planned(with_recipe(plan, recipe), out,
+                         JobOptions(data_dir=data_dir, progress=progress, overwrite=overwrite))
     stored = checkpoint_linear_bytes(out, names)
     measured_bits = 8 * sum(stored.values()) / sum(numels.values())
     report: dict[str, Any] = {
@@ -597,7 +663,7 @@ def run_tune(
         "rows": result.rows, "environment": environment(),
     }  # fmt: skip
     compressed = result.rows[-1]
-    checks = _verify(target, report, compressed, out, prompt_tokens=loaded.tokenizer)
+    checks = _verify(target, report, compressed, out, prompt_tokens=tokenizer)
     report["checks"] = checks
     write_results(out, "tune", tune_markdown(report), report, overwrite=True)
     return report

@@ -224,3 +224,88 @@ def test_tune_end_to_end_meets_the_bits_budget(tiny_model, tiny_tokenizer, tmp_p
     # the recipe a person edits and reruns with `compress run`: same formats per layer
     rerun = parse_recipe((tmp_path / "out" / "recipe.yaml").read_text())
     check_recipe_matches(rerun, tiny_model, report["assignment"])
+
+
+# ---- one orchestration (issue 31): the verification is a planned job of compress.pipeline.job
+def _tiny_dir(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox {i * 7 % 13} jumps over {i % 5}.\n"
+                            for i in range(80)))
+    return model_dir, text
+
+
+def _tune(model_dir, text, out, **target):
+    return run_tune(
+        str(model_dir), TuneTarget(**target), formats=("float", "int8", "int4-g32"),
+        num_samples=4, seq_len=32, calibration_mix={str(text): 1.0}, limit=2,
+        eval_dataset=str(text), context_length=64, out_dir=out, progress=False,
+    )  # fmt: skip
+
+
+def test_tune_refuses_an_impossible_job_before_loading_and_writes_nothing(
+        tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    import compress.io.load
+    import compress.pipeline.preflight as preflight
+    from compress.pipeline import tune as tune_module
+    from compress.pipeline.preflight import InsufficientMemoryError
+
+    model_dir, text = _tiny_dir(tmp_path, tiny_model, tiny_tokenizer, monkeypatch)
+    monkeypatch.setattr(compress.io.load, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    with monkeypatch.context() as patch:  # the verification job cannot fit
+        patch.setattr(preflight, "available_memory_bytes", lambda: 10 * 2**20)
+        with pytest.raises(InsufficientMemoryError, match="nothing was written"):
+            _tune(model_dir, text, tmp_path / "out", bits_per_weight=6.0)
+    # the job fits, the sensitivity measurement (the model and every format's error) does not
+    monkeypatch.setattr(tune_module, "sensitivity_bytes", lambda *a: 2**60)
+    with pytest.raises(InsufficientMemoryError, match=r"phase 'sensitivity .*--formats"):
+        _tune(model_dir, text, tmp_path / "out", bits_per_weight=6.0)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache" / "tune").exists()
+
+
+def test_sensitivity_estimate_counts_each_format_error_of_each_linear(tiny_model, tmp_path):
+    from compress.pipeline.tune import sensitivity_bytes
+
+    tiny_model.save_pretrained(tmp_path / "tiny")
+    fmts = [parse_format(f) for f in ("float", "int8", "int4-g32")]
+    float_only = sensitivity_bytes(tmp_path / "tiny", fmts[:1], 64)
+    linears = sum(tiny_model.get_submodule(n).weight.numel() for n in decoder_linears(tiny_model))
+    assert sensitivity_bytes(tmp_path / "tiny", fmts, 64) - float_only == 2 * 4 * linears
+    assert sensitivity_bytes("HuggingFaceTB/some-hub-id", fmts, 64) is None  # nothing to read
+
+
+def test_tune_frees_its_model_before_the_job_and_reports_what_run_gives(
+        tiny_model, tiny_tokenizer, tmp_path, monkeypatch, one_thread):
+    """The job loads the model while no other copy is alive (tune used to keep its measured
+    copy through the whole verification), and its rows are what `compress run` gives for the
+    recipe tune wrote."""
+    import gc
+
+    from transformers import GenerationMixin
+
+    from compress.pipeline import job as job_module
+    from compress.pipeline.job import run_job
+
+    def live() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, GenerationMixin)}
+
+    model_dir, text = _tiny_dir(tmp_path, tiny_model, tiny_tokenizer, monkeypatch)
+    before, alive_at_load = live(), []
+    load = job_module.load_model
+
+    def counted(*args, **kwargs):
+        alive_at_load.append(len(live() - before))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "load_model", counted)
+    report = _tune(model_dir, text, tmp_path / "out", bits_per_weight=6.0)
+    assert alive_at_load == [0]  # one load: the job's (baseline and passes on the same model)
+    recipe = parse_recipe((tmp_path / "out" / "recipe.yaml").read_text())
+    alone = run_job(recipe, model=str(model_dir), out_dir=tmp_path / "run", progress=False)
+    keys = ("perplexity", "ppl_delta_pct", "kl", "top1_changed_pct", "linear_weight_mb")
+    assert [{k: r.get(k) for k in keys} for r in report["rows"]] == [
+        {k: r.get(k) for k in keys} for r in alone.rows]
