@@ -100,7 +100,7 @@ def prepack(qs: list[QuantLinear]) -> list[cpu_q8.Q8Weight]:
 
 
 # per decoder layer (q, k, v, o, gate, up, down): the projections of one input that the runtime
-# stacks into one call of our kernels (compress.runtime.engine._IntLinear.stacked)
+# stacks into one call of our kernels (compress.runtime.layers._IntLinear.stacked)
 STACKED = ((0, 1, 2), (3,), (4, 5), (6,))
 
 

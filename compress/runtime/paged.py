@@ -15,7 +15,7 @@ compute the same numbers bit for bit on the same keys. The gather is a copy per 
 outlier token from costing the others precision); a gather dequantizes to fp32. Bytes per
 token and head: head_dim + 4, against 2 * head_dim in bf16 and 4 * head_dim in fp32.
 
-The forward runs the runtime's own layer holders (``engine._Layer``): the projections of every
+The forward runs the runtime's own layer holders (``layers._Layer``): the projections of every
 token of a step as one call (decode rows of all requests; prefill chunks of several requests
 side by side), attention per request over its own slots.
 """

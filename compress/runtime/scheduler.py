@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compress.runtime.blocks import ROOT_KEY, BlockPool, block_key
-from compress.runtime.engine import Runtime, _make_sampling, _sample, _Sampling
+from compress.runtime.engine import Runtime
 from compress.runtime.paged import (
     KV_DTYPES,
     PagedKVCache,
@@ -41,6 +41,7 @@ from compress.runtime.paged import (
     forward_prefill,
     kv_bytes_per_token,
 )
+from compress.runtime.sampling import _make_sampling, _sample, _Sampling
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups compare objects, not fields

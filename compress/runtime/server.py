@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from compress.runtime.engine import _make_sampling
+from compress.runtime.sampling import _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
 
 

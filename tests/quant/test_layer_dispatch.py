@@ -10,7 +10,7 @@ import torch
 from compress.core.errors import KernelConstraintError
 from compress.kernels import dispatch
 from compress.quant.linear import QuantLinear, WeightScheme, w8a8_from_linear
-from compress.runtime.engine import _convert_linear
+from compress.runtime.layers import _convert_linear
 
 CPU = torch.device("cpu")
 INT4_G32 = WeightScheme(4, 32, True)

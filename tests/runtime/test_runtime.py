@@ -195,7 +195,7 @@ def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
     import copy
 
     from compress.quant.linear import QuantLinear
-    from compress.runtime.engine import LM_HEAD_SCHEMES
+    from compress.runtime.layers import LM_HEAD_SCHEMES
 
     rt = Runtime(
         model, max_seq_len=64, decode_dtype=torch.float32, compile=False, lm_head_bits=bits

@@ -161,7 +161,7 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     # its own dot product, so prefill (the row-tile GEMM: 11 tokens) and decode logits must
     # equal the separate calls' bit for bit, Qwen2's q/k/v biases included.
     from compress.kernels import cpu_q8
-    from compress.runtime import engine
+    from compress.runtime import layers
 
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
@@ -172,7 +172,7 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     for layer in stacked.layers:
         assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
         assert (layer.gate_up is None) == (family in MOE)
-    monkeypatch.setattr(engine._IntLinear, "stacked", classmethod(lambda cls, parts: None))
+    monkeypatch.setattr(layers._IntLinear, "stacked", classmethod(lambda cls, parts: None))
     separate = Runtime(model, **settings)
     assert all(layer.qkv is None and layer.q is not None for layer in separate.layers)
     continuation = [40, 60, 80]
@@ -185,7 +185,7 @@ def test_projections_that_differ_are_not_stacked():
     # kernels of other group sizes do not stack; those that do compute their parts' columns.
     from compress.kernels import cpu_q8
     from compress.quant.rtn import Int8RtnConfig
-    from compress.runtime import engine
+    from compress.runtime import layers
 
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
@@ -210,8 +210,8 @@ def test_projections_that_differ_are_not_stacked():
     assert cpu_q8.stack([weight(8, 32, False), weight(8, 32, True)]) is None
     parts = [weight(8, 32, True), weight(24, 32, True)]
     x = torch.randn(3, 128)
-    stacked = engine._Q8Kernel(cpu_q8.stack(parts))
-    assert torch.equal(stacked(x), torch.cat([engine._Q8Kernel(p)(x) for p in parts], dim=-1))
+    stacked = layers._Q8Kernel(cpu_q8.stack(parts))
+    assert torch.equal(stacked(x), torch.cat([layers._Q8Kernel(p)(x) for p in parts], dim=-1))
 
 
 def test_compiled_decode_step_equals_transformers_gemma3():

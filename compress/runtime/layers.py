@@ -1,0 +1,449 @@
+"""The runtime's holders of a model's modules (``runtime/engine.py`` builds them once per
+``Runtime``): each linear layer re-held in the layout each phase wants, one decoder layer and the
+head, computed the runtime's way (fp32 residual stream, norms and softmax; matmul inputs in the
+phase's dtype).
+
+Linear holders, from the dispatcher's plan per phase (``_convert_linear``): float weights in the
+prefill and decode dtypes (``_FloatLinear``), int4/int8 weights repacked once for torch's native
+CPU kernels or for our integer-dot kernels (``_Int4Linear``, ``_Int8Linear``, ``_Q8Kernel``),
+W8A8 and any other layer called as it is (``_ModuleLinear``). Holders on our kernels that read one
+input (q/k/v, gate/up) stack into one call (``_IntLinear.stacked``): the same outputs bit for bit.
+
+The decoder layer (``_Layer``) writes its keys and values into the cache buffers it is handed and
+attends over them; it holds no cache of its own, so the contiguous runtime and the paged one
+(``runtime/paged.py``) share it. The family differences it computes are ``compress.arch``'s
+``RuntimeSpec`` read through ``runtime/families.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.arch import Arch, NormForm, RuntimeSpec
+from compress.kernels import cpu_native, cpu_q8
+from compress.quant.linear import QuantLinear, WeightScheme
+from compress.runtime.families import (
+    ACTIVATIONS,
+    config_value,
+    layer_window,
+    softcapped_attention,
+)
+
+LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
+
+
+# ---- linear layers, re-held per phase --------------------------------------------------
+class _FloatLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prefill, decode) -> None:
+        super().__init__()
+        self.w_prefill = nn.Buffer(weight.detach().to(prefill), persistent=False)
+        self.w_decode = (
+            self.w_prefill
+            if decode == prefill
+            else nn.Buffer(weight.detach().to(decode), persistent=False)
+        )
+        self.bias = None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        w = self.w_decode if decode else self.w_prefill
+        y = F.linear(x.to(w.dtype), w).float()
+        return y if self.bias is None else y + self.bias
+
+
+class _IntKernels(NamedTuple):
+    """The runtime's int-layer kernels (both phases): ``int4`` in INT4_KERNELS, ``int8`` in
+    INT8_KERNELS."""
+
+    int4: str = "torch"
+    int8: str = "torch"
+
+
+class _Q8Kernel(nn.Module):
+    """Our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded to int8 per
+    block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill).
+    From ``float_rows`` rows on (long prompts on the 256-bit levels: ``cpu_q8.
+    float_gemm_min_rows``; None: never) the layer dequantizes its weights per call and runs
+    ATen's fp32 GEMM, which is faster there; those rows skip the activation rounding."""
+
+    def __init__(self, w: cpu_q8.Q8Weight) -> None:
+        super().__init__()
+        isa = cpu_q8.selected_isa()  # the level chosen for this CPU (built on first use)
+        ops = cpu_q8.ops(isa)
+        self.bits = w.bits
+        self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
+        self.dequantize = ops.dequantize_q4 if w.bits == 4 else ops.dequantize_q8
+        self.float_rows = cpu_q8.float_gemm_min_rows(isa, w.bits)
+        self.codes = nn.Buffer(w.codes, persistent=False)
+        self.scales = nn.Buffer(w.scales, persistent=False)
+        offsets = w.offsets
+        self.offsets = None if offsets is None else nn.Buffer(offsets, persistent=False)
+        self.group_size = w.group_size
+
+    @property
+    def weight(self) -> cpu_q8.Q8Weight:
+        """The held weight, in the kernels' layout."""
+        return cpu_q8.Q8Weight(self.bits, self.codes, self.scales, self.offsets, self.group_size)
+
+    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] fp32."""
+        x2 = x2.float().contiguous()
+        if self.float_rows is not None and x2.shape[0] >= self.float_rows:
+            w = self.dequantize(self.codes, self.scales, self.offsets, self.group_size)
+            return F.linear(x2, w)
+        return self.op(x2, self.codes, self.scales, self.offsets, self.group_size)
+
+
+def _q8_kernel(q: QuantLinear) -> _Q8Kernel:
+    zp = None if q.scheme.symmetric else q.weight_zero_point
+    if q.kind == "int4":
+        w = cpu_q8.prepack_int4(
+            q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+        )
+    else:
+        w = cpu_q8.prepack_int8(q.weight, q.weight_scale, zp, group_size=q.group_size)
+    return _Q8Kernel(w)
+
+
+class _IntLinear(nn.Module):
+    """What the int4 and int8 holders share: output width ``n``, fp32 ``bias`` (or None) and
+    ``q8``, our integer-dot kernel (None: torch's kernel holds the weights)."""
+
+    n: int
+    bias: torch.Tensor | None
+    q8: _Q8Kernel | None
+
+    @classmethod
+    def stacked(cls, parts: list[nn.Module]) -> _IntLinear | None:
+        """One holder of ``cls`` that computes ``parts`` (linears of one input: q/k/v, gate/up)
+        as one call of our kernel, their outputs side by side; None where a part is another
+        holder, runs torch's kernel, or the weights cannot stack.
+
+        Why: SmolLM2 decodes through 210 int4 calls per token; stacking makes 120, the fixed
+        cost per call (activation rounding, output, thread wake-up) is paid once per input,
+        and k/v (192 rows, one thread on their own) share the q call's two threads. Measured
+        on a Xeon, 2 threads, SmolLM2's 210 int4 g64 layers (``scripts/bench_decode_pass.py
+        --stacked``): 6.07 -> 4.48 ms at the AVX2 level, 5.76 -> 4.68 ms at AVX512-VNNI."""
+        if not all(type(p) is cls and p.q8 is not None for p in parts):
+            return None
+        weight = cpu_q8.stack([p.q8.weight for p in parts])
+        if weight is None:
+            return None
+        q8 = _Q8Kernel(weight)
+        holder = cls.__new__(cls)
+        nn.Module.__init__(holder)
+        holder.n = sum(p.n for p in parts)
+        biases = [p.bias for p in parts]
+        if all(b is None for b in biases):
+            holder.bias = None
+        else:
+            zeros = [torch.zeros(p.n, device=q8.scales.device) for p in parts]
+            bias = torch.cat([z if b is None else b for z, b in zip(zeros, biases, strict=True)])
+            holder.bias = nn.Buffer(bias, persistent=False)
+        holder.q8 = q8
+        return holder
+
+
+class _Int4Linear(_IntLinear):
+    """int4 weights: torch's native CPU kernel (bf16 activations) in both phases, or with ``q8``
+    our Q4 x Q8 kernel in both (``_Q8Kernel``; its row-tile GEMM for prefill), never both
+    layouts at once."""
+
+    def __init__(self, q: QuantLinear, q8: bool = False) -> None:
+        super().__init__()
+        self.n = q.out_features
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+        self.q8 = _q8_kernel(q) if q8 else None
+        if q8:
+            return
+        zp = None if q.scheme.symmetric else q.weight_zero_point
+        w = cpu_native.prepack_int4(
+            q.weight_packed, q.weight_scale, zp, group_size=q.group_size, k=q.in_features
+        )
+        self.packed = nn.Buffer(w.packed, persistent=False)
+        self.scale_and_zero = nn.Buffer(w.scale_and_zero, persistent=False)
+        self.group_size = w.group_size
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        if self.q8 is not None:
+            y = self.q8(x.reshape(-1, x.shape[-1]))
+        else:
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scale_and_zero
+            )
+        y = y.float().reshape(*x.shape[:-1], self.n)
+        return y if self.bias is None else y + self.bias
+
+
+class _Int8Linear(_IntLinear):
+    """int8 weights (symmetric, per output channel): torch's native CPU kernel (bf16
+    activations) in both phases, or with ``q8`` our Q8 x Q8 kernel in both (``_Q8Kernel``)."""
+
+    def __init__(self, q: QuantLinear, q8: bool = False) -> None:
+        super().__init__()
+        self.n = q.out_features
+        self.bias = None if q.bias is None else nn.Buffer(q.bias.detach().float(), persistent=False)
+        self.q8 = _q8_kernel(q) if q8 else None
+        if q8:
+            return
+        # Aligned once here: the kernel crashes on weights that are not 16-byte aligned.
+        self.weight = nn.Buffer(cpu_native.aligned(q.weight), persistent=False)
+        scales = q.weight_scale[:, 0].to(torch.bfloat16)
+        self.scales = nn.Buffer(cpu_native.aligned(scales), persistent=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        if self.q8 is not None:
+            y = self.q8(x.reshape(-1, x.shape[-1]))
+        else:
+            # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
+            # aligned, as the kernel needs (cpu_native module docstring).
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.float().reshape(*x.shape[:-1], self.n)
+        return y if self.bias is None else y + self.bias
+
+
+class _ModuleLinear(nn.Module):
+    """Any other layer (e.g. QuantLinear on CUDA through Triton): call it as it is."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        return self.module(x.to(self.dtype)).float()
+
+
+def _convert_linear(
+    module: nn.Module,
+    name: str,
+    prefill,
+    decode,
+    notes: list[str],
+    kernels: _IntKernels = _IntKernels(),  # noqa: B008  (an immutable tuple)
+) -> nn.Module:
+    """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
+    if not isinstance(module, QuantLinear):
+        assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
+        return _FloatLinear(module.weight, module.bias, prefill, decode)
+    if module.kind == "w8a8":
+        # Per-token int8 activations are part of the format. The layer runs itself (its own
+        # plan), so the runtime computes what evaluation measured (a weight-only int8 kernel
+        # would not).
+        return _ModuleLinear(module, torch.float32)
+    device = module.weight_scale.device
+    prefs = dict(int4_kernel=kernels.int4, int8_kernel=kernels.int8)
+    plan = module.plan(device, phase="prefill", **prefs)
+    q8 = module.plan(device, phase="decode", **prefs).backend in ("q4q8", "q8q8")
+    if plan.backend in ("cpu", "q4q8", "q8q8"):
+        return _Int4Linear(module, q8=q8) if module.kind == "int4" else _Int8Linear(module, q8=q8)
+    if plan.backend == "reference" and device.type == "cpu":
+        # Correct but not compressed in memory: the reference path re-dequantizes per call.
+        reason = plan.reason or f"backend={module.backend!r}"
+        notes.append(f"{name}: {reason}; dequantized once to {decode}")
+        return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
+    return _ModuleLinear(module, decode)
+
+
+# ---- decoder layer ---------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
+    """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
+    w = norm.weight.detach().float()
+    return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer(nn.Module):
+    def __init__(
+        self,
+        layer: nn.Module,
+        config,
+        prefill,
+        decode,
+        notes: list[str],
+        i: int,
+        kernels: _IntKernels,
+        arch: Arch,
+        *,
+        spec: RuntimeSpec,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(layer.get_submodule(arch.attention).scaling)
+        # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
+        self.window = layer_window(config, i)
+        self.rope_key = config.layer_types[i] if spec.rope_per_layer_type else None
+        self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
+        self.softcap = config_value(config, spec.attn_softcap)
+        self.residual_multiplier = config_value(config, spec.residual_multiplier)
+        form = arch.norm_form
+        self.norm_in = _norm_weight(layer.get_submodule(arch.attn_norm), form)
+        self.norm_post = _norm_weight(layer.get_submodule(arch.mlp_norm), form)
+        qk, post = arch.qk_norms or (None, None), arch.post_norms or (None, None)
+        norms = {
+            "norm_q": qk[0],
+            "norm_k": qk[1],
+            "attn_out_norm": post[0],
+            "mlp_out_norm": post[1],
+        }
+        for name, path in norms.items():
+            weight = None if path is None else _norm_weight(layer.get_submodule(path), form)
+            setattr(self, name, weight)
+        # The projections, in the order forward uses them: the runtime's own short names.
+        paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
+        if arch.moe is None:
+            paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        # MoE: the family's own sparse block (router + experts, QuantExperts when quantized):
+        # routing is data-dependent, so it runs as transformers' module inside our layer
+        self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
+        for name, path in paths.items():
+            linear = _convert_linear(
+                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, kernels
+            )
+            setattr(self, name, linear)
+        # Projections of one input as one kernel call where they can (_IntLinear.stacked):
+        # qkv (then q, k, v are None) and gate_up (then gate, up are None); else None.
+        self.qkv = self._stack("q", "k", "v")
+        self.gate_up = self._stack("gate", "up") if arch.moe is None else None
+
+    def _stack(self, *names: str) -> nn.Module | None:
+        parts = [getattr(self, name) for name in names]
+        holder = type(parts[0])
+        stacked = holder.stacked(parts) if issubclass(holder, _IntLinear) else None
+        if stacked is not None:
+            for name in names:
+                setattr(self, name, None)
+        return stacked
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool, length: int):
+        """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, L]
+        (decode) bool; caches [B_max, Hkv, S, D], this layer's whole buffers (see
+        ``Runtime._apply``); slots [T] cache indices the T new positions are written to;
+        decode attends to the first ``length`` slots."""
+        b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin, decode)
+        # the whole buffer when every row is in use: a write into a view of a compiled graph's
+        # input costs a copy of the view
+        full = b == k_cache.shape[0]
+        (k_cache if full else k_cache[:b]).index_copy_(2, slots, k.to(k_cache.dtype))
+        (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
+        # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
+        keys, values = (k_cache[:b, :, :length], v_cache[:b, :, :length]) if decode else (k, v)
+        return self.finish(x, self.attend(q, keys, values, mask), decode)
+
+    def project_qkv(self, x, cos, sin, decode: bool):
+        """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
+        projected, q/k-normed and rotated (cos/sin [B, T, D])."""
+        b, t, _ = x.shape
+        h = _rms_norm(x, self.norm_in, self.eps)
+        if self.qkv is not None:
+            kv_width = self.n_kv * self.head_dim
+            q, k, v = self.qkv(h, decode).split([self.qkv.n - 2 * kv_width, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q(h, decode), self.k(h, decode), self.v(h, decode)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        if self.norm_q is not None:  # per head, over D, before RoPE
+            q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
+        # [B, T, heads, D] -> [B, heads, T, D]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, q, keys, values, mask) -> torch.Tensor:
+        """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
+        mask broadcastable to [B, 1, T, L] -> [B, T, heads * D] fp32."""
+        b, _, t, _ = q.shape
+        if self.softcap is None:
+            a = F.scaled_dot_product_attention(
+                q.to(keys.dtype),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.n_heads != self.n_kv,
+            )
+        else:
+            a = softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
+        # [B, heads, T, D] -> [B, T, heads * D]
+        return a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+
+    def finish(self, x, a, decode: bool) -> torch.Tensor:
+        """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
+        residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
+        x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
+        h = _rms_norm(x, self.norm_post, self.eps)
+        if self.sparse_mlp is not None:
+            y = self._routed(h)
+        else:
+            if self.gate_up is not None:
+                gate, up = self.gate_up(h, decode).chunk(2, -1)
+            else:
+                gate, up = self.gate(h, decode), self.up(h, decode)
+            y = self.down(self.act(gate) * up, decode)
+        return x + self._block_out(y, self.mlp_out_norm)
+
+    def _routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The sparse MoE block on ``h [B, T, H]``, in its router's dtype, back to fp32."""
+        dtype = next(self.sparse_mlp.parameters()).dtype
+        out = self.sparse_mlp(h.to(dtype))
+        return (out[0] if isinstance(out, tuple) else out).float()
+
+    def _block_out(self, y: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """What a block adds to the residual: its output, post-normed (Gemma) and scaled
+        (Granite) where the family does."""
+        if norm is not None:
+            y = _rms_norm(y, norm, self.eps)
+        if self.residual_multiplier is not None:
+            y = y * self.residual_multiplier
+        return y
+
+
+class _Head(nn.Module):
+    def __init__(
+        self,
+        model: nn.Module,
+        decode,
+        notes: list[str],
+        kernels: _IntKernels,
+        bits: int | None,
+        arch: Arch,
+        *,
+        spec: RuntimeSpec,
+    ) -> None:
+        super().__init__()
+        self.norm = _norm_weight(model.get_submodule(arch.final_norm), arch.norm_form)
+        self.eps = float(model.config.rms_norm_eps)
+        self.divisor = config_value(model.config, spec.logits_divisor)
+        self.softcap = config_value(model.config, spec.final_softcap)
+        head = model.get_submodule(arch.lm_head)
+        if bits is not None and not isinstance(head, QuantLinear):
+            # A quantized copy for the head only: tied input embeddings stay as they are.
+            head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
+        # Only the last position's logits are needed, so both phases use the decode weights.
+        # Named lm_head whatever the family calls it: the runtime's own name for its head.
+        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -1,0 +1,69 @@
+"""Next-token sampling for the runtime and the scheduler: greedy, or temperature with optional
+top-k and top-p (nucleus) filtering and a seeded generator. Non-finite logits are an error, never
+a silently decoded token. No repetition penalties, beam search or logit processors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compress.core.errors import NumericsError
+
+
+@dataclass
+class _Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V] (greedy when temperature is 0). Non-finite logits are
+    refused: argmax of NaN is token 0 and multinomial of NaN fails, both silent garbage."""
+    # max and min propagate NaN and hold any Inf: two reductions, not a [B, V] bool mask
+    # (measured 1.8 ms vs 0.1 ms for 32 x 49152 logits on 2 cores)
+    if not (bool(torch.isfinite(logits.amax())) and bool(torch.isfinite(logits.amin()))):
+        raise NumericsError(
+            "the model's next-token logits hold NaN or Inf, so there is nothing to decode; the "
+            "checkpoint's weights or scales are corrupt, or the model overflowed in this dtype "
+            "(try float32)"
+        )
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    if s.top_k is not None:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
+
+
+def _make_sampling(
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    device: torch.device | None = None,
+) -> _Sampling:
+    """Sampling settings; a seed makes a generator on ``device`` (the model's: multinomial on
+    CUDA refuses a CPU generator; None: the CPU)."""
+    if (
+        temperature < 0
+        or (top_k is not None and top_k < 1)
+        or not (top_p is None or 0 < top_p <= 1)
+    ):
+        raise ValueError(
+            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1]"
+        )
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+    return _Sampling(temperature, top_k, top_p, generator)
