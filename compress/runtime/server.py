@@ -469,47 +469,41 @@ class Server:
                 self.engine.abort(seq_id)
 
     def _chunk(self, rid, index, delta, reason, *, chat: bool, role: bool = False) -> dict:
+        """One streamed event's body: choice ``index`` gains the text ``delta``."""
         if chat:
             content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
             choice = {"index": index, "delta": content, "finish_reason": reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {
-                "index": index,
-                "text": delta or "",
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-            kind = "text_completion"
-        return {
-            "id": rid,
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-        }
+            return self._response(rid, "chat.completion.chunk", [choice])
+        return self._response(rid, "text_completion", [_text_choice(index, delta or "", reason)])
 
     def _body(self, rid, texts, reasons, usage, *, chat: bool) -> dict:
+        """The whole answer of a request that does not stream: every choice's text."""
+        pairs = list(enumerate(zip(texts, reasons, strict=True)))
         if chat:
             choices = [
                 {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
-                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+                for i, (t, r) in pairs
             ]
             kind = "chat.completion"
         else:
-            choices = [
-                {"index": i, "text": t, "finish_reason": r, "logprobs": None}
-                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-            ]
+            choices = [_text_choice(i, t, r) for i, (t, r) in pairs]
             kind = "text_completion"
+        return {**self._response(rid, kind, choices), "usage": _usage(usage)}
+
+    def _response(self, rid: str, kind: str, choices: list[dict]) -> dict:
+        """What every response and streamed event of OpenAI's API carries around its choices."""
         return {
             "id": rid,
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(usage),
         }
+
+
+def _text_choice(index: int, text: str, reason: str | None) -> dict:
+    """A /v1/completions choice, streamed or whole (the same fields in both)."""
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
 
 
 def _usage(usage: dict[str, int]) -> dict[str, int]:
