@@ -5,9 +5,19 @@ heads, vocab 320) with a fixed seed; ``make_tiny_model`` does the same for every
 ``compress.arch`` (same sizes, head_dim 16, each family's own features switched on: sliding
 windows, Granite's multipliers); ``make_char_tokenizer`` builds a character-level tokenizer in
 code. All are public so that downstream tests and the docs can use them.
+
+``make_synthetic_llama`` and ``write_synthetic_llama`` build Llamas of public models' shapes
+(``LLAMA_SHAPES``: TinyLlama-1.1B, Llama-2-7B and 13B) with random weights for the benchmark
+scripts: speed and memory do not depend on the weights' values; quality does, so these measure
+no quality.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -121,6 +131,86 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **settings)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+# Public models' shapes; the vocab is theirs (32000), a benchmark may override it.
+LLAMA_SHAPES = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),  # TinyLlama
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),  # Llama-2-13B
+}  # fmt: skip
+
+
+def make_synthetic_llama(shape: str, seed: int = 0, **overrides):
+    """A random ``LlamaForCausalLM`` of ``LLAMA_SHAPES[shape]`` in memory, fp32, in eval mode:
+    transformers' own init (normal(0, 0.02) linears and embeddings, norms ones) after
+    ``torch.manual_seed(seed)``. ``overrides`` go to the config. It holds the whole model in
+    fp32 (1.1B: 4.4 GB); ``write_synthetic_llama`` writes larger ones tensor by tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(LLAMA_SHAPES[shape])
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+def write_synthetic_llama(
+    folder: str | Path,
+    shape: str,
+    *,
+    init: Literal["stream", "transformers"] = "stream",
+    tokenizer=None,
+    seed: int = 0,
+    shard_size: str | None = None,
+    **overrides,
+) -> Path:
+    """A random-weight bf16 Llama checkpoint of ``LLAMA_SHAPES[shape]`` (``overrides`` go to the
+    config) in ``folder``, with ``tokenizer`` (None: ``make_char_tokenizer``, inside every
+    vocabulary). Kept when ``folder/config.json`` exists: it is written to ``folder.part`` and
+    renamed when complete, so a stopped run leaves no half checkpoint to reuse.
+
+    ``init="stream"``: normal(0, 0.02) from one generator seeded ``seed``, tensor by tensor in
+    checkpoint order (norms ones), appended to shards of ``shard_size`` (None: 2GB); memory stays
+    at one tensor, so 7B and 13B fit. ``init="transformers"``: ``make_synthetic_llama``'s weights
+    cast to bf16, saved by ``save_pretrained`` (``shard_size`` None: its default shards); the whole
+    model is in memory. The two give different weights for one seed: a benchmark keeps the one
+    its earlier results were measured on."""
+    from transformers import LlamaConfig
+
+    from compress.io.stream import ShardWriter, expected_tensors, meta_skeleton
+
+    if init not in ("stream", "transformers"):
+        raise ValueError(f"init={init!r}: expected 'stream' or 'transformers'")
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if init == "transformers":
+        model = make_synthetic_llama(shape, seed, **overrides).to(torch.bfloat16)
+        sharding = {} if shard_size is None else {"max_shard_size": shard_size}
+        model.save_pretrained(tmp, **sharding)
+    else:
+        settings = dict(LLAMA_SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16")
+        settings.update(overrides)
+        LlamaConfig(**settings).save_pretrained(tmp)
+        writer = ShardWriter(tmp, shard_size or "2GB")
+        generator = torch.Generator().manual_seed(seed)
+        for key, meta in expected_tensors(meta_skeleton(tmp)).items():
+            if meta.dim() == 1:  # norms: ones, as trained models keep them near
+                tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
+            else:
+                tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
+            writer.add(key, tensor)
+            del tensor
+        writer.finish()
+    (tokenizer or make_char_tokenizer()).save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return folder
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -52,6 +52,7 @@ from compress.eval.report import environment, markdown_table
 from compress.io.load import EMBEDDED, _gguf_location, cache_dir, load_model
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime
+from compress.testing import make_synthetic_llama
 
 # Protocol: one JSON request per stdin line, [prompt ids, max new tokens]; the answer is one
 # line per token id, printed as soon as llama.cpp has it, then a line "end".
@@ -422,21 +423,9 @@ def main() -> None:
     close_workers(variants)
     if args.synthetic_1b:
         del variants
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         # TinyLlama-1.1B shape, normal(0, 0.02) weights (never zeros); SmolLM2's vocab (49152,
         # not 32000): llama.cpp needs a real tokenizer in the GGUF and SmolLM2's is the one here
-        torch.manual_seed(0)
-        big = LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=2048,
-                intermediate_size=5632,
-                num_hidden_layers=22,
-                num_attention_heads=32,
-                num_key_value_heads=4,
-                vocab_size=49152,
-            )
-        ).eval()
+        big = make_synthetic_llama("1.1b", seed=0, vocab_size=49152)
         args.new_tokens = max(8, args.new_tokens // 4)
         names = ["rt-bf16", "rt-w8-q8-h8", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h8"]
         # F16 source (2.3 GB, not 4.7) for llama.cpp's quantizer: these weights are random anyway

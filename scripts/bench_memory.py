@@ -30,55 +30,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from compress.testing import LLAMA_SHAPES, write_synthetic_llama
 
-# public models' shapes (hidden, intermediate, layers, heads, kv heads, vocab)
-SHAPES = {
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),  # TinyLlama
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B
-    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),  # Llama-2-13B
-}
+REPO = Path(__file__).resolve().parents[1]
 
 RECIPES = {
     "rtn": "passes: [{pass: quantize.int4_rtn, group_size: 128}]",
     "gptq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
              "passes: [{pass: quantize.gptq, group_size: 128}]"),
 }
-
-
-def write_synthetic(name: str, folder: Path, shard_size: str = "2GB") -> Path:
-    """A random-weight Llama of shape ``name`` in bf16 shards (written tensor by tensor, so
-    memory stays at one tensor), with a character tokenizer; kept when already complete."""
-    from transformers import LlamaConfig
-
-    from compress.io.stream import ShardWriter, expected_tensors, meta_skeleton
-    from compress.testing import make_char_tokenizer
-
-    if (folder / "config.json").is_file():
-        return folder
-    tmp = folder.with_name(folder.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config = LlamaConfig(**SHAPES[name], tie_word_embeddings=False, torch_dtype="bfloat16",
-                         max_position_embeddings=4096)
-    config.save_pretrained(tmp)
-    model = meta_skeleton(tmp)
-    writer = ShardWriter(tmp, shard_size)
-    generator = torch.Generator().manual_seed(0)
-    for key, meta in expected_tensors(model).items():
-        if meta.dim() == 1:  # norms: ones, as trained models keep them near
-            tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
-        else:
-            tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
-        writer.add(key, tensor)
-        del tensor
-    writer.finish()
-    make_char_tokenizer().save_pretrained(tmp)
-    os.replace(tmp, folder)
-    return folder
 
 
 def _parse_time_v(text: str) -> dict[str, float]:
@@ -170,7 +130,7 @@ def main() -> None:
     env = environment()
     for shape in args.shapes.split(","):
         model_dir = Path(args.models) / f"llama-{shape}-bf16"
-        params = sum(_numel(SHAPES[shape]))
+        params = sum(_numel(LLAMA_SHAPES[shape]))
         need = params * 2 * (0 if (model_dir / "config.json").is_file() else 1) + params * 0.6
         free = shutil.disk_usage(Path(args.models).parent if not Path(args.models).exists()
                                  else args.models).free
@@ -180,7 +140,7 @@ def main() -> None:
             continue
         Path(args.models).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        write_synthetic(shape, model_dir)
+        write_synthetic_llama(model_dir, shape, max_position_embeddings=4096, shard_size="2GB")
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
         modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
         for stream in modes:

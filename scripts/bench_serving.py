@@ -46,37 +46,12 @@ from vllm_env import server_command, venv_versions, vllm_environ, vllm_python  #
 from compress.eval.latency import RequestTiming, Slo, distribution, summarize  # noqa: E402
 from compress.eval.workload import make_requests, poisson_arrivals  # noqa: E402
 from compress.io.load import cache_dir, load_model  # noqa: E402
+from compress.testing import write_synthetic_llama  # noqa: E402
 
 VARIANTS = ("base", "w8", "w4")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
-def synthetic_1b(folder: Path, tokenizer) -> Path:
-    """TinyLlama-1.1B's shape with SmolLM2's vocab (49152) and tokenizer, normal(0, 0.02)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (folder / "config.json").is_file():
-        return folder
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    tmp = folder.with_name(folder.name + ".part")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, folder)
-    return folder
-
-
 def export_variant(source: str | Path, variant: str, folder: Path) -> Path:
     """``folder``: the export of ``source`` as ``variant`` (kept when already there)."""
     from compress.io.export import export_checkpoint
@@ -506,9 +481,13 @@ def main() -> None:
     folder = cache_dir() / "serving"
     sources = {} if args.no_smollm2 else {"SmolLM2-135M": base.path}
     if args.synthetic_1b:
-        sources["1.1B synthetic (TinyLlama shape)"] = synthetic_1b(
-            folder / "synthetic-1b", base.tokenizer
-        )
+        # TinyLlama-1.1B's shape with SmolLM2's vocab (49152) and tokenizer
+        tokenizer = base.tokenizer
+        sources["1.1B synthetic (TinyLlama shape)"] = write_synthetic_llama(
+            folder / "synthetic-1b", "1.1b", init="transformers", tokenizer=tokenizer,
+            vocab_size=49152, max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
     ids = base.tokenizer(_test_text())["input_ids"]
     results = {
         "environment": environment(args),

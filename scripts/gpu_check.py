@@ -169,9 +169,10 @@ def _decode_rates(model, ctx: dict, prompt_len: int = 32, new_tokens: int = 64) 
 
 def section_runtime(ctx: dict) -> dict:
     """3. Runtime decode, bf16 vs W4 (Triton) vs W8A8, on random weights of two shapes."""
-    from bench_memory import SHAPES
+    from compress.testing import LLAMA_SHAPES
 
-    shapes = {"tiny": TINY} if ctx["dry_run"] else {"smollm2-135m": SMOLLM2, "1.1b": SHAPES["1.1b"]}
+    real = {"smollm2-135m": SMOLLM2, "1.1b": LLAMA_SHAPES["1.1b"]}
+    shapes = {"tiny": TINY} if ctx["dry_run"] else real
     dtype = torch.float32 if ctx["dry_run"] else torch.bfloat16
     results = {}
     for name, shape in shapes.items():
@@ -240,11 +241,13 @@ def _peaks(payload, path: str = "") -> dict:
 
 
 def _synthetic(ctx: dict) -> Path:
-    from bench_memory import write_synthetic
+    from compress.testing import write_synthetic_llama
 
     if ctx["dry_run"]:
         return ctx["work"] / "not-written"
-    return write_synthetic("1.1b", ctx["work"] / "synthetic-1.1b")
+    # bench_memory's checkpoint of this shape (the same settings)
+    folder = ctx["work"] / "synthetic-1.1b"
+    return write_synthetic_llama(folder, "1.1b", max_position_embeddings=4096, shard_size="2GB")
 
 
 def section_ppl(ctx: dict) -> dict:
