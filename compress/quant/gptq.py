@@ -118,13 +118,20 @@ class HessianHooks:
                     x3[:, 0] *= float(weight) ** 0.5
                 x2 = x3.reshape(-1, x.shape[-1])  # [tokens, K]
                 self._last = (x, x2.T @ x2)
-            self.h[name] = self.h[name].to(x.device) + self._last[1]
+            if self.h[name].device != x.device:
+                self.h[name] = self.h[name].to(x.device)
+            self.h[name].add_(self._last[1])  # in place: a second [K, K] is 485 MB at 7B's down
             self.count[name] += x.numel() // x.shape[-1]
 
         return hook
 
     def hessian(self, name: str) -> torch.Tensor:
         return self.h[name] * (2.0 / max(self.count[name], 1))
+
+    def take_hessian(self, name: str) -> torch.Tensor:
+        """``hessian(name)``, scaled in place and handed over (the hooks forget it): one
+        [K, K] alive instead of two, and none once its linear is quantized."""
+        return self.h.pop(name).mul_(2.0 / max(self.count[name], 1))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -137,11 +144,17 @@ def _inverse_cholesky(h: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[torc
     damp = cfg.dampening
     mean_diag = float(torch.diag(h).mean())
     while damp <= cfg.max_dampening:
-        hd = h + damp * mean_diag * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+        # H + damp I without an identity matrix (and its product) beside H: [K, K] copies are
+        # what GPTQ's memory peak is made of (485 MB each for a 7B down_proj)
+        hd = h.clone()
+        hd.diagonal().add_(damp * mean_diag)
         chol, info = torch.linalg.cholesky_ex(hd)
+        del hd
         if int(info) == 0:
             hinv = torch.cholesky_inverse(chol)
+            del chol
             upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            del hinv
             if int(info) == 0 and torch.isfinite(upper).all():
                 return upper, damp
         log.warning("%s: Cholesky failed with dampening %g; raising it x10", name, damp)
@@ -167,12 +180,15 @@ def _qparams(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def gptq_quantize(
-    w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, cfg: GptqConfig, name: str = "layer"
+    w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, cfg: GptqConfig, name: str = "layer",
+    *, h_is_scratch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """GPTQ of ``w [N, K]`` given ``h [K, K]`` -> ``(w_q int8 [N, K], scales fp32 [N, K/g],
-    zeros int8 [N, K/g] | None, info)``; see the module docstring."""
+    zeros int8 [N, K/g] | None, info)``; see the module docstring. ``h_is_scratch``: ``h`` is
+    the caller's to lose (``HessianHooks.take_hessian``) and is worked on in place instead of
+    copied."""
     w = w.detach().to(torch.float32).clone()
-    h = h.to(torch.float32).clone()
+    h = h.to(torch.float32) if h_is_scratch else h.to(torch.float32).clone()
     n, k = w.shape
     group = scheme.resolved_group(k)
     dead = torch.diag(h) == 0  # inputs that are always zero: any weight works, use 0
@@ -191,8 +207,10 @@ def gptq_quantize(
             scales[:, g : g + 1] = s
             if zeros is not None:
                 zeros[:, g : g + 1] = z
-    w, h = w[:, perm].contiguous(), h[perm][:, perm]
+    if cfg.act_order:  # without it the order is the identity: no permuted copies
+        w, h = w[:, perm].contiguous(), h[perm][:, perm]
     hinv, damp = _inverse_cholesky(h, cfg, name)
+    del h
     codes = torch.zeros(n, k, device=dev)  # float holder, cast to int8 at the end
     block = max(cfg.block_size // group, 1) * group if not static else cfg.block_size
     order = perm.tolist()
@@ -277,10 +295,14 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
             run_layer(layer, inputs)
         finally:
             hooks.remove()
-        for name, linear in linears.items():
+        # one linear at a time, each float weight and Hessian dropped once it is quantized:
+        # the peak holds one linear's GPTQ state, not the layer's
+        for name in list(linears):
+            linear = linears.pop(name)
             try:
                 w_q, scales, zeros, info = gptq_quantize(
-                    linear.weight, hooks.hessian(name), plan[name], cfg, name
+                    linear.weight, hooks.take_hessian(name), plan[name], cfg, name,
+                    h_is_scratch=True,
                 )
             except SingularHessianError as exc:
                 if cfg.strict:
