@@ -37,6 +37,7 @@ The KL sums are saved and resumed per window like the NLLs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -381,37 +382,66 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
 
     model = stream.model
     todo = [i for i in range(len(spans)) if scores.needs(i)]
-    batches = _batches(todo, spans)
-    windows = [torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch]) for batch in batches]
+    groups = _hidden_groups(_batches(todo, spans), spans, int(model.config.hidden_size))
     layers = decoder_layers(model, "layer-by-layer scoring")
-    bar = tqdm(total=len(layers) + 1, desc=f"{desc}, layer by layer", disable=not progress)
+    bar = tqdm(total=len(groups) * (len(layers) + 1), desc=f"{desc}, layer by layer",
+               disable=not progress)
     try:
-        with stream.outside():
-            inputs = capture_first_layer_inputs(model, windows, torch.device("cpu"))
-        for index in range(len(layers)):
-            layer = stream.load_layer(index)
-            inputs.kwargs = inputs.per_layer[index]
-            with dequantized_for_scoring(layer):
-                inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
-            stream.finish_layer(index)
+        for batches in groups:
+            windows = [torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch])
+                       for batch in batches]
+            with stream.outside():
+                inputs = capture_first_layer_inputs(model, windows, torch.device("cpu"))
+            for index in range(len(layers)):
+                layer = stream.load_layer(index)
+                inputs.kwargs = inputs.per_layer[index]
+                with dequantized_for_scoring(layer):
+                    inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
+                stream.finish_layer(index)
+                bar.update(1)
+            with stream.outside(head=True), contextlib.ExitStack() as dequantized:
+                for _, module in stream.outside_modules():  # a quantized head, scored as such
+                    dequantized.enter_context(dequantized_for_scoring(module))
+                for batch, batch_ids, hidden in zip(batches, windows, inputs.hidden, strict=True):
+                    logits = _logits_from_last_hidden(model, layers, batch_ids, hidden)
+                    for row, index in enumerate(batch):
+                        begin, end, first_scored = spans[index]
+                        targets = batch_ids[row, first_scored - begin :]
+                        preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
+                        scores.add(index, preds, targets)
+                    del logits
+            del inputs
+            save(True)  # a group is the unit a cut run resumes after
             bar.update(1)
-        with stream.outside(head=True):
-            for batch, batch_ids, hidden in zip(batches, windows, inputs.hidden, strict=True):
-                logits = _logits_from_last_hidden(model, layers, batch_ids, hidden)
-                for row, index in enumerate(batch):
-                    begin, end, first_scored = spans[index]
-                    targets = batch_ids[row, first_scored - begin :]
-                    preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
-                    scores.add(index, preds, targets)
-                del logits
-                save(False)
-        bar.update(1)
     except BaseException:
         scores.trim()
         save(True)
         raise
     finally:
         bar.close()
+
+
+# Hidden states held while scoring layer by layer (entering and leaving a layer, float32):
+# windows beyond this are scored in further groups, each reading the checkpoint again.
+LAYERWISE_HIDDEN_BYTES = 1 << 30
+
+
+def _hidden_groups(batches: list[list[int]], spans: list, hidden: int) -> list[list[list[int]]]:
+    """``batches`` in consecutive groups whose hidden states (in and out of a layer, float32)
+    stay within ``LAYERWISE_HIDDEN_BYTES``, at least one batch each."""
+    groups: list[list[list[int]]] = []
+    held = 0
+    for batch in batches:
+        need = 2 * FLOAT32_BYTES * hidden * sum(spans[i][1] - spans[i][0] for i in batch)
+        if not groups or held + need > LAYERWISE_HIDDEN_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(batch)
+        held += need
+    return groups
+
+
+FLOAT32_BYTES = 4
 
 
 def _logits_from_last_hidden(model: nn.Module, layers: nn.ModuleList, batch_ids: torch.Tensor,

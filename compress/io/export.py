@@ -577,7 +577,7 @@ def compressed_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     model = meta_skeleton(path)
     if _moe_arch(model) is not None:
-        raise ModelLoadError(f"{path}: a fused-experts (MoE) checkpoint is not read layer by "
+        raise ModelLoadError(f"{path}: an MoE checkpoint (routed layers) is not read layer by "
                              "layer; load it whole (compress.load)")
     reader = CheckpointReader(path)
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,

@@ -594,6 +594,8 @@ class StreamedModel:
         finally:
             for module in loaded:
                 release(module)
+            if tied and loaded:  # the head still held the released embedding's tensor: re-tie
+                self.model.tie_weights()
 
     def close(self) -> None:
         shutil.rmtree(self.scratch_dir, ignore_errors=True)

@@ -31,6 +31,7 @@ from compress.data import resolve_text_path
 from compress.io.export import export_checkpoint, resolve_export_dtype, write_provenance
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
+from compress.pipeline.preflight import layerwise_eval
 from compress.quant.linear import dequantized_for_scoring, model_bytes
 from compress.recipe import Recipe
 
@@ -88,6 +89,7 @@ def _dir_bytes(path: Path) -> int:
 def evaluate_perplexity(
     model, tokenizer, recipe: Recipe, text: str | None, source: str, progress: bool,
     *, label: str, resume: bool, top_k: int | None = None, kl_base: str | None = None,
+    stream=None,
 ):
     """Perplexity under the recipe's protocol. Per-window results are saved as they go under
     ``<cache dir>/perplexity/`` (keyed by weights, tokens and protocol, see
@@ -95,7 +97,8 @@ def evaluate_perplexity(
     top_k: also store this model's top-k log-probs (under ``<cache dir>/perplexity-top-k/``) for
     the KL of later variants; kl_base: the ``top_k_path`` of such a baseline, for ``result.kl``.
     Weight-only int4/int8 layers are scored as their dequantized float32 weights (the reference
-    definition; ``compress.quant.linear.dequantized_for_scoring``)."""
+    definition; ``compress.quant.linear.dequantized_for_scoring``). stream: score layer by
+    layer on the CPU (``compress.io.export.layerwise_model``; ``model`` is its skeleton)."""
     cfg = recipe.eval.perplexity
     if cfg is None or text is None:
         return None
@@ -103,11 +106,15 @@ def evaluate_perplexity(
         log.info("%s: scoring every window of %s (WikiText-2 test: 593 windows, 10-15 min per "
                  "model on 2 idle CPU cores); stop at any time, the same command resumes", label,
                  cfg.dataset)
-    # on the recipe's device, in bf16 on a GPU; the protocol records where and in what dtype
-    with on_eval_device(model, resolve_device(recipe.device)) as placed, \
-            dequantized_for_scoring(model):
+    if stream is not None:  # each layer is dequantized for scoring when it is read
         result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
-                             top_k, kl_base)
+                             top_k, kl_base, stream)
+        placed = {"device": "cpu", "dtype": "float32", "scored": "layer by layer"}
+    else:  # on the recipe's device, in bf16 on a GPU; the protocol records where and in what
+        with on_eval_device(model, resolve_device(recipe.device)) as placed, \
+                dequantized_for_scoring(model):
+            result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
+                                 top_k, kl_base)
     result = dataclasses.replace(result, protocol={**result.protocol, **placed})
     log.info("%s: %.2f over %d windows (%d scored tokens)%s", label, result.perplexity,
              result.windows, result.scored_tokens,
@@ -116,7 +123,8 @@ def evaluate_perplexity(
     return result
 
 
-def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, top_k, kl_base):
+def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, top_k, kl_base,
+                stream=None):
     from compress.eval.quality import perplexity
     from compress.io.load import cache_dir
 
@@ -135,6 +143,7 @@ def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, to
         top_k=top_k or None,
         top_k_dir=cache_dir() / "perplexity-top-k",
         kl_base=kl_base,
+        stream=stream,
     )
 
 
@@ -448,12 +457,35 @@ def evaluate_baseline(plan: JobPlan, options: JobOptions) -> Evaluation:
     import gc
 
     with _Phase(plan.memory, "baseline eval"):
+        if plan.streamed and layerwise_eval(plan.recipe):  # preflight's rule, one place
+            return _evaluate_layerwise(plan, plan.where, options, label="baseline perplexity",
+                                       top_k=options.kl_top_k)
         loaded = _load_whole(plan)
         result = _evaluate(plan, loaded.model, loaded.tokenizer, options,
                            label="baseline perplexity", top_k=options.kl_top_k)
         del loaded
         gc.collect()
     return result
+
+
+def _evaluate_layerwise(plan: JobPlan, folder: Path, options: JobOptions, *, label: str,
+                        top_k: int | None = None,
+                        baseline: Evaluation | None = None) -> Evaluation:
+    """``_evaluate`` of the checkpoint at ``folder`` read one decoder layer at a time: the
+    same numbers as the model loaded whole (``compress.eval.quality``)."""
+    from transformers import AutoTokenizer
+
+    from compress.io.export import layerwise_model
+    from compress.quant.linear import bits_per_weight
+
+    stream = layerwise_model(folder)
+    kl_base = baseline.perplexity.top_k_path if baseline and baseline.perplexity else None
+    result = evaluate_perplexity(
+        stream.model, AutoTokenizer.from_pretrained(folder), plan.recipe, plan.text,
+        plan.text_source, options.progress, label=label, resume=options.resume, top_k=top_k,
+        kl_base=kl_base, stream=stream,
+    )
+    return Evaluation(result, {}, model_bytes(stream.model), bits_per_weight(stream.model))
 
 
 def memory_line(memory: dict[str, Any]) -> str:
@@ -637,7 +669,8 @@ def _scratch_directory(near: Path) -> Iterator[Path]:
 
 def _run_streamed(plan, out, options, *, export, baseline, report, label) -> JobOutcome:
     """The passes layer by layer (``compress.io.stream.StreamedModel``), the last one writing
-    each finished layer into the export; evaluation on whole models, one at a time."""
+    each finished layer into the export; evaluation layer by layer too (``layerwise_eval``),
+    else on whole models, one at a time."""
     import gc
 
     from transformers import AutoTokenizer
@@ -655,7 +688,11 @@ def _run_streamed(plan, out, options, *, export, baseline, report, label) -> Job
     with folder as tmp:
         seconds, peak = _stream_passes(plan, state, tmp, tokenizer)
         compressed = _sizes_only(skeleton)
-        if wants_eval:
+        if wants_eval and layerwise_eval(recipe):
+            with _Phase(plan.memory, "eval"):
+                compressed = _evaluate_layerwise(plan, tmp, options, label=label,
+                                                 baseline=baseline)
+        elif wants_eval:
             with _Phase(plan.memory, "eval"):
                 loaded = load_model(str(tmp))
                 compressed = _evaluate(plan, loaded.model, loaded.tokenizer, options,

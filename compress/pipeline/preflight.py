@@ -4,11 +4,13 @@ would be killed for memory half-way through.
 
 The estimate is deliberately simple, per phase, and its parts are returned for the report. Its
 constants come from ``scripts/bench_memory.py`` (W4 RTN, 2026-12-02, docs/results.md section 6):
-measured 1.21 GB streamed on the 1.1B shape (estimate 1.20), 2.47 GB streamed on the 7B shape
-(2.62), 7.10 GB loaded whole on the 1.1B shape (7.13).
+the layer-at-a-time terms from runs before RTN read one linear at a time (1.21 GB streamed on
+the 1.1B shape, estimate 1.20; 2.47 GB on the 7B shape, 2.62), the whole-model term from 7.10 GB
+loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the later runs.
 
 * a base for the interpreter, torch, transformers, the tokenizer and the reader (~0.75 GB);
-* streamed passes (``compress.io.stream``): one decoder layer in float32 beside the stored
+* RTN as the first streamed pass: the largest linear, read one at a time (constants below);
+* other streamed passes (``compress.io.stream``): one decoder layer in float32 beside the stored
   16-bit tensor being cast, the quantizer's temporaries for the largest linear (3.5 float32
   copies: the codes, the dequantized weight and its error), the modules outside the stack
   during the calibration capture (the embedding in float32), the calibration hidden states
@@ -36,6 +38,16 @@ BASE_BYTES = 750 * 10**6  # python, torch, transformers, a tokenizer, the reader
 LOAD_FACTOR = 1.45  # a model loaded whole, per float32 byte (measured, see above)
 TEMPORARIES = 3.5  # float32 copies of the largest linear while it is quantized
 FLOAT32 = 4
+# RTN as the first pass reads the checkpoint one linear at a time (``compress.quant.rtn``): its
+# peak follows the largest linear. Fitted to bench_memory's W4 RTN runs at 2026-12-02 (AMD EPYC,
+# docs/results.md section 6): 1.76 GB on the 7B shape (largest linear 45.1 M), 2.08 GB on 13B
+# (70.8 M): 12.5 bytes per parameter of that linear (its stored and float32 copies, the codes
+# and the row-block temporaries) on top of 1.2 GB; the 0.45 GB above the base is resident growth
+# the fit does not explain (the 1.1B shape took 0.97 GB, 0.37 GB under this line), so 10% more.
+LINEAR_AT_A_TIME = ("quantize.int4_rtn", "quantize.int8_rtn")
+LINEAR_BASE_BYTES = 450 * 10**6
+LINEAR_BYTES_PER_PARAM = 12.5
+LINEAR_SLACK = 1.1
 
 
 class InsufficientMemoryError(RecipeError):
@@ -97,6 +109,9 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         for index, cfg in enumerate(recipe.passes):
             name = pass_name_of(cfg)
             need = layer + hidden
+            if index == 0 and name in LINEAR_AT_A_TIME:  # reads the source one linear at a time
+                need = int(LINEAR_SLACK * (LINEAR_BASE_BYTES
+                                           + LINEAR_BYTES_PER_PARAM * dims["largest_linear"]))
             if PASSES[name].needs_calibration:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             if name == "quantize.gptq":
@@ -109,8 +124,12 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         if shapes is not None:
             hidden = 2 * tokens * shapes[2]["hidden"] * FLOAT32
         phases["passes (model loaded whole)"] = BASE_BYTES + whole * (2 if teacher else 1) + hidden
-    if params is not None and (recipe.eval.perplexity is not None or recipe.eval.tasks is not None
-                               or recipe.eval.latency is not None):
+    if streamed and shapes is not None and layerwise_eval(recipe) and (
+            recipe.eval.perplexity is not None):
+        phases["eval (layer by layer)"] = BASE_BYTES + _layerwise_eval_bytes(recipe, shapes)
+    elif params is not None and (recipe.eval.perplexity is not None
+                                 or recipe.eval.tasks is not None
+                                 or recipe.eval.latency is not None):
         window = 0
         if shapes is not None and recipe.eval.perplexity is not None:
             window = recipe.eval.perplexity.context_length * shapes[2]["vocab"] * FLOAT32 * 3
@@ -118,6 +137,32 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
                                                + window)
     peak = max(phases.values()) if phases else None
     return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
+
+
+def layerwise_eval(recipe) -> bool:
+    """Whether a streamed job scores layer by layer (memory: one layer, not the model): only
+    perplexity and KL are asked for (tasks and latency need the model whole) and it runs on
+    the CPU (the GPU path scores the model whole)."""
+    from compress.core.device import resolve_device
+
+    return (recipe.eval.tasks is None and recipe.eval.latency is None
+            and resolve_device(recipe.device).type == "cpu")
+
+
+def _layerwise_eval_bytes(recipe, shapes) -> int:
+    """Layer-by-layer scoring (``compress.eval.quality``): one decoder layer in float32 beside
+    its stored copy, or the modules outside the stack in float32 with a forward batch's
+    logits (three float32 copies), plus the hidden states of the windows (capped by the
+    scorer's own ``LAYERWISE_HIDDEN_BYTES``)."""
+    from compress.eval.quality import LAYERWISE_HIDDEN_BYTES, WINDOWS_PER_FORWARD
+
+    largest, outside, dims = shapes
+    ppl = recipe.eval.perplexity
+    windows = ppl.limit if ppl.limit is not None else 1 << 20
+    hidden = min(LAYERWISE_HIDDEN_BYTES,
+                 2 * windows * ppl.context_length * dims["hidden"] * FLOAT32)
+    logits = 3 * WINDOWS_PER_FORWARD * ppl.context_length * dims["vocab"] * FLOAT32
+    return max(largest * (FLOAT32 + 2), outside * FLOAT32 + logits) + hidden
 
 
 def _hessian_bytes(skeleton) -> int:

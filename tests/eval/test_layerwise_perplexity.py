@@ -104,3 +104,34 @@ def test_layerwise_equals_whole_model_across_families(model_type, tmp_path, one_
     stream = layerwise_model(folder)
     layerwise = _score(stream.model, tmp_path, "layerwise", stream)
     assert layerwise.nll_mean == whole.nll_mean
+    # nothing stays resident, a head tied to the embedding included (Gemma2 ties them)
+    assert all(t.device.type == "meta" for t in stream.model.state_dict().values())
+
+
+def test_windows_beyond_the_hidden_budget_are_scored_in_groups(checkpoint, tmp_path,
+                                                              monkeypatch, one_thread):
+    """With a budget of one forward batch, each batch is its own group (the checkpoint is read
+    once per group): the numbers do not change, and a run cut after the first group resumes
+    from it."""
+    from compress.eval import quality
+
+    whole = _score(_whole(checkpoint), tmp_path, "whole")
+    monkeypatch.setattr(quality, "LAYERWISE_HIDDEN_BYTES", 1)
+    stream = layerwise_model(checkpoint)
+    loads = stream.loads
+    cut = {"groups": 0}
+    original = quality._logits_from_last_hidden
+
+    def stop_after_first_group(*args):
+        if cut["groups"] == 1:  # the first group (a batch of 4 windows) is scored: stop
+            raise KeyboardInterrupt
+        cut["groups"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(quality, "_logits_from_last_hidden", stop_after_first_group)
+    with pytest.raises(KeyboardInterrupt):
+        _score(stream.model, tmp_path, "grouped", stream)
+    monkeypatch.setattr(quality, "_logits_from_last_hidden", original)
+    resumed = _score(stream.model, tmp_path, "grouped", stream)
+    assert resumed.reused_windows == 4 and resumed.nll_mean == whole.nll_mean
+    assert stream.loads - loads == 3 * 3  # two groups, then the second again: 3 layers each

@@ -39,15 +39,16 @@ def checkpoint(tmp_path, monkeypatch):
     return folder
 
 
-def _recipe(tmp_path, passes: str, **export) -> object:
-    """A recipe whose ``passes`` is the YAML list ``passes``, calibrated on the test text."""
+def _recipe(tmp_path, passes: str, evaluate: dict | None = None, **export) -> object:
+    """A recipe whose ``passes`` is the YAML list ``passes``, calibrated on the test text
+    (evaluation off unless ``evaluate`` gives the eval section)."""
     return parse_recipe({
         "name": "tiny-stream",
         "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
                         "seed": 0},
         "passes": yaml.safe_load(textwrap.dedent(passes)),
         "export": {"dtype": "auto", **export},
-        "eval": {"baseline": False, "perplexity": None},
+        "eval": evaluate or {"baseline": False, "perplexity": None},
     })
 
 
@@ -275,3 +276,27 @@ def test_streamed_peak_memory_follows_one_layer_not_the_model(tmp_path, monkeypa
     # measured: streamed +5 layers, whole +29 (every float32 linear is alive until RTN ends)
     assert streamed - base < 8 * layer_bytes, numbers
     assert whole - base > 16 * layer_bytes, numbers  # the bound separates the two paths
+
+
+@pytest.mark.parametrize("passes", [PASSES["int4_rtn"], PASSES["gptq"]])
+def test_streamed_job_evaluates_layer_by_layer_with_the_whole_models_numbers(
+        passes, checkpoint, tmp_path, one_thread):
+    """A streamed job scores the baseline and its export one decoder layer at a time
+    (perplexity and KL), never loading either whole, and gets the in-memory job's numbers."""
+    recipe = _recipe(tmp_path, passes, {
+        "baseline": True,
+        "perplexity": {"dataset": str(tmp_path / "text.txt"), "context_length": 32, "limit": 6},
+    })
+    memory = run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "mem", stream=False,
+                     progress=False)
+    streamed = run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "stream",
+                       stream=True, progress=False)
+    a, b = memory.payload, streamed.payload
+    assert b["memory"]["streamed"] and "eval (layer by layer)" in b["memory"]["estimate"][
+        "phases_bytes"]
+    for variant in ("baseline", "compressed"):
+        pa, pb = a["eval"][variant], b["eval"][variant]
+        assert pb["perplexity"] == pa["perplexity"], variant
+        assert pb["protocol"]["scored"] == "layer by layer"
+    assert b["eval"]["compressed"]["kl"]["kl_mean"] == a["eval"]["compressed"]["kl"]["kl_mean"]
+    assert a["eval"]["compressed"]["perplexity"] != a["eval"]["baseline"]["perplexity"]

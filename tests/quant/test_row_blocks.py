@@ -39,7 +39,8 @@ def test_rtn_codes_in_blocks_equal_one_block(monkeypatch, n_bits, symmetric, gri
 
 @pytest.mark.parametrize("k", [64, 60, 13])  # a multiple of 8, and padded rows
 def test_pack_int4_in_blocks_equals_one_block(monkeypatch, k):
-    w_q = torch.randint(-8, 8, (29, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
+    gen = torch.Generator().manual_seed(k)
+    w_q = torch.randint(-8, 8, (29, k), dtype=torch.int8, generator=gen)
     monkeypatch.setattr(reference, "ROW_BLOCK_ELEMENTS", 1 << 40)
     whole = reference.pack_int4(w_q)
     monkeypatch.setattr(reference, "ROW_BLOCK_ELEMENTS", 16)
