@@ -52,18 +52,24 @@ def _parse_time_v(text: str) -> dict[str, float]:
             "wall_s": seconds if wall else None}
 
 
-def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream: str) -> dict:
-    """``compress run`` of one recipe on one checkpoint, in a child under /usr/bin/time -v."""
+def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream: str,
+            eval_windows: int = 0) -> dict:
+    """``compress run`` of one recipe on one checkpoint, in a child under /usr/bin/time -v.
+    ``eval_windows``: also score the baseline and the export on that many 512-token windows of
+    WikiText-2 test (perplexity and KL; a streamed job scores them layer by layer)."""
     recipe = out_root / f"{shape}-{algorithm}-{stream}.yaml"
+    evaluation = ("eval: {baseline: true, perplexity: {dataset: wikitext2, limit: "
+                  f"{eval_windows}}}}}\n" if eval_windows
+                  else "eval: {baseline: false, perplexity: null}\n")
     recipe.write_text(f"name: bench-{shape}-{algorithm}\n{RECIPES[algorithm]}\n"
-                      "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
+                      "export: {dtype: bfloat16}\n" + evaluation)
     out = out_root / f"{shape}-{algorithm}-{stream}"
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "compress.cli", "run", str(recipe),
                "--model", str(model_dir), "--out", str(out), "--overwrite", "--no-progress",
                "--stream", stream]
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    row = {"shape": shape, "algorithm": algorithm, "stream": stream,
+    row = {"shape": shape, "algorithm": algorithm, "stream": stream, "eval_windows": eval_windows,
            "returncode": proc.returncode, **_parse_time_v(proc.stderr),
            "seconds_measured": round(time.perf_counter() - started, 1)}
     if proc.returncode != 0:
@@ -75,6 +81,10 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     row["estimate_peak_bytes"] = payload["memory"]["estimate"]["peak_bytes"]
     row["parameters"] = payload["memory"]["estimate"]["model_parameters"]
     row["export_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    if eval_windows:
+        row["perplexity"] = {k: (v or {}).get("perplexity") for k, v in payload["eval"].items()
+                             if k in ("baseline", "compressed")}
+        row["scored"] = (payload["eval"]["compressed"] or {}).get("protocol", {}).get("scored")
     row["checkpoint_bytes"] = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     shutil.rmtree(out, ignore_errors=True)  # the export is not needed once measured
     return row
@@ -93,6 +103,9 @@ def markdown(rows: list[dict], env: dict) -> str:
             continue
         phases = ", ".join(f"{k}: {v / 1e9:.2f}" for k, v in r["phases_peak_rss_bytes"].items())
         path = "streamed" if r["streamed"] else "whole model"
+        if r.get("eval_windows"):
+            path += (f", + eval of {r['eval_windows']} windows "
+                     f"({r.get('scored') or 'model loaded whole'})")
         lines.append(
             f"| {r['shape']} | {r['algorithm']} | {path} | {r['checkpoint_bytes'] / 1e9:.2f} | "
             f"{r['parameters'] / 1e9:.2f}e9 | {r['peak_rss_bytes'] / 1e9:.2f} | "
@@ -122,6 +135,8 @@ def main() -> None:
     p.add_argument("--delete-models", action="store_true",
                    help="delete each synthetic checkpoint after its runs (disk)")
     p.add_argument("--out", default="out/bench_memory", help="output prefix (.json, .md)")
+    p.add_argument("--eval-windows", type=int, default=0,
+                   help="also evaluate baseline and export on this many WikiText-2 windows")
     args = p.parse_args()
     algorithm = "gptq" if args.gptq else "rtn"
     out_root = Path(args.out + "-runs")
@@ -144,7 +159,7 @@ def main() -> None:
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
         modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
         for stream in modes:
-            row = run_one(shape, algorithm, model_dir, out_root, stream)
+            row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows)
             print(json.dumps(row), flush=True)
             rows.append(row)
         if args.delete_models:

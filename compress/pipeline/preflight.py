@@ -151,9 +151,9 @@ def layerwise_eval(recipe) -> bool:
 
 def _layerwise_eval_bytes(recipe, shapes) -> int:
     """Layer-by-layer scoring (``compress.eval.quality``): one decoder layer in float32 beside
-    its stored copy, or the modules outside the stack in float32 with a forward batch's
-    logits (three float32 copies), plus the hidden states of the windows (capped by the
-    scorer's own ``LAYERWISE_HIDDEN_BYTES``)."""
+    its stored copy (and a quantized layer's dequantized copy), or the modules outside the
+    stack in float32 with a forward batch's logits (three float32 copies), plus the hidden
+    states of the windows (capped by the scorer's own ``LAYERWISE_HIDDEN_BYTES``)."""
     from compress.eval.quality import LAYERWISE_HIDDEN_BYTES, WINDOWS_PER_FORWARD
 
     largest, outside, dims = shapes
@@ -162,7 +162,10 @@ def _layerwise_eval_bytes(recipe, shapes) -> int:
     hidden = min(LAYERWISE_HIDDEN_BYTES,
                  2 * windows * ppl.context_length * dims["hidden"] * FLOAT32)
     logits = 3 * WINDOWS_PER_FORWARD * ppl.context_length * dims["vocab"] * FLOAT32
-    return max(largest * (FLOAT32 + 2), outside * FLOAT32 + logits) + hidden
+    # a quantized layer is read as codes and scored through a dequantized float32 copy: the
+    # 13B shape's export took 0.84 GB more than its bf16 baseline (3.06 vs 2.22 GB, W4 RTN,
+    # docs/results.md section 6), 2.6 bytes per parameter of a layer: 1.5x the float layer
+    return max(int(1.5 * largest * (FLOAT32 + 2)), outside * FLOAT32 + logits) + hidden
 
 
 def _hessian_bytes(skeleton) -> int:
