@@ -336,6 +336,17 @@ def _batches(todo: list[int], spans: list) -> list[list[int]]:
     return [group for group in groups.values() if wanted.intersection(group)]
 
 
+def _add_batch(scores: _Scores, spans: list, batch: list[int], windows: torch.Tensor,
+               logits: torch.Tensor) -> None:
+    """Score each window of a forward batch: its scored tokens against the logits before them
+    (logits at position t predict token t+1)."""
+    for row, index in enumerate(batch):
+        begin, end, first_scored = spans[index]
+        targets = windows[row, first_scored - begin :]
+        preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
+        scores.add(index, preds, targets)
+
+
 @torch.no_grad()
 def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progress: bool) -> None:
     """Score every window that ``scores`` still needs, in order; ``save()`` is called at its own
@@ -348,13 +359,8 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
         for batch in _batches(todo, spans):
             windows = torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch]).to(device)
             logits = model(windows).logits  # [B, T, V]
-            for row, index in enumerate(batch):
-                begin, end, first_scored = spans[index]
-                # logits at position t predict token t+1
-                targets = windows[row, first_scored - begin :]
-                preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
-                scores.add(index, preds, targets)
-                bar.update(index in wanted)
+            _add_batch(scores, spans, batch, windows, logits)
+            bar.update(len(wanted.intersection(batch)))
             del logits
             save(False)
     except BaseException:
@@ -404,11 +410,7 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
                     dequantized.enter_context(dequantized_for_scoring(module))
                 for batch, batch_ids, hidden in zip(batches, windows, inputs.hidden, strict=True):
                     logits = _logits_from_last_hidden(model, layers, batch_ids, hidden)
-                    for row, index in enumerate(batch):
-                        begin, end, first_scored = spans[index]
-                        targets = batch_ids[row, first_scored - begin :]
-                        preds = logits[row, first_scored - begin - 1 : end - begin - 1].float()
-                        scores.add(index, preds, targets)
+                    _add_batch(scores, spans, batch, batch_ids, logits)
                     del logits
             del inputs
             save(True)  # a group is the unit a cut run resumes after

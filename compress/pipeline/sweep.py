@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from compress.core.device import resolve_device
 from compress.core.errors import RecipeError
 from compress.output_dir import check_output_dir
 from compress.pipeline.job import (
@@ -132,7 +133,11 @@ def run_sweep(
     check_output_dir(out, overwrite=overwrite, protect=protect)
     protocol = _common_eval(recipes)
     source_model = sources.pop()
-    settings = {"model": source_model, "perplexity": protocol, "kl_top_k": kl_top_k}
+    # where the rows run (``device: auto`` is the GPU on one host, the CPU on another): a row
+    # computed on one is not reused on the other
+    devices = sorted({str(resolve_device(r.device)) for r in recipes})
+    settings = {"model": source_model, "perplexity": protocol, "kl_top_k": kl_top_k,
+                "devices": devices}
     done = _load_previous(out / "sweep.json", settings) if resume else {}
     pending = {r.name for r in recipes
                if r.to_yaml() != done.get(r.name, {}).get("recipe_yaml")}

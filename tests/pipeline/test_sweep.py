@@ -80,6 +80,26 @@ def test_finished_rows_are_read_back_not_recomputed(inputs, monkeypatch):
         run_sweep(changed, out_dir=tmp_path / "sweep", progress=False)
 
 
+def test_rows_from_another_device_are_not_reused(inputs, monkeypatch):
+    """``device: auto`` is the CPU on one host and the GPU on another: a row computed on the
+    CPU is recomputed where the recipes now resolve to a GPU (the settings name the devices)."""
+    import torch
+
+    from compress.pipeline import sweep as sweep_module
+
+    _, paths, tmp_path = inputs
+    recipes = [load_recipe(p) for p in paths]
+    run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a row ran its passes again")
+
+    monkeypatch.setattr(job_module, "run_passes", must_not_run)
+    monkeypatch.setattr(sweep_module, "resolve_device", lambda spec: torch.device("cuda", 0))
+    with pytest.raises(AssertionError, match="ran its passes again"):
+        run_sweep(recipes, out_dir=tmp_path / "sweep", progress=False)
+
+
 def test_recipes_that_cannot_share_a_baseline_are_refused_before_work(inputs, monkeypatch):
     _, paths, tmp_path = inputs
     w4, w8 = load_recipe(paths[0]), load_recipe(paths[1], ["eval.perplexity.limit=2"])
