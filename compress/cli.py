@@ -168,6 +168,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         check_tasks(tasks, task_manager(task_folder(args.tasks_dir, args.data_dir)))
     path = None if args.no_perplexity else resolve_text_path(args.dataset, args.data_dir)
     device = _device(args)
+    if args.layer_by_layer:
+        return _eval_layer_by_layer(args, path, tasks, device)
+    from compress.io.load import resolve_model_path
+    from compress.pipeline.preflight import check_phase, whole_load_bytes
+
+    check_phase("eval (model loaded whole)", whole_load_bytes(resolve_model_path(args.model)),
+                "score perplexity one decoder layer at a time: compress eval --layer-by-layer")
     loaded = load_model(args.model, backend=args.backend)
     placed = place_for_eval(loaded.model, device)  # bf16 on a GPU; the CPU: as loaded
     out: dict = {}
@@ -196,6 +203,35 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                 tasks_dir=args.tasks_dir,
                 data_dir=args.data_dir,
             )
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def _eval_layer_by_layer(args: argparse.Namespace, path, tasks: list[str], device) -> int:
+    """``compress eval --layer-by-layer``: perplexity of a local checkpoint (plain or
+    compressed) read one decoder layer at a time, for a model bigger than memory; quantized
+    layers are scored through their dequantized weights, as ``compress run`` scores them."""
+    from transformers import AutoTokenizer
+
+    from compress.core.errors import RecipeError
+    from compress.eval.quality import perplexity
+    from compress.io.export import layerwise_model
+    from compress.io.load import resolve_model_path
+
+    where = resolve_model_path(args.model)
+    if tasks or path is None or device.type != "cpu" or not isinstance(where, Path):
+        raise RecipeError(
+            "--layer-by-layer scores perplexity of a local checkpoint on the CPU: drop --tasks "
+            "and --no-perplexity, use --device cpu, and give a model folder")
+    stream = layerwise_model(where, backend=args.backend)
+    result = perplexity(
+        stream.model, AutoTokenizer.from_pretrained(where), path.read_text(encoding="utf-8"),
+        context_length=args.context_length, stride=args.stride, limit=args.limit,
+        source=str(path), progress=not args.no_progress, stream=stream)
+    out = result.to_dict()
+    placed = {"device": "cpu", "dtype": "float32", "scored": "layer by layer"}
+    out["protocol"].update(placed)
+    out["device"] = placed
     print(json.dumps(out, indent=2, default=str))
     return 0
 
@@ -583,6 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<data dir>/lm_eval_tasks)")
     p_eval.add_argument("--data-dir", help="data folder")
     p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p_eval.add_argument("--layer-by-layer", action="store_true",
+                        help="read one decoder layer at a time (a model bigger than memory; "
+                        "perplexity on the CPU only; quantized layers scored dequantized, as "
+                        "compress run scores them)")
     add_device_arg(p_eval)
     p_eval.set_defaults(func=_cmd_eval)
 

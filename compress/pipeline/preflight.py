@@ -192,14 +192,40 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
     phase = max(result["phases_bytes"], key=result["phases_bytes"].get)
     ways = []
     if "eval" in phase:
-        ways.append("leave evaluation out (`--set eval.baseline=false --set eval.perplexity=null`"
-                    ", and no tasks or latency) and evaluate the export on a larger machine")
+        ways.append("leave tasks and latency out of eval (perplexity and KL alone are scored "
+                    "layer by layer on the CPU), or leave evaluation out (`--set "
+                    "eval.baseline=false --set eval.perplexity=null`) and score the export "
+                    "with `compress eval --layer-by-layer`")
     if "whole" in phase and "eval" not in phase:
         ways.append("use layer-wise passes only (quantize.int4_rtn/int8_rtn/gptq/awq/"
                     "smoothquant/autoround stream one decoder layer at a time)")
     if recipe.calibration is not None and "pass" in phase:
         ways.append("lower calibration.num_samples or seq_len")
     _refuse(phase, peak, available, ways)
+
+
+def whole_load_bytes(where) -> int | None:
+    """Peak resident bytes of loading the checkpoint at ``where`` whole (``compress.load``:
+    floating tensors but scales as float32, others as stored), from its headers; None for a
+    hub id or a folder without safetensors."""
+    if not isinstance(where, Path):
+        return None
+    from compress.core.errors import ModelLoadError
+    from compress.io.stream import CheckpointReader
+
+    try:
+        reader = CheckpointReader(where)
+    except ModelLoadError:
+        return None
+    total = 0
+    for name in reader.names():
+        numel = 1
+        for dim in reader.shape(name):
+            numel *= dim
+        scale = name.endswith("weight_scale")
+        total += (numel * FLOAT32 if reader.dtype(name).is_floating_point and not scale
+                  else reader.nbytes(name))
+    return BASE_BYTES + int(total * LOAD_FACTOR)
 
 
 def check_phase(phase: str, need: int | None, way_out: str) -> None:

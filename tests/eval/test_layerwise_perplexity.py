@@ -135,3 +135,28 @@ def test_windows_beyond_the_hidden_budget_are_scored_in_groups(checkpoint, tmp_p
     resumed = _score(stream.model, tmp_path, "grouped", stream)
     assert resumed.reused_windows == 4 and resumed.nll_mean == whole.nll_mean
     assert stream.loads - loads == 3 * 3  # two groups, then the second again: 3 layers each
+
+
+def test_cli_eval_layer_by_layer_equals_eval_and_refusal_names_it(checkpoint, tmp_path, capsys,
+                                                                  monkeypatch, one_thread):
+    """``compress eval --layer-by-layer`` gives ``compress eval``'s perplexity on a plain
+    checkpoint; ``compress eval`` of a model that would not fit loaded whole is refused before
+    loading, with the flag as the way out."""
+    import json
+
+    from compress.cli import main
+    from compress.pipeline import preflight
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    common = [str(checkpoint), "--dataset", str(text), "--context-length", "48", "--limit", "5",
+              "--no-progress"]
+    assert main(["eval", *common]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["eval", *common, "--layer-by-layer"]) == 0
+    layerwise = json.loads(capsys.readouterr().out)
+    assert layerwise["perplexity"] == whole["perplexity"]
+    assert layerwise["protocol"]["scored"] == "layer by layer"
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 10**6)
+    assert main(["eval", *common]) == 2
+    assert "--layer-by-layer" in capsys.readouterr().err
