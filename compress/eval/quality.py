@@ -336,6 +336,20 @@ def _batches(todo: list[int], spans: list) -> list[list[int]]:
     return [group for group in groups.values() if wanted.intersection(group)]
 
 
+@contextlib.contextmanager
+def _saving_on_interrupt(scores: _Scores, save, bar):
+    """On an interruption (Ctrl-C included) drop the half-stored window and save the rest, so
+    the same call resumes after it; close the progress bar in any case."""
+    try:
+        yield
+    except BaseException:
+        scores.trim()
+        save(True)
+        raise
+    finally:
+        bar.close()
+
+
 def _add_batch(scores: _Scores, spans: list, batch: list[int], windows: torch.Tensor,
                logits: torch.Tensor) -> None:
     """Score each window of a forward batch: its scored tokens against the logits before them
@@ -355,7 +369,7 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
     todo = [i for i in range(len(spans)) if scores.needs(i)]
     bar = tqdm(total=len(spans), initial=len(spans) - len(todo), desc=desc, disable=not progress)
     wanted = set(todo)
-    try:
+    with _saving_on_interrupt(scores, save, bar):
         for batch in _batches(todo, spans):
             windows = torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch]).to(device)
             logits = model(windows).logits  # [B, T, V]
@@ -363,12 +377,6 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
             bar.update(len(wanted.intersection(batch)))
             del logits
             save(False)
-    except BaseException:
-        scores.trim()
-        save(True)
-        raise
-    finally:
-        bar.close()
 
 
 @torch.no_grad()
@@ -392,7 +400,7 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
     layers = decoder_layers(model, "layer-by-layer scoring")
     bar = tqdm(total=len(groups) * (len(layers) + 1), desc=f"{desc}, layer by layer",
                disable=not progress)
-    try:
+    with _saving_on_interrupt(scores, save, bar):
         for batches in groups:
             windows = [torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch])
                        for batch in batches]
@@ -415,12 +423,6 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
             del inputs
             save(True)  # a group is the unit a cut run resumes after
             bar.update(1)
-    except BaseException:
-        scores.trim()
-        save(True)
-        raise
-    finally:
-        bar.close()
 
 
 # Hidden states held while scoring layer by layer (entering and leaving a layer, float32):
