@@ -302,7 +302,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, backend=args.backend)
     dtype = args.dtype
-    if dtype == "auto":  # the checkpoint's stored float dtype (load_model holds fp32 copies)
+    if dtype == "auto":  # the checkpoint's stored float dtype (load_model computes in fp32)
         import json
         from pathlib import Path
 

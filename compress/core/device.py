@@ -83,8 +83,60 @@ def eval_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def float_dtype(module: nn.Module) -> torch.dtype | None:
-    """The dtype of the first floating parameter of ``module`` (None when it has none)."""
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    """The dtype ``module`` computes in: that of its first floating parameter, or the compute
+    dtype of the submodule holding it when that submodule keeps a narrower stored dtype
+    (``compute_in``). None when it has no floating parameter."""
+    for owner in module.modules():
+        for param in owner._parameters.values():
+            if param is not None and param.is_floating_point():
+                return getattr(owner, _COMPUTE_DTYPE, param.dtype)
+    return None
+
+
+# ---- stored narrow, computed wide ------------------------------------------------------------
+# A loaded checkpoint's large dense tensors (embedding, unquantized head) stay in its bf16 and
+# are widened only while their module runs: the model never holds their float32 copies.
+_COMPUTE_DTYPE = "_compute_dtype"
+_WIDENED = "_widened_tensors"
+
+
+def compute_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``module`` in ``dtype`` while its own floating tensors keep the dtype they are stored
+    in. Exact when ``dtype`` is wider (bf16 -> fp32 loses nothing): the outputs are those of
+    the module cast to ``dtype`` first. A plain ``nn.Embedding`` casts the rows it looks up
+    (the table itself is never widened); any other module gets float copies of its tensors
+    for the length of its forward call. ``move_tensors`` with a dtype changes this dtype too
+    (a GPU evaluation in bf16). Calling it again only sets the dtype."""
+    first = not hasattr(module, _COMPUTE_DTYPE)
+    setattr(module, _COMPUTE_DTYPE, dtype)
+    if not first:
+        return
+    if type(module).forward is nn.Embedding.forward:
+        module.register_forward_hook(_cast_looked_up_rows)
+    else:
+        module.register_forward_pre_hook(_widen_tensors)
+        module.register_forward_hook(_put_back_tensors, always_call=True)
+
+
+def _cast_looked_up_rows(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.to(getattr(module, _COMPUTE_DTYPE))
+
+
+def _widen_tensors(module: nn.Module, args) -> None:
+    dtype = getattr(module, _COMPUTE_DTYPE)
+    stored = []
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.is_floating_point() and param.dtype != dtype:
+            stored.append((name, param))
+            module._parameters[name] = param.detach().to(dtype)  # type: ignore[assignment]
+    setattr(module, _WIDENED, stored)
+
+
+def _put_back_tensors(module: nn.Module, args, output):
+    for name, param in getattr(module, _WIDENED, ()):
+        module._parameters[name] = param
+    setattr(module, _WIDENED, [])
+    return output
 
 
 def place_for_eval(module: nn.Module, device: torch.device) -> dict[str, str | None]:
@@ -172,6 +224,10 @@ def move_tensors(
                 table[name] = copies[id(tensor)]
                 replaced.append((owner, kind, name, tensor))
                 moved_any = True
+        compute = getattr(owner, _COMPUTE_DTYPE, None)
+        if dtype is not None and compute is not None and compute != dtype:
+            replaced.append((owner, "compute", _COMPUTE_DTYPE, compute))  # type: ignore[arg-type]
+            setattr(owner, _COMPUTE_DTYPE, dtype)
         prepared = getattr(owner, "_prepared", None)
         if moved_any and isinstance(prepared, dict):
             replaced.append((owner, "prepared", "_prepared", prepared))  # type: ignore[arg-type]
@@ -186,6 +242,8 @@ def restore_tensors(replaced: list[tuple[nn.Module, str, str, torch.Tensor]]) ->
             owner._parameters[name] = tensor  # type: ignore[assignment]
         elif kind == "buffer":
             owner._buffers[name] = tensor
+        elif kind == "compute":
+            setattr(owner, name, tensor)
         else:
             owner._prepared = tensor
 

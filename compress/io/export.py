@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from compress.arch import ARCHS, Arch, model_type, output_weight_key
+from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
@@ -571,14 +572,31 @@ def compressed_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
     ``compress.io.stream.meta_skeleton`` with the quantized layers swapped in, reading only the
     shards' headers), for reading one layer at a time. Fused MoE experts are not supported
     here (ModelLoadError): they are renamed and regrouped on load."""
-    from compress.io.stream import CheckpointReader, meta_skeleton
-
     path = Path(path)
-    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    model = meta_skeleton(path)
-    if _moe_arch(model) is not None:
+    model = _skeleton(path, _quantization_config(path), dtype, backend)
+    if model is None:
         raise ModelLoadError(f"{path}: an MoE checkpoint (routed layers) is not read layer by "
                              "layer; load it whole (compress.load)")
+    return model
+
+
+def _quantization_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
+            from exc
+
+
+def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype,
+              backend: str) -> nn.Module | None:
+    """The meta skeleton with the quantized layers swapped in; None for an MoE model (its
+    experts are renamed and regrouped, so it is read whole)."""
+    from compress.io.stream import CheckpointReader, meta_skeleton
+
+    model = meta_skeleton(path)
+    if _moe_arch(model) is not None:
+        return None
     reader = CheckpointReader(path)
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
                            path, dtype, backend)
@@ -594,11 +612,7 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     from compress.io.stream import CheckpointReader, StreamedModel, meta_skeleton
 
     path = Path(path)
-    try:
-        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
-            from exc
+    quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
     layers = decoder_layers(skeleton, "layer-by-layer reading")
@@ -612,12 +626,91 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
 def load_compressed(
     path: str | Path, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> nn.Module:
-    """Build the model from ``config.json``, swap in QuantLinear layers, load the tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model of a compressed checkpoint, computing in ``dtype``: built on the meta device
+    from ``config.json``, QuantLinear layers swapped in, then each module's tensors read from
+    the shards one module at a time. Quantized layers hold their codes and scales as stored
+    (their other float tensors in ``dtype``); the large dense tensors stored narrower than
+    ``dtype`` (a bf16 embedding or output head) stay so and are widened only while their
+    module runs (``compress.core.device.compute_in``), so the model never holds float32
+    copies of them. An MoE checkpoint (renamed, regrouped experts) is read whole."""
+    from compress.io.stream import CheckpointReader
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    quant = raw.get("quantization_config") or {}
+    quant = _quantization_config(path)
+    model = _skeleton(path, quant, dtype, backend)
+    if model is None:
+        return _load_whole(path, quant, dtype, backend)
+    reader = CheckpointReader(path)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head_key = output_weight_key(model)
+    read: set[str] = set()
+    missing: list[str] = []
+    for owner_name, owner in model.named_modules():
+        prefix = f"{owner_name}." if owner_name else ""
+        own = [(n, t) for n, t in owner._parameters.items() if t is not None]
+        own += [(n, t) for n, t in owner._buffers.items()
+                if t is not None and n not in owner._non_persistent_buffers_set]
+        tensors = {}
+        for name, current in own:
+            key = prefix + name
+            if current.device.type != "meta":
+                continue
+            if key not in reader:
+                if not (tied and key == head_key):  # tied: the embedding's weight, below
+                    missing.append(key)
+                continue
+            tensor = reader.read(key, shape=tuple(current.shape))
+            read.add(key)
+            if not keeps_stored_dtype(key, tensor.dtype, tensor.numel(), dtype,
+                                      quantized=isinstance(owner, (QuantLinear, QuantExperts))):
+                tensor = tensor.to(dtype)
+            tensors[name] = tensor
+        if tensors:
+            owner.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    for owner in model.modules():  # after tying: a tied head holds the embedding's bf16 weight
+        if not isinstance(owner, (QuantLinear, QuantExperts)) and any(
+                p is not None and p.is_floating_point() and p.dtype != dtype
+                for p in owner._parameters.values()):
+            compute_in(owner, dtype)
+    unexpected = [n for n in reader.names() if n not in read]
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}; re-export it"
+        )
+    return model
+
+
+# Dense tensors at least this large keep a narrower stored float dtype (widened per call);
+# smaller ones (norms, biases) are cast once: they cost nothing and stay off the hooks.
+KEEP_STORED_BYTES = 1 << 20
+
+
+def keeps_stored_dtype(name: str, stored: torch.dtype, numel: int, dtype: torch.dtype, *,
+                       quantized: bool) -> bool:
+    """Whether ``load_compressed`` keeps tensor ``name`` as stored rather than casting it to
+    the compute ``dtype``: integer tensors and scales always; a quantized layer's other float
+    tensors never; a dense float tensor when it is stored narrower than ``dtype`` and holds
+    at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
+    if not stored.is_floating_point or name.endswith("weight_scale") or stored == dtype:
+        return True
+    if quantized:
+        return False
+    size = torch.empty((), dtype=stored).element_size()
+    wide = torch.empty((), dtype=dtype).element_size()
+    return size < wide and numel * size >= KEEP_STORED_BYTES
+
+
+def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
+                    backend: str) -> nn.Module:
+    """A compressed checkpoint read whole, every float tensor but the scales cast to ``dtype``
+    (float32 copies of the dense parts): what an MoE checkpoint needs (its per-expert tensors
+    are renamed and fused into transformers' 3-D expert parameters, all at hand), and the
+    reference the module-by-module ``load_compressed`` is tested against."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -205,26 +205,36 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
 
 
 def whole_load_bytes(where) -> int | None:
-    """Peak resident bytes of loading the checkpoint at ``where`` whole (``compress.load``:
-    floating tensors but scales as float32, others as stored), from its headers; None for a
-    hub id or a folder without safetensors."""
+    """Peak resident bytes of loading the checkpoint at ``where`` whole (``compress.load``), from
+    its headers: a plain checkpoint's floating tensors as float32; a compressed one's as
+    ``load_compressed`` keeps them (``keeps_stored_dtype``: codes, scales and large dense bf16
+    tensors as stored, the rest as float32; a tensor beside a ``weight_scale`` belongs to a
+    quantized layer). None for a hub id or a folder without safetensors."""
     if not isinstance(where, Path):
         return None
+    import torch
+
     from compress.core.errors import ModelLoadError
+    from compress.io.export import keeps_stored_dtype
+    from compress.io.load import is_compressed_checkpoint
     from compress.io.stream import CheckpointReader
 
     try:
         reader = CheckpointReader(where)
     except ModelLoadError:
         return None
+    compressed = is_compressed_checkpoint(where)
+    names = set(reader.names())
     total = 0
-    for name in reader.names():
+    for name in names:
         numel = 1
         for dim in reader.shape(name):
             numel *= dim
-        scale = name.endswith("weight_scale")
-        total += (numel * FLOAT32 if reader.dtype(name).is_floating_point and not scale
-                  else reader.nbytes(name))
+        stored = reader.dtype(name)
+        quantized = f"{name.rpartition('.')[0]}.weight_scale" in names
+        kept = (keeps_stored_dtype(name, stored, numel, torch.float32, quantized=quantized)
+                if compressed else not stored.is_floating_point or name.endswith("weight_scale"))
+        total += reader.nbytes(name) if kept else numel * FLOAT32
     return BASE_BYTES + int(total * LOAD_FACTOR)
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
+from compress.core.device import float_dtype
 from compress.kernels import cpu_q8, dispatch
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
@@ -187,7 +188,8 @@ class Runtime:
             return
         config = model.config
         embed = model.get_input_embeddings().weight
-        device, w_dtype = embed.device, embed.dtype
+        # the dtype the model computes in (a loaded bf16 embedding may serve an fp32 model)
+        device, w_dtype = embed.device, float_dtype(model.get_input_embeddings()) or embed.dtype
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         if decode_dtype is None:
             cpu_quant = quantized and device.type == "cpu"
@@ -236,7 +238,7 @@ class Runtime:
             self.head = _Head(
                 model, decode_dtype, notes, kernels, lm_head_bits, arch, spec=spec
             )
-            self.embed = embed.detach()
+            self.embed, self.embed_dtype = embed.detach(), w_dtype
             self.embed_factor = embed_factor(config, arch, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
         # layers (lm_head included) that decode through our integer-dot kernels
@@ -499,7 +501,7 @@ class Runtime:
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, H] fp32, scaled in the model dtype where the family scales."""
-        x = self.embed[tokens]
+        x = self.embed[tokens].to(self.embed_dtype)
         if self.embed_factor is not None:
             x = x * self.embed_factor
         return x.float()
