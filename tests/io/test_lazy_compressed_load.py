@@ -135,3 +135,27 @@ def test_preflight_counts_what_the_load_holds(tmp_path, monkeypatch, stored_rule
         held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     want = preflight.BASE_BYTES + int(sum(held.values()) * preflight.LOAD_FACTOR)
     assert preflight.whole_load_bytes(folder) == want
+
+
+@pytest.mark.real
+def test_smollm2_w4_bf16_export_loads_narrow_with_the_same_logits(smollm2, tmp_path):
+    """The real model: its tied 49152 x 576 embedding stays bf16 (56 MB instead of 113 MB in
+    float32) and the loaded W4 export gives the whole-fp32 read's logits bit for bit."""
+    import copy
+
+    from compress.quant.linear import QuantLinear as QL  # noqa: N817
+
+    model = copy.deepcopy(smollm2.model)
+    run_passes(model, [Int4RtnConfig(group_size=64)], CompressionState(progress=False))
+    folder = export_checkpoint(model, smollm2.tokenizer, tmp_path / "w4", dtype="bfloat16")
+    del model
+    lazy = load_compressed(folder).eval()
+    assert lazy.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert sum(isinstance(m, QL) for m in lazy.modules()) == 30 * 7
+    ids = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is",
+                            return_tensors="pt").input_ids
+    with torch.no_grad():
+        got = lazy(ids).logits
+        whole = _load_whole(folder, export_module._quantization_config(folder), torch.float32,
+                            "auto").eval()
+        assert torch.equal(got, whole(ids).logits)
