@@ -125,6 +125,57 @@ def test_hessian_weights_the_first_token_against_float64(sink_weight):
         torch.testing.assert_close(hooks.hessian(name).double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_shared_hessian_is_one_tensor_and_each_take_is_exact():
+    """Linears fed the same input tensor one after the other (q/k/v, gate/up) share one [K, K]
+    sum; taking it hands the first takers scaled copies and the last the scaled original, all
+    equal to a separate accumulation."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, o = torch.nn.Linear(8, 4), torch.nn.Linear(8, 3), torch.nn.Linear(4, 8)
+    hooks = HessianHooks({"q": q, "k": k, "o": o})
+    batches = [torch.randn(2, 5, 8, generator=gen) for _ in range(3)]
+    for x in batches:
+        o(q(x) + k(x)[..., :1])
+    hooks.remove()
+    assert hooks.h["q"] is hooks.h["k"] and hooks.h["o"] is not hooks.h["q"]
+    separate = torch.zeros(8, 8)
+    for x in batches:
+        x2 = x.reshape(-1, 8)
+        separate.add_(x2.T @ x2)
+    separate *= 2.0 / 30
+    first = hooks.take_hessian("q")
+    assert first is not hooks.h["k"] and torch.equal(first, separate)
+    assert torch.equal(hooks.take_hessian("k"), separate)
+
+
+@pytest.mark.parametrize("spd", [True, False])
+def test_in_place_inverse_factor_matches_out_of_place_reference(spd):
+    """``_inverse_cholesky`` damps ``h`` in place and shares one buffer for the factor, its
+    inverse and the inverse's factor: bit for bit the out-of-place computation, with the same
+    dampening (raised x10 on an indefinite matrix), and ``h`` given back unchanged."""
+    from compress.quant.gptq import _inverse_cholesky
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(80, 48, generator=gen)
+    h = x.T @ x
+    if not spd:  # indefinite until the dampening outweighs the negative eigenvalue
+        h -= 0.3 * float(torch.diag(h).mean()) * torch.eye(48)
+    cfg = GptqConfig(group_size=32)
+    before = h.clone()
+    got, damp = _inverse_cholesky(h, cfg, "t")
+    assert torch.equal(h, before)
+    ref_damp = cfg.dampening
+    while True:
+        hd = before.clone()
+        hd.diagonal().add_(ref_damp * float(torch.diag(before).mean()))
+        chol, info = torch.linalg.cholesky_ex(hd)
+        if int(info) == 0:
+            want = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+            break
+        ref_damp *= 10
+    assert damp == ref_damp and (spd or damp > cfg.dampening)
+    assert torch.equal(got, want)
+
+
 def test_config_errors():
     with pytest.raises(RecipeError, match="group_size"):
         parse_recipe({"passes": [{"pass": "quantize.gptq", "group_size": 100}]})
