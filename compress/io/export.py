@@ -31,11 +31,10 @@ import torch
 from torch import nn
 
 from compress.arch import ARCHS, Arch, model_type, output_weight_key
-from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
-from compress.io.stream import no_weight_init
+from compress.io.stream import compute_narrow_in, keeps_stored_dtype, no_weight_init
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 from compress.quant.linear import (
     INPUT_ACTIVATIONS,
@@ -669,11 +668,8 @@ def load_compressed(
             owner.load_state_dict(tensors, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    for owner in model.modules():  # after tying: a tied head holds the embedding's bf16 weight
-        if not isinstance(owner, (QuantLinear, QuantExperts)) and any(
-                p is not None and p.is_floating_point() and p.dtype != dtype
-                for p in owner._parameters.values()):
-            compute_in(owner, dtype)
+    # after tying: a tied head holds the embedding's bf16 weight
+    compute_narrow_in(model, dtype, exclude=(QuantLinear, QuantExperts))
     unexpected = [n for n in reader.names() if n not in read]
     if missing or unexpected:
         raise ModelLoadError(
@@ -681,26 +677,6 @@ def load_compressed(
             f"unexpected {unexpected[:10]}; re-export it"
         )
     return model
-
-
-# Dense tensors at least this large keep a narrower stored float dtype (widened per call);
-# smaller ones (norms, biases) are cast once: they cost nothing and stay off the hooks.
-KEEP_STORED_BYTES = 1 << 20
-
-
-def keeps_stored_dtype(name: str, stored: torch.dtype, numel: int, dtype: torch.dtype, *,
-                       quantized: bool) -> bool:
-    """Whether ``load_compressed`` keeps tensor ``name`` as stored rather than casting it to
-    the compute ``dtype``: integer tensors and scales always; a quantized layer's other float
-    tensors never; a dense float tensor when it is stored narrower than ``dtype`` and holds
-    at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
-    if not stored.is_floating_point or name.endswith("weight_scale") or stored == dtype:
-        return True
-    if quantized:
-        return False
-    size = torch.empty((), dtype=stored).element_size()
-    wide = torch.empty((), dtype=dtype).element_size()
-    return size < wide and numel * size >= KEEP_STORED_BYTES
 
 
 def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError
 from compress.memory import return_freed_memory
 
@@ -320,24 +321,76 @@ def materialize(
     device: torch.device | str = "cpu",
     *,
     skip: tuple[str, ...] = (),
+    narrow: bool = False,
 ) -> None:
     """Fill every meta tensor of ``module`` (checkpoint names ``prefix + name``) from
     ``reader``, each floating tensor cast to ``dtype`` (None: as stored) on ``device``.
     Tensors already resident are left alone, and so are those whose name starts with one of
-    ``skip`` (submodules read later)."""
+    ``skip`` (submodules read later). ``narrow``: large tensors stored narrower than ``dtype``
+    (``keeps_stored_dtype``) stay as stored and their modules compute in ``dtype``
+    (``compute_narrow_in``): the same outputs, half the memory for a bf16 checkpoint."""
     tensors = {}
     for name, current in expected_tensors(module).items():
         if current.device.type != "meta" or name.startswith(skip):
             continue
         tensor = reader.read(prefix + name, shape=tuple(current.shape))
         if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
-            tensor = tensor.to(dtype)
+            if not (narrow and keeps_stored_dtype(name, tensor.dtype, tensor.numel(), dtype,
+                                                  quantized=False)):
+                tensor = tensor.to(dtype)
         tensors[name] = tensor.to(device)
     if tensors:
         module.load_state_dict(tensors, strict=False, assign=True)
         for tensor in expected_tensors(module).values():  # parameters stay frozen
             if isinstance(tensor, nn.Parameter):
                 tensor.requires_grad_(False)
+    if narrow and dtype is not None:
+        compute_narrow_in(module, dtype)
+
+
+def compute_narrow_in(module: nn.Module, dtype: torch.dtype, *,
+                      exclude: tuple[type, ...] = ()) -> None:
+    """``compute_in(owner, dtype)`` for every submodule of ``module`` (but ``exclude``'s, the
+    quantized layers whose scales keep their dtype) holding a floating parameter that is not
+    in ``dtype``."""
+    for owner in module.modules():
+        if not isinstance(owner, exclude) and any(
+                p is not None and p.is_floating_point() and p.dtype != dtype
+                for p in owner._parameters.values()):
+            compute_in(owner, dtype)
+
+
+def widen_narrow(module: nn.Module) -> None:
+    """Cast, for good, the parameters that ``compute_in`` let stay narrow to their module's
+    compute dtype (before a scratch file: the next pass gets the exact float state)."""
+    for owner in module.modules():
+        dtype = getattr(owner, "_compute_dtype", None)
+        if dtype is None:
+            continue
+        for name, param in owner._parameters.items():
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                owner._parameters[name] = nn.Parameter(param.detach().to(dtype),
+                                                       requires_grad=False)
+
+
+# Dense tensors at least this large keep a narrower stored float dtype (widened per call);
+# smaller ones (norms, biases) are cast once: they cost nothing and stay off the hooks.
+KEEP_STORED_BYTES = 1 << 20
+
+
+def keeps_stored_dtype(name: str, stored: torch.dtype, numel: int, dtype: torch.dtype, *,
+                       quantized: bool) -> bool:
+    """Whether ``load_compressed`` keeps tensor ``name`` as stored rather than casting it to
+    the compute ``dtype``: integer tensors and scales always; a quantized layer's other float
+    tensors never; a dense float tensor when it is stored narrower than ``dtype`` and holds
+    at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
+    if not stored.is_floating_point or name.endswith("weight_scale") or stored == dtype:
+        return True
+    if quantized:
+        return False
+    size = torch.empty((), dtype=stored).element_size()
+    wide = torch.empty((), dtype=dtype).element_size()
+    return size < wide and numel * size >= KEEP_STORED_BYTES
 
 
 def release(module: nn.Module) -> None:
@@ -486,10 +539,13 @@ class StreamedModel:
 
     def load_layer(
         self, index: int, device: torch.device | str = "cpu", *, defer: Iterable[nn.Module] = (),
+        narrow: bool = False,
     ) -> nn.Module:
         """Fill decoder layer ``index``. ``defer``: submodules of it left on meta when read
         from the source checkpoint, for ``load_part`` to read one at a time (a scratch file
-        is read whole: it holds an earlier pass's exact state)."""
+        is read whole: it holds an earlier pass's exact state). ``narrow``: read from the
+        source, its large bf16 tensors stay bf16 and are widened per call (``materialize``),
+        for a pass that only runs the layer and reads weights through ``.to(dtype)``."""
         layer = self.layers[index]
         if index in self._scratch:
             from safetensors.torch import load_file
@@ -501,7 +557,7 @@ class StreamedModel:
             deferred = {id(m) for m in defer}
             skip = tuple(f"{n}." for n, m in layer.named_modules() if id(m) in deferred)
             materialize(layer, f"{self.layer_prefix}{index}.", self.reader, self.dtype, device,
-                        skip=skip)
+                        skip=skip, narrow=narrow)
         self.loads += 1
         return layer
 
@@ -520,6 +576,7 @@ class StreamedModel:
             from safetensors.torch import save_file
 
             self.scratch_dir.mkdir(parents=True, exist_ok=True)
+            widen_narrow(layer)  # the next pass may change float weights in place
             state = {k: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
             save_file(state, self._layer_file(index))
             self._scratch[index] = self._layer_file(index)

@@ -219,6 +219,7 @@ def run_sequential(
     progress: bool = True,
     desc: str = "layers",
     stream: Any = None,
+    narrow: bool = False,
 ) -> dict[str, Any]:
     """Call ``process_layer(i, layer, inputs)`` for each decoder layer in order, feeding each
     layer the outputs of the already-processed previous layers. Returns memory metrics.
@@ -231,7 +232,9 @@ def run_sequential(
     ``stream`` (a ``compress.io.stream.StreamedModel``): the model is a meta skeleton whose
     layers are read from the checkpoint when their turn comes and handed back (to the export
     or a scratch file) after it; ``offload`` is then moot. The capture materializes the
-    modules outside the decoder stack (embedding) for its length only."""
+    modules outside the decoder stack (embedding) for its length only. ``narrow``: a streamed
+    layer's large bf16 tensors stay bf16, widened per call (``StreamedModel.load_layer``), for
+    a ``process_layer`` that changes no float weight in place (GPTQ)."""
     layers = decoder_layers(model, "sequential calibration")
     with MemoryMonitor(device) as monitor:
         disk = _DiskOffload(layers) if offload == "disk" and stream is None else None
@@ -245,7 +248,7 @@ def run_sequential(
                 # where the layer goes back to: the CPU unless it lived on the device all along
                 home = torch.device("cpu")
                 if stream is not None:
-                    stream.load_layer(index, device)
+                    stream.load_layer(index, device, narrow=narrow)
                 elif disk is not None:
                     disk.restore(layer, index, device)
                 elif offload == "none":
@@ -294,6 +297,7 @@ def run_calibrated(
     pass_name: str,
     *,
     offload: OffloadMode,
+    narrow: bool = False,
 ) -> dict[str, object]:
     """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
     state's device and progress setting; returns its memory metrics. DataError without data."""
@@ -311,6 +315,7 @@ def run_calibrated(
         progress=state.progress,
         desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
         stream=state.stream,
+        narrow=narrow,
     )
 
 

@@ -201,7 +201,7 @@ def gptq_quantize(
     zeros int8 [N, K/g] | None, info)``; see the module docstring. ``h_is_scratch``: ``h`` is
     the caller's to lose (``HessianHooks.take_hessian``) and is worked on in place instead of
     copied."""
-    w = w.detach().to(torch.float32).clone()
+    w = w.detach().to(torch.float32, copy=True)  # one copy, from bf16 or float32 alike
     h = h.to(torch.float32) if h_is_scratch else h.to(torch.float32).clone()
     n, k = w.shape
     group = scheme.resolved_group(k)
@@ -333,7 +333,10 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
         hooks.h.clear()
         expert_info.update(gptq_experts(model, index, layer, inputs, experts, cfg, report))
 
-    memory = run_calibrated(model, state, process, "quantize.gptq", offload=cfg.offload)
+    # narrow: a streamed bf16 layer stays bf16 (GPTQ reads each weight as a float32 copy and
+    # changes none in place), half a layer's float32 copy less at the peak
+    memory = run_calibrated(model, state, process, "quantize.gptq", offload=cfg.offload,
+                            narrow=True)
     finish_quant_report(model, report, cfg.backend, memory)
     finish_experts(model, list(experts), cfg.backend, report)
     report.metrics["per_layer"] = per_layer

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from compress.arch import ARCHS
+from compress.core.device import float_dtype
 from compress.kernels import cpu_native, dispatch, reference
 from compress.quant import primitives as quant_primitives
 
@@ -158,8 +159,8 @@ class QuantLinear(nn.Module):
             linear.out_features,
             scheme,
             bias=linear.bias is not None,
-            dtype=w.dtype,
-            backend=backend,
+            dtype=float_dtype(linear) or w.dtype,  # its compute dtype: a bf16-stored weight
+            backend=backend,                       # widened per call computes in float32
         )
         if w_q is None:
             w_q, scales, zeros = rtn_codes(w, scheme)

@@ -14,6 +14,7 @@ from torch import nn
 from compress.core.device import float_dtype, move_tensors, restore_tensors
 from compress.core.registry import CompressionState, run_passes
 from compress.io import export as export_module
+from compress.io import stream as stream_module
 from compress.io.export import _load_whole, export_checkpoint, load_compressed
 from compress.quant.linear import QuantLinear
 from compress.quant.rtn import Int4RtnConfig
@@ -26,7 +27,7 @@ IDS = torch.tensor([[1, 40, 41, 42, 43, 50, 60, 70, 80, 90, 3, 4, 5, 6, 7, 8, 9,
 @pytest.fixture
 def keep_small_tensors_stored(monkeypatch):
     """The tiny models' embeddings are 40 KB: lower the size rule so they take the stored path."""
-    monkeypatch.setattr(export_module, "KEEP_STORED_BYTES", 0)
+    monkeypatch.setattr(stream_module, "KEEP_STORED_BYTES", 0)
 
 
 def _export(model, tmp_path, name="ckpt", **kwargs):
@@ -126,7 +127,7 @@ def test_preflight_counts_what_the_load_holds(tmp_path, monkeypatch, stored_rule
     from compress.pipeline import preflight
 
     if stored_rule == "all_stored":
-        monkeypatch.setattr(export_module, "KEEP_STORED_BYTES", 0)
+        monkeypatch.setattr(stream_module, "KEEP_STORED_BYTES", 0)
     folder = _export(make_tiny_model("qwen2", tie_word_embeddings=False), tmp_path,
                      ignore=["lm_head"])
     model = load_compressed(folder)

@@ -94,6 +94,41 @@ def test_streamed_equals_in_memory_bit_for_bit(name, checkpoint, tmp_path, one_t
     assert reports == [p["changed"] for p in memory.payload["passes"]] and all(reports)
 
 
+@pytest.mark.parametrize(("passes", "reads_source"), [
+    (PASSES["gptq"], True),
+    (PASSES["smoothquant_then_gptq"], False),  # GPTQ reads smoothquant's float32 scratch
+    ("""
+        - {pass: quantize.gptq, group_size: 32, targets: ["re:.*self_attn.*"]}
+        - {pass: quantize.smoothquant, targets: ["re:.*mlp.*"]}
+    """, True),
+])
+def test_streamed_gptq_on_narrow_bf16_layers_equals_in_memory(passes, reads_source, checkpoint,
+                                                              tmp_path, monkeypatch, one_thread):
+    """GPTQ reads a streamed layer's weights as they are stored (bf16, widened per call: the
+    7B/13B memory path; the tiny layers take it once the size rule is lowered): the checkpoint
+    is the in-memory run's, bit for bit, also when a pass after it changes float weights in
+    place (the scratch file then holds them in float32)."""
+    from compress.core import device as core_device
+    from compress.io import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "KEEP_STORED_BYTES", 0)
+    widened = []
+    real = core_device.compute_in
+    monkeypatch.setattr(stream_module, "compute_in",
+                        lambda m, d: (widened.append(type(m).__name__), real(m, d)))
+    recipe = _recipe(tmp_path, passes)
+    run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "mem", stream=False,
+            progress=False)
+    assert not widened  # the in-memory run is plain float32
+    run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "stream", stream=True,
+            progress=False)
+    assert ("Linear" in widened) == reads_source
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
 def test_stream_reads_the_checkpoint_dtype_and_layers_one_at_a_time(checkpoint, tmp_path,
                                                                    monkeypatch, one_thread):
     """Every decoder layer is read once per pass, in bf16 from the file and float32 only while
