@@ -215,9 +215,8 @@ def whole_load_bytes(where) -> int | None:
     import torch
 
     from compress.core.errors import ModelLoadError
-    from compress.io.stream import keeps_stored_dtype
     from compress.io.load import is_compressed_checkpoint
-    from compress.io.stream import CheckpointReader
+    from compress.io.stream import CheckpointReader, keeps_stored_dtype
 
     try:
         reader = CheckpointReader(where)
