@@ -10,6 +10,7 @@ vocabulary): the hidden states are as large as with any tokenizer.
 
     python scripts/bench_memory.py --shapes 1.1b,7b,13b --out out/bench_memory
     python scripts/bench_memory.py --shapes 7b --gptq --out out/bench_memory_gptq
+    python scripts/bench_memory.py --shapes 7b,13b --gptq --first-layers 2 --out out/gptq_first2
 
 Checkpoints are written once under --models (default .cache/compress/synthetic) and reused;
 each shape's free disk is checked first (bf16 size plus its W4 export), and a shape that does
@@ -90,6 +91,62 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     return row
 
 
+def _high_water_bytes(pid: int) -> int | None:
+    """The peak resident set of a live process so far (``VmHWM``, what ``time -v`` reports
+    at its end)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_first_layers(shape: str, algorithm: str, model_dir: Path, out_root: Path,
+                     layers: int) -> dict:
+    """``compress run`` of one recipe, stopped (SIGTERM) once ``layers`` decoder layers are
+    done: for a run too long for one session (13B GPTQ, about 5 h on 2 cores). Its peak is the
+    child's ``VmHWM`` read just before the stop; every decoder layer repeats the same work, so
+    the peak over the first layers is the pass's peak (the export writes each finished layer
+    and holds nothing more). Nothing lands at the run's --out (it is atomic)."""
+    recipe = out_root / f"{shape}-{algorithm}-first{layers}.yaml"
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{RECIPES[algorithm]}\n"
+                      "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
+    out = out_root / f"{shape}-{algorithm}-first{layers}"
+    command = [sys.executable, "-m", "compress.cli", "run", str(recipe), "--model",
+               str(model_dir), "--out", str(out), "--overwrite", "--stream", "auto"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            cwd=REPO)
+    done, total, peak, tail = 0, None, None, ""
+    assert proc.stderr is not None
+    while proc.poll() is None:
+        # whatever is there (tqdm redraws with \r: no newline to wait for)
+        chunk = os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+        if not chunk:
+            break
+        tail = (tail + chunk)[-4000:]
+        found = re.findall(r"decoder layers[^|]*\|[^|]*\|\s*(\d+)/(\d+)", tail)
+        if found:
+            done, total = int(found[-1][0]), int(found[-1][1])
+        peak = _high_water_bytes(proc.pid) or peak
+        if done >= layers:
+            proc.terminate()
+            break
+    proc.wait()
+    stopped = done >= layers
+    row = {"shape": shape, "algorithm": algorithm, "stream": "auto", "eval_windows": 0,
+           "returncode": 0 if stopped else proc.returncode, "peak_rss_bytes": peak,
+           "wall_s": round(time.perf_counter() - started, 1), "first_layers": done,
+           "layers": total, "checkpoint_bytes": sum(
+               f.stat().st_size for f in model_dir.glob("*.safetensors"))}
+    if not stopped:
+        row["error"] = tail.strip().splitlines()[-3:]
+    row["left_at_out"] = out.exists()
+    return row
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [f"CPU: {env.get('cpu')}; {env.get('flags')}; torch {torch.__version__}; "
              f"{os.cpu_count()} cores; RAM {env.get('ram_gib')} GiB", "",
@@ -97,6 +154,13 @@ def markdown(rows: list[dict], env: dict) -> str:
              "estimate GB | wall s | s per 1e9 params | peak per phase GB |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        if r.get("first_layers") is not None and r.get("returncode") == 0:
+            lines.append(
+                f"| {r['shape']} | {r['algorithm']} | streamed, stopped after its first "
+                f"{r['first_layers']} of {r['layers']} layers | {r['checkpoint_bytes'] / 1e9:.2f} "
+                f"| — | {r['peak_rss_bytes'] / 1e9:.2f} (VmHWM) | — | {r['wall_s']:.0f} | "
+                f"{r['wall_s'] / r['first_layers']:.0f} s per layer | — |")
+            continue
         if r.get("returncode") != 0:
             lines.append(f"| {r['shape']} | {r['algorithm']} | {r.get('stream')} | — | — | — | — "
                          f"| — | — | failed or skipped: {r.get('error') or r.get('skipped')} |")
@@ -137,6 +201,9 @@ def main() -> None:
     p.add_argument("--out", default="out/bench_memory", help="output prefix (.json, .md)")
     p.add_argument("--eval-windows", type=int, default=0,
                    help="also evaluate baseline and export on this many WikiText-2 windows")
+    p.add_argument("--first-layers", type=int, default=0,
+                   help="stop each run once this many decoder layers are done and report the "
+                   "peak so far (runs too long for one session; no --in-memory rows)")
     args = p.parse_args()
     algorithm = "gptq" if args.gptq else "rtn"
     out_root = Path(args.out + "-runs")
@@ -157,6 +224,13 @@ def main() -> None:
         started = time.perf_counter()
         write_synthetic_llama(model_dir, shape, max_position_embeddings=4096, shard_size="2GB")
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
+        if args.first_layers:
+            row = run_first_layers(shape, algorithm, model_dir, out_root, args.first_layers)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if args.delete_models:
+                shutil.rmtree(model_dir)
+            continue
         modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
         for stream in modes:
             row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows)

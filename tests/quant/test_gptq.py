@@ -251,3 +251,15 @@ def test_gptq_beats_rtn_on_real_slice(smollm2, data_dir):
     gptq = copy.deepcopy(model)
     run_passes(gptq, [GptqConfig(group_size=64)], state)
     assert output_error(gptq, model, ids) < output_error(rtn, model, ids)
+
+
+def test_row_block_finite_check_agrees_with_isfinite():
+    from compress.quant.gptq import _all_finite_by_rows
+
+    t = torch.randn(2500, 7)
+    assert _all_finite_by_rows(t)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for row in (0, 1023, 1024, 2499):
+            u = t.clone()
+            u[row, 3] = bad
+            assert not _all_finite_by_rows(u) and not torch.isfinite(u).all()
