@@ -11,6 +11,7 @@ vocabulary): the hidden states are as large as with any tokenizer.
     python scripts/bench_memory.py --shapes 1.1b,7b,13b --out out/bench_memory
     python scripts/bench_memory.py --shapes 7b --gptq --out out/bench_memory_gptq
     python scripts/bench_memory.py --shapes 7b,13b --gptq --first-layers 2 --out out/gptq_first2
+    python scripts/bench_memory.py --load out/w4-7b --out out/load_w4_7b   # loading an export
 
 Checkpoints are written once under --models (default .cache/compress/synthetic) and reused;
 each shape's free disk is checked first (bf16 size plus its W4 export), and a shape that does
@@ -147,6 +148,39 @@ def run_first_layers(shape: str, algorithm: str, model_dir: Path, out_root: Path
     return row
 
 
+_LOAD = {
+    # what compress.load / eval / generate run: module by module, large bf16 tensors kept
+    "module by module (load_compressed)": (
+        "from compress.io.export import load_compressed; load_compressed(sys.argv[1])"),
+    # the reference: every tensor read at once, floats cast to float32 (the path before)
+    "whole, float32 (_load_whole)": (
+        "from compress.io.export import _load_whole, _quantization_config; "
+        "from pathlib import Path; p = Path(sys.argv[1]); "
+        "_load_whole(p, _quantization_config(p), torch.float32, 'auto')"),
+}
+
+
+def load_rows(folder: Path, generate_tokens: int = 16) -> list[dict]:
+    """Peak resident memory of loading the compressed checkpoint ``folder``, each way in its
+    own child (``ru_maxrss`` through ``time -v``), and of ``compress generate`` on it."""
+    rows = []
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    for how, code in _LOAD.items():
+        command = ["/usr/bin/time", "-v", sys.executable, "-c",
+                   f"import sys, torch; {code}", str(folder)]
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        rows.append({"load": how, "folder": str(folder), "checkpoint_bytes": size,
+                     "returncode": proc.returncode, **_parse_time_v(proc.stderr)})
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "compress.cli", "generate",
+               "--model", str(folder), "The capital of France is",
+               "--max-new-tokens", str(generate_tokens)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    rows.append({"load": f"compress generate ({generate_tokens} tokens)", "folder": str(folder),
+                 "checkpoint_bytes": size, "returncode": proc.returncode,
+                 **_parse_time_v(proc.stderr)})
+    return rows
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [f"CPU: {env.get('cpu')}; {env.get('flags')}; torch {torch.__version__}; "
              f"{os.cpu_count()} cores; RAM {env.get('ram_gib')} GiB", "",
@@ -201,10 +235,28 @@ def main() -> None:
     p.add_argument("--out", default="out/bench_memory", help="output prefix (.json, .md)")
     p.add_argument("--eval-windows", type=int, default=0,
                    help="also evaluate baseline and export on this many WikiText-2 windows")
+    p.add_argument("--load", default="",
+                   help="comma-separated compressed checkpoint folders: measure loading them "
+                   "(module by module vs whole in float32) and `compress generate`, then exit")
     p.add_argument("--first-layers", type=int, default=0,
                    help="stop each run once this many decoder layers are done and report the "
                    "peak so far (runs too long for one session; no --in-memory rows)")
     args = p.parse_args()
+    if args.load:
+        env = environment()
+        rows = [r for folder in args.load.split(",") for r in load_rows(Path(folder))]
+        lines = [f"CPU: {env.get('cpu')}; {env.get('flags')}; torch {torch.__version__}", "",
+                 "| checkpoint | GB on disk | how | peak RSS GB (time -v) | wall s |",
+                 "|---|---:|---|---:|---:|"]
+        lines += [f"| {r['folder']} | {r['checkpoint_bytes'] / 1e9:.2f} | {r['load']} | "
+                  + (f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['wall_s']:.0f} |"
+                     if r["returncode"] == 0 else f"failed ({r['returncode']}) | — |")
+                  for r in rows]
+        Path(args.out + ".json").write_text(json.dumps({"environment": env, "rows": rows},
+                                                       indent=2))
+        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     algorithm = "gptq" if args.gptq else "rtn"
     out_root = Path(args.out + "-runs")
     out_root.mkdir(parents=True, exist_ok=True)
