@@ -29,6 +29,7 @@ while the other tokens keep most of GPTQ's gain (ppl 40.8; `scripts/diag_gptq_la
 from __future__ import annotations
 
 import logging
+import tempfile
 from typing import Literal
 
 import torch
@@ -157,28 +158,69 @@ def _all_finite_by_rows(t: torch.Tensor, rows: int = 1024) -> bool:
     return all(bool(torch.isfinite(t[i : i + rows]).all()) for i in range(0, t.shape[0], rows))
 
 
+# A Hessian at least this large is backed up for a damping retry in an unlinked temporary file
+# ($TMPDIR) instead of RAM, so that its Cholesky factor can take its place: one [K, K] alive,
+# not two (764 MB each at 13B's down_proj). Smaller ones are cloned, as is one on a GPU.
+FILE_BACKUP_BYTES = 256 << 20
+# Elements of one slab of the lazy update of the later columns (64 MiB in float32).
+UPDATE_SLAB_ELEMENTS = 16 << 20
+
+
+class _Backup:
+    """A copy of ``h`` to put back after a failed factorization that overwrote it."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.file = None
+        if h.device.type != "cpu" or h.numel() * h.element_size() < FILE_BACKUP_BYTES:
+            self.copy = h.clone()
+            return
+        self.copy = None
+        self.file = tempfile.TemporaryFile()
+        self.file.write(memoryview(h.contiguous().numpy()).cast("B"))
+
+    def restore(self, h: torch.Tensor) -> None:
+        if self.file is None:
+            h.copy_(self.copy)
+            return
+        self.file.seek(0)
+        if self.file.readinto(memoryview(h.numpy()).cast("B")) != h.numel() * h.element_size():
+            raise OSError("gptq: the Hessian's backup file came back short")
+
+    def close(self) -> None:
+        self.copy = None
+        if self.file is not None:
+            self.file.close()
+
+
 def _inverse_cholesky(h: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of ``(H + damp I)^-1``; damping raised x10 on failure. ``h`` is
-    the caller's scratch: damped in place and its diagonal put back exactly after each try,
-    and the factor, its inverse and the inverse's factor share one buffer (torch's ``out=``
-    working in place), so two [K, K] are alive instead of four (the peak of GPTQ's memory:
-    485 MB each for a 7B down_proj, 764 MB at 13B)."""
+    the caller's contiguous scratch and becomes the factor: the Cholesky factor, its inverse
+    and the inverse's factor are computed in ``h``'s own memory (torch's ``out=`` works in
+    place on the column-major view ``h.mT``, which equals ``h``: H is symmetric), so one
+    [K, K] is alive instead of four (485 MB each for a 7B down_proj, 764 MB at 13B). The
+    result is the same, bit for bit, as factoring a copy. A try that fails puts H back from
+    ``_Backup`` before the next."""
     damp = cfg.dampening
     diagonal = h.diagonal().clone()
     mean_diag = float(diagonal.mean())
     info = torch.empty((), dtype=torch.int32, device=h.device)
-    while damp <= cfg.max_dampening:
-        h.diagonal().add_(damp * mean_diag)
-        factor, info = torch.linalg.cholesky_ex(h)
-        h.diagonal().copy_(diagonal)
-        if int(info) == 0:
-            torch.cholesky_inverse(factor, out=factor)
-            torch.linalg.cholesky_ex(factor, upper=True, out=(factor, info))
-            if int(info) == 0 and _all_finite_by_rows(factor):
-                return factor, damp
-        del factor
-        log.warning("%s: Cholesky failed with dampening %g; raising it x10", name, damp)
-        damp *= 10
+    factor = h.mT  # Fortran-contiguous, the layout torch's LAPACK calls work in
+    backup = _Backup(h)
+    try:
+        while damp <= cfg.max_dampening:
+            if damp != cfg.dampening:
+                backup.restore(h)
+            h.diagonal().copy_(diagonal).add_(damp * mean_diag)
+            torch.linalg.cholesky_ex(factor, out=(factor, info))
+            if int(info) == 0:
+                torch.cholesky_inverse(factor, out=factor)
+                torch.linalg.cholesky_ex(factor, upper=True, out=(factor, info))
+                if int(info) == 0 and _all_finite_by_rows(factor):
+                    return factor, damp
+            log.warning("%s: Cholesky failed with dampening %g; raising it x10", name, damp)
+            damp *= 10
+    finally:
+        backup.close()
     raise SingularHessianError(
         f"{name}: Hessian is singular even with dampening {cfg.max_dampening}; the calibration "
         "inputs of this layer are degenerate (use more/different calibration text, raise "
@@ -213,9 +255,9 @@ def gptq_quantize(
     if h_is_scratch:
         if not (isinstance(h, list) and len(h) == 1):
             raise TypeError("h_is_scratch: pass the Hessian as a one-item list, [h]")
-        h = h.pop().to(torch.float32)
+        h = h.pop().to(torch.float32).contiguous()
     else:
-        h = h.to(torch.float32).clone()
+        h = h.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     n, k = w.shape
     group = scheme.resolved_group(k)
     dead = torch.diag(h) == 0  # inputs that are always zero: any weight works, use 0
@@ -236,9 +278,9 @@ def gptq_quantize(
                 zeros[:, g : g + 1] = z
     if cfg.act_order:  # without it the order is the identity: no permuted copies
         w, h = w[:, perm].contiguous(), h[perm][:, perm]
-    hinv, damp = _inverse_cholesky(h, cfg, name)
+    hinv, damp = _inverse_cholesky(h, cfg, name)  # in h's memory
     del h
-    codes = torch.zeros(n, k, device=dev)  # float holder, cast to int8 at the end
+    codes = torch.zeros(n, k, dtype=torch.int8, device=dev)  # whole numbers: exact in int8
     block = max(cfg.block_size // group, 1) * group if not static else cfg.block_size
     order = perm.tolist()
     losses = torch.zeros(n, device=dev)
@@ -252,7 +294,6 @@ def gptq_quantize(
     finally:
         torch.set_num_threads(threads)
     loss = float(losses.sum()) / 2
-    codes = codes.to(torch.int8)
     return codes, scales, zeros, {"dampening": damp, "gptq_loss": loss}
 
 
@@ -274,6 +315,7 @@ def _walk_columns(
     n, k = w.shape
     dev = w.device
     qmin, qmax = quant_primitives.code_range(scheme.n_bits)
+    slab = max(block, UPDATE_SLAB_ELEMENTS // max(n, 1))
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1, err1, hinv1 = (
@@ -299,7 +341,11 @@ def _walk_columns(
             losses += err * err  # OBS loss of this column's rounding (x2)
             w1[:, i:].addr_(err, hinv1[i, i:], alpha=-1.0)  # spread the error onto later columns
             err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        # the later columns in slabs: the product for all of them at once is a temporary as
+        # large as w (283 MB at 13B's down_proj, the walk's peak)
+        for c1 in range(i2, k, slab):
+            c2 = min(c1 + slab, k)
+            w[:, c1:c2] -= err1 @ hinv[i1:i2, c1:c2]
 
 
 @register_pass("quantize.gptq", GptqConfig, needs_calibration=True, layerwise=True)

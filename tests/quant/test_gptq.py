@@ -147,13 +147,17 @@ def test_shared_hessian_is_one_tensor_and_each_take_is_exact():
     assert torch.equal(hooks.take_hessian("k"), separate)
 
 
+@pytest.mark.parametrize("backup", ["memory", "file"])
 @pytest.mark.parametrize("spd", [True, False])
-def test_in_place_inverse_factor_matches_out_of_place_reference(spd):
-    """``_inverse_cholesky`` damps ``h`` in place and shares one buffer for the factor, its
-    inverse and the inverse's factor: bit for bit the out-of-place computation, with the same
-    dampening (raised x10 on an indefinite matrix), and ``h`` given back unchanged."""
-    from compress.quant.gptq import _inverse_cholesky
+def test_in_place_inverse_factor_matches_out_of_place_reference(spd, backup, monkeypatch):
+    """``_inverse_cholesky`` factors ``h`` in its own memory (the factor, its inverse and the
+    inverse's factor in one buffer): bit for bit the out-of-place computation, with the same
+    dampening (raised x10 on an indefinite matrix, H put back from its backup in RAM or in a
+    temporary file before each new try)."""
+    from compress.quant import gptq as gptq_module
 
+    if backup == "file":
+        monkeypatch.setattr(gptq_module, "FILE_BACKUP_BYTES", 0)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(80, 48, generator=gen)
     h = x.T @ x
@@ -161,8 +165,8 @@ def test_in_place_inverse_factor_matches_out_of_place_reference(spd):
         h -= 0.3 * float(torch.diag(h).mean()) * torch.eye(48)
     cfg = GptqConfig(group_size=32)
     before = h.clone()
-    got, damp = _inverse_cholesky(h, cfg, "t")
-    assert torch.equal(h, before)
+    got, damp = gptq_module._inverse_cholesky(h, cfg, "t")
+    assert got.data_ptr() == h.data_ptr()  # no second [K, K]
     ref_damp = cfg.dampening
     while True:
         hd = before.clone()
@@ -174,6 +178,22 @@ def test_in_place_inverse_factor_matches_out_of_place_reference(spd):
         ref_damp *= 10
     assert damp == ref_damp and (spd or damp > cfg.dampening)
     assert torch.equal(got, want)
+
+
+def test_slabbed_update_and_int8_codes_match_one_product(monkeypatch):
+    """The lazy update of the later columns in slabs (a bounded temporary) gives the codes
+    and scales of one product over all of them."""
+    from compress.quant import gptq as gptq_module
+
+    x, w, h = _problem(n=24, k=256)
+    scheme = WeightScheme(4, 32, False, torch.float32)
+    cfg = GptqConfig(group_size=32, block_size=32, symmetric=False)
+    whole = gptq_quantize(w, h, scheme, cfg)
+    monkeypatch.setattr(gptq_module, "UPDATE_SLAB_ELEMENTS", 24 * 32)  # one block per slab
+    slabbed = gptq_quantize(w, h, scheme, cfg)
+    assert slabbed[0].dtype == torch.int8
+    for a, b in zip(whole[:3], slabbed[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_config_errors():
