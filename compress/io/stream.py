@@ -629,10 +629,12 @@ class StreamedModel:
         return found
 
     @contextlib.contextmanager
-    def outside(self, device: torch.device | str = "cpu", *, head: bool = False) -> Iterator[None]:
+    def outside(self, device: torch.device | str = "cpu", *, head: bool = False,
+                narrow: bool = False) -> Iterator[None]:
         """The modules outside the decoder stack resident inside the block (the output head
         only with ``head`` or when tied to the embedding); those that were on disk before go
-        back to meta after it."""
+        back to meta after it. ``narrow``: their large bf16 tensors stay as stored, widened per
+        call (``materialize``), for a block that changes none of them."""
         head_module = self.model.get_output_embeddings() if hasattr(
             self.model, "get_output_embeddings") else None
         tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
@@ -643,7 +645,7 @@ class StreamedModel:
                     continue  # tied: it is the embedding's weight, tied again below
                 if is_resident(module):
                     continue
-                materialize(module, f"{name}.", self.reader, self.dtype, device)
+                materialize(module, f"{name}.", self.reader, self.dtype, device, narrow=narrow)
                 loaded.append(module)
             if tied and head_module is not None:
                 self.model.tie_weights()

@@ -198,12 +198,13 @@ def _capture_on(
     """The modules outside the decoder stack on ``device`` for the capture: a streamed model's
     are read from the checkpoint straight to the device; resident ones (rotary tables, modules an
     earlier pass kept) are copied there and put back after. The output head is left where it is
-    (the capture stops before it)."""
+    (the capture stops before it). A streamed embedding stays in its stored bf16 and casts
+    the rows it looks up: exact, and 0.65 GB less than a float32 table at 13B."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skip = [layers] + ([head] if head is not None else [])
     with contextlib.ExitStack() as stack:
         if stream is not None:
-            stack.enter_context(stream.outside(device))
+            stack.enter_context(stream.outside(device, narrow=True))
         stack.enter_context(on_device(model, device, skip=skip))
         yield
 
