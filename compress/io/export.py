@@ -237,8 +237,13 @@ class StreamedExport:
         self.model, self.directory, self.dtype_name = model, Path(directory), dtype
         self.dtype = DTYPES[dtype]
         self.writer = ShardWriter(self.directory, max_shard_size)
-        self.head_key = _tied_head_key(model)
         self.written: set[str] = set()
+
+    @property
+    def head_key(self) -> str | None:
+        """The tied head's key, never written; read when used, as a pass may untie the head
+        (``rotate.hadamard``: the export then stores it, as ``export_checkpoint`` does)."""
+        return _tied_head_key(self.model)
 
     def _add(self, name: str, tensor: torch.Tensor) -> None:
         if name == self.head_key or name in self.written:

@@ -656,6 +656,13 @@ class StreamedModel:
             if tied and loaded:  # the head still held the released embedding's tensor: re-tie
                 self.model.tie_weights()
 
+    def release_outside(self) -> None:
+        """Send the modules outside the decoder stack that passes kept resident (a rotated
+        embedding and head, a quantized head) back to meta, once the export has written them
+        (``release`` keeps a tie: the skeleton's sizes stay what they were)."""
+        for _, module in self.outside_modules():
+            release(module)
+
     def close(self) -> None:
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
 

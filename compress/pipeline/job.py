@@ -734,6 +734,7 @@ def _stream_passes(plan: JobPlan, state: CompressionState, folder: Path, tokeniz
         timed = _run_passes_timed(plan, skeleton, state, before_each=sink_after_last)
         with _Phase(plan.memory, "export"):
             exporter.finish(streamed)
+        streamed.release_outside()  # written: the evaluation after it reads the export
     except BaseException:
         exporter.writer.abort()
         raise

@@ -16,6 +16,11 @@ loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the
   during the calibration capture (the embedding in float32), the calibration hidden states
   entering and leaving the layer (float32) and, for GPTQ, one Hessian per linear of the layer
   (float32 ``[in, in]``);
+* a streamed ``rotate.hadamard``: one layer in float32 and the largest linear's rotation
+  temporaries (5 float32 copies: a float64 copy, its float64 product, the float32 result), then
+  the final norm, embedding and head (untied) read and rotated in float32 with one chunk's
+  temporaries; the float64 rotation matrix throughout. Those modules then stay resident for
+  the passes after it (``compress.quant.rotate``), counted in each;
 * a model loaded whole (passes that need it, and every evaluation): 1.45 times its parameters
   in float32 (transformers casts from the stored dtype), plus the same again for a
   distillation teacher, plus a window's logits for evaluation.
@@ -48,6 +53,8 @@ LINEAR_AT_A_TIME = ("quantize.int4_rtn", "quantize.int8_rtn")
 LINEAR_BASE_BYTES = 450 * 10**6
 LINEAR_BYTES_PER_PARAM = 12.5
 LINEAR_SLACK = 1.1
+ROTATION = "rotate.hadamard"
+ROTATION_TEMPORARIES = 5  # float32 copies of what is rotated at once (float64 copy + product)
 
 
 class InsufficientMemoryError(RecipeError):
@@ -106,17 +113,22 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         # float32 copy beside the stored (16-bit) one, and the quantizer's temporaries
         layer = largest * (FLOAT32 + 2) + int(TEMPORARIES * dims["largest_linear"] * FLOAT32)
         hidden = 2 * tokens * dims["hidden"] * FLOAT32
+        resident = 0  # modules outside the stack an earlier pass keeps in memory (rotated)
         for index, cfg in enumerate(recipe.passes):
             name = pass_name_of(cfg)
             need = layer + hidden
             if index == 0 and name in LINEAR_AT_A_TIME:  # reads the source one linear at a time
                 need = int(LINEAR_SLACK * (LINEAR_BASE_BYTES
                                            + LINEAR_BYTES_PER_PARAM * dims["largest_linear"]))
-            if PASSES[name].needs_calibration:
+            if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             if name == "quantize.gptq":
                 need += _hessian_bytes(skeleton)
-            phases[f"pass {index} {name}"] = BASE_BYTES + need
+            kept = resident
+            if name == ROTATION:
+                need, kept = _rotation_bytes(skeleton, largest, outside, dims)
+            phases[f"pass {index} {name}"] = BASE_BYTES + resident + need
+            resident = kept
     elif params is not None:
         whole = int(params * FLOAT32 * LOAD_FACTOR)
         teacher = any(PASSES[pass_name_of(c)].needs_teacher for c in recipe.passes)
@@ -168,6 +180,27 @@ def _layerwise_eval_bytes(recipe, shapes) -> int:
     return max(int(1.5 * largest * (FLOAT32 + 2)), outside * FLOAT32 + logits) + hidden
 
 
+def _rotation_bytes(skeleton, largest: int, outside: int,
+                    dims: dict[str, int]) -> tuple[int, int]:
+    """A streamed ``rotate.hadamard``: (its peak above what was resident, the float32 bytes of
+    the modules outside the stack it leaves resident). The layers come first, then the final
+    norm, embedding and head (a tied head gets its own copy: the final norm's weight is rarely
+    exactly 1), each read beside its stored 16-bit copy and rotated a chunk of rows at a time."""
+    from compress.quant.rotate import CHUNK_ROWS
+
+    hidden, vocab = dims["hidden"], dims["vocab"]
+    head, embed = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
+    # a meta skeleton's tied head is a tensor of its own already; a resident tie is one tensor
+    untied = outside + (head.weight.numel() if head.weight is embed.weight else 0)
+    kept = untied * FLOAT32
+    layer = (largest * (FLOAT32 + 2)
+             + ROTATION_TEMPORARIES * dims["largest_linear"] * FLOAT32)
+    ends = (kept + 2 * vocab * hidden
+            + ROTATION_TEMPORARIES * min(vocab, CHUNK_ROWS) * hidden * FLOAT32)
+    matrix = hidden * hidden * 8  # float64 [H, H]
+    return matrix + max(layer, ends), kept
+
+
 def _hessian_bytes(skeleton) -> int:
     """GPTQ's Hessians for one decoder layer: one float32 [in, in] per linear, all alive while
     the layer's inputs are collected (linears reading the same input still get one each)."""
@@ -198,7 +231,8 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
                     "with `compress eval --layer-by-layer`")
     if "whole" in phase and "eval" not in phase:
         ways.append("use layer-wise passes only (quantize.int4_rtn/int8_rtn/gptq/awq/"
-                    "smoothquant/autoround stream one decoder layer at a time)")
+                    "smoothquant/autoround and rotate.hadamard stream one decoder layer at a "
+                    "time)")
     if recipe.calibration is not None and "pass" in phase:
         ways.append("lower calibration.num_samples or seq_len")
     _refuse(phase, peak, available, ways)

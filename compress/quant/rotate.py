@@ -31,6 +31,11 @@ the checkpoint, which a plain model of the family does not have: the checkpoint 
 be one that transformers loads as is. They also matter mostly for activation (W4A4) and KV
 quantization, which this project does not do.
 
+Streamed (``state.stream``, a meta skeleton): each decoder layer is read, rotated by the same
+per-layer code as a model in memory and handed on (to the next pass's scratch file or the
+export); then the final norm, embedding and head are read, rotated and kept resident (a later
+pass and the export read them from memory). The result is the in-memory run's, bit for bit.
+
 Families whose norms sit between a block and the residual add (Gemma's and OLMo2's post-norms)
 are refused: a per-channel norm weight there does not commute with ``Q`` and no linear can
 absorb it. The rotation must run before any quantization pass (it needs float weights).
@@ -60,7 +65,7 @@ from compress.core.registry import CompressionState, PassConfig, PassReport, reg
 from compress.quant.linear import QuantExperts, QuantLinear, W8A8Linear, is_bnb_module
 
 NAME = "rotate.hadamard"
-_CHUNK_ROWS = 8192  # rows per float64 product: bounds the temporary of a large embedding
+CHUNK_ROWS = 8192  # rows per float64 product: bounds the temporary of a large embedding
 
 
 class RotateConfig(PassConfig):
@@ -157,11 +162,11 @@ def _rotate_last(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | No
     """``weight[..., H] <- (weight * scale) @ q`` in float64, in place, a chunk of rows at a
     time (an embedding of 150k rows would need gigabytes at once)."""
     flat = weight.view(-1, weight.shape[-1])
-    for start in range(0, flat.shape[0], _CHUNK_ROWS):
-        rows = flat[start : start + _CHUNK_ROWS].double()
+    for start in range(0, flat.shape[0], CHUNK_ROWS):
+        rows = flat[start : start + CHUNK_ROWS].double()
         if scale is not None:
             rows = rows * scale
-        flat[start : start + _CHUNK_ROWS] = (rows @ q).to(weight.dtype)
+        flat[start : start + CHUNK_ROWS] = (rows @ q).to(weight.dtype)
 
 
 @torch.no_grad()
@@ -169,14 +174,18 @@ def _rotate_rows(weight: torch.Tensor, q: torch.Tensor) -> None:
     """``weight[..., H, K] <- q^T @ weight`` (a writer's output rows), in place."""
     weight.copy_(torch.matmul(q.T, weight.double()).to(weight.dtype))
 
-
-def _norm_weight(norm: nn.Module, arch: Arch, where: str) -> torch.Tensor:
-    """The effective per-channel weight (float64) of an RMSNorm-style norm."""
+def _check_norm(norm: nn.Module, where: str) -> None:
+    """ConfigError unless ``norm`` is an RMSNorm-style norm without bias (its type is known
+    on the meta device too: checked for every norm before any weight changes)."""
     if "rmsnorm" not in type(norm).__name__.lower() or getattr(norm, "bias", None) is not None:
         raise ConfigError(
             f"{NAME}: {where} is a {type(norm).__name__}, not an RMSNorm without bias; a norm "
             "that subtracts the mean or adds a bias does not commute with a rotation"
         )
+
+
+def _norm_weight(norm: nn.Module, arch: Arch) -> torch.Tensor:
+    """The effective per-channel weight (float64) of an RMSNorm-style norm."""
     w = norm.weight.detach().double()
     return w + 1 if arch.norm_form == "1+w" else w
 
@@ -210,6 +219,8 @@ def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def _check_supported(model: nn.Module, arch: Arch) -> None:
+    """Every refusal, from module types and shapes only (a streamed model's meta skeleton
+    gets the same ones as a model in memory, before any layer is read)."""
     if arch.post_norms or arch.attn_norm is None or arch.mlp_norm is None:
         raise ConfigError(
             f"{NAME}: model_type {arch.model_type!r} has norms after its attention/MLP blocks "
@@ -230,11 +241,16 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
     if arch.moe is not None:
         paths += (arch.moe.router, arch.moe.fused)
     check_paths(model, arch, tuple(p for p in paths if p), NAME)
+    for index, layer in enumerate(decoder_layers(model, NAME)):
+        for norm_path in (arch.attn_norm, arch.mlp_norm):
+            _check_norm(layer.get_submodule(norm_path), f"layer {index} {norm_path}")
+    _check_norm(model.get_submodule(arch.final_norm), arch.final_norm)
 
 
 @torch.no_grad()
 def _untie_head(model: nn.Module) -> bool:
-    """Give the output head its own Parameter (a copy of the embedding); True if it was tied."""
+    """Give the output head its own Parameter (a copy of the embedding); True if it was tied.
+    Both must be resident (two meta tensors share data_ptr 0)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
         return False
@@ -245,22 +261,31 @@ def _untie_head(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _rotate_residual(model: nn.Module, arch: Arch, q: torch.Tensor, report: PassReport) -> None:
-    layers = decoder_layers(model, NAME)
-    for index, layer in enumerate(layers):
-        for norm_path in (arch.attn_norm, arch.mlp_norm):
-            norm = layer.get_submodule(norm_path)
-            scale = _norm_weight(norm, arch, f"layer {index} {norm_path}")
-            for weight in _readers_after(layer, arch, norm_path):
-                _rotate_last(weight.data, q, scale)
-            _reset_norm(norm, arch)
-        for weight, bias in _writers(layer, arch):
-            _rotate_rows(weight.data, q)
-            if bias is not None:
-                _rotate_last(bias.data, q)
-        report.changed.append(f"{arch.layer_prefix}{index}")
+def _rotate_layer(layer: nn.Module, arch: Arch, q: torch.Tensor, r: torch.Tensor | None) -> None:
+    """One decoder layer, in place: each pre-norm's weight folded into the linears it feeds,
+    their input columns rotated by ``q``, the writers' output rows by ``q^T``; then with
+    ``r`` the value heads' rows and the output projection's columns (R2). The one code path of
+    the per-layer math, for a model in memory and for a streamed layer."""
+    for norm_path in (arch.attn_norm, arch.mlp_norm):
+        norm = layer.get_submodule(norm_path)
+        scale = _norm_weight(norm, arch)
+        for weight in _readers_after(layer, arch, norm_path):
+            _rotate_last(weight.data, q, scale)
+        _reset_norm(norm, arch)
+    for weight, bias in _writers(layer, arch):
+        _rotate_rows(weight.data, q)
+        if bias is not None:
+            _rotate_last(bias.data, q)
+    if r is not None:
+        _rotate_value_output(layer, arch, r)
+
+
+@torch.no_grad()
+def _rotate_outside(model: nn.Module, arch: Arch, q: torch.Tensor, report: PassReport) -> None:
+    """The embedding (``E Q``), the output head (``W diag(w) Q`` with the final norm's weight
+    ``w``, untied first when ``w`` is not all ones) and the final norm reset, in place."""
     final = model.get_submodule(arch.final_norm)
-    scale = _norm_weight(final, arch, arch.final_norm)
+    scale = _norm_weight(final, arch)
     untie = not bool(torch.all(scale == 1))
     untied = _untie_head(model) if untie else False
     _rotate_last(model.get_input_embeddings().weight.data, q)
@@ -286,36 +311,56 @@ def _value_output_rows(layer: nn.Module, arch: Arch) -> tuple[nn.Module, slice |
 
 
 @torch.no_grad()
-def _rotate_value_output(model: nn.Module, arch: Arch, r: torch.Tensor) -> None:
+def _rotate_value_output(layer: nn.Module, arch: Arch, r: torch.Tensor) -> None:
     head_dim = r.shape[0]
-    for layer in decoder_layers(model, NAME):
-        value, rows = _value_output_rows(layer, arch)
-        part = slice(None) if rows is None else rows
-        w = value.weight.data[part]  # [KVH * D, H]
-        w.copy_(torch.einsum("de,kdh->keh", r, w.double().view(-1, head_dim, w.shape[1]))
-                .reshape(w.shape).to(w.dtype))
-        if value.bias is not None:
-            b = value.bias.data[part]
-            b.copy_((b.double().view(-1, head_dim) @ r).reshape(b.shape).to(b.dtype))
-        out = layer.get_submodule(arch.o).weight.data  # [H, NH * D]
-        out.copy_((out.double().view(out.shape[0], -1, head_dim) @ r).reshape(out.shape)
-                  .to(out.dtype))
+    value, rows = _value_output_rows(layer, arch)
+    part = slice(None) if rows is None else rows
+    w = value.weight.data[part]  # [KVH * D, H]
+    w.copy_(torch.einsum("de,kdh->keh", r, w.double().view(-1, head_dim, w.shape[1]))
+            .reshape(w.shape).to(w.dtype))
+    if value.bias is not None:
+        b = value.bias.data[part]
+        b.copy_((b.double().view(-1, head_dim) @ r).reshape(b.shape).to(b.dtype))
+    out = layer.get_submodule(arch.o).weight.data  # [H, NH * D]
+    out.copy_((out.double().view(out.shape[0], -1, head_dim) @ r).reshape(out.shape)
+              .to(out.dtype))
 
 
-@register_pass(NAME, RotateConfig)
+def _load_outside(stream, arch: Arch) -> None:
+    """A streamed model's final norm, embedding and output head (tied: the embedding's weight)
+    read from the checkpoint; they stay resident, rotated: a later pass (the calibration
+    capture) and the export take them from memory, never from the unrotated source."""
+    for name in (arch.final_norm, arch.embed, arch.lm_head):
+        stream.load_module(name)
+
+
+@register_pass(NAME, RotateConfig, layerwise=True)
 def rotate_hadamard(model: nn.Module, cfg: RotateConfig, state: CompressionState) -> PassReport:
+    """Rotate ``model`` in place. With ``state.stream`` (a meta skeleton) each decoder layer is
+    read, rotated and handed back in turn, then the modules outside the stack are read and
+    rotated (kept resident); the result is the in-memory run's, bit for bit."""
     arch = arch_for(model, NAME)
-    _check_supported(model, arch)
+    _check_supported(model, arch)  # every refusal before any weight is read or changed
+    stream = state.stream
     report = PassReport(NAME)
     generator = torch.Generator().manual_seed(cfg.seed)
+    layers = decoder_layers(model, NAME)
     hidden = model.get_input_embeddings().weight.shape[1]
     q, residual = rotation_matrix(hidden, cfg.kind, generator)
-    _rotate_residual(model, arch, q, report)
     report.metrics["residual_rotation"] = residual
-    if cfg.value_output:
-        head_dim = head_dim_of(decoder_layers(model, NAME)[0])
-        r, per_head = rotation_matrix(head_dim, cfg.kind, generator)
-        _rotate_value_output(model, arch, r)
+    r = None
+    if cfg.value_output:  # drawn after q from the same generator
+        r, per_head = rotation_matrix(head_dim_of(layers[0]), cfg.kind, generator)
         report.metrics["value_output_rotation"] = per_head
+    for index, layer in enumerate(layers):
+        if stream is not None:
+            stream.load_layer(index)
+        _rotate_layer(layer, arch, q, r)
+        report.changed.append(f"{arch.layer_prefix}{index}")
+        if stream is not None:
+            stream.finish_layer(index)
+    if stream is not None:
+        _load_outside(stream, arch)
+    _rotate_outside(model, arch, q, report)
     report.metrics["online_rotations"] = "none (not foldable; see compress.quant.rotate)"
     return report

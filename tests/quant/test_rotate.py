@@ -101,6 +101,17 @@ def test_post_norm_families_are_refused_untouched(family):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_later_norm_that_does_not_commute_is_refused_before_any_layer_changes():
+    """A LayerNorm in the last layer is found before layer 0 is rotated (a streamed model is
+    checked the same way on its meta skeleton, before any layer is read)."""
+    model = _model("llama")
+    model.model.layers[-1].post_attention_layernorm = torch.nn.LayerNorm(64, bias=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match="layer 1 post_attention_layernorm is a LayerNorm"):
+        run_passes(model, [RotateConfig()], CompressionState(progress=False))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_quantized_model_is_refused_and_selection_fields_are_rejected():
     model = make_tiny_llama()
     run_passes(model, [Int4RtnConfig(group_size=32)], CompressionState(progress=False))
