@@ -127,8 +127,7 @@ class HessianHooks:
             x2 = x3.reshape(-1, x.shape[-1])  # [tokens, K]
             if name not in self.h:
                 self.h[name] = torch.zeros(x2.shape[1], x2.shape[1], device=x.device)
-            # in place, the product freed at once: a second [K, K] is 485 MB at 7B's down_proj
-            self.h[name].add_(x2.T @ x2)
+            _add_gram(self.h[name], x2)
             self._last = (x, name)
 
         return hook
@@ -150,6 +149,24 @@ class HessianHooks:
         for handle in self._handles:
             handle.remove()
         self._last = (None, None)
+
+
+# Elements of one row block of the Gram product added to a Hessian (64 MiB in float32).
+GRAM_BLOCK_ELEMENTS = 16 << 20
+
+
+def _add_gram(h: torch.Tensor, x: torch.Tensor) -> None:
+    """``h += x^T x`` for ``x [tokens, K]``, a block of rows of the product at a time: the whole
+    product is a second [K, K] (764 MB at 13B's down_proj, the peak of its calibration forward).
+    Blocks are even and a multiple of 64 rows: with MKL on AVX-512 and AVX2 their entries were
+    the whole product's bit for bit at 7B/13B shapes (each is the same dot product over the
+    tokens), while blocks of a few rows take other kernels and round differently. ``addmm_``
+    would need no block, but it rounds ``h`` into the sum: other numbers than before."""
+    k = x.shape[1]
+    blocks = -(-k // max(64, GRAM_BLOCK_ELEMENTS // max(k, 1)))
+    rows = -(-k // (blocks * 64)) * 64
+    for r0 in range(0, k, rows):
+        h[r0 : r0 + rows].add_(x[:, r0 : r0 + rows].T @ x)
 
 
 def _all_finite_by_rows(t: torch.Tensor, rows: int = 1024) -> bool:

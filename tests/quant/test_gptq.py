@@ -125,6 +125,25 @@ def test_hessian_weights_the_first_token_against_float64(sink_weight):
         torch.testing.assert_close(hooks.hessian(name).double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_gram_in_row_blocks_equals_one_product(monkeypatch):
+    """The hooks add ``x^T x`` to H a block of rows at a time (no second [K, K]), blocks of 64
+    rows here (a ragged last one): the same sums as adding the whole product, over several
+    calls (to rounding: the blocks are separate GEMM calls)."""
+    from compress.quant import gptq as gptq_module
+
+    monkeypatch.setattr(gptq_module, "GRAM_BLOCK_ELEMENTS", 64 * 200)
+    gen = torch.Generator().manual_seed(3)
+    whole, blocked, exact = torch.zeros(200, 200), torch.zeros(200, 200), torch.zeros(200, 200,
+                                                                                 dtype=torch.float64)
+    for _ in range(3):
+        x = torch.randn(40, 200, generator=gen)
+        whole.add_(x.T @ x)
+        exact += x.double().T @ x.double()
+        gptq_module._add_gram(blocked, x)
+    torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(blocked.double(), exact, rtol=1e-5, atol=1e-4)
+
+
 def test_shared_hessian_is_one_tensor_and_each_take_is_exact():
     """Linears fed the same input tensor one after the other (q/k/v, gate/up) share one [K, K]
     sum; taking it hands the first takers scaled copies and the last the scaled original, all
