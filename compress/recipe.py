@@ -374,6 +374,25 @@ def _order_problems(names: list[str]) -> list[tuple[int, str]]:
         if family == "distill" and not any(n.startswith("prune.") for n in names[:i]):
             problems.append((i, f"passes[{i}] ({name}) needs an earlier prune.* pass to recover "
                                 "from"))
+        if name == "quantize.bnb":
+            problems += _bnb_problems(i, names)
+    return problems
+
+
+def _bnb_problems(i: int, names: list[str]) -> list[tuple[int, str]]:
+    """quantize.bnb's rules: no other quantize.* pass (one checkpoint format per model:
+    bitsandbytes' or compressed-tensors'), and nothing after it (its layers are final; a
+    streamed run could not hand them to a later pass through its scratch files)."""
+    problems = []
+    other = [n for n in names if n.startswith("quantize.") and n != "quantize.bnb"]
+    if other:
+        problems.append((i, f"passes[{i}] (quantize.bnb) cannot be combined with {other[0]}: "
+                            "one checkpoint format per model (bitsandbytes' or "
+                            "compressed-tensors'); use quantize.bnb alone or drop it"))
+    elif names[i + 1:]:
+        problems.append((i, f"passes[{i}] (quantize.bnb) comes before {names[i + 1]}: "
+                            "quantize.bnb must be the last pass (its bitsandbytes layers are "
+                            "final); move it last"))
     return problems
 
 

@@ -209,8 +209,13 @@ def _plain_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.T
 
 
 def _tied_head_key(model: nn.Module) -> str | None:
-    """The output head's state-dict key when it is tied to the embedding (never written)."""
+    """The output head's state-dict key when it is tied to the embedding (never written). A
+    bitsandbytes head holds its own quantized weight: ``save_pretrained`` writes it."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    head = model.get_output_embeddings() if tied and hasattr(
+        model, "get_output_embeddings") else None
+    if head is not None and is_bnb_module(head):
+        return None
     return output_weight_key(model) if tied else None
 
 
@@ -228,7 +233,10 @@ class StreamedExport:
     ``finish`` writes every tensor not written yet (from memory, the stream's scratch or the
     source checkpoint), the shard index and ``config.json``. Families whose checkpoint names
     differ from the module tree (MoE) are not streamed (``compress.pipeline``), so names are
-    written as they are."""
+    written as they are. A model holding bitsandbytes layers gets the tensors and config
+    ``save_pretrained`` writes in memory (its state_dict's names, layouts and dtypes; ``dtype``
+    must then be its compute dtype, as that export keeps it) and bitsandbytes' own
+    ``quantization_config``."""
 
     def __init__(self, model: nn.Module, directory: Path, dtype: str,
                  max_shard_size: int | str) -> None:
@@ -269,7 +277,10 @@ class StreamedExport:
                     name, shape=tuple(tensor.shape))
             self._add(name, tensor)
         files = self.writer.finish()
-        write_config(self.model, self.directory, self.dtype_name)
+        if any(is_bnb_module(m) for m in self.model.modules()):
+            _write_bnb_config(self.model, self.directory, self.dtype_name)
+        else:
+            write_config(self.model, self.directory, self.dtype_name)
         return files
 
 
@@ -426,6 +437,19 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
         config.pop("quantization_config", None)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+def _write_bnb_config(model: nn.Module, directory: Path, dtype: str) -> None:
+    """``config.json`` and the generation config of a (streamed) model holding bitsandbytes
+    layers, as ``export_checkpoint`` writes them through ``save_pretrained``: its dtype and
+    architecture set on the config, the config's own JSON (``quantization_config`` from the
+    ``BitsAndBytesConfig``), then made portable."""
+    model.config.dtype = dtype
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    rewrite_json(directory / "config.json", portable_config)
+    if model.can_generate():
         model.generation_config.save_pretrained(directory)
 
 

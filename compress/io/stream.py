@@ -280,14 +280,24 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     (quantized layers: their ``weight_shape``), and quantization scales and zero points are
     finite. Each problem is one ``ModelLoadError`` line naming the file, the tensor and the
     fix. Tensors under names the model tree does not have (renamed MoE experts) are left to
-    the loader."""
+    the loader. A bitsandbytes 4-bit weight (beside its ``.absmax``) is stored packed, two
+    codes per byte: its size is checked, not its shape."""
     path = Path(path)
     reader = CheckpointReader(path)
     skeleton = meta_skeleton(path)
     expected = expected_tensors(skeleton)
     for name in reader.names():
         leaf = name.rpartition(".")[2]
-        if name in expected:
+        if name in expected and f"{name}.absmax" in reader:
+            want = -(-expected[name].numel() // 2)
+            if reader.nbytes(name) != want:
+                raise ModelLoadError(
+                    f"{reader.file_of(name)}: bitsandbytes 4-bit tensor {name} holds "
+                    f"{reader.nbytes(name)} bytes but config.json implies {want} (shape "
+                    f"{list(expected[name].shape)}, two codes per byte); the config does not "
+                    "match the weights, fix config.json or re-export the checkpoint"
+                )
+        elif name in expected:
             if reader.shape(name) != tuple(expected[name].shape):
                 reader.read(name, shape=tuple(expected[name].shape))  # raises, naming it
         elif leaf == "weight_shape":
@@ -397,16 +407,34 @@ def release(module: nn.Module) -> None:
     """Send every tensor of ``module`` that the checkpoint holds (parameters, persistent
     buffers) back to the meta device, freeing its memory. Non-persistent buffers (rotary
     tables, Gemma's embedding scale) stay: the model's code computed them and no checkpoint
-    can give them back, so a module read a second time would be missing them."""
+    can give them back, so a module read a second time would be missing them.
+
+    A Parameter subclass (bitsandbytes' ``Params4bit``, ``Int8Params``) moves by its own
+    ``.to``, which takes its quantization state along (``nn.Module.to`` would rebuild it as a
+    plain Parameter, and fails on ``Params4bit``); a double-quantized 4-bit state keeps its
+    scalar offset on the CPU, as bitsandbytes' state_dict reads it with ``.item()``: the meta
+    module still lists its tensors (the export's names, the sizes in the reports)."""
     kept = []  # (owner, name, buffer): out of the way of nn.Module.to (it keeps ties)
+    offsets = []  # (quantization state, its offset on the CPU)
     for owner in module.modules():
         for name in owner._non_persistent_buffers_set & set(owner._buffers):
             kept.append((owner, name, owner._buffers.pop(name)))
+        for name, param in owner._parameters.items():
+            if param is None or type(param) is nn.Parameter:
+                continue
+            state = getattr(param, "quant_state", None)
+            offset = getattr(state, "offset", None)
+            if offset is not None and not offset.is_meta:
+                offsets.append((state, offset))
+            if not param.is_meta:
+                owner._parameters[name] = param.to("meta")
     try:
         module.to("meta")
     finally:
         for owner, name, buffer in kept:
             owner._buffers[name] = buffer
+        for state, offset in offsets:
+            state.offset = offset
 
 
 # ---- the writer ---------------------------------------------------------------------------
@@ -588,6 +616,32 @@ class StreamedModel:
         if not module_name.startswith(self.layer_prefix):
             return None
         return int(module_name[len(self.layer_prefix):].partition(".")[0])
+
+    def each_linear(self, plan: list[tuple]) -> Iterator[tuple]:
+        """``plan``'s items ``(module name, linear, ...)`` in order, each one's linear resident
+        while the caller has it: each decoder layer's targets between reading that layer and
+        handing it back (``finish_layer``), then the targets outside the stack (read, kept
+        resident). The caller swaps the linear for its quantized module; the float one is
+        freed as the next is read, so the peak follows the largest linear, not the layer (a
+        13B layer is 1.3 GB in float32). Used by the passes that quantize one linear alone."""
+        by_layer: dict[int, list[tuple]] = {}
+        outside = []
+        for item in plan:
+            index = self.layer_index(item[0])
+            if index is None:
+                outside.append(item)
+            else:
+                by_layer.setdefault(index, []).append(item)
+        for index, items in by_layer.items():
+            self.load_layer(index, defer=[item[1] for item in items])
+            for item in items:
+                self.load_part(index, item[1])
+                yield item
+                item[1].to("meta")  # swapped out but still referenced by the plan: free it
+            self.finish_layer(index)
+        for item in outside:
+            self.load_module(item[0])
+            yield item
 
     def load_module(self, name: str, device: torch.device | str = "cpu") -> nn.Module:
         """Make the module ``name`` outside the decoder stack resident (it stays so; a pass

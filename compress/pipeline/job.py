@@ -31,7 +31,7 @@ from compress.data import resolve_text_path
 from compress.io.export import export_checkpoint, resolve_export_dtype, write_provenance
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
-from compress.pipeline.preflight import layerwise_eval
+from compress.pipeline.preflight import layerwise_eval, layerwise_export_eval
 from compress.quant.linear import dequantized_for_scoring, model_bytes
 from compress.recipe import Recipe
 
@@ -242,17 +242,27 @@ def _skeleton_refusal(skeleton, reader) -> str | None:
 
 def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
     """A streamed job scores its export; that is the whole-model path's numbers only when the
-    export keeps the checkpoint's float dtype (a float32 source exported in bf16 would be
-    scored with rounded embeddings and norms)."""
+    export holds the checkpoint's float values exactly: in their own dtype, or in float32,
+    which holds every bf16 and fp16 value (a float32 source exported in bf16 would be scored
+    with rounded embeddings and norms)."""
     from compress.core.registry import DTYPES
 
     stored = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
-    export = DTYPES[resolve_export_dtype(recipe.export.dtype, where)]
-    if stored <= {export}:
+    export = DTYPES[_export_dtype(recipe, where)]
+    if stored <= {export} or export is DTYPES["float32"]:
         return None
     names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
     return (f"evaluation scores the model in its checkpoint's {names}; a streamed job would "
             f"score the export, rounded to {str(export).removeprefix('torch.')}")
+
+
+def _export_dtype(recipe: Recipe, where) -> str:
+    """The dtype the export writes float tensors in: the recipe's (``resolve_export_dtype``),
+    but float32, the compute dtype, for a bitsandbytes model: its export keeps the model's
+    dtype (``export_checkpoint``: casting would change the bnb modules' compute path)."""
+    if any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
+        return "float32"
+    return resolve_export_dtype(recipe.export.dtype, where)
 
 
 class JobOptions(BaseModel):
@@ -669,8 +679,9 @@ def _scratch_directory(near: Path) -> Iterator[Path]:
 
 def _run_streamed(plan, out, options, *, export, baseline, report, label) -> JobOutcome:
     """The passes layer by layer (``compress.io.stream.StreamedModel``), the last one writing
-    each finished layer into the export; evaluation layer by layer too (``layerwise_eval``),
-    else on whole models, one at a time."""
+    each finished layer into the export; evaluation layer by layer too (``layerwise_eval``;
+    a bitsandbytes export is loaded whole, ``layerwise_export_eval``), else on whole models,
+    one at a time."""
     import gc
 
     from transformers import AutoTokenizer
@@ -688,7 +699,7 @@ def _run_streamed(plan, out, options, *, export, baseline, report, label) -> Job
     with folder as tmp:
         seconds, peak = _stream_passes(plan, state, tmp, tokenizer)
         compressed = _sizes_only(skeleton)
-        if wants_eval and layerwise_eval(recipe):
+        if wants_eval and layerwise_export_eval(recipe):
             with _Phase(plan.memory, "eval"):
                 compressed = _evaluate_layerwise(plan, tmp, options, label=label,
                                                  baseline=baseline)
@@ -722,7 +733,10 @@ def _stream_passes(plan: JobPlan, state: CompressionState, folder: Path, tokeniz
     streamed = StreamedModel(skeleton, plan.reader, torch.float32,
                              decoder_layers(skeleton, "streaming"), arch.layer_prefix,
                              folder / ".scratch")
-    dtype = resolve_export_dtype(recipe.export.dtype, plan.where)
+    dtype = _export_dtype(recipe, plan.where)
+    if dtype != resolve_export_dtype(recipe.export.dtype, plan.where):  # as export_checkpoint
+        log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)", dtype,
+                    resolve_export_dtype(recipe.export.dtype, plan.where))
     exporter = StreamedExport(skeleton, folder, dtype, recipe.export.max_shard_size)
     state.stream = streamed
     last = len(recipe.passes) - 1

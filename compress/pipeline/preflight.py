@@ -21,6 +21,9 @@ loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the
   the final norm, embedding and head (untied) read and rotated in float32 with one chunk's
   temporaries; the float64 rotation matrix throughout. Those modules then stay resident for
   the passes after it (``compress.quant.rotate``), counted in each;
+* ``quantize.bnb`` as the first streamed pass: the largest linear, read one at a time (constants
+  below); its export is then scored loaded whole (transformers rebuilds its layers), as stored
+  (``_bnb_export_bytes``), while the baseline is scored layer by layer;
 * a model loaded whole (passes that need it, and every evaluation): 1.45 times its parameters
   in float32 (transformers casts from the stored dtype), plus the same again for a
   distillation teacher, plus a window's logits for evaluation.
@@ -54,6 +57,15 @@ LINEAR_BASE_BYTES = 450 * 10**6
 LINEAR_BYTES_PER_PARAM = 12.5
 LINEAR_SLACK = 1.1
 ROTATION = "rotate.hadamard"
+# quantize.bnb as the first streamed pass reads one linear at a time too: its peak is the float32
+# weight, its dequantized copy, their difference and its square (the error the report gives) and
+# the codes, 16.5 bytes per parameter of the largest linear, 10% more (LINEAR_SLACK), on the
+# base and 0.1 GB of growth. Measured 2026-12-03 (bf16 synthetic Llamas, VmHWM, 2 shared cores):
+# NF4 0.95 GB on the 1.1B shape (estimate 1.06), 1.44 GB in the 7B shape's first layers (1.67;
+# int8 1.37); SmolLM2 NF4 0.81 GB after its baseline's evaluation (0.87).
+BNB = "quantize.bnb"
+BNB_BASE_BYTES = 100 * 10**6
+BNB_BYTES_PER_PARAM = 16.5
 ROTATION_TEMPORARIES = 5  # float32 copies of what is rotated at once (float64 copy + product)
 
 
@@ -120,6 +132,9 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
             if index == 0 and name in LINEAR_AT_A_TIME:  # reads the source one linear at a time
                 need = int(LINEAR_SLACK * (LINEAR_BASE_BYTES
                                            + LINEAR_BYTES_PER_PARAM * dims["largest_linear"]))
+            if index == 0 and name == BNB:  # the same, with bitsandbytes' temporaries
+                need = BNB_BASE_BYTES + int(LINEAR_SLACK * BNB_BYTES_PER_PARAM
+                                            * dims["largest_linear"])
             if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             if name == "quantize.gptq":
@@ -139,6 +154,10 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
     if streamed and shapes is not None and layerwise_eval(recipe) and (
             recipe.eval.perplexity is not None):
         phases["eval (layer by layer)"] = BASE_BYTES + _layerwise_eval_bytes(recipe, shapes)
+        if not layerwise_export_eval(recipe):
+            window = recipe.eval.perplexity.context_length * shapes[2]["vocab"] * FLOAT32 * 3
+            phases["eval of the export (loaded whole)"] = (
+                BASE_BYTES + _bnb_export_bytes(recipe, skeleton) + window)
     elif params is not None and (recipe.eval.perplexity is not None
                                  or recipe.eval.tasks is not None
                                  or recipe.eval.latency is not None):
@@ -159,6 +178,38 @@ def layerwise_eval(recipe) -> bool:
 
     return (recipe.eval.tasks is None and recipe.eval.latency is None
             and resolve_device(recipe.device).type == "cpu")
+
+
+def layerwise_export_eval(recipe) -> bool:
+    """Whether a streamed job scores its export layer by layer too: ``layerwise_eval``, but
+    not a bitsandbytes export (transformers' loader rebuilds its layers; it is loaded whole,
+    4-bit or 8-bit as stored, ``_bnb_export_bytes``)."""
+    return layerwise_eval(recipe) and not any(pass_name_of(c) == BNB for c in recipe.passes)
+
+
+def _bnb_export_bytes(recipe, skeleton) -> int:
+    """Bytes of a bitsandbytes export loaded whole: each targeted ``nn.Linear`` as stored
+    (4-bit: half a byte per weight and a float32 absmax per block of 64, or a uint8 one with
+    double quantization; int8: a byte per weight and a float32 scale per row), every other
+    parameter in float32 (the export keeps the model's dtype). transformers holds them as
+    stored, with no float32 copy: the 1.1B shape's NF4 export (1.07 GB) took 1.67 GB loaded
+    with a 512-token forward, estimate 2.02 GB with the base and the logits (2026-12-03)."""
+    from torch import nn
+
+    from compress.core.matcher import target_modules
+
+    cfg = next(c for c in recipe.passes if pass_name_of(c) == BNB)
+    total = sum(p.numel() for p in skeleton.parameters()) * FLOAT32
+    for _, module in target_modules(skeleton, cfg):
+        if type(module) is not nn.Linear:
+            continue
+        n = module.weight.numel()
+        if cfg.format == "int8":
+            stored = n + module.out_features * FLOAT32
+        else:
+            stored = n // 2 + -(-n // 64) * (1 if cfg.double_quant else FLOAT32)
+        total += stored - n * FLOAT32
+    return total
 
 
 def _layerwise_eval_bytes(recipe, shapes) -> int:
@@ -224,7 +275,10 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
         return result
     phase = max(result["phases_bytes"], key=result["phases_bytes"].get)
     ways = []
-    if "eval" in phase:
+    if phase == "eval of the export (loaded whole)":
+        ways.append("leave evaluation out (`--set eval.baseline=false --set "
+                    "eval.perplexity=null`): a bitsandbytes export is scored loaded whole")
+    elif "eval" in phase:
         ways.append("leave tasks and latency out of eval (perplexity and KL alone are scored "
                     "layer by layer on the CPU), or leave evaluation out (`--set "
                     "eval.baseline=false --set eval.perplexity=null`) and score the export "

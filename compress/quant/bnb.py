@@ -13,11 +13,19 @@ when loading with a ``BitsAndBytesConfig``:
 
 The model keeps a transformers ``hf_quantizer`` and ``config.quantization_config``, so
 ``compress.io.export.export_checkpoint`` writes bitsandbytes' own serialization with
-``save_pretrained`` and ``AutoModelForCausalLM.from_pretrained(dir)`` loads it back. Not done
-here: mixing bnb layers with our QuantLinear layers in one model (one checkpoint format per
-model), and our kernels (bnb modules run bitsandbytes' own kernels; on CPU they work, slowly).
-bitsandbytes is optional: this module never imports it at import time, and a config asking for
-it without the package fails at validation with the install command.
+``save_pretrained`` and ``AutoModelForCausalLM.from_pretrained(dir)`` loads it back.
+
+Streamed (``state.stream``, a meta skeleton): each decoder layer's targets are read one linear
+at a time, converted and handed with the finished layer to the export, which writes the
+tensors ``save_pretrained`` writes for the model in memory (``compress.io.export``); the result
+is the in-memory run's, bit for bit. A bnb layer cannot go through a scratch file to a later
+pass, so quantize.bnb is a recipe's last pass and its only quantize.* pass (a float rewrite such
+as rotate.hadamard may come before it; ``compress.recipe.check_order``).
+
+Not done here: mixing bnb layers with our QuantLinear layers in one model (one checkpoint format
+per model), and our kernels (bnb modules run bitsandbytes' own kernels; on CPU they work,
+slowly). bitsandbytes is optional: this module never imports it at import time, and a config
+asking for it without the package fails at validation with the install command.
 """
 
 from __future__ import annotations
@@ -124,7 +132,9 @@ def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
     """A bitsandbytes module holding ``linear``'s weights; quantized by moving it to the weight's
     device (bitsandbytes quantizes in ``.to()``, as transformers' loader relies on)."""
     device = linear.weight.device
-    w = linear.weight.detach().clone()
+    # No copy: bitsandbytes quantizes from the weight (Int8Params from an fp16 cast of it) and
+    # replaces the parameter's data; the float weight is never written to.
+    w = linear.weight.detach()
     bias = linear.bias is not None
     if cfg.format == "int8":
         module = bnb.nn.Linear8bitLt(
@@ -149,6 +159,15 @@ def _to_bnb(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> nn.Module:
     return module.to(device).train(linear.training)
 
 
+def _convert(linear: nn.Linear, cfg: BnbConfig, bnb: Any) -> tuple[nn.Module, float, float]:
+    """(the bitsandbytes module of ``linear``, sum (dequantized - w)^2, sum w^2); the float32
+    temporaries die on return (a streamed pass holds one linear at a time)."""
+    quant = _to_bnb(linear, cfg, bnb)
+    w = linear.weight.detach().float()
+    num = float((dequantized_weight(quant).to(w.device) - w).pow(2).sum())
+    return quant, num, float(w.pow(2).sum())
+
+
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """fp32 ``[N, K]`` weight that a bitsandbytes Linear4bit / Linear8bitLt module stores."""
     import bitsandbytes as bnb
@@ -163,19 +182,29 @@ def has_bnb_modules(model: nn.Module) -> bool:
     return any(is_bnb_module(m) for m in model.modules())
 
 
-@register_pass("quantize.bnb", BnbConfig)
+@register_pass("quantize.bnb", BnbConfig, layerwise=True)
 def bnb_quantize(model: nn.Module, cfg: BnbConfig, state: CompressionState) -> PassReport:
     bnb = import_bitsandbytes()
     name = "quantize.bnb"
     report = PassReport(name)
+    stream = state.stream
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise RecipeError(
             f"{name}: the model already holds QuantLinear layers from another quantize.* pass; "
             "one checkpoint format per model: use quantize.bnb alone or drop it"
         )
+    if stream is not None and stream.sink is None:
+        raise RecipeError(
+            f"{name} must be the recipe's last pass when the model is streamed: a bitsandbytes "
+            "layer cannot be handed to a later pass through a scratch file; move it last"
+        )
     refuse_targeted_experts(
         model, cfg, name, "bitsandbytes quantizes nn.Linear layers only, not 3-D expert weights"
     )
+    if stream is not None:
+        # The export keeps every float tensor in the compute dtype, as save_pretrained does in
+        # memory: the skeleton's (meta) tensors take it too, so the report counts them as written.
+        model.to(stream.dtype)
     plan = []
     for layer_name, module in target_modules(model, cfg):
         if type(module) is nn.Linear:
@@ -183,20 +212,19 @@ def bnb_quantize(model: nn.Module, cfg: BnbConfig, state: CompressionState) -> P
         elif isinstance(module, nn.Linear) or is_bnb_module(module):
             report.skipped[layer_name] = f"{type(module).__name__} is not a plain nn.Linear"
     raise_or_report_skips(cfg, report, name)  # before any work: strict fails with nothing changed
+    # the linears left in float, from the module tree before any is read (a streamed skeleton)
+    planned = {layer_name for layer_name, _ in plan}
+    skip = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                  and not is_bnb_module(m) and n not in planned)
     bytes_before = bytes_after = 0
     err_num = err_den = 0.0
-    for layer_name, linear in plan:
-        quant = _to_bnb(linear, cfg, bnb)
-        w = linear.weight.detach().float()
-        err_num += float((dequantized_weight(quant).to(w.device) - w).pow(2).sum())
-        err_den += float(w.pow(2).sum())
-        bytes_before += w.numel() * linear.weight.element_size()
+    for layer_name, linear in plan if stream is None else stream.each_linear(plan):
+        quant, num, den = _convert(linear, cfg, bnb)
+        err_num, err_den = err_num + num, err_den + den
+        bytes_before += linear.weight.numel() * linear.weight.element_size()
         bytes_after += linear_weight_bytes(quant)
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
-    converted = set(report.changed)
-    skip = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
-                  and not is_bnb_module(m) and n not in converted)
     _attach_hf_quantizer(model, hf_quantization_config(cfg, skip))
     report.metrics.update(
         layers=len(plan),

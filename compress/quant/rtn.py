@@ -95,7 +95,7 @@ def quantize_linears(
     bytes_before = quantization_coverage(model)["weight_bytes"]
     err_num = err_den = 0.0
     schemes: dict[str, int] = {}
-    for layer_name, linear, scheme in _streamed(plan, stream):
+    for layer_name, linear, scheme in plan if stream is None else stream.each_linear(plan):
         quant = make(linear, scheme, backend=cfg.backend)
         num, den = _squared_error(quant, linear.weight.detach())
         err_num, err_den = err_num + num, err_den + den
@@ -135,34 +135,6 @@ def _squared_error(quant: QuantLinear, weight: torch.Tensor) -> tuple[float, flo
         num += float((dq - w).pow(2).sum())
         den += float(w.pow(2).sum())
     return num, den
-
-
-def _streamed(plan: list[tuple[str, nn.Linear, WeightScheme]], stream):
-    """The plan in order; with a stream, each decoder layer's targets between reading that
-    layer and handing it back, then the targets outside the stack (read, kept resident)."""
-    if stream is None:
-        yield from plan
-        return
-    by_layer: dict[int, list[tuple[str, nn.Linear, WeightScheme]]] = {}
-    outside = []
-    for item in plan:
-        index = stream.layer_index(item[0])
-        if index is None:
-            outside.append(item)
-        else:
-            by_layer.setdefault(index, []).append(item)
-    for index, items in by_layer.items():
-        # The layer without its targets, then one target at a time, freed once quantized: the
-        # peak follows the largest linear, not the layer (a 13B layer is 1.3 GB in fp32).
-        stream.load_layer(index, defer=[linear for _, linear, _ in items])
-        for item in items:
-            stream.load_part(index, item[1])
-            yield item
-            item[1].to("meta")  # swapped out but still referenced by the plan: free it
-        stream.finish_layer(index)
-    for item in outside:
-        stream.load_module(item[0])
-        yield item
 
 
 @register_pass("quantize.int4_rtn", Int4RtnConfig, layerwise=True)
