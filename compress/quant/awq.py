@@ -300,7 +300,7 @@ def scale_layer(
     points = [m.consumers[0] for m in mappings] + [g[0] for g in unscaled]
     stats = _InputStats(layer, list(dict.fromkeys(points)))
     try:
-        run_layer(layer, inputs)
+        run_layer(layer, inputs, keep=False)
     finally:
         stats.remove()
     for m in mappings:

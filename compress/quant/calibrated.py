@@ -135,8 +135,11 @@ def capture_first_layer_inputs(
 
 
 @torch.no_grad()
-def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "") -> list[torch.Tensor]:
-    """Outputs of ``layer`` for every captured sample; NaN/Inf is an error naming the layer."""
+def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "",
+              keep: bool = True) -> list[torch.Tensor]:
+    """Outputs of ``layer`` for every captured sample; NaN/Inf is an error naming the layer.
+    ``keep=False``: a forward for its hooks only, each output dropped at once (a list of them
+    is as large as the layer's inputs: 168 MB at 13B for 16 x 512 tokens)."""
     outs = []
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
         out = layer(hidden, **kwargs)
@@ -146,7 +149,8 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "") -> list
                 f"{check}: activations became NaN/Inf; lower the damping/alpha settings or check "
                 "the model in float32"
             )
-        outs.append(out.detach())
+        if keep:
+            outs.append(out.detach())
     return outs
 
 

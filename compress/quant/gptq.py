@@ -382,7 +382,7 @@ def gptq(model: nn.Module, cfg: GptqConfig, state: CompressionState) -> PassRepo
         linears = {name: model.get_submodule(name) for name in plan if name.startswith(prefix)}
         hooks = HessianHooks(linears, cfg.sink_token_weight)
         try:
-            run_layer(layer, inputs)
+            run_layer(layer, inputs, keep=False)
         finally:
             hooks.remove()
         # one linear at a time, each float weight and Hessian dropped once it is quantized:
@@ -501,7 +501,7 @@ def _expert_inputs(
 
     handle = experts.register_forward_hook(hook)
     try:
-        run_layer(layer, inputs)
+        run_layer(layer, inputs, keep=False)
     finally:
         handle.remove()
     x = torch.cat(xs)

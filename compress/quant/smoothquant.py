@@ -142,7 +142,7 @@ def smooth_layer(
     mappings = _layer_mappings(layer, arch, mine, cfg, prefix, notes)
     hooks = _MaxHooks(layer, list(dict.fromkeys(m.consumers[0] for m in mappings)))
     try:
-        run_layer(layer, inputs)
+        run_layer(layer, inputs, keep=False)
     finally:
         hooks.remove()
     for m in mappings:
