@@ -66,6 +66,12 @@ ROTATION = "rotate.hadamard"
 BNB = "quantize.bnb"
 BNB_BASE_BYTES = 100 * 10**6
 BNB_BYTES_PER_PARAM = 16.5
+# quantize.gptq keeps a streamed layer as stored (bf16) and widens one linear at a time for its
+# forward; the peak is the end of the calibration forward, when the layer's Hessians (one per
+# input) sit beside it: the stored layer, one float32 copy of its largest linear, the hidden
+# states in and out, the Hessians (GPTQ's own state for one linear, after it, is smaller).
+# Measured 2026-12-03 (VmHWM, first 2 layers, docs/results.md section 6): see _gptq_bytes.
+GPTQ = "quantize.gptq"
 ROTATION_TEMPORARIES = 5  # float32 copies of what is rotated at once (float64 copy + product)
 
 
@@ -135,10 +141,10 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
             if index == 0 and name == BNB:  # the same, with bitsandbytes' temporaries
                 need = BNB_BASE_BYTES + int(LINEAR_SLACK * BNB_BYTES_PER_PARAM
                                             * dims["largest_linear"])
+            if name == GPTQ:
+                need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0)
             if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
-            if name == "quantize.gptq":
-                need += _hessian_bytes(skeleton)
             kept = resident
             if name == ROTATION:
                 need, kept = _rotation_bytes(skeleton, largest, outside, dims)
@@ -252,15 +258,32 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
     return matrix + max(layer, ends), kept
 
 
+def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
+                first: bool) -> int:
+    """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
+    is the first pass, else from an earlier pass's float32 scratch file."""
+    stored = next(skeleton.parameters()).element_size() if first else FLOAT32
+    widened = dims["largest_linear"] * FLOAT32 if stored < FLOAT32 else 0
+    return largest * stored + widened + hidden + _hessian_bytes(skeleton)
+
+
 def _hessian_bytes(skeleton) -> int:
-    """GPTQ's Hessians for one decoder layer: one float32 [in, in] per linear, all alive while
-    the layer's inputs are collected (linears reading the same input still get one each)."""
+    """GPTQ's Hessians for one decoder layer, all alive while the layer's inputs are collected:
+    one float32 [in, in] per input, the linears that read one input (q/k/v, gate/up: the
+    consumers of one of the family's scale mappings) sharing it (``HessianHooks``)."""
     from torch import nn
 
-    from compress.arch import decoder_layers
+    from compress.arch import ARCHS, decoder_layers, model_type
 
+    arch = ARCHS.get(model_type(skeleton))
+    groups = [m.consumers for m in arch.awq_mappings] if arch is not None else []
     layer = decoder_layers(skeleton, "the memory preflight")[0]
-    return sum(m.in_features ** 2 * FLOAT32 for m in layer.modules() if isinstance(m, nn.Linear))
+    inputs: dict[tuple[str, ...], int] = {}
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            group = next((g for g in groups if name in g), (name,))
+            inputs[group] = module.in_features ** 2 * FLOAT32
+    return sum(inputs.values())
 
 
 def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:

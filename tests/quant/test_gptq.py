@@ -302,3 +302,24 @@ def test_row_block_finite_check_agrees_with_isfinite():
             u = t.clone()
             u[row, 3] = bad
             assert not _all_finite_by_rows(u) and not torch.isfinite(u).all()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gemma2", "qwen3"])
+def test_preflight_counts_the_hessians_the_hooks_hold(model_type):
+    """The memory preflight's GPTQ term is the bytes of the distinct Hessians a decoder layer's
+    hooks hold after its forward (linears fed one input share one)."""
+    from torch import nn
+
+    from compress.pipeline.preflight import _hessian_bytes
+    from compress.testing import make_tiny_model
+
+    model = make_tiny_model(model_type)
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    hooks = HessianHooks(linears)
+    with torch.no_grad():
+        model(torch.randint(0, 320, (1, 12)))
+    hooks.remove()
+    held = {id(h): h.numel() * h.element_size() for h in hooks.h.values()}
+    assert len(hooks.h) == len(linears)
+    assert _hessian_bytes(model) == sum(held.values())
