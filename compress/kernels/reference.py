@@ -29,6 +29,8 @@ as compressed-tensors does.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # shift of code i within its word
@@ -127,12 +129,42 @@ def int4_unsigned_parts(
     """Packed int4 weight -> (codes ``w_q + 8`` int32 ``[N, K]`` in 0..15, fp32 scales, fp32
     zero points, 0 when symmetric): the form the CPU kernels repack from, so that
     ``w = (codes - 8 - zeros) * scales``."""
-    n = w_packed.shape[0]
     codes = unpack_int4(w_packed, k).to(torch.int32) + 8
+    return (codes, *int4_float_parts(scales, zeros_packed, w_packed.shape[0]))
+
+
+def int4_float_parts(
+    scales: torch.Tensor, zeros_packed: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 scales and fp32 zero points (0 when symmetric) of ``int4_unsigned_parts``."""
     scales32 = scales.to(torch.float32)
     if zeros_packed is None:
-        return codes, scales32, torch.zeros_like(scales32)
-    return codes, scales32, unpack_int4(zeros_packed, n, dim=0).to(torch.float32)
+        return scales32, torch.zeros_like(scales32)
+    return scales32, unpack_int4(zeros_packed, n, dim=0).to(torch.float32)
+
+
+def int4_bytes(w_packed: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The packed codes as bytes, ``uint8 [N, K/2]``, a view of ``w_packed``: byte j of a row
+    holds code 2j in its low nibble and code 2j+1 in its high nibble (each ``w_q + 8``), which
+    is the word layout above read in memory order on a little-endian machine. None where that
+    view does not exist (K not a multiple of 8, padded words, a big-endian machine); callers
+    then unpack with ``unpack_int4``. The CPU repacks (``cpu_native``, ``cpu_q8``) move these
+    bytes' nibbles instead of widening every code to int32."""
+    if k % 8 or w_packed.shape[1] * 8 != k or sys.byteorder != "little":
+        return None
+    return w_packed.contiguous().view(torch.uint8)
+
+
+def merge_nibbles(
+    a: torch.Tensor, b: torch.Tensor, low_out: torch.Tensor, high_out: torch.Tensor
+) -> None:
+    """Pair the nibbles of two uint8 tensors of equal shape: ``low_out = a.low | b.low << 4``
+    and ``high_out = a.high | b.high << 4`` (written into the given, possibly strided, views).
+    Both CPU repacks are this step on differently chosen ``a``/``b`` bytes."""
+    torch.bitwise_and(a, 0x0F, out=low_out)
+    low_out |= b << 4  # uint8: the shift drops b's high nibble
+    torch.bitwise_right_shift(a, 4, out=high_out)
+    high_out |= b & 0xF0
 
 
 def int4_gemm(

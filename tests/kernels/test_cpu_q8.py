@@ -42,6 +42,24 @@ def test_prepacked_layout_dequantizes_to_the_same_weights(bits, group, symmetric
     assert torch.allclose(rebuilt, layer.dequantized_weight().double(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("n,k,group,symmetric", [(48, 192, 64, True), (40, 128, 32, False),
+                                                  (16, 1024, 128, False)])  # fmt: skip
+def test_prepack_from_packed_bytes_equals_the_unpacked_codes_path(n, k, group, symmetric):
+    # prepack_int4 moves the nibbles of our packed bytes; prepack_int4_reference builds the
+    # layout from int32 codes: the same bytes, scales and offsets
+    layer = quant_layer(4, n, k, group, symmetric, seed=3)
+    zp = None if symmetric else layer.weight_zero_point
+    args = (layer.weight_packed, layer.weight_scale, zp)
+    got = cpu_q8.prepack_int4(*args, group_size=group, k=k)
+    want = cpu_q8.prepack_int4_reference(*args, group_size=group, k=k)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    assert (got.offsets is None) == symmetric
+    assert symmetric or torch.equal(got.offsets, want.offsets)
+    codes = torch.arange(-128, 128, dtype=torch.int8).repeat(2, 1)  # every int8 code
+    w8 = cpu_q8.prepack_int8(codes, torch.ones(2, 1), None, group_size=256)
+    assert torch.equal(w8.codes, (codes.to(torch.int16) + 128).to(torch.uint8))
+
+
 def test_reference_is_the_exact_product_up_to_int8_activation_rounding():
     layer = quant_layer(4, 64, 576, 64, True)
     x = torch.randn(3, 576)
