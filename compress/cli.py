@@ -310,10 +310,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stored = config.get("dtype", config.get("torch_dtype"))
         dtype = "bfloat16" if stored == "bfloat16" else "float32"
     matmul = {"float32": None, "bfloat16": torch.bfloat16}[dtype]
+    # The model's quantized layers are released as the runtime takes them (one copy of the
+    # weights); the scheduler brings its paged cache, so no contiguous one is allocated.
     runtime = Runtime(loaded.model, max_seq_len=args.max_model_len, compile=False,
                       prefill_dtype=matmul, decode_dtype=matmul,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
-                      lm_head_bits=args.lm_head_bits)
+                      lm_head_bits=args.lm_head_bits, static_cache=False)
     if runtime.fallback_reason is not None:
         raise RecipeError(f"compress serve runs the runtime's families only: "
                           f"{runtime.fallback_reason}")

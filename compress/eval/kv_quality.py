@@ -39,7 +39,9 @@ def kv_cache_quality(
 ) -> dict[str, Any]:
     """Per dtype (``reference`` first): ``ppl``, ``delta_ppl_pct``, ``kl`` (mean nats per
     scored token), ``bytes_per_token``, ``requests_per_gib``; plus the protocol."""
-    runtime = Runtime(model, max_seq_len=context_length, compile=False)
+    # the caller's model stays usable (keep_model_weights); the paged caches below are its KV
+    runtime = Runtime(model, max_seq_len=context_length, compile=False, keep_model_weights=True,
+                      static_cache=False)
     if runtime.fallback_reason is not None:
         raise ValueError(f"the runtime does not run this model: {runtime.fallback_reason}")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

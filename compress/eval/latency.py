@@ -186,8 +186,12 @@ def seq_len_for(longest: int) -> int:
 INT_KERNELS = ("torch", "ours")
 
 
-def _runtime(model: nn.Module, max_seq_len: int, compile: bool, int_kernels: str):
-    """The runtime over ``model`` with torch's or our int4/int8 kernels (``INT_KERNELS``)."""
+def _runtime(
+    model: nn.Module, max_seq_len: int, compile: bool, int_kernels: str, static_cache: bool = True
+):
+    """The runtime over ``model`` with torch's or our int4/int8 kernels (``INT_KERNELS``). The
+    model keeps its weights (``keep_model_weights``): latency runs build one runtime per run
+    from the same model, and the caller goes on using it."""
     from compress.runtime.engine import Runtime
 
     if int_kernels not in INT_KERNELS:
@@ -199,6 +203,8 @@ def _runtime(model: nn.Module, max_seq_len: int, compile: bool, int_kernels: str
         compile=compile,
         int4_kernel="q4q8" if ours else "torch",
         int8_kernel="q8q8" if ours else "torch",
+        keep_model_weights=True,
+        static_cache=static_cache,
     )
 
 
@@ -274,7 +280,7 @@ def runtime_scheduler(
 
     if unsupported_reason(model) is not None:
         return None
-    runtime = _runtime(model, max_seq_len, False, int_kernels)
+    runtime = _runtime(model, max_seq_len, False, int_kernels, static_cache=False)  # paged only
     blocks = None if kv_memory is not None else max_batch * -(-max_seq_len // block_size) + 1
     return Scheduler(
         runtime,

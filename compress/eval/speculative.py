@@ -106,8 +106,9 @@ def evaluate(
                 f"{role} cannot run there: {reason}"
             )
     seq = seq_len_for(max(map(len, prompts)) + max_new_tokens + k)
-    t_runtime = Runtime(target, max_seq_len=seq, compile=compile)
-    d_runtime = Runtime(draft, max_seq_len=seq, compile=compile)
+    # the caller's models stay usable (keep_model_weights): a second copy while this runs
+    t_runtime = Runtime(target, max_seq_len=seq, compile=compile, keep_model_weights=True)
+    d_runtime = Runtime(draft, max_seq_len=seq, compile=compile, keep_model_weights=True)
     stats = SpeculativeStats()
     plain_tpot, spec_tpot, mismatches = [], [], []
     for index, prompt in enumerate(prompts):

@@ -62,15 +62,17 @@ class LoadedModel:
     ) -> str | list[str]:
         """Generate text with ``compress.runtime.engine.Runtime`` (static cache; greedy unless
         ``temperature`` > 0; stops at the tokenizer's EOS). ``compile``/``int4_kernel``: see
-        ``Runtime``; ``options``: see ``Runtime.generate``. A runtime is built per call: for
-        repeated calls, hold a Runtime."""
+        ``Runtime``; ``options``: see ``Runtime.generate``. A runtime is built per call, so the
+        model keeps its weights (``keep_model_weights``: a second copy of the quantized layers
+        while it generates); for repeated calls, or to hold one copy, build a Runtime."""
         from compress.runtime.engine import Runtime
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         need = max(len(i) for i in ids) + max_new_tokens
         runtime = Runtime(self.model, max_seq_len=-(-need // 64) * 64,
-                          max_batch_size=len(ids), compile=compile, int4_kernel=int4_kernel)
+                          max_batch_size=len(ids), compile=compile, int4_kernel=int4_kernel,
+                          keep_model_weights=True)
         options.setdefault("stop_tokens", [self.tokenizer.eos_token_id])
         out = runtime.generate(ids, max_new_tokens, **options)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]

@@ -5,15 +5,18 @@ Granite, Gemma 2/3 text: q/k norms, post-norms, multipliers, softcaps, sliding w
 The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
 change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
 The model's weights are re-held once at construction in the layout each phase wants
-(``runtime/layers.py``): native CPU int4/int8 kernels for QuantLinear layers (one-time repack),
-float weights in the prefill and decode dtypes. Numerics do not depend on the CPU class: by
-default prefill runs in the weights' dtype and so does decode of a float model (an fp32 model is
-fp32 throughout, its greedy tokens equal transformers'); a quantized model decodes its remaining
-float layers in bf16, as the native kernels take bf16 activations. Reduced-precision prefill is
-opt-in. The residual stream, norms and softmax stay fp32; only the matmul inputs change dtype.
-Layers on our integer-dot kernels run each decoder layer's q/k/v and gate/up as one call each
-(their weights stacked, ``layers._IntLinear.stacked``): the same outputs bit for bit, 4 calls
-instead of 7. Sampling is ``runtime/sampling.py``.
+(``runtime/layers.py``): native CPU int4/int8 kernels for QuantLinear layers (one-time repack,
+at about memory speed), float weights in the prefill and decode dtypes. Each quantized layer's
+own tensors are released from the model as soon as its holder is built (the runtime holds one
+copy of the weights, not two; ``keep_model_weights=True`` keeps the model runnable too).
+Numerics do not depend on the CPU class: by default prefill runs in the weights' dtype and so
+does decode of a float model (an fp32 model is fp32 throughout, its greedy tokens equal
+transformers'); a quantized model decodes its remaining float layers in bf16, as the native
+kernels take bf16 activations. Reduced-precision prefill is opt-in. The residual stream, norms
+and softmax stay fp32; only the matmul inputs change dtype. Layers on our integer-dot kernels
+run each decoder layer's q/k/v and gate/up as one call each (their weights stacked,
+``layers._IntLinear.stacked``): the same outputs bit for bit, 4 calls instead of 7. Sampling is
+``runtime/sampling.py``.
 
 The decode step is compiled whole (``compile=True`` or ``"step"``): embedding, every layer and
 the head in one graph, so a token costs one compiled-region entry and one guard check (issue 19:
@@ -44,6 +47,7 @@ from torch import nn
 from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import float_dtype
 from compress.kernels import cpu_q8, dispatch
+from compress.memory import return_freed_memory
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
     config_unsupported_reason,
@@ -149,6 +153,15 @@ class Runtime:
     symmetric; int4 group 32, int8 per channel) run by the int4/int8 kernels above: the (tied)
     lm_head is the largest matrix of small models (SmolLM2: 49152x576, 45% of W4's decode bytes
     in bf16).
+
+    Memory: by default the model's quantized linears are released as the runtime takes them,
+    one at a time (``layers.release_weights``: meta tensors in the model, whose own forward then
+    refuses to run; norms, embedding, a float head and the config stay, as does any layer the
+    runtime calls as it is: W8A8, MoE blocks, Triton layers on CUDA). A caller that still runs
+    the model, or builds a second Runtime from it, passes ``keep_model_weights=True`` and holds
+    both copies. ``static_cache=False`` allocates no contiguous KV cache (``max_batch_size`` x
+    ``max_seq_len`` slots per layer): for a runtime that only a ``Scheduler`` drives, which
+    brings its own paged cache; ``generate``/``stream``/``prefill`` then refuse.
     """
 
     def __init__(
@@ -165,6 +178,8 @@ class Runtime:
         int4_kernel: str = "torch",
         int8_kernel: str = "torch",
         lm_head_bits: int | None = None,
+        keep_model_weights: bool = False,
+        static_cache: bool = True,
     ) -> None:
         if int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
@@ -221,23 +236,31 @@ class Runtime:
         arch = arch_for(model, "compress runtime")
         spec = RUNTIME_SPECS[arch.model_type]
         with torch.no_grad():
-            self.layers = nn.ModuleList(
-                _Layer(
-                    layer,
-                    config,
-                    prefill_dtype,
-                    decode_dtype,
-                    notes,
-                    i,
-                    kernels,
-                    arch,
-                    spec=spec,
-                )  # fmt: skip
-                for i, layer in enumerate(decoder_layers(model, "compress runtime"))
-            )
+            self.layers = nn.ModuleList()
+            for i, layer in enumerate(decoder_layers(model, "compress runtime")):
+                self.layers.append(
+                    _Layer(
+                        layer,
+                        config,
+                        prefill_dtype,
+                        decode_dtype,
+                        notes,
+                        i,
+                        kernels,
+                        arch,
+                        spec=spec,
+                        release=not keep_model_weights,
+                    )  # fmt: skip
+                )
+                # glibc keeps the heap chunks just freed (the layer's released tensors, the
+                # repack's temporaries) resident until trimmed, so they would count twice in
+                # the peak: measured at a 1.1B W4 shape, 1.62 GB after the build without this
+                # and 1.26 GB once trimmed, for a load peak of 1.23
+                return_freed_memory()
             self.head = _Head(
-                model, decode_dtype, notes, kernels, lm_head_bits, arch, spec=spec
-            )
+                model, decode_dtype, notes, kernels, lm_head_bits, arch, spec=spec,
+                release=not keep_model_weights,
+            )  # fmt: skip
             self.embed, self.embed_dtype = embed.detach(), w_dtype
             self.embed_factor = embed_factor(config, arch, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
@@ -253,6 +276,7 @@ class Runtime:
                 "runtime: %d layers without a native kernel: %s", len(notes), "; ".join(notes[:20])
             )
         self.device = device
+        self.static_cache = static_cache
         self.k_cache, self.v_cache = self._new_cache(), self._new_cache()
         self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -349,9 +373,12 @@ class Runtime:
         return {"weights": weights, "kv_cache": cache}
 
     def _new_cache(self) -> list[torch.Tensor]:
-        """One zeroed [B_max, Hkv, S, D] buffer per layer. Separate tensors, not views of one:
-        the compiled step writes each in place, where it copied a view's slice out and back
-        (measured: a KV-slice copy per layer per token, torch 2.13)."""
+        """One zeroed [B_max, Hkv, S, D] buffer per layer (none without ``static_cache``).
+        Separate tensors, not views of one: the compiled step writes each in place, where it
+        copied a view's slice out and back (measured: a KV-slice copy per layer per token, torch
+        2.13)."""
+        if not self.static_cache:
+            return []
         first = self.layers[0]
         shape = (self.max_batch_size, first.n_kv, self.max_seq_len, first.head_dim)
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
@@ -364,6 +391,7 @@ class Runtime:
         Then ``score`` feeds tokens and ``rewind`` drops them; ``position`` is the cache length."""
         if self.fallback_reason is not None:
             raise RuntimeError(f"the runtime does not run this model: {self.fallback_reason}")
+        self._check_cache()
         self._check([list(prompt)], 1)
         self.position = 0
         return self.score(list(prompt))[-1]
@@ -373,6 +401,7 @@ class Runtime:
         """Logits [T, V] fp32 after each of ``tokens``, fed in one forward from ``position``
         (gpt-fast's verify step): row i is what greedy decoding would compute after token i.
         A single token goes through the (compiled) decode step; several run it eager."""
+        self._check_cache()
         start, t = self.position, len(tokens)
         if t < 1 or start + t > self.max_seq_len:
             raise ValueError(
@@ -406,7 +435,15 @@ class Runtime:
         self.position = position
 
     # ---- the loop ------------------------------------------------------------------------
+    def _check_cache(self) -> None:
+        if not self.static_cache:
+            raise RuntimeError(
+                "this Runtime was built with static_cache=False (for a Scheduler's paged "
+                "cache): build it with static_cache=True to generate from it directly"
+            )
+
     def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Refuse prompts this runtime cannot take (the scheduler asks it too)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if len(prompts) > self.max_batch_size:
@@ -428,6 +465,7 @@ class Runtime:
 
     @torch.no_grad()
     def _run(self, prompts, max_new_tokens: int, sampling: _Sampling) -> Iterator[torch.Tensor]:
+        self._check_cache()
         self._check(prompts, max_new_tokens)
         b, t = len(prompts), max(len(p) for p in prompts)
         tb = _bucket(t, self.max_seq_len) if self.compile_prefill else t

@@ -8,6 +8,10 @@ prefill and decode dtypes (``_FloatLinear``), int4/int8 weights repacked once fo
 CPU kernels or for our integer-dot kernels (``_Int4Linear``, ``_Int8Linear``, ``_Q8Kernel``),
 W8A8 and any other layer called as it is (``_ModuleLinear``). Holders on our kernels that read one
 input (q/k/v, gate/up) stack into one call (``_IntLinear.stacked``): the same outputs bit for bit.
+A quantized linear whose holder keeps a copy of its own (repacked or dequantized) is released
+from the model right after its holder is built (``release_weights``, unless the runtime is
+asked to keep the model's weights): the model's tensors become meta tensors and the model's
+own forward refuses to run it, so the two copies never coexist beyond one linear.
 
 The decoder layer (``_Layer``) writes its keys and values into the cache buffers it is handed and
 attends over them; it holds no cache of its own, so the contiguous runtime and the paged one
@@ -17,6 +21,7 @@ attends over them; it holds no cache of its own, so the contiguous runtime and t
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -225,11 +230,30 @@ def _convert_linear(
     decode,
     notes: list[str],
     kernels: _IntKernels = _IntKernels(),  # noqa: B008  (an immutable tuple)
+    *,
+    release: bool = False,
 ) -> nn.Module:
-    """The runtime's holder of one linear layer, from the dispatcher's plan per phase."""
+    """The runtime's holder of one linear layer, from the dispatcher's plan per phase.
+    ``release``: drop the model's tensors of a quantized layer whose holder keeps its own copy
+    (``release_weights``)."""
     if not isinstance(module, QuantLinear):
         assert isinstance(module, nn.Linear), f"{name} is {type(module).__name__}"
         return _FloatLinear(module.weight, module.bias, prefill, decode)
+    if module.weight_scale.is_meta:
+        raise RuntimeError(
+            f"{name}: this quantized layer's weights were handed to another compress Runtime "
+            "and released from the model; build that first Runtime with "
+            "keep_model_weights=True to build more, or share it (Runtime.fork)"
+        )
+    holder = _quantized_holder(module, name, prefill, decode, notes, kernels)
+    if release and not isinstance(holder, _ModuleLinear):
+        release_weights(module, name)
+    return holder
+
+
+def _quantized_holder(
+    module: QuantLinear, name: str, prefill, decode, notes: list[str], kernels: _IntKernels
+) -> nn.Module:
     if module.kind == "w8a8":
         # Per-token int8 activations are part of the format. The layer runs itself (its own
         # plan), so the runtime computes what evaluation measured (a weight-only int8 kernel
@@ -247,6 +271,31 @@ def _convert_linear(
         notes.append(f"{name}: {reason}; dequantized once to {decode}")
         return _FloatLinear(module.dequantized_weight(), module.bias, decode, decode)
     return _ModuleLinear(module, decode)
+
+
+def release_weights(module: QuantLinear, name: str) -> None:
+    """Drop the model's own tensors of a quantized linear that a runtime now holds in its own
+    layout: every buffer and parameter becomes a meta tensor of the same shape and dtype (shapes
+    stay readable, no memory stays held by the model; storage a holder shares, such as an
+    aligned int8 weight or an fp32 bias, stays alive through the holder), the layer's cached
+    repacks are cleared, and calling the layer raises, naming the way to keep both."""
+    with torch.no_grad():
+        for key, t in list(module._buffers.items()):
+            if t is not None:
+                module._buffers[key] = t.to("meta")
+        for key, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[key] = nn.Parameter(p.to("meta"), requires_grad=False)
+    module._prepared.clear()  # plans and repacks of the tensors just dropped
+    module.register_forward_pre_hook(functools.partial(_refuse_released, name))
+
+
+def _refuse_released(name: str, module: nn.Module, args) -> None:
+    raise RuntimeError(
+        f"{name}: this layer's weights were handed to a compress Runtime and released from the "
+        "model; build the Runtime with keep_model_weights=True to run the model itself too (a "
+        "second copy of every quantized layer)"
+    )
 
 
 # ---- decoder layer ---------------------------------------------------------------------
@@ -279,6 +328,7 @@ class _Layer(nn.Module):
         arch: Arch,
         *,
         spec: RuntimeSpec,
+        release: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
@@ -313,8 +363,9 @@ class _Layer(nn.Module):
         self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
         for name, path in paths.items():
             linear = _convert_linear(
-                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, kernels
-            )
+                layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, kernels,
+                release=release,
+            )  # fmt: skip
             setattr(self, name, linear)
         # Projections of one input as one kernel call where they can (_IntLinear.stacked):
         # qkv (then q, k, v are None) and gate_up (then gate, up are None); else None.
@@ -426,6 +477,7 @@ class _Head(nn.Module):
         arch: Arch,
         *,
         spec: RuntimeSpec,
+        release: bool = False,
     ) -> None:
         super().__init__()
         self.norm = _norm_weight(model.get_submodule(arch.final_norm), arch.norm_form)
@@ -438,7 +490,11 @@ class _Head(nn.Module):
             head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
         # Only the last position's logits are needed, so both phases use the decode weights.
         # Named lm_head whatever the family calls it: the runtime's own name for its head.
-        self.lm_head = _convert_linear(head, arch.lm_head, decode, decode, notes, kernels)
+        # ``release`` touches only a quantized head of the model's own (a float head may be
+        # tied to the embedding, which the runtime reads).
+        self.lm_head = _convert_linear(
+            head, arch.lm_head, decode, decode, notes, kernels, release=release
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32

@@ -65,10 +65,12 @@ def check(scheme: str, offset: int) -> dict:
     ids = {m: torch.randint(3, 300, (1, m)) for m in (1, 4, 64)}
     with torch.no_grad():
         aligned_out = {m: model(x).logits for m, x in ids.items()}
-        tokens = Runtime(model, max_seq_len=32, compile=False).generate([PROMPT], 8)
+        tokens = Runtime(model, max_seq_len=32, compile=False,
+                         keep_model_weights=True).generate([PROMPT], 8)  # model runs on
         moved = move_all(model, offset)
         moved_out = {m: model(x).logits for m, x in ids.items()}
-        moved_tokens = Runtime(model, max_seq_len=32, compile=False).generate([PROMPT], 8)
+        moved_tokens = Runtime(model, max_seq_len=32, compile=False,
+                               keep_model_weights=True).generate([PROMPT], 8)  # model runs on
         set_backend(model, "reference")  # dequantize, plain fp32 matmul: the definition
         reference = {m: model(x).logits for m, x in ids.items()}
     errors = {

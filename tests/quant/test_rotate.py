@@ -165,5 +165,6 @@ def test_rotated_quantized_model_runs_on_the_runtime():
     run_passes(model, [RotateConfig(), Int4RtnConfig(group_size=32)],
                CompressionState(progress=False))
     prompt = IDS[0, :8].tolist()
-    runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False)
+    runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False,
+                      keep_model_weights=True)  # the model runs too, for the reference
     assert runtime.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]

@@ -100,8 +100,9 @@ def test_batch_with_left_padding_equals_single_rows(model):
 def test_quantized_native_kernels_equal_transformers(model, cfg, bits):
     quantize_linears(model, cfg, bits, "test")
     # fp32 decode keeps lm_head in fp32 as transformers does; the quantized layers run the same
-    # native kernels (bf16 activations) on both sides.
-    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False)
+    # native kernels (bf16 activations) on both sides; the model keeps its weights to run.
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False,
+                 keep_model_weights=True)  # fmt: skip
     kinds = {type(m).__name__ for m in rt.layers.modules()}
     assert {"_Int4Linear" if bits == 4 else "_Int8Linear"} <= kinds
     for prompt in PROMPTS[:2]:
@@ -128,7 +129,8 @@ def test_q8_kernel_decode_equals_transformers_with_the_same_kernel(model, bits):
     else:
         quantize_linears(model, Int8RtnConfig(), 8, "test")
     kernels = dict(int4_kernel="q4q8") if bits == 4 else dict(int8_kernel="q8q8")
-    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels)
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels,
+                 keep_model_weights=True)  # the model runs too, below  # fmt: skip
     holder = "_Int4Linear" if bits == 4 else "_Int8Linear"
     q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == holder]
     assert q8 and all(q is not None for q in q8)
@@ -170,7 +172,8 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
                      bits, "test")  # fmt: skip
     monkeypatch.setitem(cpu_q8.FLOAT_GEMM_MIN_ROWS, cpu_q8.selected_isa(), {bits: 8})
     kernels = dict(int4_kernel="q4q8") if bits == 4 else dict(int8_kernel="q8q8")
-    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels)
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels,
+                 keep_model_weights=True)  # the model runs too, below  # fmt: skip
     holder = "_Int4Linear" if bits == 4 else "_Int8Linear"
     assert all(m.q8.float_rows == 8 for m in rt.layers.modules() if type(m).__name__ == holder)
 

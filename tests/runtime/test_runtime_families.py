@@ -147,8 +147,9 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
     report = quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
     assert report is not None
     # fp32 decode keeps the head in fp32 as transformers does; the int4 layers run the same
-    # native kernel (bf16 activations) on both sides.
-    rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False)
+    # native kernel (bf16 activations) on both sides; the model keeps its weights to run.
+    rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False,
+                 keep_model_weights=True)  # fmt: skip
     linears = 4 if family in MOE else 7  # MoE: the experts are QuantExperts in the block
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
@@ -168,7 +169,7 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     model = make_model(family)
     quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
     settings = dict(max_seq_len=48, decode_dtype=torch.float32, compile=False, int4_kernel="q4q8")
-    stacked = Runtime(model, **settings)
+    stacked = Runtime(model, **settings, keep_model_weights=True)  # a second one follows
     for layer in stacked.layers:
         assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
         assert (layer.gate_up is None) == (family in MOE)
