@@ -330,7 +330,9 @@ def _load_outside(stream, arch: Arch) -> None:
     """A streamed model's final norm, embedding and output head (tied: the embedding's weight)
     read from the checkpoint; they stay resident, rotated: a later pass (the calibration
     capture) and the export take them from memory, never from the unrotated source."""
-    for name in (arch.final_norm, arch.embed, arch.lm_head):
+    head = stream.model.get_output_embeddings()
+    head_name = next(n for n, m in stream.model.named_modules() if m is head)
+    for name in (arch.final_norm, arch.embed, head_name):
         stream.load_module(name)
 
 
