@@ -25,6 +25,40 @@
 
 namespace compress_q8 {
 
+// Decode streams every weight byte once from DRAM, in short per-thread runs (a few hundred KB
+// per call) that the hardware prefetchers ramp up on too late: measured on a Xeon, 30 layers of
+// SmolLM2 int4 ran at 7 GB/s cold against 25 GB/s of read bandwidth. So each step asks for the
+// rows PREFETCH_ROWS ahead: all their lines at once (prefetch_rows, into L1), or spread over
+// the step (prefetch_pair).
+constexpr int64_t PREFETCH_ROWS = 16;
+
+inline void prefetch_rows(const uint8_t* codes, int64_t row_bytes, int64_t n0, int64_t n1) {
+  const char* begin = reinterpret_cast<const char*>(codes + n0 * row_bytes);
+  const char* end = reinterpret_cast<const char*>(codes + n1 * row_bytes);
+  for (const char* p = begin; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// The rows ahead asked for while the pair loop runs, one line per row as the loop reaches its
+// offset, into L2 (``ahead``: the first of the COLS rows PREFETCH_ROWS ahead; null: nothing).
+// The burst of prefetch_rows sends COLS * row_bytes / 64 requests at the start of each step;
+// spread, they kept the int4 decode layers 10-25% faster from DRAM (1.1B shapes 19-23 against
+// 16-18 GB/s, SmolLM2's 14-20 against 13-17) and int8 layers with K >= 4096 12-19% faster
+// (7B o_proj 24.8 against 23.6 GB/s, down_proj 26.5 against 22.5), while int8 layers with
+// K <= 2048 ran 1-13% slower than with the burst, so they keep it (``spread_prefetch``). Xeon
+// with AVX-512, 2 threads, 2026-12-03; the 256-bit levels take the same rule, not measured.
+inline bool spread_prefetch(bool q4, int64_t row_bytes) { return q4 || row_bytes >= 4096; }
+
+template <int COLS, bool Q4>
+inline void prefetch_pair(const uint8_t* ahead, int64_t row_bytes, int64_t p) {
+  constexpr int64_t pair_bytes = Q4 ? PAIR / 2 : PAIR;
+  if (ahead == nullptr || (p * pair_bytes) % 64 != 0) return;
+  for (int c = 0; c < COLS; ++c)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + c * row_bytes + p * pair_bytes),
+                 _MM_HINT_T1);
+}
+
+constexpr int COLUMNS = 4;  // output columns per step of the one-row (decode) loop
+
 // ---- the two blocks of one pair, as unsigned bytes ----------------------------------------
 #if defined(COMPRESS_AVX512VNNI)
 template <bool Q4>
@@ -78,12 +112,14 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
 // columns apply the activation scale per block and the weight scale once per group.
 template <int COLS, bool Q4>
 inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes,
-                        const float* ws, const float* off, const int32_t* gidx, float* y) {
+                        const float* ws, const float* off, const int32_t* gidx, float* y,
+                        const uint8_t* ahead) {
   const int64_t P = x.B / 2, G = x.G;
   __m512 acc[COLS];
   for (int c = 0; c < COLS; ++c) acc[c] = _mm512_setzero_ps();
   if (G == x.B) {  // groups of 32: the two blocks of a pair have their own weight scales
     for (int64_t p = 0; p < P; ++p) {
+      prefetch_pair<COLS, Q4>(ahead, row_bytes, p);
       const __m512i xq = _mm512_loadu_si512(x.q.data() + p * PAIR);
       const __m512i start = _mm512_loadu_si512(x.corr16.data() + p * 16);
       const __m512 sx = _mm512_loadu_ps(x.scale16.data() + p * 16);
@@ -102,6 +138,7 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
       __m512 inner[COLS];
       for (int c = 0; c < COLS; ++c) inner[c] = _mm512_setzero_ps();
       for (int64_t p = j * per_group; p < (j + 1) * per_group; ++p) {
+        prefetch_pair<COLS, Q4>(ahead, row_bytes, p);
         const __m512i xq = _mm512_loadu_si512(x.q.data() + p * PAIR);
         const __m512i start = _mm512_loadu_si512(x.corr16.data() + p * 16);
         const __m512 sx = _mm512_loadu_ps(x.scale16.data() + p * 16);
@@ -205,7 +242,8 @@ inline void column(const RoundedX& x, const uint8_t* row, const float* ws, const
 // apply the activation scale per block and the weight scale once per group.
 template <int COLS, bool Q4>
 inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes,
-                        const float* ws, const float* off, const int32_t* gidx, float* y) {
+                        const float* ws, const float* off, const int32_t* gidx, float* y,
+                        const uint8_t* ahead) {
   const int64_t P = x.B / 2, G = x.G;
   __m256 acc[COLS];
   for (int c = 0; c < COLS; ++c) acc[c] = _mm256_setzero_ps();
@@ -215,6 +253,7 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
     __m256 inner[COLS];
     for (int c = 0; c < COLS; ++c) inner[c] = _mm256_setzero_ps();
     for (int64_t p = j * per_group; p < (j + 1) * per_group; ++p) {
+      prefetch_pair<COLS, Q4>(ahead, row_bytes, p);
       const __m256i x0 = load_x(x.q.data() + p * PAIR);
       const __m256i x1 = load_x(x.q.data() + p * PAIR + BLOCK);
       const __m256i start0 = corr_start(x.corr[2 * p]), start1 = corr_start(x.corr[2 * p + 1]);
@@ -242,19 +281,6 @@ inline void row_columns(const RoundedX& x, const uint8_t* row, int64_t row_bytes
     y[c] = hsum(acc[c]) + offset_term(off == nullptr ? nullptr : off + c * G, x.xsum.data(), G);
 }
 #endif
-
-// Decode streams every weight byte once from DRAM, in short per-thread runs (a few hundred KB
-// per call) that the hardware prefetchers ramp up on too late: measured on a Xeon, 30 layers of
-// SmolLM2 int4 ran at 7 GB/s cold against 25 GB/s of read bandwidth. So each step asks for the
-// rows PREFETCH_ROWS ahead.
-constexpr int64_t PREFETCH_ROWS = 16;
-constexpr int COLUMNS = 4;  // output columns per step of the one-row (decode) loop
-
-inline void prefetch_rows(const uint8_t* codes, int64_t row_bytes, int64_t n0, int64_t n1) {
-  const char* begin = reinterpret_cast<const char*>(codes + n0 * row_bytes);
-  const char* end = reinterpret_cast<const char*>(codes + n1 * row_bytes);
-  for (const char* p = begin; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
-}
 
 // The weight operands of every op: K and the group, scales fp32 [N, K/group], offsets (if any)
 // like scales. Returns whether offsets are given.
@@ -319,13 +345,18 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     if (M == 1) {  // decode: COLUMNS output columns at a time
       int64_t n = n0;
       for (; n + COLUMNS <= n1; n += COLUMNS) {
-        prefetch_rows(cp, row_bytes, n + PREFETCH_ROWS, std::min(n + PREFETCH_ROWS + COLUMNS, n1));
+        // the rows ahead: spread over this step, or at once (near the end of the range, or
+        // int8 rows under spread_prefetch's length)
+        const bool spread = spread_prefetch(Q4, row_bytes) && n + PREFETCH_ROWS + COLUMNS <= n1;
+        if (!spread)
+          prefetch_rows(cp, row_bytes, n + PREFETCH_ROWS, std::min(n + PREFETCH_ROWS + COLUMNS, n1));
         row_columns<COLUMNS, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
-                                 op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n);
+                                 op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n,
+                                 spread ? cp + (n + PREFETCH_ROWS) * row_bytes : nullptr);
       }
       for (; n < n1; ++n)
         row_columns<1, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
-                           op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n);
+                           op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n, nullptr);
       return;
     }
     for (int64_t n = n0; n < n1; ++n) {
