@@ -105,11 +105,19 @@ def worker_stream(command: list) -> Stream:
 LLAMA_CPP_PYTHON = "0.3.36"  # the version CPU_FACTS.md measured (112 tok/s decode here)
 
 
-# $LLAMA_CPP_ISA: "native" (default: every instruction set this CPU has) or "avx2" (AVX2/FMA/F16C
-# only, no AVX-512/VNNI/AMX): the build an AVX2-only CPU gets, for a like-for-like comparison
-# with our kernels forced to their AVX2 level (COMPRESS_CPU_ISA=avx2) on an AVX-512 machine.
+# $LLAMA_CPP_ISA: "native" (default: every instruction set this CPU has), "avx512" (AVX-512
+# F/CD/VL/DQ/BW with VNNI, BF16 and VBMI, AVX-VNNI, no AMX: on a Xeon whose native build's AMX
+# extra buffers crash, the build whose CPU_REPACK buffers still run, i.e. llama.cpp's fastest
+# working one; -march=native cannot be used minus AMX, its flags come after any -mno-amx) or
+# "avx2" (AVX2/FMA/F16C only, no AVX-512/VNNI/AMX): the build an AVX2-only CPU gets, for a
+# like-for-like comparison with our kernels forced to their AVX2 level (COMPRESS_CPU_ISA=avx2)
+# on an AVX-512 machine.
 LLAMA_ISA_FLAGS = {
     "native": "-DGGML_NATIVE=ON -DGGML_AVX2=ON",
+    "avx512": "-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON "
+    "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+    "-DGGML_AMX_BF16=OFF",
     "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
     "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
     "-DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF",
