@@ -355,6 +355,25 @@ def test_compiled_decode_step_equals_transformers(model):
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+@pytest.mark.slow
+def test_compiled_step_with_cpp_host_code_gives_the_same_tokens(model):
+    """compile="step-cpp" (inductor's C++ wrapper, minutes to compile): the same graph with its
+    host code in C++, our integer-dot kernels called from it, the same tokens as eager."""
+    from compress.kernels import cpu_q8
+
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels unavailable: {cpu_q8.unavailable_reason()}")
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "w4")
+    kernels = dict(int4_kernel="q4q8", int8_kernel="q8q8", lm_head_bits=8)
+    with pytest.raises(ValueError, match="step-cpp"):  # before any weight is taken
+        Runtime(model, max_seq_len=32, compile="cpp", **kernels)
+    eager = Runtime(model, max_seq_len=32, compile=False, keep_model_weights=True, **kernels)
+    expected = eager.generate([PROMPTS[0]], 6)
+    rt = Runtime(model, max_seq_len=32, compile="step-cpp", **kernels)
+    assert rt.generate([PROMPTS[0]], 6) == expected
+    assert rt._step is not _decode_step  # compiled, not the eager fallback after a failure
+
+
 @pytest.mark.real
 def test_real_model_greedy_equals_transformers(smollm2):
     prompt = smollm2.tokenizer("The capital of France is")["input_ids"]
