@@ -232,7 +232,8 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
     W4 group N with g64 fallback), suffixes -q8 (int4 and int8 decode through our integer-dot
     kernels, Q4 x Q8 / Q8 x Q8, at the CPU's ISA level), -h4/-h8 (the tied lm_head quantized
     to int4 g32 / int8 by the runtime), -layer (with --compile: one compiled graph per decoder
-    layer instead of the whole decode step)."""
+    layer instead of the whole decode step), -cpp (with --compile: the whole step with its host
+    code in C++, ``Runtime(compile="step-cpp")``)."""
     variants = {}
     for name in names:
         kind, *options = name.split("-")[1:]
@@ -251,7 +252,11 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
             rt = Runtime(
                 model,
                 max_seq_len=len(ids) + args.new_tokens,
-                compile="layer" if args.compile and "layer" in options else args.compile,
+                compile=(
+                    ("layer" if "layer" in options else "step-cpp" if "cpp" in options else True)
+                    if args.compile
+                    else False
+                ),
                 int4_kernel="q4q8" if "q8" in options else "torch",
                 int8_kernel="q8q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
@@ -401,6 +406,11 @@ def main() -> None:
     )
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--synthetic-1b", action="store_true")
+    p.add_argument(
+        "--variants-1b",
+        default="rt-bf16,rt-w8-q8-h8,rt-w4g128,rt-w4g128-q8,rt-w4g128-q8-h8",
+        help="the runtime rows of --synthetic-1b (names as --variants)",
+    )
     p.add_argument("--out", default="bench_e2e", help="output prefix (.json, .md)")
     args = p.parse_args()
     if args.new_tokens < 2 or args.reps < 1:
@@ -435,7 +445,7 @@ def main() -> None:
         # not 32000): llama.cpp needs a real tokenizer in the GGUF and SmolLM2's is the one here
         big = make_synthetic_llama("1.1b", seed=0, vocab_size=49152)
         args.new_tokens = max(8, args.new_tokens // 4)
-        names = ["rt-bf16", "rt-w8-q8-h8", "rt-w4g128", "rt-w4g128-q8", "rt-w4g128-q8-h8"]
+        names = [v for v in args.variants_1b.split(",") if v]
         # F16 source (2.3 GB, not 4.7) for llama.cpp's quantizer: these weights are random anyway
         big_ggufs = {}
         if not args.no_llama_cpp:
@@ -450,7 +460,8 @@ def main() -> None:
             f"synthetic 1.1B Llama (TinyLlama shape, SmolLM2's vocab 49152 instead of 32000): "
             f"{args.new_tokens} new tokens"
         )
-        md.append(table(title, results["synthetic_1b"], "rt-bf16") + gguf_note(big_ggufs))
+        ref = "rt-bf16" if "rt-bf16" in v else next(iter(v))
+        md.append(table(title, results["synthetic_1b"], ref) + gguf_note(big_ggufs))
     env = environment()
     md.insert(0, environment_line(env, bandwidth))
     payload = dict(environment=env, bandwidth=bandwidth, settings=vars(args), results=results)
