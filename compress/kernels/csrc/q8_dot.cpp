@@ -46,8 +46,8 @@ inline void prefetch_rows(const uint8_t* codes, int64_t row_bytes, int64_t n0, i
 // (7B o_proj 24.8 against 23.6 GB/s, down_proj 26.5 against 22.5), while int8 layers with
 // K <= 2048 ran 1-13% slower than with the burst, so they keep it (``spread_prefetch``). Xeon
 // with AVX-512, 2 threads, 2026-12-03. Its AVX2 level (COMPRESS_CPU_ISA=avx2) gained as much on
-// int4 (7B down_proj 26.7 against 16.7 GB/s) and ran int8 with K >= 4096 the same (24.2 / 23.7);
-// the AVX-VNNI level and AMD CPUs were not measured.
+// int4 (7B down_proj 26.7 against 16.7 GB/s), and on int8 with K >= 4096 (23.2 against 19.4)
+// while int8 with K <= 2048 stayed within 3%; the AVX-VNNI level and AMD CPUs were not measured.
 inline bool spread_prefetch(bool q4, int64_t row_bytes) { return q4 || row_bytes >= 4096; }
 
 template <int COLS, bool Q4>
