@@ -55,10 +55,12 @@ import torch
 from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "q8_dot.cpp", CSRC / "q8_gemm.cpp")  # both include q8_common.h
+SOURCES = (CSRC / "q8_dot.cpp", CSRC / "q8_gemm.cpp", CSRC / "q8_tiles.cpp")  # q8_common.h
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
 GEMM_MIN_ROWS = 8  # as csrc/q8_common.h: from this many rows the ops run the row-tile GEMM
+TILE = 16  # output columns per tile of the column-tile int4 layout (csrc/q8_tiles.cpp)
+TILES_ISA = "avx512vnni"  # the level that has the column-tile op
 ISA_ENV = "COMPRESS_CPU_ISA"
 
 # level -> (CPU flags it needs, compiler flags, the -D switch in q8_dot.cpp); best first
@@ -118,6 +120,7 @@ def build_reason(isa: str) -> str | None:
     # shapes only, so torch.compile keeps the calls in its graph
     for op in ("int4_linear_q8", "int8_linear_q8"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
+    torch.library.register_fake(f"compress_{isa}::int4_linear_q8_tiles")(_fake_tiles_linear)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
@@ -132,6 +135,10 @@ def _csrc_hash() -> str:
 
 def _fake_linear(x, codes, scales, offsets, group):
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def _fake_tiles_linear(x, codes, scales, offsets, group):
+    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
 
 
 def _fake_dequantize(columns_per_byte: int):
@@ -190,17 +197,20 @@ class Q8Weight:
     """A layer's int4 or int8 weight in the kernels' layout (module docstring)."""
 
     bits: int  # 4 or 8
-    codes: torch.Tensor  # uint8 [N, K/2] (int4) or [N, K] (int8)
-    scales: torch.Tensor  # fp32 [N, K/g]
-    offsets: torch.Tensor | None  # fp32 [N, K/g], asymmetric weights only
+    codes: torch.Tensor  # uint8 [N, K/2] (int4) or [N, K] (int8); tiles: [N/16, K/8, 64]
+    scales: torch.Tensor  # fp32 [N, K/g]; tiles: [N/16, K/g, 16]
+    offsets: torch.Tensor | None  # fp32 [N, K/g], asymmetric weights only (both layouts)
     group_size: int
+    tiles: bool = False  # the column-tile int4 layout (``to_tiles``), else rows
 
     @property
     def n(self) -> int:
-        return self.codes.shape[0]
+        return self.codes.shape[0] * (TILE if self.tiles else 1)
 
     @property
     def k(self) -> int:
+        if self.tiles:
+            return self.codes.shape[1] * 8
         return self.codes.shape[1] * (2 if self.bits == 4 else 1)
 
 
@@ -210,6 +220,8 @@ def stack(weights: list[Q8Weight]) -> Q8Weight | None:
     bits, K, group size or in having offsets. Each output column is its own dot product, so
     its value equals the part's bit for bit."""
     first = weights[0]
+    if any(w.tiles for w in weights):
+        raise ValueError("stack the row layout, then convert it (to_tiles)")
     key = (first.bits, first.k, first.group_size, first.offsets is None)
     if any((w.bits, w.k, w.group_size, w.offsets is None) != key for w in weights):
         return None
@@ -307,7 +319,10 @@ def prepack_int8(
 def linear_q8(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T`` with x rounded to int8 per block, fp32 inside, x's dtype outside;
     ``isa`` picks a level (default: ``selected_isa()``)."""
-    op = ops(isa).int4_linear_q8 if weight.bits == 4 else ops(isa).int8_linear_q8
+    if weight.tiles:
+        op = ops(isa).int4_linear_q8_tiles
+    else:
+        op = ops(isa).int4_linear_q8 if weight.bits == 4 else ops(isa).int8_linear_q8
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     y = op(x2, weight.codes, weight.scales, weight.offsets, weight.group_size)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
@@ -333,12 +348,14 @@ def float_gemm_min_rows(isa: str | None, bits: int) -> int | None:
 
 def dequantize(weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
     """The weights as fp32 [N, K], ``(code - bias) * scale + offset``, by level ``isa``."""
+    weight = from_tiles(weight) if weight.tiles else weight
     op = ops(isa).dequantize_q4 if weight.bits == 4 else ops(isa).dequantize_q8
     return op(weight.codes, weight.scales, weight.offsets, weight.group_size)
 
 
 def dequantize_reference(weight: Q8Weight) -> torch.Tensor:
     """``dequantize`` in float64 from the layout, plain torch (for tests)."""
+    weight = from_tiles(weight) if weight.tiles else weight
     g = weight.group_size
     w = unpack_codes(weight) * weight.scales.double().repeat_interleave(g, dim=1)
     if weight.offsets is not None:
@@ -357,6 +374,8 @@ def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack_codes(weight: Q8Weight) -> torch.Tensor:
     """The signed codes ``code - bias`` as float64 [N, K] (int4: -8..7, int8: -128..127)."""
+    if weight.tiles:
+        return unpack_codes(from_tiles(weight))
     if weight.bits == 8:
         return weight.codes.to(torch.float64) - 128
     n, k = weight.n, weight.k
@@ -366,6 +385,7 @@ def unpack_codes(weight: Q8Weight) -> torch.Tensor:
 
 def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """The kernels' product in float64 from their layout, plain torch (for tests)."""
+    weight = from_tiles(weight) if weight.tiles else weight
     n, k, g = weight.n, weight.k, weight.group_size
     x2 = x.reshape(-1, k).to(torch.float32)
     xq, xscale = round_activations(x2)  # [M, B, 32], [M, B, 1]
@@ -377,3 +397,42 @@ def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
         return y
     xsum = x2.double().view(x2.shape[0], k // g, g).sum(-1)  # [M, K/g], from the exact x
     return y + xsum @ weight.offsets.double().T
+
+
+def tiles_reason(weight: Q8Weight, isa: str | None) -> str | None:
+    """Why ``weight`` does not go to the column-tile layout at level ``isa``, or None."""
+    if isa != TILES_ISA:
+        return f"the column-tile op exists at the {TILES_ISA} level only (here: {isa})"
+    if weight.bits != 4:
+        return "int8 weights keep the row layout"
+    if weight.n % TILE:
+        return f"N={weight.n} is not a multiple of {TILE}"
+    return None
+
+
+def to_tiles(weight: Q8Weight) -> Q8Weight:
+    """Row-layout int4 -> the column-tile layout of csrc/q8_tiles.cpp: codes [N/16, K/8, 64],
+    byte 4c+i of tile t, step j = (code of column 16t+c at k = 8j+i) | (at k = 8j+4+i) << 4;
+    scales [N/16, K/g, 16]; offsets stay [N, K/g]. Byte operations, no int32 codes."""
+    if weight.tiles or weight.bits != 4 or weight.n % TILE:
+        raise ValueError(f"to_tiles takes row-layout int4 with N a multiple of {TILE}")
+    n, k = weight.n, weight.k
+    c = weight.codes.view(n, k // PAIR, BLOCK)  # byte i of pair p: column 64p+i | 64p+32+i
+    codes = torch.cat([c & 0xF, c >> 4], dim=-1).view(n // TILE, TILE, k // 8, 2, 4)
+    packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [T, 16, K/8, 4]
+    tiles = packed.permute(0, 2, 1, 3).reshape(n // TILE, k // 8, 64).contiguous()
+    g = weight.scales.shape[1]
+    scales = weight.scales.view(n // TILE, TILE, g).transpose(1, 2).contiguous()
+    return Q8Weight(4, tiles, scales, weight.offsets, weight.group_size, tiles=True)
+
+
+def from_tiles(weight: Q8Weight) -> Q8Weight:
+    """The column-tile layout back to rows (``to_tiles`` inverted, exactly)."""
+    t, steps, _ = weight.codes.shape
+    n, k = t * TILE, steps * 8
+    b = weight.codes.view(t, steps, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, K/8, 4]
+    codes = torch.stack([b & 0xF, b >> 4], dim=3).reshape(n, k // PAIR, 2, BLOCK)
+    rows = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    g = weight.scales.shape[1]
+    scales = weight.scales.transpose(1, 2).reshape(n, g).contiguous()
+    return Q8Weight(4, rows, scales, weight.offsets, weight.group_size)

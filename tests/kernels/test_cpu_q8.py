@@ -221,3 +221,48 @@ def test_bad_operands_raise_not_crash(isa):
         op(torch.randn(1, 96), w.codes[:, :96].contiguous(), w.scales, None, 96)
     with pytest.raises(RuntimeError, match="scales must be"):
         op(torch.randn(1, 128), w.codes, w.scales[:8].contiguous(), None, 128)
+
+
+# ---- the column-tile int4 layout (AVX512-VNNI level) ----------------------------------
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
+def test_column_tiles_round_trip_and_name_each_code(group, symmetric):
+    # to_tiles is a permutation of the nibbles: from_tiles gives the row layout back exactly,
+    # and byte 4c+i of step j holds column c's codes k = 8j+i (low) and 8j+4+i (high)
+    w = q8_weight(quant_layer(4, 48, 256, group, symmetric, seed=7))
+    t = cpu_q8.to_tiles(w)
+    assert t.tiles and (t.n, t.k) == (48, 256) and t.codes.shape == (3, 32, 64)
+    back = cpu_q8.from_tiles(t)
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
+    codes = cpu_q8.unpack_codes(w) + 8  # [N, K], 0..15
+    byte = t.codes[2, 5].view(16, 4).to(torch.float64)  # tile 2 (columns 32..47), step 5
+    assert torch.equal(byte % 16, codes[32:48, 40:44]) and torch.equal(byte // 16, codes[32:48, 44:48])
+    assert torch.equal(t.scales[1, :, 3], w.scales[19])
+
+
+def test_column_tiles_are_refused_where_they_do_not_apply():
+    w4 = q8_weight(quant_layer(4, 24, 128, 32, True))
+    assert "multiple of 16" in cpu_q8.tiles_reason(w4, cpu_q8.TILES_ISA)
+    assert "avx512vnni level only" in cpu_q8.tiles_reason(w4, "avx2")
+    w8 = q8_weight(quant_layer(8, 32, 128, None, True))
+    assert "int8" in cpu_q8.tiles_reason(w8, cpu_q8.TILES_ISA)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_q8.to_tiles(w4)
+    with pytest.raises(ValueError, match="row layout"):
+        cpu_q8.stack([cpu_q8.to_tiles(q8_weight(quant_layer(4, 16, 128, 32, True)))])
+
+
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40])  # rows go through in steps of up to 8
+def test_column_tile_kernel_equals_float64_reference(group, symmetric, m):
+    if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
+        pytest.skip(f"the column-tile op needs the {cpu_q8.TILES_ISA} level, not built here")
+    w = q8_weight(quant_layer(4, 64, 512, group, symmetric, seed=m))
+    x = torch.randn(m, 512) * torch.linspace(0.1, 4.0, 512)
+    x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
+    y = cpu_q8.linear_q8(x, cpu_q8.to_tiles(w), cpu_q8.TILES_ISA)
+    ref = cpu_q8.linear_q8_reference(x, w)
+    assert y.shape == (m, 64)
+    assert torch.allclose(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    rows = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA)  # the row layout: the same integers
+    assert torch.allclose(y, rows, atol=1e-5 * rows.abs().max().item(), rtol=0)
+    assert torch.equal(cpu_q8.linear_q8_reference(x, cpu_q8.to_tiles(w)), ref)

@@ -209,10 +209,16 @@ def test_projections_that_differ_are_not_stacked():
 
     assert cpu_q8.stack([weight(8, 32, False), weight(8, 64, False)]) is None
     assert cpu_q8.stack([weight(8, 32, False), weight(8, 32, True)]) is None
-    parts = [weight(8, 32, True), weight(24, 32, True)]
     x = torch.randn(3, 128)
-    stacked = layers._Q8Kernel(cpu_q8.stack(parts))
-    assert torch.equal(stacked(x), torch.cat([layers._Q8Kernel(p)(x) for p in parts], dim=-1))
+    # parts of 8 and 24 columns keep the row layout (no 16-column tiles), so does their stack
+    # (_IntLinear.stacked tiles it only where every part is tiled); 16 and 32 columns get
+    # column tiles at the AVX512-VNNI level, their stack too: each column bit for bit either way
+    for sizes, tiles in (((8, 24), False), ((16, 32), True)):
+        parts = [weight(n, 32, True) for n in sizes]
+        stacked = layers._Q8Kernel(cpu_q8.stack(parts), tiles=tiles)
+        alone = [layers._Q8Kernel(p) for p in parts]
+        assert all(a.tiles == stacked.tiles for a in alone)
+        assert torch.equal(stacked(x), torch.cat([a(x) for a in alone], dim=-1))
 
 
 def test_compiled_decode_step_equals_transformers_gemma3():

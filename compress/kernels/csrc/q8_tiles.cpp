@@ -1,0 +1,144 @@
+// int4 linears in column tiles (AVX512-VNNI level only): the arithmetic of q8_dot.cpp
+// (activations rounded to int8 per block of 32, exact integer block dots, then scaled) with
+// vector lanes that hold 16 output columns instead of 16 int32 pieces of one dot product.
+//
+// Layout (cpu_q8.to_tiles; N a multiple of 16): codes uint8 [N/16, K/8, 64], per tile and 8
+// columns of K one 64-byte vector whose byte 4c+i holds tile column c's codes k = 8j+i (low
+// nibble) and 8j+4+i (high nibble); scales fp32 [N/16, K/group, 16].
+//
+// Why: one vpdpbusd multiplies 4 codes of each of 16 columns by 4 activation bytes broadcast to
+// every lane, so a block of 32 takes 8 of them, then one convert and one FMA for all 16
+// columns: no horizontal sums, one weight load and one AND for two vpdpbusd, and M rows reuse
+// each unpacked weight vector. The high nibbles go in unshifted (16 x the code, AND 0xF0): their
+// int32 sum is a multiple of 16 and is shifted right once per block, exactly. A standalone
+// prototype ran the 1.1B gate/up shape at the DRAM read bound and 8 rows in 1.4x one row's time
+// (docs/notes/2026-12-03-decode-prefetch-and-compute.md).
+#include "q8_common.h"
+
+#include <cstring>
+
+namespace compress_q8 {
+
+#if defined(COMPRESS_AVX512VNNI)
+constexpr int64_t TILE = 16;           // output columns per tile
+constexpr int64_t TILE_BLOCK = 256;    // bytes of one tile per block of 32 (16 x 32 / 2)
+constexpr int64_t TILES_AHEAD = 4096;  // prefetch distance in the tile stream, bytes
+
+// R rows (m0 .. m0 + R - 1) of one tile: out[m, t * 16 + c].
+template <int R>
+inline void tile_rows(const RoundedX& x, int64_t m0, const uint8_t* tile, const float* ws,
+                      int64_t group, float* y, int64_t N, int64_t col0, bool prefetch) {
+  const int64_t G = x.G, per_group = group / BLOCK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < G; ++j) {
+    __m512 inner[R];
+    for (int r = 0; r < R; ++r) inner[r] = _mm512_setzero_ps();
+    for (int64_t b = j * per_group; b < (j + 1) * per_group; ++b) {
+      const uint8_t* wb = tile + b * TILE_BLOCK;
+      if (prefetch)
+        for (int64_t l = 0; l < TILE_BLOCK; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + TILES_AHEAD + l), _MM_HINT_T1);
+      __m512i low[R], high[R];
+      for (int r = 0; r < R; ++r) {
+        low[r] = _mm512_set1_epi32(x.corr[(m0 + r) * x.B + b]);  // -8 x the block's code sum
+        high[r] = _mm512_setzero_si512();
+      }
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(wb + q * 64);
+        const __m512i wl = _mm512_and_si512(v, low4), wh = _mm512_and_si512(v, high4);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
+          const int8_t* xb = x.q.data() + (m0 + r) * x.K + b * BLOCK + q * 8;
+          std::memcpy(&x0, xb, 4);
+          std::memcpy(&x1, xb + 4, 4);
+          low[r] = _mm512_dpbusd_epi32(low[r], wl, _mm512_set1_epi32(x0));
+          high[r] = _mm512_dpbusd_epi32(high[r], wh, _mm512_set1_epi32(x1));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_add_epi32(low[r], _mm512_srai_epi32(high[r], 4));
+        inner[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_set1_ps(x.scale[(m0 + r) * x.B + b]), inner[r]);
+      }
+    }
+    const __m512 sw = _mm512_loadu_ps(ws + j * TILE);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(inner[r], sw, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + col0, acc[r]);
+}
+#endif
+
+at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                                int64_t group) {
+#if defined(COMPRESS_AVX512VNNI)
+  const char* what = "int4_linear_q8_tiles";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous fp32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
+              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
+              ", group=", group, ")");
+  const int64_t G = K / group;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == K / 8 && codes.size(2) == 64,
+              what, ": codes must be contiguous uint8 [N/16, K/8, 64] for K=", K);
+  const int64_t T = codes.size(0), N = T * TILE;
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == TILE,
+              what, ": scales must be contiguous fp32 [N/16, K/group, 16]");
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  if (with_offsets)
+    TORCH_CHECK(offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&
+                    offsets->scalar_type() == at::kFloat,
+                what, ": offsets must be fp32 [N, K/group]");
+  const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, with_offsets);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = K * TILE / 2;
+  // as q8_dot.cpp's decode: tiles under ~128K weights a thread stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = cp + t * tile_bytes;
+      const float* ws = sp + t * G * TILE;
+      // rows in steps of up to 8; the tile's bytes are in L1/L2 after the first step
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const bool first = m0 == 0;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: tile_rows<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 2: tile_rows<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 3: tile_rows<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 4: tile_rows<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 5: tile_rows<5>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 6: tile_rows<6>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          case 7: tile_rows<7>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          default: tile_rows<8>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+        }
+      }
+    }
+  });
+  if (with_offsets) {
+    const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
+    y.addmm_(xsum, offsets->t());
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "int4_linear_q8_tiles runs at the avx512vnni level only");
+  return at::Tensor();
+#endif
+}
+
+}  // namespace compress_q8
+
+TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
+  m.def("int4_linear_q8_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
+  m.impl("int4_linear_q8_tiles", &compress_q8::int4_linear_q8_tiles);
+}
