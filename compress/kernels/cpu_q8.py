@@ -34,7 +34,10 @@ Layouts (``prepack_int4`` / ``prepack_int8``, once per layer; K a multiple of 64
 multiple of 32): int4 codes uint8 [N, K/2], per 64 columns 32 bytes with byte i = column i
 (low nibble) | column 32+i (high nibble), codes 0..15 meaning ``q - 8``; int8 codes uint8
 [N, K] holding the signed code + 128; fp32 scales [N, K/g] and, for asymmetric weights only,
-fp32 offsets [N, K/g]: ``w = (code - bias) * scale + offset``.
+fp32 offsets [N, K/g]: ``w = (code - bias) * scale + offset``. At the avx512vnni level int4
+weights with N a multiple of 16 go on to column tiles (``to_tiles``, ``csrc/q8_tiles.cpp``):
+codes [N/16, K/8, 64], the vector lanes holding 16 output columns, scales [N/16, K/g, 16]; one
+op runs every row count there (``int4_linear_q8_tiles``).
 
 Built with torch.utils.cpp_extension (a C++ compiler and the ``ninja`` package, in the ``dev``
 and ``cpu-kernels`` extras; about a minute per level the first time, cached under torch's
