@@ -237,6 +237,10 @@ def test_column_tiles_round_trip_and_name_each_code(group, symmetric):
     byte = t.codes[2, 5].view(16, 4).to(torch.float64)  # tile 2 (columns 32..47), step 5
     assert torch.equal(byte % 16, codes[32:48, 40:44]) and torch.equal(byte // 16, codes[32:48, 44:48])
     assert torch.equal(t.scales[1, :, 3], w.scales[19])
+    # the C++ conversions (where our kernels build) equal the torch definitions byte for byte
+    ref = cpu_q8.to_tiles_reference(w)
+    assert torch.equal(t.codes, ref.codes) and torch.equal(t.scales, ref.scales)
+    assert torch.equal(cpu_q8.from_tiles_reference(ref).codes, w.codes)
 
 
 def test_column_tiles_are_refused_where_they_do_not_apply():

@@ -133,12 +133,72 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
 #endif
 }
 
+// The codes between the row layout (q8_dot.cpp: byte 32p + i of a row holds columns 64p + i
+// and 64p + 32 + i) and the tiles, both ways (plain loops, every level; cpu_q8.to_tiles_reference
+// is the torch definition). Step j of a tile takes row bytes b0 .. b0 + 7, b0 = 32 (j / 8) +
+// 8 (j % 4), their low nibbles for j % 8 < 4, else their high ones.
+at::Tensor int4_to_tiles(const at::Tensor& rows) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                  rows.size(0) % 16 == 0 && (rows.size(1) * 2) % PAIR == 0,
+              "int4_to_tiles: codes must be contiguous uint8 [N, K/2], N a multiple of 16");
+  const int64_t N = rows.size(0), half = rows.size(1), K = half * 2, T = N / 16;
+  at::Tensor out = at::empty({T, K / 8, 64}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < 16; ++c) {
+        const uint8_t* row = src + (t * 16 + c) * half;
+        for (int64_t j = 0; j < K / 8; ++j) {
+          const uint8_t* b = row + 32 * (j / 8) + 8 * (j % 4);
+          uint8_t* o = dst + (t * (K / 8) + j) * 64 + 4 * c;
+          const bool high = j % 8 >= 4;
+          for (int i = 0; i < 4; ++i)
+            o[i] = high ? static_cast<uint8_t>((b[i] >> 4) | (b[4 + i] & 0xF0))
+                        : static_cast<uint8_t>((b[i] & 0x0F) | (b[4 + i] << 4));
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor int4_from_tiles(const at::Tensor& tiles) {
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(2) == 64 && (tiles.size(1) * 8) % PAIR == 0,
+              "int4_from_tiles: codes must be contiguous uint8 [N/16, K/8, 64]");
+  const int64_t T = tiles.size(0), K = tiles.size(1) * 8, half = K / 2;
+  at::Tensor out = at::empty({T * 16, half}, tiles.options());
+  const uint8_t* src = tiles.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < 16; ++c) {
+        uint8_t* row = dst + (t * 16 + c) * half;
+        for (int64_t j = 0; j < K / 8; ++j) {
+          if (j % 8 >= 4) continue;  // each low step j writes its bytes with step j + 4's nibbles
+          const uint8_t* lo = src + (t * (K / 8) + j) * 64 + 4 * c;
+          const uint8_t* hi = lo + 4 * 64;
+          uint8_t* b = row + 32 * (j / 8) + 8 * (j % 4);
+          for (int i = 0; i < 4; ++i) {
+            b[i] = static_cast<uint8_t>((lo[i] & 0x0F) | (hi[i] << 4));
+            b[4 + i] = static_cast<uint8_t>((lo[i] >> 4) | (hi[i] & 0xF0));
+          }
+        }
+      }
+  });
+  return out;
+}
+
 }  // namespace compress_q8
 
 TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("int4_linear_q8_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("int4_to_tiles(Tensor codes) -> Tensor");
+  m.def("int4_from_tiles(Tensor tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("int4_linear_q8_tiles", &compress_q8::int4_linear_q8_tiles);
+  m.impl("int4_to_tiles", &compress_q8::int4_to_tiles);
+  m.impl("int4_from_tiles", &compress_q8::int4_from_tiles);
 }
