@@ -104,6 +104,9 @@ def build_reason(isa: str) -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        build_dir = getattr(cpp_extension, "_get_build_directory", None)  # torch's private helper
+        if build_dir is not None:
+            _clear_stale_lock(Path(build_dir(f"compress_q8_{isa}", False)))
         cpp_extension.load(
             name=f"compress_q8_{isa}",
             sources=[str(s) for s in SOURCES],
@@ -127,6 +130,35 @@ def build_reason(isa: str) -> str | None:
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
+
+
+# A build of one level takes about a minute; a lock this old was left by a process that died
+# while building (killed, Ctrl-C), and torch would wait on it forever.
+STALE_LOCK_SECONDS = 900
+
+
+def _clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir``'s torch build lock when it is older than ``max_age_s`` (warning
+    once); True when one was removed. Measured: a ``.ci/run`` killed while it compiled the avx2
+    level left ``lock``, and the next run's tests waited on it without end."""
+    import time
+    import warnings
+
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: the usual case
+        return False
+    if age < max_age_s:
+        return False
+    warnings.warn(
+        f"removing a stale build lock {lock} ({age / 60:.0f} min old: a build of our kernels "
+        "was interrupted); building again",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _csrc_hash() -> str:

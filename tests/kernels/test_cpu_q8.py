@@ -235,7 +235,8 @@ def test_column_tiles_round_trip_and_name_each_code(group, symmetric):
     assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
     codes = cpu_q8.unpack_codes(w) + 8  # [N, K], 0..15
     byte = t.codes[2, 5].view(16, 4).to(torch.float64)  # tile 2 (columns 32..47), step 5
-    assert torch.equal(byte % 16, codes[32:48, 40:44]) and torch.equal(byte // 16, codes[32:48, 44:48])
+    assert torch.equal(byte % 16, codes[32:48, 40:44])
+    assert torch.equal(byte // 16, codes[32:48, 44:48])
     assert torch.equal(t.scales[1, :, 3], w.scales[19])
     # the C++ conversions (where our kernels build) equal the torch definitions byte for byte
     ref = cpu_q8.to_tiles_reference(w)
@@ -270,3 +271,19 @@ def test_column_tile_kernel_equals_float64_reference(group, symmetric, m):
     rows = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA)  # the row layout: the same integers
     assert torch.allclose(y, rows, atol=1e-5 * rows.abs().max().item(), rtol=0)
     assert torch.equal(cpu_q8.linear_q8_reference(x, cpu_q8.to_tiles(w)), ref)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    # a build killed midway leaves torch's lock file, on which the next build would wait forever
+    import os
+    import time
+
+    assert not cpu_q8._clear_stale_lock(tmp_path)  # no lock
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpu_q8._clear_stale_lock(tmp_path) and lock.exists()  # a build may be running
+    old = time.time() - cpu_q8.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        assert cpu_q8._clear_stale_lock(tmp_path)
+    assert not lock.exists()
