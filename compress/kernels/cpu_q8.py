@@ -445,54 +445,47 @@ def tiles_reason(weight: Q8Weight, isa: str | None) -> str | None:
     return None
 
 
-def to_tiles(weight: Q8Weight) -> Q8Weight:
+def to_tiles(weight: Q8Weight, reference: bool = False) -> Q8Weight:
     """Row-layout int4 -> the column-tile layout of csrc/q8_tiles.cpp: codes [N/16, K/8, 64],
     byte 4c+i of tile t, step j = (code of column 16t+c at k = 8j+i) | (at k = 8j+4+i) << 4;
     scales [N/16, K/g, 16]; offsets stay [N, K/g]. The codes move in one C++ pass where our
-    kernels are built (``int4_to_tiles``), else as ``to_tiles_reference``."""
+    kernels are built (``int4_to_tiles``: 0.7 ns a weight at a 7B down_proj), else, or with
+    ``reference``, by the torch byte operations below that define the layout (4.0 ns; both
+    measured beside a test suite)."""
     if weight.tiles or weight.bits != 4 or weight.n % TILE:
         raise ValueError(f"to_tiles takes row-layout int4 with N a multiple of {TILE}")
-    if unavailable_reason() is not None:
-        return to_tiles_reference(weight)
-    n, g = weight.n, weight.scales.shape[1]
-    tiles = ops().int4_to_tiles(weight.codes.contiguous())
+    n, k, g = weight.n, weight.k, weight.scales.shape[1]
+    if not reference and unavailable_reason() is None:
+        tiles = ops().int4_to_tiles(weight.codes.contiguous())
+    else:
+        c = weight.codes.view(n, k // PAIR, BLOCK)  # byte i of pair p: column 64p+i | 64p+32+i
+        codes = torch.cat([c & 0xF, c >> 4], dim=-1).view(n // TILE, TILE, k // 8, 2, 4)
+        packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [T, 16, K/8, 4]
+        tiles = packed.permute(0, 2, 1, 3).reshape(n // TILE, k // 8, 64).contiguous()
     scales = weight.scales.view(n // TILE, TILE, g).transpose(1, 2).contiguous()
     return Q8Weight(4, tiles, scales, weight.offsets, weight.group_size, tiles=True)
 
 
 def to_tiles_reference(weight: Q8Weight) -> Q8Weight:
-    """``to_tiles`` in torch byte operations (the definition: 4.0 ns a weight at a 7B down_proj,
-    the op 0.7, both measured beside a test suite)."""
-    if weight.tiles or weight.bits != 4 or weight.n % TILE:
-        raise ValueError(f"to_tiles takes row-layout int4 with N a multiple of {TILE}")
-    n, k = weight.n, weight.k
-    c = weight.codes.view(n, k // PAIR, BLOCK)  # byte i of pair p: column 64p+i | 64p+32+i
-    codes = torch.cat([c & 0xF, c >> 4], dim=-1).view(n // TILE, TILE, k // 8, 2, 4)
-    packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [T, 16, K/8, 4]
-    tiles = packed.permute(0, 2, 1, 3).reshape(n // TILE, k // 8, 64).contiguous()
-    g = weight.scales.shape[1]
-    scales = weight.scales.view(n // TILE, TILE, g).transpose(1, 2).contiguous()
-    return Q8Weight(4, tiles, scales, weight.offsets, weight.group_size, tiles=True)
+    """``to_tiles`` by its torch definition (for tests)."""
+    return to_tiles(weight, reference=True)
 
 
-def from_tiles(weight: Q8Weight) -> Q8Weight:
+def from_tiles(weight: Q8Weight, reference: bool = False) -> Q8Weight:
     """The column-tile layout back to rows (``to_tiles`` inverted, exactly; ``int4_from_tiles``
-    where our kernels are built, else ``from_tiles_reference``)."""
-    if unavailable_reason() is not None:
-        return from_tiles_reference(weight)
-    n, g = weight.n, weight.scales.shape[1]
-    rows = ops().int4_from_tiles(weight.codes.contiguous())
+    where our kernels are built, else, or with ``reference``, torch byte operations)."""
+    t, steps, _ = weight.codes.shape
+    n, k, g = t * TILE, steps * 8, weight.scales.shape[1]
+    if not reference and unavailable_reason() is None:
+        rows = ops().int4_from_tiles(weight.codes.contiguous())
+    else:
+        b = weight.codes.view(t, steps, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, K/8, 4]
+        codes = torch.stack([b & 0xF, b >> 4], dim=3).reshape(n, k // PAIR, 2, BLOCK)
+        rows = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     scales = weight.scales.transpose(1, 2).reshape(n, g).contiguous()
     return Q8Weight(4, rows, scales, weight.offsets, weight.group_size)
 
 
 def from_tiles_reference(weight: Q8Weight) -> Q8Weight:
-    """``from_tiles`` in torch byte operations (the definition)."""
-    t, steps, _ = weight.codes.shape
-    n, k = t * TILE, steps * 8
-    b = weight.codes.view(t, steps, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, K/8, 4]
-    codes = torch.stack([b & 0xF, b >> 4], dim=3).reshape(n, k // PAIR, 2, BLOCK)
-    rows = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    g = weight.scales.shape[1]
-    scales = weight.scales.transpose(1, 2).reshape(n, g).contiguous()
-    return Q8Weight(4, rows, scales, weight.offsets, weight.group_size)
+    """``from_tiles`` by its torch definition (for tests)."""
+    return from_tiles(weight, reference=True)
