@@ -292,6 +292,12 @@ class Runtime:
         self._decode_fn = self._prefill_fn = _call_layer
         self._step = _decode_step
         self._compiled = bool(compile)
+        if not compile and device.type == "cpu":  # eager only: see _FloatLinear.pack
+            for layer in self.layers:
+                layer.pack_float()
+            for module in self.head.modules():
+                if isinstance(module, _FloatLinear):
+                    module.pack()
         if compile:
             options = _compile_options() if device.type == "cpu" else {}
             if compile == "step-cpp":
@@ -373,6 +379,8 @@ class Runtime:
             tensors = dict(module.named_buffers(recurse=False))
             if isinstance(module, _FloatLinear):  # decode reads w_decode (maybe w_prefill itself)
                 tensors["w_prefill"] = module.w_decode
+                if module.packed is not None:  # an opaque oneDNN tensor: no data_ptr
+                    weights += module.packed.numel() * module.packed.element_size()
             for t in tensors.values():
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())

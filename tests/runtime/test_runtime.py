@@ -417,3 +417,57 @@ def test_seeded_generator_is_made_on_the_models_device(api, model, monkeypatch):
     else:
         list(rt.stream(PROMPTS[0], 2, temperature=1.0, seed=0))
     assert asked == [rt.device] == [torch.device("cpu")]
+
+
+BF16_MATMULS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_bf16 = pytest.mark.skipif(not BF16_MATMULS, reason="oneDNN has no bf16 matmul on this CPU")
+
+
+@needs_bf16
+def test_packed_bf16_linear_equals_plain_and_stacks():
+    """_FloatLinear.pack against F.linear on the plain bf16 weight (a second path), at decode's
+    few rows and prefill's many; stacked parts equal each part's own packed output."""
+    from compress.runtime.layers import _FloatLinear
+
+    torch.manual_seed(0)
+    ws = [torch.randn(n, 96) for n in (64, 32, 32)]
+    bias = torch.randn(32)
+    parts = [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
+             for i, w in enumerate(ws)]  # fmt: skip
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 96)
+        plain = [p(x, True) for p in parts]
+        stacked = _FloatLinear.stacked_packed(parts)
+        assert stacked is not None and stacked.n == 128
+        assert all(p.pack() for p in parts) and all(p.w_decode is None for p in parts)
+        packed = [p(x, True) for p in parts]
+        for a, b in zip(packed, plain, strict=True):
+            # equal on the Xeon it was written on; within one bf16 rounding of the output
+            # wherever oneDNN blocks the sum differently for the two layouts
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=0)
+        assert torch.equal(stacked(x, False), torch.cat(packed, -1))
+        parts = [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
+                 for i, w in enumerate(ws)]  # fmt: skip
+    # mixed dtypes per phase or fp32 weights stay plain
+    assert not _FloatLinear(ws[0], None, torch.float32, torch.bfloat16).pack()
+    assert not _FloatLinear(ws[0], None, torch.float32, torch.float32).pack()
+
+
+@needs_bf16
+def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
+    """An eager CPU runtime in bf16 holds q/k/v, gate/up and the head packed for oneDNN; its
+    greedy tokens and logits are those of the same runtime on plain bf16 weights."""
+    from compress.runtime.layers import _FloatLinear
+
+    bf16 = dict(prefill_dtype=torch.bfloat16, decode_dtype=torch.bfloat16, compile=False)
+    packed = Runtime(model, max_seq_len=64, keep_model_weights=True, **bf16)
+    layer = packed.layers[0]
+    assert layer.q is None and layer.gate is None
+    assert layer.qkv.packed is not None and layer.gate_up.packed is not None
+    assert layer.o.packed is not None and packed.head.lm_head.packed is not None
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self: False)
+    plain = Runtime(model, max_seq_len=64, **bf16)
+    assert plain.layers[0].qkv is None and plain.layers[0].q.packed is None
+    for prompt in PROMPTS:
+        torch.testing.assert_close(packed.prefill(prompt), plain.prefill(prompt))
+        assert packed.generate([prompt], 16) == plain.generate([prompt], 16)
