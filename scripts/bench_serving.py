@@ -48,7 +48,10 @@ from compress.eval.workload import make_requests, poisson_arrivals  # noqa: E402
 from compress.io.load import cache_dir, load_model  # noqa: E402
 from compress.testing import write_synthetic_llama  # noqa: E402
 
-VARIANTS = ("base", "w8", "w4")
+VARIANTS = ("base", "fp32", "w8", "w4")
+# variant -> (the export it serves, extra server arguments): "fp32" serves the bf16 base export
+# with fp32 matmuls on both servers (the issue's W4-against-fp32 goal names fp32)
+SERVED = {"fp32": ("base", ["--dtype", "float32"])}
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -400,6 +403,7 @@ def markdown(results: dict) -> str:
                         f"{pr['later_ttft_ms_median']:.0f} ms ({pr['ratio']:.2f}x)"
                     )
         lines.append("")
+    lines += goal_lines(results)
     if "kv_quality" in results:
         q = results["kv_quality"]
         lines += [
@@ -417,6 +421,61 @@ def markdown(results: dict) -> str:
                 f"{d['kl']:.5f} | {d['bytes_per_token']} | {d['requests_per_gib']} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(a: float, b: float) -> str:
+    if b == 0:
+        return "both 0" if a == 0 else "inf"
+    return f"{a / b:.2f}x"
+
+
+def goal_lines(results: dict) -> list[str]:
+    """The issue's goals, as ratios of this run's rows (those that ran)."""
+    lines = ["Goals, from this run:", ""]
+    for model, per_variant in results["models"].items():
+        for variant, servers in per_variant.items():
+            ours, peer = servers.get("ours", {}), servers.get("vllm", {})
+            if "rates" in ours and "rates" in peer:
+                pairs = zip(ours["rates"], peer["rates"], strict=True)
+                good = ", ".join(
+                    f"{a['rate_per_s']}: "
+                    + _ratio(a["goodput"]["requests_per_s"], b["goodput"]["requests_per_s"])
+                    for a, b in pairs
+                )
+                sat = _ratio(
+                    ours["rates"][-1]["throughput"]["output_tokens_per_s"],
+                    peer["rates"][-1]["throughput"]["output_tokens_per_s"],
+                )
+                lines.append(
+                    f"- {model}, {variant}: goodput ours / vLLM by rate {good}; output at the "
+                    f"last rate {sat} (goal >= 1.0x)"
+                )
+        w4, fp32 = per_variant.get("w4", {}).get("ours"), per_variant.get("fp32", {}).get("ours")
+        if w4 and fp32 and "rates" in w4 and "rates" in fp32:
+            ratio = _ratio(
+                w4["rates"][-1]["throughput"]["output_tokens_per_s"],
+                fp32["rates"][-1]["throughput"]["output_tokens_per_s"],
+            )
+            lines.append(f"- {model}: ours W4 / ours fp32 output at the last rate {ratio} "
+                         "(goal >= 2x on the 1.1B shape)")  # fmt: skip
+        if w4 and "concurrency" in w4:
+            ratio = w4["concurrency"]["ratio"]
+            lines.append(f"- {model}: ours W4, 8 requests at once / 1 alone {ratio:.2f}x "
+                         "(goal >= 4x on the 1.1B shape)")  # fmt: skip
+        for variant, servers in per_variant.items():
+            block = servers.get("ours", {})
+            if "prefix" in block:
+                lines.append(f"- {model}, {variant}, ours: shared-prompt TTFT later / first "
+                             f"{block['prefix']['ratio']:.2f}x (goal <= 0.3x)")  # fmt: skip
+    q = results.get("kv_quality")
+    if q and "int8" in q["dtypes"] and "bfloat16" in q["dtypes"]:
+        i8, b16 = q["dtypes"]["int8"], q["dtypes"]["bfloat16"]
+        lines.append(
+            f"- int8 KV: {_ratio(i8['requests_per_gib'], b16['requests_per_gib'])} the "
+            f"requests of bf16 in the same memory, delta ppl {i8['delta_ppl_pct']:+.3f}% "
+            "(goal >= 1.8x at <= +0.5%)"
+        )
+    return lines + [""]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -503,11 +562,12 @@ def main() -> None:
         print(model, flush=True)
         for variant in args.variants.split(","):
             tag = "smollm2" if model.startswith("SmolLM2") else "synthetic-1b"
-            export = export_variant(source, variant, folder / f"{tag}-{variant}")
+            stored, extra = SERVED.get(variant, (variant, []))
+            export = export_variant(source, stored, folder / f"{tag}-{stored}")
             servers = results["models"][model].setdefault(variant, {})
             for kind in args.servers.split(","):
                 try:
-                    server = ServerProcess(kind, export, args)
+                    server = ServerProcess(kind, export, args, extra=extra)
                 except Exception as exc:  # noqa: BLE001  (a peer that refuses: record why)
                     servers[kind] = {"error": str(exc)}
                     print(f"  {kind}: {exc}", flush=True)
