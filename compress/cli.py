@@ -403,6 +403,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         requests=args.requests,
         trace=args.trace,
         max_batch=args.max_batch,
+        kv_dtype=args.kv_dtype,
         engine=args.engine,
         compile=args.compile,
         int_kernels=args.int_kernels,
@@ -443,6 +444,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    "arrival_s (seconds from the start) and optional prompt_tokens/output_tokens")
     p.add_argument("--max-batch", type=int, default=8,
                    help="poisson/trace workloads: requests decoded together at most (default 8)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="batch/poisson/trace workloads: the paged KV cache's storage (auto: the "
+                   "runtime's, fp32 on a CPU; int8: per token and head scales), as `compress "
+                   "serve --kv-dtype`")
     p.add_argument("--engine", default="runtime", choices=["runtime", "hf"],
                    help="latency engine: runtime = our runtime (single: its static cache, what "
                    "`compress generate` runs; other workloads: its continuous-batching scheduler "

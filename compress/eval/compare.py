@@ -82,6 +82,7 @@ class CompareSettings:
     requests: int = 16  # poisson: requests per round
     trace: str | None = None  # trace: JSON-lines file (required)
     max_batch: int = 8  # poisson, trace: requests decoded together at most
+    kv_dtype: str = "auto"  # batch, poisson, trace: paged KV storage (runtime.paged.KV_DTYPES)
     engine: str = "runtime"  # one of ENGINES
     compile: bool = False  # runtime engine: torch.compile the decode step
     # runtime engine: int4/int8 decode through our integer-dot kernels ("ours", the fastest on
@@ -462,7 +463,7 @@ def evaluate_extras(model, tokenizer, cfg: Any, data_dir: str | None = None) -> 
             prompts=lat.prompts, prompt_tokens=lat.prompt_tokens, output_tokens=lat.output_tokens,
             rounds=lat.rounds, slo_ttft_ms=lat.slo_ttft_ms, slo_tpot_ms=lat.slo_tpot_ms,
             usd_per_hour=lat.usd_per_hour, workload=lat.workload, batch_sizes=lat.batch_sizes,
-            rate=lat.rate, requests=lat.requests, max_batch=lat.max_batch,
+            rate=lat.rate, requests=lat.requests, max_batch=lat.max_batch, kv_dtype=lat.kv_dtype,
         )  # fmt: skip
         runs = served_latency(model, ids, settings)
         # the headline: the largest batch, or the poisson run

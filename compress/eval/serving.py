@@ -133,8 +133,9 @@ def _measure(models, requests: list[Request], max_batch: int | None, s: CompareS
         scheduler = None
         if s.engine == "runtime":
             scheduler = runtime_scheduler(
-                model, max_seq_len=need, max_batch=max_batch, int_kernels=s.int_kernels
-            )
+                model, max_seq_len=need, max_batch=max_batch, int_kernels=s.int_kernels,
+                kv_dtype=None if s.kv_dtype == "auto" else s.kv_dtype,
+            )  # fmt: skip
         if scheduler is not None:
             engines.append(scheduler)
             names.append(engine_name(scheduler))

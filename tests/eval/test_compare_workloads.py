@@ -83,10 +83,12 @@ def test_poisson_workload_through_the_cli(tmp_path, text_file, models, capsys):
     code = main(["compare", *models, "--dataset", str(text_file), "--limit", "1",
                  "--context-length", "32", "--prompt-tokens", "8", "--output-tokens", "3",
                  "--workload", "poisson", "--rate", "200", "--requests", "3",
-                 "--max-batch", "2", "--out", str(out), "--no-progress"])
+                 "--max-batch", "2", "--kv-dtype", "bfloat16", "--out", str(out),
+                 "--no-progress"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     saved = json.loads((out / "compare.json").read_text())
     run = saved["workload"]["runs"][0]
+    assert all("paged bfloat16 KV" in row["engine"] for row in saved["rows"])
     assert saved["workload"]["kind"] == "poisson" and run["rate_per_s"] == 200.0
     assert run["max_batch"] == 2 and run["requests"] == 3
     assert run["arrival_s"] == sorted(run["arrival_s"]) and run["arrival_s"][0] > 0

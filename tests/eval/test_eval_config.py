@@ -89,7 +89,8 @@ def test_recipe_latency_tokens_come_from_the_runtime(tiny_tokenizer, data_dir):
 @pytest.mark.parametrize(
     "workload, runs",
     [({"workload": "batch", "batch_sizes": [1, 3]}, [1, 3]),
-     ({"workload": "poisson", "rate": 50, "requests": 3, "max_batch": 2}, [None])],
+     ({"workload": "poisson", "rate": 50, "requests": 3, "max_batch": 2, "kv_dtype": "int8"},
+      [None])],
 )
 def test_recipe_latency_workloads_run_through_the_scheduler(tiny_tokenizer, data_dir, workload,
                                                              runs):
@@ -102,6 +103,8 @@ def test_recipe_latency_workloads_run_through_the_scheduler(tiny_tokenizer, data
     out = evaluate_extras(model, tiny_tokenizer, cfg, data_dir=str(data_dir))["latency"]
     assert [r.get("batch_size") for r in out["runs"]] == runs
     assert out["engine"].startswith("runtime scheduler (continuous batching")
+    kv = workload.get("kv_dtype", "float32")  # auto: fp32 pages for an fp32 model on a CPU
+    assert f"paged {kv} KV" in out["engine"]
     for run in out["runs"]:
         assert run["summary"]["requests"] == run.get("batch_size", 3)
         assert run["summary"]["tpot_ms"]["n"] == run["summary"]["requests"]
