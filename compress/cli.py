@@ -319,19 +319,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if runtime.fallback_reason is not None:
         raise RecipeError(f"compress serve runs the runtime's families only: "
                           f"{runtime.fallback_reason}")
+    kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
+    if kv_dtype is None and runtime.device.type == "cpu":
+        # auto: the runtime's (bf16 for bf16 layers) where decode attends in the pool (a 32-row
+        # SmolLM2 bf16 step 55.5 ms on bf16 pages, 59.0 on fp32, Xeon); where it gathers, fp32
+        # (gathered bf16 keys measured slower: 101 vs 72 ms)
+        from compress.kernels import cpu_attention
+
+        if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device) is not None:
+            kv_dtype = "float32"
     scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
                           max_batch=args.max_batch, prefill_budget=args.prefill_budget,
-                          # auto: fp32 pages on a CPU (attention over bf16 keys measured
-                          # slower there: a 32-row SmolLM2 step 101 vs 72 ms), else the runtime's
-                          kv_dtype=(("float32" if runtime.device.type == "cpu" else None)
-                                    if args.kv_dtype == "auto" else args.kv_dtype),
-                          prefix_caching=not args.no_prefix_cache)
+                          kv_dtype=kv_dtype, prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or args.model
     cache = scheduler.cache
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({_torch_threads()} threads, "
           f"float layers in {dtype}; "
           f"KV cache {cache.num_blocks} blocks of {cache.block_size} tokens, "
-          f"{str(cache.dtype).removeprefix('torch.')}, {kv_memory / 1e9:.2f} GB; "
+          f"{str(cache.dtype).removeprefix('torch.')}, {kv_memory / 1e9:.2f} GB; decode "
+          f"attention {'in place' if scheduler.attention_reason is None else 'gathered: '}"
+          f"{scheduler.attention_reason or ''}; "
           f"up to {args.max_batch} requests at once)", file=sys.stderr)
     engine = Engine(scheduler, max_waiting=args.max_waiting, thread=False)
     serve(Server(engine, loaded.tokenizer, name, max_model_len=args.max_model_len),
@@ -715,8 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory for the paged KV cache, e.g. 512MB or 2GiB")
     p_srv.add_argument("--kv-dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "int8"],
-                       help="KV cache storage (auto: float32 on a CPU, the faster there; int8: "
-                       "per token and head scales, about half of bf16's bytes)")
+                       help="KV cache storage (auto: the float layers' dtype where decode "
+                       "attends in the pool, the default on CPUs with AVX2, else float32 on a "
+                       "CPU; int8: per token and head scales, about half of bf16's bytes)")
     p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_srv.add_argument("--max-batch", type=int, default=32, help="requests running at once")
     p_srv.add_argument("--prefill-budget", type=int, default=512,

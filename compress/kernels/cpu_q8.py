@@ -58,7 +58,10 @@ import torch
 from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "q8_dot.cpp", CSRC / "q8_gemm.cpp", CSRC / "q8_tiles.cpp")  # q8_common.h
+# q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op
+SOURCES = tuple(
+    CSRC / f for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "paged_attention.cpp")
+)
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
 GEMM_MIN_ROWS = 8  # as csrc/q8_common.h: from this many rows the ops run the row-tile GEMM
@@ -114,8 +117,12 @@ def build_reason(isa: str) -> str | None:
             # OpenMP (measured: without it 2 threads ran no faster than 1)
             # the sources' hash in the flags: torch rebuilds when flags or sources change, and
             # this way also when only the shared header does
-            extra_cflags=[*cflags, f"-D{define}", f"-DCOMPRESS_OPS=compress_{isa}",
-                          f"-DCOMPRESS_CSRC_HASH={_csrc_hash()}"],
+            extra_cflags=[
+                *cflags,
+                f"-D{define}",
+                f"-DCOMPRESS_OPS=compress_{isa}",
+                f"-DCOMPRESS_CSRC_HASH={_csrc_hash()}",
+            ],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -127,6 +134,7 @@ def build_reason(isa: str) -> str | None:
     for op in ("int4_linear_q8", "int8_linear_q8"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
     torch.library.register_fake(f"compress_{isa}::int4_linear_q8_tiles")(_fake_tiles_linear)
+    torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
@@ -174,6 +182,11 @@ def _fake_linear(x, codes, scales, offsets, group):
 
 def _fake_tiles_linear(x, codes, scales, offsets, group):
     return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+
+
+def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
+                    softcap, window):  # fmt: skip
+    return torch.empty_like(q)
 
 
 def _fake_dequantize(columns_per_byte: int):

@@ -4,11 +4,13 @@
 Storage: per layer, keys and values in one pool of ``num_blocks * block_size`` token slots,
 ``[slots, kv_heads, head_dim]``; slot ``block * block_size + offset`` holds one token. A
 request's block table (``runtime/blocks.py``) lists its blocks in token order, so its keys are
-its blocks' rows. PagedAttention's layout and vLLM's block-major slot mapping; attention here
-copies a batch's blocks into a contiguous ``[B, kv_heads, L, head_dim]`` and
-calls the same attention as the contiguous runtime (``_Layer.attend``), so paged and contiguous
-compute the same numbers bit for bit on the same keys. The gather is a copy per layer per step
-(what a fused paged-attention kernel would save; not written yet).
+its blocks' rows. PagedAttention's layout and vLLM's block-major slot mapping. Decode steps on a
+CPU attend where the keys lie (``kernels/cpu_attention.py``, a C++ loop per row and KV head;
+int8 pages as code x scale in fp32). Elsewhere (other devices, prefill chunks that follow cached
+keys, or when asked) attention copies a batch's blocks into a contiguous ``[B, kv_heads, L,
+head_dim]`` and calls the same attention as the contiguous runtime (``_Layer.attend``), so paged
+and contiguous compute the same numbers bit for bit on the same keys; that copy is a gather per
+layer per step, what the kernel saves.
 
 ``kv_dtype`` int8 stores each token's key and value per head as int8 codes with one fp32 scale
 (absmax / 127 over head_dim, per token and head: the KIVI/vLLM int8 granularity that keeps an
@@ -142,9 +144,13 @@ def _causal_mask(queries: torch.Tensor, length: int, window: int | None) -> torc
 
 
 @torch.no_grad()
-def forward_decode(runtime, cache: PagedKVCache, segments: list[Segment]) -> torch.Tensor:
+def forward_decode(
+    runtime, cache: PagedKVCache, segments: list[Segment], *, kernel: bool = False
+) -> torch.Tensor:
     """One decode step of B requests (one new token each) -> next-token logits [B, V] fp32.
-    Rows attend to their own slots, padded to the longest context and masked."""
+    ``kernel``: attention reads each row's own slots in the pool (``kernels.cpu_attention``);
+    else rows are gathered, padded to the longest context and masked, and attend through the
+    runtime's own attention (the contiguous runtime's numbers, bit for bit)."""
     device = runtime.device
     ids, positions = _segment_tensors(segments, device)  # [B]
     length = max(s.length for s in segments)
@@ -154,6 +160,8 @@ def forward_decode(runtime, cache: PagedKVCache, segments: list[Segment]) -> tor
         [s.blocks + [s.blocks[0]] * (nb - len(s.blocks)) for s in segments], device=device
     )  # [B, nb]
     new_slots = torch.tensor([s.slots[0] for s in segments], device=device)
+    if kernel:
+        return _decode_in_place(runtime, cache, segments, ids, positions, tables, new_slots)
     masks = {
         w: _causal_mask(positions, length, w)[:, None, None, :]  # [B, 1, 1, L]
         for w in {layer.window for layer in runtime.layers}
@@ -167,6 +175,28 @@ def forward_decode(runtime, cache: PagedKVCache, segments: list[Segment]) -> tor
         cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
         keys, values = cache.read(i, tables, length)
         x = layer.finish(x, layer.attend(q, keys, values, masks[layer.window]), True)
+    return runtime.head(x[:, -1])
+
+
+def _decode_in_place(runtime, cache, segments, ids, positions, tables, new_slots) -> torch.Tensor:
+    """``forward_decode`` with attention read from the pool where the keys lie."""
+    from compress.kernels.cpu_attention import paged_decode_attention
+
+    lengths = torch.tensor([s.length for s in segments])
+    ropes = {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in
+             runtime.rope.items()}  # fmt: skip
+    x = runtime._embed(ids[:, None])  # [B, 1, H]
+    b = x.shape[0]
+    for i, layer in enumerate(runtime.layers):
+        cos, sin = ropes[layer.rope_key]
+        q, k, v = layer.project_qkv(x, cos, sin, True)  # q [B, h, 1, D], k/v [B, hkv, 1, D]
+        cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
+        scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
+        a = paged_decode_attention(
+            q[:, :, 0], cache.k[i], cache.v[i], tables, lengths, cache.block_size,
+            layer.scale, layer.softcap, layer.window, scales=scales,
+        )  # fmt: skip
+        x = layer.finish(x, a.reshape(b, 1, -1), True)
     return runtime.head(x[:, -1])
 
 

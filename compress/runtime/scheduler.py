@@ -21,7 +21,8 @@ token is fed by the next decode step. Prefix caching: on admission the full bloc
 (``runtime/blocks.py``) and held instead of recomputed. The model of this design is nano-vllm.
 
 Not done: speculative decoding through the scheduler, swapping preempted caches to memory
-elsewhere (preemption recomputes), a fused paged-attention kernel (``runtime/paged.py``).
+elsewhere (preemption recomputes), a paged-attention kernel for prefill chunks that follow
+cached keys (they gather, ``runtime/paged.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compress.kernels import cpu_attention
 from compress.runtime.blocks import ROOT_KEY, BlockPool, block_key
 from compress.runtime.engine import Runtime
 from compress.runtime.paged import (
@@ -42,6 +44,8 @@ from compress.runtime.paged import (
     kv_bytes_per_token,
 )
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
+
+ATTENTION = ("auto", "kernel", "reference")  # how decode steps attend (Scheduler)
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups compare objects, not fields
@@ -96,7 +100,11 @@ class Scheduler:
     contiguous cache). ``kv_memory``: bytes for the paged cache (or ``num_blocks``);
     ``max_batch``: requests running at once; ``prefill_budget``: prompt tokens computed per
     step; ``kv_dtype``: ``None`` (the runtime's KV dtype), ``"float32"``, ``"bfloat16"`` or
-    ``"int8"``."""
+    ``"int8"``; ``attention``: how decode steps attend, ``"kernel"`` (read each row's slots in
+    the pool: ``kernels.cpu_attention``, CPU), ``"reference"`` (gather the
+    rows' blocks, then the contiguous runtime's attention: its numbers bit for bit; int8
+    pages dequantized to the runtime's KV dtype first) or
+    ``"auto"`` (the kernel where it runs)."""
 
     def __init__(
         self,
@@ -109,6 +117,7 @@ class Scheduler:
         prefill_budget: int = 512,
         kv_dtype: str | None = None,
         prefix_caching: bool = True,
+        attention: str = "auto",
     ) -> None:
         if runtime.fallback_reason is not None:
             raise ValueError(f"the runtime does not run this model: {runtime.fallback_reason}")
@@ -146,6 +155,13 @@ class Scheduler:
             compute_dtype=compute,
             device=runtime.device,
         )
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
+        why_not = cpu_attention.unavailable_reason(dtype, runtime.device)
+        if attention == "kernel" and why_not is not None:
+            raise ValueError(f"attention='kernel' cannot run: {why_not}")
+        # the reason the decode steps gather instead (None: they run the kernel)
+        self.attention_reason = "asked for" if attention == "reference" else why_not
         self.pool = BlockPool(num_blocks, prefix_caching=prefix_caching)
         self.block_size, self.max_batch, self.prefill_budget = block_size, max_batch, prefill_budget
         self.watermark = max(1, num_blocks // 100)  # blocks kept free at admission
@@ -220,7 +236,8 @@ class Scheduler:
         events: list[Event] = []
         if decode:
             segments = [self._segment(seq, 1) for seq in decode]
-            logits = forward_decode(self.runtime, self.cache, segments)
+            kernel = self.attention_reason is None
+            logits = forward_decode(self.runtime, self.cache, segments, kernel=kernel)
             self.stats.decode_rows += len(decode)
             for seq in decode:
                 seq.num_computed += 1

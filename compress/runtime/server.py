@@ -214,6 +214,8 @@ class Engine:
             "kv_bytes_in_use": s.kv_bytes_in_use(),
             "kv_bytes_peak": s.stats.peak_blocks * s.cache.bytes_per_block,
             "kv_dtype": str(s.cache.dtype).removeprefix("torch."),
+            # why decode steps gather the keys instead of attending in the pool (None: they don't)
+            "decode_attention_gathered": s.attention_reason,
             "block_size": s.block_size,
             "steps": s.stats.steps,
             "decode_rows": s.stats.decode_rows,

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from compress.kernels import cpu_attention
 from compress.runtime.blocks import ROOT_KEY, BlockPool, OutOfBlocks, block_key
 from compress.runtime.engine import Runtime
 from compress.runtime.paged import dequantize_int8, kv_bytes_per_token, quantize_int8
@@ -70,6 +71,43 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(family):
     assert scheduler.pool.in_use == 0 and not scheduler.has_work
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_the_decode_kernel_computes_the_gathered_attention(family, kv_dtype):
+    """The same randomized requests through decode steps that attend in the pool (the C++
+    kernel) and through the gather + the runtime's own attention: every logits row within fp32
+    rounding, the same greedy tokens."""
+    reason = cpu_attention.unavailable_reason(torch.float32, torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"the paged-attention kernel does not run here: {reason}")
+    runtime = Runtime(family_model(family), max_seq_len=96, compile=False)
+    requests = random_requests(random.Random(7), 8)
+    tokens, logits = {}, {}
+    for attention in ("kernel", "reference"):
+        scheduler = Scheduler(runtime, num_blocks=40, block_size=4, max_batch=4, prefill_budget=24,
+                              kv_dtype=kv_dtype, attention=attention)  # fmt: skip
+        assert (scheduler.attention_reason is None) == (attention == "kernel")
+        recorder = _Logits(scheduler)
+        tokens[attention] = drive(scheduler, requests)
+        logits[attention] = recorder.rows
+    assert tokens["kernel"] == tokens["reference"]
+    assert logits["kernel"].keys() == logits["reference"].keys()
+    # int8 pages: a key written after an fp32-rounding difference can round to the next code,
+    # a step of absmax / 127 that the later logits carry (seen: 9e-4 on Qwen3's)
+    tol = 1e-4 if kv_dtype == "float32" else 5e-3
+    for seq_id, rows in logits["kernel"].items():
+        for a, b in zip(rows, logits["reference"][seq_id], strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_attention_choices():
+    runtime = Runtime(family_model("llama"), max_seq_len=32, compile=False)
+    with pytest.raises(ValueError, match="expected one of"):
+        Scheduler(runtime, num_blocks=8, block_size=4, attention="fused")
+    gathered = Scheduler(runtime, num_blocks=8, block_size=4, attention="reference")
+    assert gathered.attention_reason == "asked for"
+
+
 class _Logits:
     """Wraps a scheduler's sampling to record each request's logits rows as they are used."""
 
@@ -104,7 +142,8 @@ def test_paged_equals_contiguous_bit_for_bit(family):
     """One request at a time: the same matmul shapes as the contiguous runtime, keys read
     through block tables with slots scattered over the pool -> the same logits, bit for bit."""
     runtime = Runtime(family_model(family), max_seq_len=64, compile=False)
-    scheduler = Scheduler(runtime, num_blocks=24, block_size=4, max_batch=1, prefill_budget=64)
+    scheduler = Scheduler(runtime, num_blocks=24, block_size=4, max_batch=1, prefill_budget=64,
+                          attention="reference")  # fmt: skip
     # scatter the free list so that block tables are not 0, 1, 2, ...
     order = list(range(24))
     random.Random(1).shuffle(order)

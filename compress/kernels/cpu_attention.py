@@ -1,0 +1,85 @@
+"""Decode attention over the paged KV pool on a CPU (``csrc/paged_attention.cpp``), built with
+the integer-dot kernels (``cpu_q8``: the same extension, each ISA level its own build).
+
+``paged_decode_attention`` reads each row's keys and values where they lie in the pool instead
+of gathering them into a padded contiguous copy first (``PagedKVCache.read`` + SDPA, the path
+the runtime keeps for other devices, for prefill chunks and as the bit-for-bit twin of the
+contiguous runtime). ``paged_decode_attention_reference`` is its definition in float64 torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compress.kernels import cpu_q8
+
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # page dtypes the kernel reads
+
+
+def unavailable_reason(pool_dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernel cannot serve pages of ``pool_dtype`` on ``device``, or None."""
+    if device.type != "cpu":
+        return f"the pages are on {device.type}, the kernel is CPU-only"
+    if pool_dtype not in KV_DTYPES:
+        return f"{pool_dtype} pages (the kernel reads fp32, bf16 or int8 with scales)"
+    return cpu_q8.unavailable_reason()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] over each row's first ``lengths[b]`` slots of its block table ``tables[b]``
+    in the pools [slots, Hkv, D] -> [B, H, D] fp32. Pools fp32 or bf16, or int8 codes with
+    ``scales`` (k, v) fp32 [slots, Hkv] (each row is code x scale). ``softcap``: scores become
+    ``cap * tanh(s / cap)`` (Gemma 2); ``window``: only the last ``window`` keys. ``isa``: the
+    build level (default: ``cpu_q8.selected_isa``)."""
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    return cpu_q8.ops(isa).paged_decode_attention(
+        q.float().contiguous(),
+        k_pool,
+        v_pool,
+        k_scale,
+        v_scale,
+        tables,
+        lengths,
+        block_size,
+        scale,
+        softcap or 0.0,
+        window or 0,
+    )
+
+
+def paged_decode_attention_reference(
+    q, k_pool, v_pool, tables, lengths, block_size, scale, softcap=None, window=None, *,
+    scales=None,
+) -> torch.Tensor:  # fmt: skip
+    """``paged_decode_attention`` in float64, row by row with plain torch (for tests)."""
+    b, h, d = q.shape
+    groups = h // k_pool.shape[1]
+    k, v = k_pool.double(), v_pool.double()
+    if scales is not None:
+        k, v = k * scales[0].double()[..., None], v * scales[1].double()[..., None]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for row in range(b):
+        n = int(lengths[row])
+        slots = torch.arange(n)
+        slots = tables[row][slots // block_size] * block_size + slots % block_size
+        first = max(0, n - window) if window else 0
+        keys = k[slots[first:]].repeat_interleave(groups, dim=1)  # [n, H, D]
+        values = v[slots[first:]].repeat_interleave(groups, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out

@@ -1,0 +1,106 @@
+"""Decode attention over the paged KV pool (``compress/kernels/cpu_attention.py``), every ISA
+level this CPU builds, against its float64 plain-torch definition and against the runtime's
+own attention (SDPA over the gathered keys); bad tables are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compress.kernels import cpu_attention, cpu_q8, cpuinfo
+from compress.runtime.paged import quantize_int8
+
+HERE = cpu_q8.supported_levels(cpuinfo.cpu_flags())
+
+
+@pytest.fixture(scope="module", params=list(cpu_q8.ISA_LEVELS))
+def isa(request):
+    level = request.param
+    if level not in HERE:
+        pytest.skip(f"this CPU lacks {level} (flags: {sorted(cpu_q8.ISA_LEVELS[level][0])})")
+    reason = cpu_q8.build_reason(level)
+    if reason is not None:
+        pytest.skip(f"{level} kernels not available here: {reason}")
+    return level
+
+
+def pool_case(b, h, hkv, d, bs, num_blocks, dtype, seed=0):
+    """Random pools, each row's blocks drawn without replacement from a shuffled pool, random
+    lengths from 1 to its table's slots (the last row the longest: tables are padded)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks * bs, hkv, d, generator=g)
+    v = torch.randn(num_blocks * bs, hkv, d, generator=g)
+    scales = None
+    if dtype == torch.int8:  # PagedKVCache's rounding: per slot and head
+        (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+        scales = (ks, vs)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(b, h, d, generator=g)
+    nb = num_blocks // b
+    order = torch.randperm(num_blocks, generator=g)
+    tables = order[: b * nb].reshape(b, nb).contiguous()
+    lengths = torch.randint(1, nb * bs + 1, (b,), generator=g)
+    lengths[-1] = nb * bs
+    return q, k, v, tables, lengths, scales
+
+
+CASES = [  # b, heads, kv heads, head dim, block size, blocks
+    (1, 4, 2, 16, 4, 6),
+    (3, 9, 3, 64, 16, 12),  # SmolLM2's heads
+    (5, 8, 8, 32, 4, 20),  # no grouping
+    (2, 32, 4, 64, 16, 8),  # the 1.1B shape's heads
+]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"]
+)
+@pytest.mark.parametrize("softcap,window", [(None, None), (None, 5), (20.0, None), (20.0, 7)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_kernel_equals_the_float64_definition(isa, case, softcap, window, dtype):
+    b, h, hkv, d, bs, blocks = case
+    q, k, v, tables, lengths, scales = pool_case(b, h, hkv, d, bs, blocks, dtype)
+    args = (q, k, v, tables, lengths, bs, d**-0.5, softcap, window)
+    got = cpu_attention.paged_decode_attention(*args, scales=scales, isa=isa)
+    want = cpu_attention.paged_decode_attention_reference(*args, scales=scales)
+    assert got.dtype == torch.float32 and got.shape == (b, h, d)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_equals_sdpa_over_gathered_keys():
+    """The definition is the runtime's attention: SDPA (GQA) over each row's gathered keys, with
+    a sliding-window mask."""
+    b, h, hkv, d, bs, blocks = 3, 9, 3, 64, 4, 12
+    q, k, v, tables, lengths, _ = pool_case(b, h, hkv, d, bs, blocks, torch.float32, seed=3)
+    want = cpu_attention.paged_decode_attention_reference(q, k, v, tables, lengths, bs, 0.125,
+                                                          window=6)  # fmt: skip
+    for row in range(b):
+        n = int(lengths[row])
+        slots = tables[row][torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        keys, values = k[slots].transpose(0, 1)[None], v[slots].transpose(0, 1)[None]
+        mask = (torch.arange(n) > n - 1 - 6)[None, None, None]
+        a = F.scaled_dot_product_attention(
+            q[row][None, :, None].double(), keys.double(), values.double(),
+            attn_mask=mask, scale=0.125, enable_gqa=True,
+        )  # fmt: skip
+        torch.testing.assert_close(a[0, :, 0], want[row])
+
+
+def test_bad_tables_and_pages_are_refused():
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(cpu_q8.unavailable_reason())
+    q, k, v, tables, lengths, _ = pool_case(2, 4, 2, 16, 4, 6, torch.float32)
+    run = cpu_attention.paged_decode_attention
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        run(q, k, v, tables.clone().fill_(99), lengths, 4, 0.25)
+    with pytest.raises(RuntimeError, match="length"):
+        run(q, k, v, tables, lengths + 100, 4, 0.25)
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
+        run(q, k.half(), v.half(), tables, lengths, 4, 0.25)
+    with pytest.raises(RuntimeError, match="int8 pages need k_scale and v_scale"):
+        run(q, k.to(torch.int8), v.to(torch.int8), tables, lengths, 4, 0.25)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        run(q[:, :3].contiguous(), k, v, tables, lengths, 4, 0.25)
+    assert cpu_attention.unavailable_reason(torch.float16, torch.device("cpu")) is not None
+    assert "CPU-only" in cpu_attention.unavailable_reason(torch.float32, torch.device("meta"))
