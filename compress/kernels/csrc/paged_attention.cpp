@@ -1,14 +1,17 @@
 // Decode attention read straight from the paged KV pool (compress/runtime/paged.py): each row
 // has one query token and attends to the first `length` slots of its own block table. The
 // torch path (PagedKVCache.read + scaled_dot_product_attention) first copies every row's blocks
-// into a contiguous [B, kv_heads, L, D] tensor, padded to the longest row, then reads it again;
-// at 32 rows of SmolLM2 that copy moved more bytes per step than the weights. Here each key and
-// value row is read once, where it lies, and rows stop at their own length.
+// into a contiguous [B, kv_heads, L, D] tensor, padded to the longest row, then reads it again.
+// Here each key and value row is read where it lies, and rows stop at their own length.
+// Measured on a Xeon, 2 threads, one SmolLM2 layer at 32 rows of ~170 keys: 0.91 ms gathered
+// (two index_selects and SDPA) against 0.30 ms here on fp32 pages, 0.25 on bf16.
 //
-// One task per (row, kv head): its G = heads / kv_heads query heads share each key and value
-// read (grouped-query attention: query head i reads kv head i / G, as SDPA's enable_gqa).
-// Scores in fp32 (bf16 pages widen exactly, int8 pages as code x scale), optional tanh softcap (Gemma 2) before the window
-// mask, softmax with the max subtracted, then the weighted sum of values. Reference:
+// One task per (row, kv head), its G = heads / kv_heads query heads one after another (grouped-
+// query attention: query head i reads kv head i / G, as SDPA's enable_gqa). Scores in fp32
+// (bf16 pages widen exactly, int8 pages as code x scale), eight keys at a time; an optional
+// tanh softcap (Gemma 2); the window keeps the last `window` keys; softmax with the max
+// subtracted (a polynomial exp); then the weighted sum of values, 64 columns at a time in
+// registers. AVX2 + FMA intrinsics, so every ISA level builds the same code. Reference:
 // compress.kernels.cpu_attention.paged_decode_attention_reference (float64 torch).
 #include "q8_common.h"
 
