@@ -15,6 +15,22 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# after TRITON_INTERPRET: this package imports torch only (triton loads on first use)
+from compress.kernels import cpu_q8, cpuinfo  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=list(cpu_q8.ISA_LEVELS))
+def isa(request) -> str:
+    """Each ISA level of our C++ CPU kernels this CPU has and builds; the others skip with the
+    reason."""
+    level = request.param
+    if level not in cpu_q8.supported_levels(cpuinfo.cpu_flags()):
+        pytest.skip(f"this CPU lacks {level} (flags: {sorted(cpu_q8.ISA_LEVELS[level][0])})")
+    reason = cpu_q8.build_reason(level)  # ~15 s to compile a level on first use
+    if reason is not None:
+        pytest.skip(f"{level} kernels not available here: {reason}")
+    return level
+
 
 @pytest.fixture
 def device() -> torch.device:

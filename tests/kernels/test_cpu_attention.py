@@ -8,21 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compress.kernels import cpu_attention, cpu_q8, cpuinfo
+from compress.kernels import cpu_attention, cpu_q8
 from compress.runtime.paged import quantize_int8
-
-HERE = cpu_q8.supported_levels(cpuinfo.cpu_flags())
-
-
-@pytest.fixture(scope="module", params=list(cpu_q8.ISA_LEVELS))
-def isa(request):
-    level = request.param
-    if level not in HERE:
-        pytest.skip(f"this CPU lacks {level} (flags: {sorted(cpu_q8.ISA_LEVELS[level][0])})")
-    reason = cpu_q8.build_reason(level)
-    if reason is not None:
-        pytest.skip(f"{level} kernels not available here: {reason}")
-    return level
 
 
 def pool_case(b, h, hkv, d, bs, num_blocks, dtype, seed=0):

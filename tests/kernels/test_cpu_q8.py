@@ -105,17 +105,6 @@ def test_levels_follow_the_cpu_flags_and_the_override(monkeypatch):
 HERE = cpu_q8.supported_levels(cpuinfo.cpu_flags())
 
 
-@pytest.fixture(scope="module", params=list(cpu_q8.ISA_LEVELS))
-def isa(request):
-    level = request.param
-    if level not in HERE:
-        pytest.skip(f"this CPU lacks {level} (flags: {sorted(cpu_q8.ISA_LEVELS[level][0])})")
-    reason = cpu_q8.build_reason(level)  # ~15 s to compile a level on first use
-    if reason is not None:
-        pytest.skip(f"{level} kernels not available here: {reason}")
-    return level
-
-
 @pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize(
     "n,k,m",
