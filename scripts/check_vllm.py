@@ -41,13 +41,15 @@ MIXED = (
     "passes.0.overrides=[{layers: 're:.*self_attn.*', group_size: 32}, "
     "{layers: 're:.*layers\\.(0|29)\\.mlp\\.down_proj$', n_bits: 8, group_size: channel}]"
 )
+GROUPS = "passes.0.overrides=[{layers: 're:.*self_attn.*', group_size: 32}]"
 EXPERTS_FLOAT = "passes.0.ignore=[lm_head, 're:.*experts$']"  # quantize attention, keep experts
 # kind -> (recipe, --set overrides); None: the unquantized model itself
 KINDS: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "base": None,
     "w4-sym": (W4, ()),
     "w4-asym": (W4, ("passes.0.symmetric=false",)),
-    "w4-mixed": (W4, (MIXED,)),  # attention g32, MLP g128/g64, first and last down_proj W8
+    "w4-groups": (W4, (GROUPS,)),  # attention g32, MLP g128 (down_proj) and g64
+    "w4-mixed": (W4, (MIXED,)),  # as w4-groups, and the first and last down_proj W8 per channel
     "w8": ("recipes/smollm2-w8-rtn.yaml", ()),
     "w8a8-smoothquant": ("recipes/smollm2-w8a8-smoothquant.yaml", ("calibration.num_samples=16",)),
     "w4-experts-float": (W4, (EXPERTS_FLOAT,)),
@@ -56,15 +58,15 @@ KINDS: dict[str, tuple[str, tuple[str, ...]] | None] = {
         ("calibration.num_samples=16", EXPERTS_FLOAT),
     ),
 }
-REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-mixed", "w8", "w8a8-smoothquant")
+REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-groups", "w4-mixed", "w8", "w8a8-smoothquant")
 FAMILY_KINDS = ("base", "w4-sym")
 MOE_KINDS = ("base", "w4-sym", "w4-experts-float", "w8a8-smoothquant-experts-float")
 # random models vLLM's CPU attention takes (head_dim 64) with SmolLM2's vocabulary; sliding
 # windows of 128 so that the passage runs past them. Gemma scales the embeddings by
 # sqrt(hidden): with a random tied embedding the residual stream is then mostly the input
 # token's embedding and every next-token argmax is the input token itself (the decoder layers
-# would not matter), so the Gemma models get a separate head and embeddings divided by
-# sqrt(hidden).
+# would not matter; vLLM's Gemma always ties the head). So the Gemma models get their post-attention
+# and post-MLP norms at 10x (weight 9: Gemma norms scale by 1 + weight).
 SHAPE = dict(
     vocab_size=49152,
     hidden_size=256,
@@ -229,8 +231,10 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
     if family in MOE_SHAPE:
         model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))
     elif family.startswith("gemma"):
-        model = make_tiny_model(family, **SHAPE, sliding_window=128, tie_word_embeddings=False)
-        model.get_input_embeddings().weight.data /= SHAPE["hidden_size"] ** 0.5
+        model = make_tiny_model(family, **SHAPE, sliding_window=128)
+        for name, module in model.named_modules():
+            if name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
+                module.weight.data.fill_(9.0)
     else:
         sliding = {"sliding_window": 128} if family == "mistral" else {}
         model = make_tiny_model(family, **SHAPE, **sliding)
