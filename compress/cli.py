@@ -723,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_srv.add_argument("--kv-dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "int8"],
                        help="KV cache storage (auto: the float layers' dtype where decode "
-                       "attends in the pool, the default on CPUs with AVX2, else float32 on a "
+                       "attends in the pool, i.e. where our CPU kernels build, else float32 on a "
                        "CPU; int8: per token and head scales, about half of bf16's bytes)")
     p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_srv.add_argument("--max-batch", type=int, default=32, help="requests running at once")

@@ -161,11 +161,14 @@ def forward_decode(
     )  # [B, nb]
     new_slots = torch.tensor([s.slots[0] for s in segments], device=device)
     if kernel:
-        return _decode_in_place(runtime, cache, segments, ids, positions, tables, new_slots)
-    masks = {
-        w: _causal_mask(positions, length, w)[:, None, None, :]  # [B, 1, 1, L]
-        for w in {layer.window for layer in runtime.layers}
-    }
+        from compress.kernels.cpu_attention import paged_decode_attention
+
+        lengths = torch.tensor([s.length for s in segments])
+    else:
+        masks = {
+            w: _causal_mask(positions, length, w)[:, None, None, :]  # [B, 1, 1, L]
+            for w in {layer.window for layer in runtime.layers}
+        }
     ropes = {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in
              runtime.rope.items()}  # fmt: skip
     x = runtime._embed(ids[:, None])  # [B, 1, H]
@@ -173,30 +176,16 @@ def forward_decode(
         cos, sin = ropes[layer.rope_key]
         q, k, v = layer.project_qkv(x, cos, sin, True)  # q [B, h, 1, D], k/v [B, hkv, 1, D]
         cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
-        keys, values = cache.read(i, tables, length)
-        x = layer.finish(x, layer.attend(q, keys, values, masks[layer.window]), True)
-    return runtime.head(x[:, -1])
-
-
-def _decode_in_place(runtime, cache, segments, ids, positions, tables, new_slots) -> torch.Tensor:
-    """``forward_decode`` with attention read from the pool where the keys lie."""
-    from compress.kernels.cpu_attention import paged_decode_attention
-
-    lengths = torch.tensor([s.length for s in segments])
-    ropes = {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in
-             runtime.rope.items()}  # fmt: skip
-    x = runtime._embed(ids[:, None])  # [B, 1, H]
-    b = x.shape[0]
-    for i, layer in enumerate(runtime.layers):
-        cos, sin = ropes[layer.rope_key]
-        q, k, v = layer.project_qkv(x, cos, sin, True)  # q [B, h, 1, D], k/v [B, hkv, 1, D]
-        cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
-        scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
-        a = paged_decode_attention(
-            q[:, :, 0], cache.k[i], cache.v[i], tables, lengths, cache.block_size,
-            layer.scale, layer.softcap, layer.window, scales=scales,
-        )  # fmt: skip
-        x = layer.finish(x, a.reshape(b, 1, -1), True)
+        if kernel:
+            scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
+            a = paged_decode_attention(
+                q[:, :, 0], cache.k[i], cache.v[i], tables, lengths, cache.block_size,
+                layer.scale, layer.softcap, layer.window, scales=scales,
+            ).reshape(x.shape[0], 1, -1)  # fmt: skip
+        else:
+            keys, values = cache.read(i, tables, length)
+            a = layer.attend(q, keys, values, masks[layer.window])
+        x = layer.finish(x, a, True)
     return runtime.head(x[:, -1])
 
 

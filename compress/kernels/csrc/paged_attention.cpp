@@ -125,10 +125,10 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
           sum = _mm256_add_ps(sum, e);
         }
         const float inv = 1.f / hsum(sum);
-        // out = sum over keys of p x v, eight columns at a time in registers
         float* og = out + (b * H + h * G + g) * D;
-        // 64 columns at a time with eight accumulators in registers (a loop bound the compiler
-        // sees as constant, or they spill); what is left (D % 64) one column group at a time
+        // out = sum over keys of p x v: 64 columns at a time, eight accumulators in registers
+        // (a loop bound the compiler sees as constant, or they spill); what is left (D % 64)
+        // one column group at a time
         const __m256 norm = _mm256_set1_ps(inv);
         int64_t j0 = 0;
         for (; j0 + 8 <= V; j0 += 8) {
