@@ -727,8 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "CPU; int8: per token and head scales, about half of bf16's bytes)")
     p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_srv.add_argument("--max-batch", type=int, default=32, help="requests running at once")
-    p_srv.add_argument("--prefill-budget", type=int, default=512,
-                       help="prompt tokens computed per scheduler step (chunked prefill)")
+    p_srv.add_argument("--prefill-budget", type=int, default=256,
+                       help="tokens computed per scheduler step (chunked prefill): prompt "
+                            "tokens, plus the decode rows where both run as one forward")
     p_srv.add_argument("--no-prefix-cache", action="store_true",
                        help="do not reuse the KV blocks of prompts seen before")
     p_srv.add_argument("--max-waiting", type=int, default=256,

@@ -224,15 +224,25 @@ def record(timings: list[RequestTiming], duration: float, slo: Slo, expected_tok
 
 
 # ---- the runs ------------------------------------------------------------------------------
+# Where each run's prompts start in the tokenized test text, so that no run's prompts are
+# prefix-cache hits of another's: concurrency from 0 (9 prompts), the warm-up at 3000, the
+# shared system prompt at 5000 and its questions from 6000, the rates from _RATE_TEXT on (each
+# rate its own slices).
+_RATE_TEXT = 10_000
+
+
 def rate_runs(server, name, ids, args) -> list[dict]:
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    warm = make_requests(ids, 2, prompt_tokens=args.prompt_tokens, output_tokens=8, seed=99)
+    warm = make_requests(ids[3000:], 2, prompt_tokens=args.prompt_tokens, output_tokens=8, seed=99)
     run_workload(server, name, warm)
     out = []
-    for rate in args.rates:
+    for i, rate in enumerate(args.rates):
         arrivals = None if math.isinf(rate) else poisson_arrivals(args.requests, rate, seed=1)
+        # other prompts at each rate (consecutive slices from their own offset): the same ones
+        # would be prefix-cache hits from the rate before (the run of 2026-12-04 at ec9114b
+        # reused them, so its later rates were mostly cached prompts for both servers)
         requests = make_requests(
-            ids,
+            ids[_RATE_TEXT + i * args.requests * args.prompt_tokens :],
             args.requests,
             prompt_tokens=args.prompt_tokens,
             output_tokens=args.output_tokens,
@@ -250,6 +260,9 @@ def rate_runs(server, name, ids, args) -> list[dict]:
             row["kv_bytes_peak"] = after["kv_bytes_peak"]
             row["kv_dtype"] = after["kv_dtype"]
             row["preemptions"] = after["preemptions"] - before["preemptions"]
+            prompt = after["prompt_tokens"] - before["prompt_tokens"]
+            cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+            row["prefix_hit_rate"] = cached / prompt if prompt else None
             steps = after["steps"] - before["steps"]
             row["mean_decode_rows_per_step"] = (
                 (after["decode_rows"] - before["decode_rows"]) / steps if steps else None
@@ -267,10 +280,11 @@ def rate_runs(server, name, ids, args) -> list[dict]:
 def concurrency_run(server, name, ids, args) -> dict:
     """Output tok/s of 1 request alone and of 8 arriving together (batched decode)."""
     out = {}
-    for n in (1, 8):
+    for n, offset in ((1, 0), (8, 1)):  # other prompts than every other run: no cache hits
         requests = make_requests(
-            ids, n, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, seed=5
-        )
+            ids[offset * args.prompt_tokens :], n, prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens, seed=5,
+        )  # fmt: skip
         timings, duration = run_workload(server, name, requests)
         out[str(n)] = sum(len(t.token_times) for t in timings) / duration
     out["ratio"] = out["8"] / out["1"]
@@ -365,17 +379,17 @@ def markdown(results: dict) -> str:
             f"### {model}",
             "",
             "| export | server | rate (req/s) | out tok/s | req/s | goodput req/s | TTFT "
-            "p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | KV peak MB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | KV peak MB | prefix hits |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for variant, servers in per_variant.items():
             for kind, block in servers.items():
                 if "error" in block:
-                    lines.append(f"| {variant} | {kind} | — | {block['error'][:120]} |||||||")
+                    lines.append(f"| {variant} | {kind} | — | {block['error'][:120]} ||||||||")
                     continue
                 for row in block["rates"]:
                     t, p, i = row["ttft_ms"], row["tpot_ms"], row["itl_ms"]
-                    kv = row.get("kv_bytes_peak")
+                    kv, hits = row.get("kv_bytes_peak"), row.get("prefix_hit_rate")
                     lines.append(
                         f"| {variant} | {kind} | {row['rate_per_s']} | "
                         f"{row['throughput']['output_tokens_per_s']:.1f} | "
@@ -384,7 +398,8 @@ def markdown(results: dict) -> str:
                         f"{t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f} | "
                         f"{p['p50']:.1f}/{p['p90']:.1f}/{p['p99']:.1f} | "
                         f"{i['p50']:.1f}/{i['p99']:.1f} | "
-                        f"{'—' if kv is None else f'{kv / 1e6:.1f}'} |"
+                        f"{'—' if kv is None else f'{kv / 1e6:.1f}'} | "
+                        f"{'—' if hits is None else f'{hits:.0%}'} |"
                     )
         lines.append("")
         for variant, servers in per_variant.items():

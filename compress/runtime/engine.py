@@ -275,6 +275,11 @@ class Runtime:
         # layers (lm_head included) that decode through our integer-dot kernels
         held = list(self.layers.modules()) + list(self.head.modules())
         self.q8_layers = sum(isinstance(m, _Q8Kernel) for m in held)
+        # rows from which some of those layers switch to a float GEMM (None: none does)
+        self.float_gemm_rows = min(
+            (m.float_rows for m in held if isinstance(m, _Q8Kernel) and m.float_rows is not None),
+            default=None,
+        )
         # Windows at or beyond the cache length never cut a key, so they need no mask.
         self._windows = {
             layer.window for layer in self.layers if layer.window and layer.window < max_seq_len

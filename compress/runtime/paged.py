@@ -144,91 +144,89 @@ def _causal_mask(queries: torch.Tensor, length: int, window: int | None) -> torc
 
 
 @torch.no_grad()
-def forward_decode(
-    runtime, cache: PagedKVCache, segments: list[Segment], *, kernel: bool = False
+def forward_step(
+    runtime,
+    cache: PagedKVCache,
+    decode: list[Segment],
+    chunks: list[Segment],
+    *,
+    kernel: bool = False,
+    every_row: bool = False,
 ) -> torch.Tensor:
-    """One decode step of B requests (one new token each) -> next-token logits [B, V] fp32.
-    ``kernel``: attention reads each row's own slots in the pool (``kernels.cpu_attention``);
-    else rows are gathered, padded to the longest context and masked, and attend through the
-    runtime's own attention (the contiguous runtime's numbers, bit for bit)."""
+    """One forward over a step's tokens: ``decode`` rows (one new token each) and prefill
+    ``chunks`` of several requests side by side through every projection, one call each, so the
+    weights are read once per step; attention per request. -> logits [B + S, V] fp32: after each
+    decode row, then after each chunk's last token (``every_row``: after every chunk token).
+
+    Decode rows attend to their slots in the pool: with ``kernel`` where they lie
+    (``kernels.cpu_attention``), else gathered, padded to the longest context and masked,
+    through the runtime's own attention (the contiguous runtime's numbers, bit for bit). A
+    chunk that starts at 0 attends to its own fresh keys, as the contiguous runtime's prefill
+    does; a later chunk (or the rest of a prompt after a prefix-cache hit) attends to its slots
+    in the cache, its own new keys included (as stored: int8 pages are read back rounded).
+
+    The projections run in one phase's dtype (decode's when there are decode rows): a caller
+    mixes both kinds only where the phases compute alike (``Scheduler.mixed_reason``)."""
     device = runtime.device
-    ids, positions = _segment_tensors(segments, device)  # [B]
-    length = max(s.length for s in segments)
-    nb = max(len(s.blocks) for s in segments)
-    # padding blocks repeat a row's own first block: finite values, masked out
-    tables = torch.tensor(
-        [s.blocks + [s.blocks[0]] * (nb - len(s.blocks)) for s in segments], device=device
-    )  # [B, nb]
-    new_slots = torch.tensor([s.slots[0] for s in segments], device=device)
-    if kernel:
-        from compress.kernels.cpu_attention import paged_decode_attention
-
-        lengths = torch.tensor([s.length for s in segments])
-    else:
-        masks = {
-            w: _causal_mask(positions, length, w)[:, None, None, :]  # [B, 1, 1, L]
-            for w in {layer.window for layer in runtime.layers}
-        }
-    ropes = {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in
-             runtime.rope.items()}  # fmt: skip
-    x = runtime._embed(ids[:, None])  # [B, 1, H]
-    for i, layer in enumerate(runtime.layers):
-        cos, sin = ropes[layer.rope_key]
-        q, k, v = layer.project_qkv(x, cos, sin, True)  # q [B, h, 1, D], k/v [B, hkv, 1, D]
-        cache.write(i, new_slots, k[:, :, 0], v[:, :, 0])
-        if kernel:
-            scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
-            a = paged_decode_attention(
-                q[:, :, 0], cache.k[i], cache.v[i], tables, lengths, cache.block_size,
-                layer.scale, layer.softcap, layer.window, scales=scales,
-            ).reshape(x.shape[0], 1, -1)  # fmt: skip
-        else:
-            keys, values = cache.read(i, tables, length)
-            a = layer.attend(q, keys, values, masks[layer.window])
-        x = layer.finish(x, a, True)
-    return runtime.head(x[:, -1])
-
-
-@torch.no_grad()
-def forward_prefill(
-    runtime, cache: PagedKVCache, segments: list[Segment], *, every_row: bool = False
-) -> torch.Tensor:
-    """Prefill chunks of several requests in one forward (their projections as one call) ->
-    the logits [S, V] fp32 after each segment's last token (``every_row``: [N, V] after every
-    token). A segment that starts at 0 attends to its own fresh keys, as the contiguous
-    runtime's prefill does; a later chunk (or the rest of a prompt after a prefix-cache hit)
-    attends to its slots in the cache, its own new keys included (as stored: int8 pages are
-    read back rounded)."""
-    device = runtime.device
+    segments = decode + chunks
+    b = len(decode)
     ids, positions = _segment_tensors(segments, device)  # [N]
     slots = torch.tensor([x for s in segments for x in s.slots], device=device)
-    sizes = [len(s.tokens) for s in segments]
+    windows = {layer.window for layer in runtime.layers}
     ropes = {key: (cos[positions][None], sin[positions][None]) for key, (cos, sin) in
              runtime.rope.items()}  # fmt: skip
-    tables = [torch.tensor(s.blocks, device=device)[None] for s in segments]
-    per_segment = list(zip(positions.split(sizes), tables, strict=True))
-    masks = {
+    if decode:
+        nb = max(len(s.blocks) for s in decode)
+        # padding blocks repeat a row's own first block: finite values, masked out
+        tables = torch.tensor(
+            [s.blocks + [s.blocks[0]] * (nb - len(s.blocks)) for s in decode], device=device
+        )  # [B, nb]
+        lengths = torch.tensor([s.length for s in decode])
+        length = int(lengths.max())
+        if not kernel:
+            decode_masks = {
+                w: _causal_mask(positions[:b], length, w)[:, None, None, :]  # [B, 1, 1, L]
+                for w in windows
+            }
+    sizes = [len(s.tokens) for s in chunks]
+    chunk_tables = [torch.tensor(s.blocks, device=device)[None] for s in chunks]
+    chunk_masks = {
         w: [_causal_mask(p, s.length if s.start else len(s.tokens), w)[None, None]
-            for s, (p, _) in zip(segments, per_segment, strict=True)]
-        for w in {layer.window for layer in runtime.layers}
+            for s, p in zip(chunks, positions[b:].split(sizes), strict=True)]
+        for w in windows
     }  # fmt: skip
     x = runtime._embed(ids[None])  # [1, N, H]
     for i, layer in enumerate(runtime.layers):
         cos, sin = ropes[layer.rope_key]
-        q, k, v = layer.project_qkv(x, cos, sin, False)  # [1, heads, N, D]
+        q, k, v = layer.project_qkv(x, cos, sin, bool(decode))  # [1, heads, N, D]
         # [1, hkv, N, D] -> [N, hkv, D]
         cache.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         parts = []
-        pieces = zip(segments, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2),
-                     per_segment, masks[layer.window], strict=True)  # fmt: skip
-        for s, qs, ks, vs, (_, table), mask in pieces:
+        if decode:
+            q_rows = q[0, :, :b].transpose(0, 1)  # [B, heads, D]
+            if kernel:
+                from compress.kernels.cpu_attention import paged_decode_attention
+
+                scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
+                a = paged_decode_attention(
+                    q_rows, cache.k[i], cache.v[i], tables, lengths, cache.block_size,
+                    layer.scale, layer.softcap, layer.window, scales=scales,
+                )  # fmt: skip
+            else:
+                keys, values = cache.read(i, tables, length)
+                a = layer.attend(q_rows[:, :, None], keys, values, decode_masks[layer.window])
+            parts.append(a.reshape(1, b, -1))
+        pieces = zip(chunks, q[:, :, b:].split(sizes, 2), k[:, :, b:].split(sizes, 2),
+                     v[:, :, b:].split(sizes, 2), chunk_tables, chunk_masks[layer.window],
+                     strict=True)  # fmt: skip
+        for s, qs, ks, vs, table, mask in pieces:
             keys, values = cache.read(i, table, s.length) if s.start else (ks, vs)
             parts.append(layer.attend(qs, keys, values, mask))
-        x = layer.finish(x, torch.cat(parts, 1), False)
+        x = layer.finish(x, torch.cat(parts, 1), bool(decode))
     if every_row:
         return runtime.head(x[0])
-    last = torch.tensor(sizes, device=device).cumsum(0) - 1
-    return runtime.head(x[0, last])
+    rows = torch.cat([torch.arange(b), b + torch.tensor(sizes, dtype=torch.long).cumsum(0) - 1])
+    return runtime.head(x[0, rows.to(device)])
 
 
 @torch.no_grad()
@@ -244,10 +242,10 @@ def paged_logits(runtime, cache: PagedKVCache, tokens: list[int]) -> torch.Tenso
         )
     slots = list(range(len(tokens)))  # blocks 0, 1, ... in order
     blocks = list(range(need))
-    first = forward_prefill(
-        runtime, cache, [Segment(0, tokens[:1], slots[:1], blocks[:1])], every_row=True
+    first = forward_step(
+        runtime, cache, [], [Segment(0, tokens[:1], slots[:1], blocks[:1])], every_row=True
     )
     if len(tokens) == 1:
         return first
     rest = Segment(1, tokens[1:], slots[1:], blocks)
-    return torch.cat([first, forward_prefill(runtime, cache, [rest], every_row=True)])
+    return torch.cat([first, forward_step(runtime, cache, [], [rest], every_row=True)])

@@ -5,13 +5,16 @@ Each ``step``:
 1. every running request that is decoding gets the slot for its next token; when no block is
    left, the most recently admitted request is preempted (its blocks released, its tokens kept;
    it re-enters the queue at the front and recomputes its cache, mostly from the prefix cache);
-2. prompts are prefilled in chunks under a token budget per step (``prefill_budget``), oldest
-   first, so a long prompt delays running decodes by one chunk rather than by its whole length;
+2. prompts are prefilled in chunks under a token budget per step (``prefill_budget``, the
+   decode rows included when they share the forward), oldest first, so a long prompt delays
+   running decodes by one chunk rather than by its whole length;
    waiting requests are admitted while a batch slot, budget and blocks for their first chunk
    are there (admission control: never more than memory allows, never a crash);
-3. one batched decode forward for all decoding requests and one forward for the prefill
-   chunks (the phases keep their own matmul dtypes, so a request's tokens do not depend on
-   what it was batched with beyond float rounding);
+3. one forward for the decode rows and the prefill chunks together: every projection reads
+   its weights once per step (attention per request). Where the phases compute differently
+   (other matmul dtypes, or a chunk long enough to leave our integer kernels for a float GEMM)
+   they run as two forwards, so a request's tokens do not depend on what it was batched with
+   beyond float rounding;
 4. each request samples with its own settings and seeded generator; a stop token or its
    length limit retires it, and its full blocks stay in the prefix cache.
 
@@ -28,6 +31,7 @@ cached keys (they gather, ``runtime/paged.py``).
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +43,7 @@ from compress.runtime.paged import (
     KV_DTYPES,
     PagedKVCache,
     Segment,
-    forward_decode,
-    forward_prefill,
+    forward_step,
     kv_bytes_per_token,
 )
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
@@ -89,6 +92,7 @@ class SchedulerStats:
     cached_prompt_tokens: int = 0  # of those, served by the prefix cache
     preemptions: int = 0
     peak_blocks: int = 0
+    mixed_steps: int = 0  # steps whose decode rows and prefill chunks ran as one forward
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -98,13 +102,14 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching for one ``Runtime`` (its layers, head and rope tables; not its
     contiguous cache). ``kv_memory``: bytes for the paged cache (or ``num_blocks``);
-    ``max_batch``: requests running at once; ``prefill_budget``: prompt tokens computed per
-    step; ``kv_dtype``: ``None`` (the runtime's KV dtype), ``"float32"``, ``"bfloat16"`` or
-    ``"int8"``; ``attention``: how decode steps attend, ``"kernel"`` (read each row's slots in
-    the pool: ``kernels.cpu_attention``, CPU), ``"reference"`` (gather the
-    rows' blocks, then the contiguous runtime's attention: its numbers bit for bit; int8
-    pages dequantized to the runtime's KV dtype first) or
-    ``"auto"`` (the kernel where it runs)."""
+    ``max_batch``: requests running at once; ``prefill_budget``: tokens computed per step,
+    prompt tokens plus the decode rows where both run as one forward (at least a block of
+    prompt tokens a step; see ``mixed_reason``); ``mix``: False runs decode rows and chunks as
+    two forwards always; ``kv_dtype``: ``None`` (the runtime's KV dtype), ``"float32"``,
+    ``"bfloat16"`` or ``"int8"``; ``attention``: how decode steps attend, ``"kernel"`` (read
+    each row's slots in the pool: ``kernels.cpu_attention``, CPU), ``"reference"`` (gather the
+    rows' blocks, then the contiguous runtime's attention: its numbers bit for bit; int8 pages
+    dequantized to the runtime's KV dtype first) or ``"auto"`` (the kernel where it runs)."""
 
     def __init__(
         self,
@@ -114,10 +119,11 @@ class Scheduler:
         num_blocks: int | None = None,
         block_size: int = 16,
         max_batch: int = 32,
-        prefill_budget: int = 512,
+        prefill_budget: int = 256,
         kv_dtype: str | None = None,
         prefix_caching: bool = True,
         attention: str = "auto",
+        mix: bool = True,
     ) -> None:
         if runtime.fallback_reason is not None:
             raise ValueError(f"the runtime does not run this model: {runtime.fallback_reason}")
@@ -162,7 +168,24 @@ class Scheduler:
             raise ValueError(f"attention='kernel' cannot run: {why_not}")
         # the reason the decode steps gather instead (None: they run the kernel)
         self.attention_reason = "asked for" if attention == "reference" else why_not
+        # Why a step's decode rows and prefill chunks run as two forwards (None: one, below
+        # ``mixed_rows`` rows). One forward reads the weights once: measured on a Xeon (2
+        # threads, 1.1B shape, bf16) a step of 8 decode rows and a 128-token chunk took 378 ms
+        # as two forwards, 104 + 271 alone. Mixing needs both phases to compute alike: the same
+        # matmul dtype, and rows under the count from which a layer of our integer kernels
+        # leaves them for a float GEMM (``_Q8Kernel.float_rows``): decode rows mixed into a long
+        # chunk would otherwise skip the activation rounding, and their tokens would then
+        # depend on what they were batched with.
+        self.mixed_reason = None if mix else "asked for"
+        if mix and runtime.prefill_dtype != runtime.decode_dtype:
+            self.mixed_reason = (
+                f"prefill matmuls in {runtime.prefill_dtype}, decode in {runtime.decode_dtype}"
+            )
+        self.mixed_rows = runtime.float_gemm_rows or sys.maxsize
         self.pool = BlockPool(num_blocks, prefix_caching=prefix_caching)
+        # The default budget of 256 rows: oneDNN's bf16 GEMM on a Xeon with AMX (2 threads, the
+        # 1.1B shape's 22 layers, weights from memory) takes 276 ms at 256 rows and 513 at 257,
+        # 421 at 384 and 510 at 512: more rows per step than 256 buy no throughput there.
         self.block_size, self.max_batch, self.prefill_budget = block_size, max_batch, prefill_budget
         self.watermark = max(1, num_blocks // 100)  # blocks kept free at admission
         self.waiting: list[Sequence] = []
@@ -234,34 +257,44 @@ class Scheduler:
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.in_use)
         self.stats.steps += 1
         events: list[Event] = []
-        if decode:
-            segments = [self._segment(seq, 1) for seq in decode]
-            kernel = self.attention_reason is None
-            logits = forward_decode(self.runtime, self.cache, segments, kernel=kernel)
-            self.stats.decode_rows += len(decode)
-            for seq in decode:
-                seq.num_computed += 1
-                self._register_full_blocks(seq)
-            events += self._emit(decode, logits)
-        if chunks:
-            segments = [self._segment(seq, n) for seq, n in chunks]
-            logits = forward_prefill(self.runtime, self.cache, segments)
-            done, rows = [], []
-            for row, (seq, n) in enumerate(chunks):
-                seq.num_computed += n
-                self.stats.prefill_tokens += n
-                self._register_full_blocks(seq)
-                if seq.num_computed == len(seq.tokens):  # the whole prompt is in: sample
-                    done.append(seq)
-                    rows.append(row)
-            if done:
-                events += self._emit(done, logits[rows])
+        kernel = self.attention_reason is None
+        rows = len(decode) + sum(n for _, n in chunks)
+        if decode and chunks and (self.mixed_reason is not None or rows >= self.mixed_rows):
+            # the phases compute differently: a forward each (the weights are read twice)
+            events += self._run(decode, [], kernel)
+            events += self._run([], chunks, kernel)
+        else:
+            self.stats.mixed_steps += bool(decode and chunks)
+            events += self._run(decode, chunks, kernel)
         return events
+
+    def _run(
+        self, decode: list[Sequence], chunks: list[tuple[Sequence, int]], kernel: bool
+    ) -> list[Event]:
+        """One forward of decode rows and prefill chunks; their events."""
+        segments = [self._segment(seq, 1) for seq in decode]
+        chunk_segments = [self._segment(seq, n) for seq, n in chunks]
+        logits = forward_step(self.runtime, self.cache, segments, chunk_segments, kernel=kernel)
+        self.stats.decode_rows += len(decode)
+        for seq in decode:
+            seq.num_computed += 1
+            self._register_full_blocks(seq)
+        done, rows = list(decode), list(range(len(decode)))
+        for row, (seq, n) in enumerate(chunks, len(decode)):
+            seq.num_computed += n
+            self.stats.prefill_tokens += n
+            self._register_full_blocks(seq)
+            if seq.num_computed == len(seq.tokens):  # the whole prompt is in: sample
+                done.append(seq)
+                rows.append(row)
+        return self._emit(done, logits[rows]) if done else []
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's decoding requests and prefill chunks (request, tokens), blocks held."""
         decode = self._reserve_decodes()
         budget = self.prefill_budget
+        if self.mixed_reason is None:  # one forward: the decode rows count against the budget
+            budget = max(budget - len(decode), min(budget, self.block_size))
         chunks: list[tuple[Sequence, int]] = []
         for seq in [s for s in self.running if s not in decode]:  # prompts in progress
             n = self._reserve_chunk(seq, budget)

@@ -224,6 +224,10 @@ class Engine:
             "cached_prompt_tokens": s.stats.cached_prompt_tokens,
             "prefix_hit_rate": s.stats.prefix_hit_rate,
             "preemptions": s.stats.preemptions,
+            # steps whose decode rows and prefill chunks ran as one forward, and why they run
+            # as two forwards instead (None: they do not, below ``mixed_rows`` rows)
+            "mixed_steps": s.stats.mixed_steps,
+            "phases_in_two_forwards": s.mixed_reason,
         }
 
 

@@ -68,6 +68,7 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(family):
     scheduler = Scheduler(runtime, num_blocks=24, block_size=4, max_batch=5, prefill_budget=20)
     assert drive(scheduler, requests, rng) == alone
     assert scheduler.stats.preemptions > 0  # the pool was too small for every request at once
+    assert scheduler.stats.mixed_steps > 0  # decode rows and prefill chunks in one forward
     assert scheduler.pool.in_use == 0 and not scheduler.has_work
 
 
@@ -100,6 +101,66 @@ def test_the_decode_kernel_computes_the_gathered_attention(family, kv_dtype):
             # and the first decode step read the same codes in both runs
             tol = 1e-4 if kv_dtype == "float32" or i < 2 else 5e-2
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def record_forwards(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """A list that fills with (decode rows, prompt tokens) of each forward the scheduler runs."""
+    forwards = []
+    run = scheduler._run
+
+    def recording(decode, chunks, kernel):
+        forwards.append((len(decode), sum(n for _, n in chunks)))
+        return run(decode, chunks, kernel)
+
+    scheduler._run = recording
+    return forwards
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_a_mixed_step_computes_what_two_forwards_do(family):
+    """Decode rows and prefill chunks through one forward (the default) against a forward each:
+    the same greedy tokens, every logits row within fp32 rounding (a GEMM's rounding depends on
+    its row count)."""
+    runtime = Runtime(family_model(family), max_seq_len=96, compile=False)
+    requests = random_requests(random.Random(11), 9)
+    tokens, logits = {}, {}
+    for mix in (True, False):
+        scheduler = Scheduler(runtime, num_blocks=48, block_size=4, max_batch=4, prefill_budget=16,
+                              mix=mix)  # fmt: skip
+        recorder = _Logits(scheduler)
+        forwards = record_forwards(scheduler)
+        tokens[mix] = drive(scheduler, requests, random.Random(3))
+        logits[mix] = recorder.rows
+        assert (scheduler.stats.mixed_steps > 0) == mix
+        # the budget counts a mixed forward's decode rows; two forwards: the chunks' tokens
+        assert all((d if mix else 0) + c <= 16 for d, c in forwards)
+    assert tokens[True] == tokens[False]
+    for seq_id, rows in logits[True].items():
+        for a, b in zip(rows, logits[False][seq_id], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_phases_that_compute_differently_are_not_mixed():
+    """Prefill in fp32 and decode in bf16: two forwards a step, as the reason says; and where
+    a step's rows reach the count from which a layer of our integer kernels switches to a float
+    GEMM, that step runs as two forwards too."""
+    runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False,
+                      decode_dtype=torch.bfloat16)  # fmt: skip
+    scheduler = Scheduler(runtime, num_blocks=40, block_size=4, max_batch=4, prefill_budget=12)
+    assert "float32" in scheduler.mixed_reason and "bfloat16" in scheduler.mixed_reason
+    drive(scheduler, random_requests(random.Random(5), 6), random.Random(2))
+    assert scheduler.stats.mixed_steps == 0
+    runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False)
+    runtime.float_gemm_rows = 6  # as if a layer left the integer kernel from 6 rows on
+    scheduler = Scheduler(runtime, num_blocks=40, block_size=4, max_batch=4, prefill_budget=12)
+    assert scheduler.mixed_reason is None and scheduler.mixed_rows == 6
+    forwards = record_forwards(scheduler)
+    drive(scheduler, random_requests(random.Random(5), 6), random.Random(2))
+    mixed = [d + c for d, c in forwards if d and c]
+    assert len(mixed) == scheduler.stats.mixed_steps > 0 and max(mixed) < 6
+    # a step that split: its decode forward, then its chunks' forward, 6 rows or more together
+    pairs = zip(forwards, forwards[1:], strict=False)
+    assert any(a[1] == b[0] == 0 and a[0] and a[0] + b[1] >= 6 for a, b in pairs)
 
 
 def test_attention_choices():
