@@ -298,6 +298,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         kv_memory = parse_size(args.kv_memory)
     except ValueError as exc:
         raise RecipeError(f"--kv-memory: {exc}") from None
+    # checked before the model loads (the scheduler checks them again, later)
+    for flag in ("block_size", "max_batch", "prefill_budget"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise RecipeError(f"--{flag.replace('_', '-')} {value}: give a number above 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, backend=args.backend)
@@ -328,9 +333,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device) is not None:
             kv_dtype = "float32"
-    scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
-                          max_batch=args.max_batch, prefill_budget=args.prefill_budget,
-                          kv_dtype=kv_dtype, prefix_caching=not args.no_prefix_cache)
+    try:
+        scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
+                              max_batch=args.max_batch, prefill_budget=args.prefill_budget,
+                              kv_dtype=kv_dtype, prefix_caching=not args.no_prefix_cache)
+    except ValueError as exc:  # e.g. --kv-memory too small for one block
+        raise RecipeError(f"serve: {exc}") from None
     name = args.served_model_name or args.model
     cache = scheduler.cache
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({_torch_threads()} threads, "

@@ -298,3 +298,27 @@ def test_engine_failure_reaches_the_waiting_client():
         assert httpx.get(running.url + "/health").status_code == 503
     finally:
         running.close()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--block-size", "0"], "--block-size 0: give a number above 0"),
+        (["--prefill-budget", "-4"], "--prefill-budget -4: give a number above 0"),
+        (["--kv-memory", "1KiB"], "holds no block of 16 tokens"),
+    ],
+)
+def test_serve_refuses_bad_settings_with_a_message(tmp_path, capsys, flags, message):
+    """Exit status 2 and the problem named, no traceback (the first two before the model
+    loads: the folder is empty)."""
+    from compress.cli import main
+
+    folder = tmp_path / "model"
+    if "--kv-memory" in flags:
+        model, tokenizer = tiny()
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        folder.mkdir()
+    assert main(["serve", str(folder), *flags]) == 2
+    assert message in capsys.readouterr().err
