@@ -2,13 +2,17 @@
 of activations, through each way the runtime can run them, interleaved round by round in one
 run: dense fp32 and bf16 ``F.linear`` (the float baselines), torch's int4 / int8 weight-only
 kernels (bf16 activations) and ours (``cpu_q8``: int8-rounded activations; from 8 rows on its
-row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has. ``--dequant-gemm`` adds
+row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has, and at the avx512vnni
+level int4 in the column-tile layout the runtime holds there (the VNNI op and, where the CPU
+grants AMX, its AMX form). ``--dequant-gemm`` adds
 the long-prompt alternative: our weights dequantized per call (``cpu_q8.dequantize``, lowest
 level) into ATen's fp32 GEMM, which sets ``cpu_q8.FLOAT_GEMM_MIN_ROWS``. Per kernel: median ms
 per pass (min-max) and speed vs dense fp32. JSON + markdown:
 
     python scripts/bench_prefill.py --shape smollm2 --rows 32 128 --out out/prefill
     python scripts/bench_prefill.py --shape 1b --rows 32 --out out/prefill_1b
+    python scripts/bench_prefill.py --shape 1b --group 128 --rows 16 32 128 256 \
+        --only tiles bf16 --out out/prefill_1b_amx
     COMPRESS_CPU_ISA=avx2 python scripts/bench_prefill.py --rows 64 128 256 512 --dequant-gemm
 """
 
@@ -46,6 +50,14 @@ def dequant_gemm(qs, isa: str):
     return [(w.k, lambda x, w=w: F.linear(x, cpu_q8.dequantize(w, isa))) for w in prepack(qs)]
 
 
+def tile_pass(qs, amx: bool):
+    """int4 in the column-tile layout (what the runtime holds at the avx512vnni level): the VNNI
+    op, or its AMX form (``csrc/q8_amx.cpp``)."""
+    weights = [cpu_q8.to_tiles(w) for w in prepack(qs)]
+    isa = cpu_q8.TILES_ISA
+    return [(w.k, lambda x, w=w: cpu_q8.linear_q8(x, w, isa, amx=amx)) for w in weights]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -78,6 +90,10 @@ def main() -> None:
             f"torch int{bits} (bf16 x)": torch_pass(qs, bits)[0],
         }
         kernels |= {f"ours int{bits} ({isa})": our_pass(qs, isa)[0] for isa in levels}
+        if bits == 4 and cpu_q8.TILES_ISA in levels:
+            kernels["ours int4 column tiles (avx512vnni)"] = tile_pass(qs, amx=False)
+            if cpu_q8.amx_reason() is None:
+                kernels["ours int4 column tiles (AMX-INT8)"] = tile_pass(qs, amx=True)
         if args.dequant_gemm:
             kernels[f"ours int{bits} dequantized + fp32 GEMM ({levels[-1]})"] = dequant_gemm(
                 qs, levels[-1]

@@ -37,7 +37,10 @@ multiple of 32): int4 codes uint8 [N, K/2], per 64 columns 32 bytes with byte i 
 fp32 offsets [N, K/g]: ``w = (code - bias) * scale + offset``. At the avx512vnni level int4
 weights with N a multiple of 16 go on to column tiles (``to_tiles``, ``csrc/q8_tiles.cpp``):
 codes [N/16, K/8, 64], the vector lanes holding 16 output columns, scales [N/16, K/g, 16]; one
-op runs every row count there (``int4_linear_q8_tiles``).
+op runs every row count there (``int4_linear_q8_tiles``). Where the CPU and Linux grant AMX-INT8
+(``amx_reason``), from ``AMX_MIN_ROWS`` rows the same layout goes through
+``int4_linear_q8_tiles_amx`` (``csrc/q8_amx.cpp``): one TDPBSSD per block of 16 x 16 outputs, bit
+for bit the VNNI op's outputs.
 
 Built with torch.utils.cpp_extension (a C++ compiler and the ``ninja`` package, in the ``dev``
 and ``cpu-kernels`` extras; about a minute per level the first time, cached under torch's
@@ -60,7 +63,8 @@ from . import cpuinfo, reference
 CSRC = Path(__file__).with_name("csrc")
 # q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op
 SOURCES = tuple(
-    CSRC / f for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "paged_attention.cpp")
+    CSRC / f
+    for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -68,6 +72,11 @@ GEMM_MIN_ROWS = 8  # as csrc/q8_common.h: from this many rows the ops run the ro
 TILE = 16  # output columns per tile of the column-tile int4 layout (csrc/q8_tiles.cpp)
 TILES_ISA = "avx512vnni"  # the level that has the column-tile op
 ISA_ENV = "COMPRESS_CPU_ISA"
+AMX_ENV = "COMPRESS_CPU_AMX"  # "0": keep the VNNI tile op at every row count
+# From how many rows the AMX tile op runs. Measured on a Xeon, 2 threads, the 1.1B shape's
+# gate/up and down layers (docs/notes/2026-12-04-amx-prefill.md): at 16 rows 0.98-1.06x the
+# VNNI op's time, at 32 0.73-0.74x, at 256 0.54-0.56x.
+AMX_MIN_ROWS = 32
 
 # level -> (CPU flags it needs, compiler flags, the -D switch in q8_dot.cpp); best first
 _BASE = ("-O3", "-mavx2", "-mfma", "-fopenmp")
@@ -133,7 +142,8 @@ def build_reason(isa: str) -> str | None:
     # shapes only, so torch.compile keeps the calls in its graph
     for op in ("int4_linear_q8", "int8_linear_q8"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
-    torch.library.register_fake(f"compress_{isa}::int4_linear_q8_tiles")(_fake_tiles_linear)
+    for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx"):
+        torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
@@ -364,11 +374,17 @@ def prepack_int8(
     return Q8Weight(8, codes, scales32, offsets, group_size)
 
 
-def linear_q8(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+def linear_q8(
+    x: torch.Tensor, weight: Q8Weight, isa: str | None = None, amx: bool | None = None
+) -> torch.Tensor:
     """``x [..., K] @ W.T`` with x rounded to int8 per block, fp32 inside, x's dtype outside;
-    ``isa`` picks a level (default: ``selected_isa()``)."""
+    ``isa`` picks a level (default: ``selected_isa()``); ``amx`` forces the column-tile op's AMX
+    form on or off (default: from ``AMX_MIN_ROWS`` rows where ``amx_reason`` is None)."""
+    rows = x.numel() // max(1, x.shape[-1])
     if weight.tiles:
-        op = ops(isa).int4_linear_q8_tiles
+        if amx is None:
+            amx = rows >= AMX_MIN_ROWS and amx_reason(isa) is None
+        op = ops(isa).int4_linear_q8_tiles_amx if amx else ops(isa).int4_linear_q8_tiles
     else:
         op = ops(isa).int4_linear_q8 if weight.bits == 4 else ops(isa).int8_linear_q8
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
@@ -445,6 +461,23 @@ def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
         return y
     xsum = x2.double().view(x2.shape[0], k // g, g).sum(-1)  # [M, K/g], from the exact x
     return y + xsum @ weight.offsets.double().T
+
+
+@functools.cache
+def amx_reason(isa: str | None = None) -> str | None:
+    """Why the AMX form of the column-tile op does not run at level ``isa`` (default: the
+    selected one), or None when it does."""
+    isa = isa or selected_isa()
+    if isa != TILES_ISA:
+        return f"the AMX op extends the {TILES_ISA} level's tiles (here: {isa})"
+    if os.environ.get(AMX_ENV, "").strip() == "0":
+        return f"{AMX_ENV}=0"
+    missing = {"amx_tile", "amx_int8"} - cpuinfo.cpu_flags()
+    if missing:
+        return f"the CPU does not report {', '.join(sorted(missing))}"
+    if not ops(isa).amx_ready():
+        return "Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM failed)"
+    return None
 
 
 def tiles_reason(weight: Q8Weight, isa: str | None) -> str | None:

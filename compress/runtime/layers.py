@@ -123,7 +123,9 @@ class _Q8Kernel(nn.Module):
 
     int4 weights with N a multiple of 16 are held in the column-tile layout at the AVX512-VNNI
     level (``cpu_q8.to_tiles``, csrc/q8_tiles.cpp: every row count through one kernel), unless
-    ``tiles=False``. Measured on a Xeon (2 threads, weights from DRAM): one row 7-16% faster than
+    ``tiles=False``; from ``cpu_q8.AMX_MIN_ROWS`` rows on where the CPU grants AMX-INT8, through
+    that kernel's AMX form (csrc/q8_amx.cpp), bit for bit the same outputs. Measured on a Xeon
+    (2 threads, weights from DRAM): one row 7-16% faster than
     the row layout on SmolLM2's and the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x."""
 
     def __init__(self, w: cpu_q8.Q8Weight, tiles: bool = True) -> None:
@@ -135,8 +137,13 @@ class _Q8Kernel(nn.Module):
         if tiles and self.float_rows is None and cpu_q8.tiles_reason(w, isa) is None:
             w = cpu_q8.to_tiles(w)
         self.bits, self.tiles = w.bits, w.tiles
+        # from AMX_MIN_ROWS rows the AMX form of the tile op where the CPU grants it: the same
+        # outputs bit for bit, so the row count of a step never changes a token
+        self.amx_op = None
         if w.tiles:
             self.op = ops.int4_linear_q8_tiles
+            if cpu_q8.amx_reason(isa) is None:
+                self.amx_op = ops.int4_linear_q8_tiles_amx
         else:
             self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
         self.dequantize = ops.dequantize_q4 if w.bits == 4 else ops.dequantize_q8
@@ -159,7 +166,10 @@ class _Q8Kernel(nn.Module):
         if self.float_rows is not None and x2.shape[0] >= self.float_rows:
             w = self.dequantize(self.codes, self.scales, self.offsets, self.group_size)
             return F.linear(x2, w)
-        return self.op(x2, self.codes, self.scales, self.offsets, self.group_size)
+        op = self.op
+        if self.amx_op is not None and x2.shape[0] >= cpu_q8.AMX_MIN_ROWS:
+            op = self.amx_op
+        return op(x2, self.codes, self.scales, self.offsets, self.group_size)
 
 
 def _q8_kernel(q: QuantLinear) -> _Q8Kernel:

@@ -262,6 +262,43 @@ def test_column_tile_kernel_equals_float64_reference(group, symmetric, m):
     assert torch.equal(cpu_q8.linear_q8_reference(x, cpu_q8.to_tiles(w)), ref)
 
 
+@pytest.mark.parametrize(
+    "n,k,group,symmetric",
+    [
+        (64, 512, 32, False),  # column tiles in pairs, a group per block
+        (48, 256, 64, True),  # an odd tile count: the last tile alone
+        (16, 1024, 128, False),
+        (32, 384, 384, True),  # one group per row: 12 blocks, chunks of 4
+    ],
+)
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 40, 67])  # row tiles in pairs, alone, padded
+def test_amx_tile_kernel_equals_the_vnni_tile_kernel_bit_for_bit(n, k, group, symmetric, m):
+    # same integers, same fp32 operations in the same order: the runtime may send any row count
+    # to either op without changing a token (csrc/q8_amx.cpp)
+    reason = cpu_q8.amx_reason(cpu_q8.TILES_ISA) if cpu_q8.TILES_ISA in HERE else "no avx512vnni"
+    if reason is not None:
+        pytest.skip(f"the AMX tile op does not run here: {reason}")
+    w = cpu_q8.to_tiles(q8_weight(quant_layer(4, n, k, group, symmetric, seed=m)))
+    x = torch.randn(m, k) * torch.linspace(0.1, 4.0, k)
+    x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
+    amx = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA, amx=True)
+    vnni = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA, amx=False)
+    assert amx.shape == (m, n) and torch.isfinite(amx).all()
+    assert torch.equal(amx, vnni)
+    ref = cpu_q8.linear_q8_reference(x, w)
+    assert torch.allclose(amx.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_amx_is_refused_with_a_reason_off_its_level_or_when_switched_off(monkeypatch):
+    assert "avx512vnni" in cpu_q8.amx_reason("avx2")
+    monkeypatch.setenv(cpu_q8.AMX_ENV, "0")
+    cpu_q8.amx_reason.cache_clear()
+    try:
+        assert cpu_q8.amx_reason(cpu_q8.TILES_ISA) == f"{cpu_q8.AMX_ENV}=0"
+    finally:
+        cpu_q8.amx_reason.cache_clear()
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     # a build killed midway leaves torch's lock file, on which the next build would wait forever
     import os
