@@ -125,8 +125,8 @@ class _Q8Kernel(nn.Module):
     level (``cpu_q8.to_tiles``, csrc/q8_tiles.cpp: every row count through one kernel), unless
     ``tiles=False``; from ``cpu_q8.AMX_MIN_ROWS`` rows on where the CPU grants AMX-INT8, through
     that kernel's AMX form (csrc/q8_amx.cpp), bit for bit the same outputs. Measured on a Xeon
-    (2 threads, weights from DRAM): one row 7-16% faster than
-    the row layout on SmolLM2's and the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x."""
+    (2 threads, weights from DRAM): one row 7-16% faster than the row layout on SmolLM2's and
+    the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x."""
 
     def __init__(self, w: cpu_q8.Q8Weight, tiles: bool = True) -> None:
         super().__init__()
