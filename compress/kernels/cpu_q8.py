@@ -73,10 +73,11 @@ TILE = 16  # output columns per tile of the column-tile int4 layout (csrc/q8_til
 TILES_ISA = "avx512vnni"  # the level that has the column-tile op
 ISA_ENV = "COMPRESS_CPU_ISA"
 AMX_ENV = "COMPRESS_CPU_AMX"  # "0": keep the VNNI tile op at every row count
-# From how many rows the AMX tile op runs. Measured on a Xeon, 2 threads, the 1.1B shape's
-# gate/up and down layers (docs/notes/2026-12-04-amx-prefill.md): at 16 rows 0.98-1.06x the
-# VNNI op's time, at 32 0.73-0.74x, at 256 0.54-0.56x.
-AMX_MIN_ROWS = 32
+# From how many rows the AMX tile op runs. Measured on a Xeon, 2 threads, a 1.1B-shape prefill
+# pass (22 layers x 7 projections, g128; scripts/bench_prefill.py, docs/notes/
+# 2026-12-04-amx-prefill.md), AMX against VNNI: 16 rows 58.6 / 52.8 ms, 24 rows 81.5 / 74.0,
+# 28 rows 83.7 / 86.1, 32 rows 83.0 / 94.3, 256 rows 391 / 637.
+AMX_MIN_ROWS = 28
 
 # level -> (CPU flags it needs, compiler flags, the -D switch in q8_dot.cpp); best first
 _BASE = ("-O3", "-mavx2", "-mfma", "-fopenmp")
