@@ -477,7 +477,10 @@ def amx_reason(isa: str | None = None) -> str | None:
     if missing:
         return f"the CPU does not report {', '.join(sorted(missing))}"
     if not ops(isa).amx_ready():
-        return "Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM failed)"
+        return (
+            "the kernels were built without AMX intrinsics (GCC before 11) or Linux did not grant "
+            "the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        )
     return None
 
 

@@ -289,6 +289,30 @@ def test_amx_tile_kernel_equals_the_vnni_tile_kernel_bit_for_bit(n, k, group, sy
     assert torch.allclose(amx.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["vnni", "amx"])
+def test_column_tile_ops_name_a_bad_argument(amx):
+    # both ops check their arguments alike (csrc/q8_common.h check_tiles_args): an error that
+    # names the tensor and the shape it must have, never a crash or a wrong read
+    if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
+        pytest.skip(f"the column-tile ops need the {cpu_q8.TILES_ISA} level, not built here")
+    if amx and cpu_q8.amx_reason(cpu_q8.TILES_ISA) is not None:
+        pytest.skip(f"the AMX tile op does not run here: {cpu_q8.amx_reason(cpu_q8.TILES_ISA)}")
+    ops = cpu_q8.ops(cpu_q8.TILES_ISA)
+    op = ops.int4_linear_q8_tiles_amx if amx else ops.int4_linear_q8_tiles
+    w = cpu_q8.to_tiles(q8_weight(quant_layer(4, 32, 128, 64, True)))
+    x = torch.randn(40, 128)
+    with pytest.raises(RuntimeError, match=r"codes must be contiguous uint8 \[N/16, K/8, 64\]"):
+        op(x, w.codes[:, :8].contiguous(), w.scales, None, 64)
+    with pytest.raises(RuntimeError, match="scales must be contiguous fp32"):
+        op(x, w.codes, w.scales[:, :1].contiguous(), None, 64)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 64"):
+        op(torch.randn(40, 96), w.codes, w.scales, None, 32)
+    with pytest.raises(RuntimeError, match="x must be a contiguous fp32"):
+        op(x.double(), w.codes, w.scales, None, 64)
+    with pytest.raises(RuntimeError, match="offsets must be fp32"):
+        op(x, w.codes, w.scales, torch.zeros(32, 1), 64)
+
+
 def test_amx_is_refused_with_a_reason_off_its_level_or_when_switched_off(monkeypatch):
     assert "avx512vnni" in cpu_q8.amx_reason("avx2")
     monkeypatch.setenv(cpu_q8.AMX_ENV, "0")

@@ -26,9 +26,14 @@
 
 #include <cstring>
 
+// Compilers without AMX intrinsics (GCC before 11) still build the level; the op then says so.
+#if defined(COMPRESS_AVX512VNNI) && defined(__linux__) && __has_include(<amxtileintrin.h>)
+#define COMPRESS_AMX 1
+#endif
+
 namespace compress_q8 {
 
-#if defined(COMPRESS_AVX512VNNI)
+#if defined(COMPRESS_AMX)
 namespace {
 
 constexpr int64_t AMX_ROWS = 16;     // rows of an activation tile and of a result tile
@@ -167,7 +172,7 @@ __attribute__((target("amx-tile,amx-int8"))) void row_tiles(
 
 // Whether this process may use AMX: the CPU has it (CPUID) and Linux granted the tile state.
 bool amx_ready() {
-#if defined(COMPRESS_AVX512VNNI) && defined(__linux__)
+#if defined(COMPRESS_AMX)
   static const bool ready = [] {
     unsigned eax, ebx, ecx, edx;
     __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
@@ -184,29 +189,13 @@ bool amx_ready() {
 at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes,
                                     const at::Tensor& scales,
                                     const std::optional<at::Tensor>& offsets, int64_t group) {
-#if defined(COMPRESS_AVX512VNNI)
+#if defined(COMPRESS_AMX)
   const char* what = "int4_linear_q8_tiles_amx";
   TORCH_CHECK(amx_ready(), what,
               ": this CPU or kernel does not grant AMX-INT8 (use int4_linear_q8_tiles)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
-              ": x must be a contiguous fp32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
-              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
-              ", group=", group, ")");
-  const int64_t G = K / group;
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == K / 8 && codes.size(2) == 64,
-              what, ": codes must be contiguous uint8 [N/16, K/8, 64] for K=", K);
-  const int64_t T = codes.size(0), N = T * 16;
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == 16,
-              what, ": scales must be contiguous fp32 [N/16, K/group, 16]");
-  const bool with_offsets = offsets.has_value() && offsets->defined();
-  if (with_offsets)
-    TORCH_CHECK(offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&
-                    offsets->scalar_type() == at::kFloat,
-                what, ": offsets must be fp32 [N, K/group]");
+  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group);
+  const int64_t M = args.M, K = args.K, G = args.G, T = args.T, N = args.N;
+  const bool with_offsets = args.with_offsets;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, with_offsets);
@@ -262,7 +251,8 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
   }
   return y;
 #else
-  TORCH_CHECK(false, "int4_linear_q8_tiles_amx runs at the avx512vnni level only");
+  TORCH_CHECK(false, "int4_linear_q8_tiles_amx runs at the avx512vnni level, built by a compiler "
+              "with AMX intrinsics (GCC 11 or later), on Linux");
   return at::Tensor();
 #endif
 }

@@ -128,6 +128,38 @@ inline float offset_term(const float* off, const float* xsum, int64_t G) {
   return out;
 }
 
+// The column-tile ops' arguments (q8_tiles.cpp, q8_amx.cpp), checked: x fp32 [M, K], codes
+// uint8 [N/16, K/8, 64], scales fp32 [N/16, K/group, 16], offsets fp32 [N, K/group] or none.
+struct TilesArgs {
+  int64_t M, K, G, T, N;
+  bool with_offsets;
+};
+
+inline TilesArgs check_tiles_args(const char* what, const at::Tensor& x, const at::Tensor& codes,
+                                  const at::Tensor& scales,
+                                  const std::optional<at::Tensor>& offsets, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous fp32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
+              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
+              ", group=", group, ")");
+  const int64_t G = K / group;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == K / 8 && codes.size(2) == 64,
+              what, ": codes must be contiguous uint8 [N/16, K/8, 64] for K=", K);
+  const int64_t T = codes.size(0), N = T * 16;
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == 16,
+              what, ": scales must be contiguous fp32 [N/16, K/group, 16]");
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  if (with_offsets)
+    TORCH_CHECK(offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&
+                    offsets->scalar_type() == at::kFloat,
+                what, ": offsets must be fp32 [N, K/group]");
+  return {M, K, G, T, N, with_offsets};
+}
+
 // Prefill (q8_gemm.cpp): the same block arithmetic as the decode loops with vector lanes over
 // rows, for M >= GEMM_MIN_ROWS. y [M, N] fp32 without the offsets' term (the caller adds it).
 

@@ -75,25 +75,9 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
                                 int64_t group) {
 #if defined(COMPRESS_AVX512VNNI)
   const char* what = "int4_linear_q8_tiles";
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
-              ": x must be a contiguous fp32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
-              ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
-              ", group=", group, ")");
-  const int64_t G = K / group;
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == K / 8 && codes.size(2) == 64,
-              what, ": codes must be contiguous uint8 [N/16, K/8, 64] for K=", K);
-  const int64_t T = codes.size(0), N = T * TILE;
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == TILE,
-              what, ": scales must be contiguous fp32 [N/16, K/group, 16]");
-  const bool with_offsets = offsets.has_value() && offsets->defined();
-  if (with_offsets)
-    TORCH_CHECK(offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&
-                    offsets->scalar_type() == at::kFloat,
-                what, ": offsets must be fp32 [N, K/group]");
+  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group);
+  const int64_t M = args.M, K = args.K, G = args.G, T = args.T, N = args.N;
+  const bool with_offsets = args.with_offsets;
   const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, with_offsets);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
