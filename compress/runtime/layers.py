@@ -41,6 +41,16 @@ from compress.runtime.families import (
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
 
+# fp32 weights from this many elements (16 MB) are held packed for oneDNN in eager runtimes
+# (``_FloatLinear.pack``). Measured on a Xeon (AVX-512/AMX), 2 threads, torch 2.13, per call,
+# plain F.linear / packed, weights from DRAM: 2048x2048 at 1 row 564 / 631 us, 4 rows 1121 /
+# 810, 8 rows 1478 / 901, 32 rows 1749 / 1297; 11008x4096 at 1 row 5688 / 6587, 8 rows 18297 /
+# 9053. Below it the gain shrinks and one row loses more: 1024x1024 at 8 rows 218 / 261 us,
+# 3072x576 (SmolLM2's gate/up) at 1 row 258 / 307, at 8 rows 661 / 545 (docs/notes/
+# 2026-12-04-amx-prefill.md).
+FP32_PACK_MIN_ELEMENTS = 1 << 22
+
+
 # ---- linear layers, re-held per phase --------------------------------------------------
 class _FloatLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prefill, decode) -> None:
@@ -53,26 +63,39 @@ class _FloatLinear(nn.Module):
         )
         self.bias = None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
         self.n = weight.shape[0]
-        self.packed = None  # oneDNN's blocked copy of a bf16 weight (``pack``)
+        self.packed = None  # oneDNN's blocked copy of the weight (``pack``)
+        self.packed_dtype = weight.dtype
 
     def pack(self) -> bool:
-        """Hold a bf16 weight that both phases use in oneDNN's blocked layout instead, for
-        eager callers on a CPU with bf16 matmuls (dynamo cannot trace the opaque tensor). Plain
-        ``F.linear`` reorders a bf16 weight on every call: measured on a Xeon (AMX), 2 threads,
-        SmolLM2's shapes at 1-32 rows 37-76 us a call against 24-40 packed, and 1.1-1.5x faster
-        from 128 rows on; outputs equal at 1-32 rows, within one bf16 rounding beyond (another
-        blocking of the sum). Returns whether it packed; the plain weight is then released."""
+        """Hold a weight that both phases use in oneDNN's blocked layout instead, for eager
+        callers on a CPU (dynamo cannot trace the opaque tensor): bf16 weights on a CPU with
+        bf16 matmuls, and fp32 weights of at least ``FP32_PACK_MIN_ELEMENTS``.
+
+        bf16: plain ``F.linear`` reorders the weight on every call. Measured on a Xeon (AMX), 2
+        threads, SmolLM2's shapes at 1-32 rows: 37-76 us a call against 24-40 packed, and
+        1.1-1.5x faster from 128 rows on. Outputs are equal at 1-32 rows and within one bf16
+        rounding beyond (another blocking of the sum).
+
+        fp32: ATen's GEMM (MKL) halves its speed from 4 rows on for large weights, where
+        oneDNN's does not; the packed layout costs 12-17% more at one row and 26-30% at two
+        (``FP32_PACK_MIN_ELEMENTS`` says where this was measured). Outputs are within fp32
+        rounding (another summation order).
+
+        Returns whether it packed; the plain weight is then released."""
         if self.packed is not None:
             return True
         w = self.w_decode
-        if (
-            self.w_prefill is not w
-            or w.dtype != torch.bfloat16
-            or w.device.type != "cpu"
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        ):
+        if self.w_prefill is not w or w.device.type != "cpu":
+            return False
+        if w.dtype == torch.bfloat16:
+            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return False
+        elif w.dtype != torch.float32 or w.numel() < FP32_PACK_MIN_ELEMENTS:
+            return False
+        if not torch.backends.mkldnn.is_available():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        self.packed_dtype = w.dtype
         self.w_prefill = self.w_decode = None
         return True
 
@@ -98,7 +121,7 @@ class _FloatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if self.packed is not None:
-            x = x.to(torch.bfloat16).contiguous()
+            x = x.to(self.packed_dtype).contiguous()
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "").float()
         else:
             w = self.w_decode if decode else self.w_prefill

@@ -448,9 +448,37 @@ def test_packed_bf16_linear_equals_plain_and_stacks():
         assert torch.equal(stacked(x, False), torch.cat(packed, -1))
         parts = [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
                  for i, w in enumerate(ws)]  # fmt: skip
-    # mixed dtypes per phase or fp32 weights stay plain
+    # mixed dtypes per phase, or fp32 weights below FP32_PACK_MIN_ELEMENTS, stay plain
     assert not _FloatLinear(ws[0], None, torch.float32, torch.bfloat16).pack()
     assert not _FloatLinear(ws[0], None, torch.float32, torch.float32).pack()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_large_fp32_linears_pack_within_fp32_rounding():
+    """From FP32_PACK_MIN_ELEMENTS on, an fp32 weight is held packed for oneDNN (ATen's GEMM is
+    slow on large weights at 4+ rows); its outputs stay within fp32 rounding of F.linear in
+    float64 (a second path), at decode's rows and a prompt's, with a bias; stacked parts too."""
+    from compress.runtime.layers import FP32_PACK_MIN_ELEMENTS, _FloatLinear
+
+    torch.manual_seed(0)
+    k = 1024
+    n = FP32_PACK_MIN_ELEMENTS // k
+    w, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
+    small = _FloatLinear(w[: n // 2].clone(), None, torch.float32, torch.float32)
+    assert not small.pack() and small.w_decode is not None  # below the size: plain
+    parts = [_FloatLinear(w[: n // 2], bias[: n // 2], torch.float32, torch.float32),
+             _FloatLinear(w[n // 2 :], None, torch.float32, torch.float32)]  # fmt: skip
+    stacked = _FloatLinear.stacked_packed(parts)  # together they reach the size
+    assert stacked is not None and stacked.packed is not None and stacked.w_decode is None
+    layer = _FloatLinear(w, bias, torch.float32, torch.float32)
+    assert layer.pack() and layer.w_decode is None
+    for rows in (1, 4, 300):
+        x = torch.randn(rows, k)
+        want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        half_bias = want - torch.cat([torch.zeros(n // 2), bias[n // 2 :]]).double()
+        for got, ref in ((layer(x, True), want), (stacked(x, False), half_bias)):
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-4)
 
 
 @needs_bf16
