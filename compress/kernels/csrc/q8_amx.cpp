@@ -37,7 +37,6 @@ namespace compress_q8 {
 namespace {
 
 constexpr int64_t AMX_ROWS = 16;     // rows of an activation tile and of a result tile
-constexpr int64_t TILE_BLOCK = 256;  // bytes of a column tile per block of 32 (q8_tiles.cpp)
 constexpr int64_t B_BYTES = 512;     // an unpacked B tile: 8 rows x 64 bytes
 constexpr int64_t A_BYTES = 512;     // an activation tile: 16 rows x 32 bytes
 
@@ -81,8 +80,9 @@ inline void unpack_tile(const uint8_t* tile, int64_t K, int8_t* out) {
   }
 }
 
-// Block b's dots of MT row tiles (q: their int8 activations at the block, rows K apart) and NT
-// column tiles (w0, w1: their B tiles of the block). GCC's tile intrinsics paste their tile
+// Block b's dots of MT row tiles (q: the first row tile's A tile of the block, 512 contiguous
+// bytes; the second row tile's is 16 K bytes further) and NT column tiles (w0, w1: their B
+// tiles of the block). GCC's tile intrinsics paste their tile
 // numbers into the assembly, so every tile is named by a literal.
 template <int MT, int NT>
 __attribute__((target("amx-tile,amx-int8"))) inline void block_dots(const int8_t* q, int64_t K,
@@ -116,7 +116,8 @@ __attribute__((target("amx-tile"))) inline void store_dots(int32_t* out) {
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, out + 768, 64);
 }
 
-// MT row tiles (q: [16 MT, K] int8 from row m0, sx: their block scales, B apart) times NT
+// MT row tiles (q: their A tiles, [MT][K/32][16][32] int8 from row m0; sx: their block scales,
+// B apart) times NT
 // column tiles (wb: their B tiles, one after the other; ws: their scales [G, 16] each, G * 16
 // apart): y rows m0 .. m0 + rows - 1, columns col0 .. col0 + 16 NT - 1.
 //

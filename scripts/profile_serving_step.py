@@ -1,0 +1,75 @@
+"""One scheduler decode step of a served export, the way ``compress serve`` runs it (eager
+runtime, our integer kernels, paged KV cache): ROWS requests of 128-token prompts are prefilled,
+then the median of 8 decode steps is printed; ``--profile`` adds torch.profiler's ops by self
+CPU time over 5 more steps. ``--no-fp32-pack`` keeps fp32 weights plain (``F.linear``) to time
+``FP32_PACK_MIN_ELEMENTS`` against.
+
+    S=~/.cache/compress/serving  # the exports scripts/bench_serving.py writes and caches
+    python scripts/profile_serving_step.py $S/synthetic-1b-w4 28 --dtype bfloat16 --profile
+    python scripts/profile_serving_step.py $S/smollm2-base 32 --dtype bfloat16 --profile
+    python scripts/profile_serving_step.py $S/synthetic-1b-base 8 --no-fp32-pack
+
+``--dtype bfloat16`` is what ``compress serve`` picks for these bf16 exports (float layers,
+head and KV pages in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from compress.eval.report import environment
+from compress.io.load import load_model
+from compress.runtime import layers
+from compress.runtime.engine import Runtime
+from compress.runtime.scheduler import Scheduler
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("export")
+    p.add_argument("rows", type=int, help="requests decoding together")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float layers' matmul dtype (serve's --dtype)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-fp32-pack", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.no_fp32_pack:
+        layers.FP32_PACK_MIN_ELEMENTS = 1 << 62
+    matmul = torch.bfloat16 if args.dtype == "bfloat16" else None
+    runtime = Runtime(load_model(args.export).model, max_seq_len=2048, compile=False,
+                      prefill_dtype=matmul, decode_dtype=matmul, int4_kernel="q4q8",
+                      int8_kernel="q8q8", static_cache=False)  # fmt: skip
+    scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=max(32, args.rows))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(args.rows):  # token ids every supported vocabulary has
+        scheduler.add(torch.randint(100, 30000, (128,), generator=generator).tolist(), 40)
+    while scheduler.waiting or any(s.num_computed < len(s.prompt) for s in scheduler.running):
+        scheduler.step()
+    for _ in range(3):
+        scheduler.step()
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        scheduler.step()
+        times.append(time.perf_counter() - start)
+    env = environment()
+    print(f"{env['cpu']} ({', '.join(env['cpu_flags'])}); torch {env['torch']}; "
+          f"{env['threads']} threads; {env['date']}")
+    print(f"{args.export}, {args.rows} rows, {args.dtype}: decode step median "
+          f"{1e3 * statistics.median(times):.1f} ms (min {1e3 * min(times):.1f})")  # fmt: skip
+    if args.profile:
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                scheduler.step()
+        print("5 steps:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
