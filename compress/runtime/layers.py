@@ -43,11 +43,11 @@ LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}
 
 # fp32 weights from this many elements (16 MB) are held packed for oneDNN in eager runtimes
 # (``_FloatLinear.pack``). Measured on a Xeon (AVX-512/AMX), 2 threads, torch 2.13, per call,
-# plain F.linear / packed, weights from DRAM: 2048x2048 at 1 row 564 / 631 us, 4 rows 1121 /
-# 810, 8 rows 1478 / 901, 32 rows 1749 / 1297; 11008x4096 at 1 row 5688 / 6587, 8 rows 18297 /
-# 9053. Below it the gain shrinks and one row loses more: 1024x1024 at 8 rows 218 / 261 us,
-# 3072x576 (SmolLM2's gate/up) at 1 row 258 / 307, at 8 rows 661 / 545 (docs/notes/
-# 2026-12-04-amx-prefill.md).
+# plain F.linear / packed, weights from DRAM (scripts/bench_float_linears.py): 2048x2048 at 1
+# row 539 / 631 us, 4 rows 1064 / 790, 8 rows 1405 / 914, 32 rows 1784 / 1414; 11008x4096 at 1
+# row 5455 / 6430, 8 rows 17298 / 10019. Below it the gain shrinks and one row loses more:
+# 1024x1024 at 8 rows 231 / 254 us, 3072x576 (SmolLM2's gate/up) at 1 row 267 / 289, at 8 rows
+# 747 / 784 (docs/notes/2026-12-04-amx-prefill.md).
 FP32_PACK_MIN_ELEMENTS = 1 << 22
 
 
@@ -77,7 +77,7 @@ class _FloatLinear(nn.Module):
         rounding beyond (another blocking of the sum).
 
         fp32: ATen's GEMM (MKL) halves its speed from 4 rows on for large weights, where
-        oneDNN's does not; the packed layout costs 12-17% more at one row and 26-30% at two
+        oneDNN's does not; the packed layout costs 12-18% more at one row and 32-35% at two
         (``FP32_PACK_MIN_ELEMENTS`` says where this was measured). Outputs are within fp32
         rounding (another summation order).
 
