@@ -459,10 +459,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    "arrival_s (seconds from the start) and optional prompt_tokens/output_tokens")
     p.add_argument("--max-batch", type=int, default=8,
                    help="poisson/trace workloads: requests decoded together at most (default 8)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+    p.add_argument("--kv-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "int8", "fp8"],
                    help="batch/poisson/trace workloads: the paged KV cache's storage (auto: the "
-                   "runtime's, fp32 on a CPU; int8: per token and head scales), as `compress "
-                   "serve --kv-dtype`")
+                   "runtime's, fp32 on a CPU; int8: per token and head scales; fp8: e4m3 with "
+                   "the checkpoint's per-layer scales), as `compress serve --kv-dtype`")
     p.add_argument("--engine", default="runtime", choices=["runtime", "hf"],
                    help="latency engine: runtime = our runtime (single: its static cache, what "
                    "`compress generate` runs; other workloads: its continuous-batching scheduler "
@@ -729,10 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_srv.add_argument("--kv-memory", default="1GB",
                        help="memory for the paged KV cache, e.g. 512MB or 2GiB")
     p_srv.add_argument("--kv-dtype", default="auto",
-                       choices=["auto", "float32", "bfloat16", "int8"],
+                       choices=["auto", "float32", "bfloat16", "int8", "fp8"],
                        help="KV cache storage (auto: the float layers' dtype where decode "
                        "attends in the pool, i.e. where our CPU kernels build, else float32 on a "
-                       "CPU; int8: per token and head scales, about half of bf16's bytes)")
+                       "CPU; int8: per token and head scales, about half of bf16's bytes; fp8: "
+                       "e4m3, half of bf16's bytes, with the per-layer scales a "
+                       "quantize.kv_cache_fp8 pass wrote into the checkpoint, 1.0 without)")
     p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_srv.add_argument("--max-batch", type=int, default=32, help="requests running at once")
     p_srv.add_argument("--prefill-budget", type=int, default=256,

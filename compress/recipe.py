@@ -42,6 +42,7 @@ from compress.quant import (  # noqa: F401
     awq,
     bnb,  # imports bitsandbytes only when run
     gptq,
+    kv_cache,
     rotate,
     rtn,
     smoothquant,
@@ -122,8 +123,9 @@ class LatencyConfig(_Section):
     requests: Annotated[int, Field(ge=1), at_most(4096, "each is a full request")] = 16
     max_batch: Annotated[int, Field(ge=1, le=256)] = 8  # poisson: decoded together at most
     # batch/poisson: the paged KV cache's storage (auto: the runtime's, fp32 on a CPU; int8:
-    # per token and head scales, about half of bf16's bytes), as `compress serve --kv-dtype`
-    kv_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    # per token and head scales, about half of bf16's bytes; fp8: e4m3 with the checkpoint's
+    # per-layer scales from quantize.kv_cache_fp8, 1.0 without), as `compress serve --kv-dtype`
+    kv_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
 
     prompts: Annotated[  # requests per round
         int, Field(ge=1), at_most(1024, "requests are timed one after another")

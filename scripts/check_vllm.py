@@ -10,7 +10,10 @@ same way: the unquantized model in vLLM (bf16) against ours (fp32). Cases:
 - the real SmolLM2-135M: the floor in bf16 and in fp32, W4 RTN symmetric and asymmetric (g128,
   g64 fallback), mixed groups and bits, W8 weight-only, SmoothQuant W8A8; for these also the
   agreement of each variant with its own baseline, in vLLM and in ours (quantization changes the
-  same tokens in both when both read the export alike);
+  same tokens in both when both read the export alike); W4 with calibrated fp8 KV-cache scales
+  (``kv_cache_scheme``), run by vLLM with ``--kv-cache-dtype fp8`` and by our runtime through
+  fp8 pages (``compress.runtime.paged.paged_logits``: every key written and read back, as
+  vLLM's cache does);
 - every runtime family (``compress.arch.runtime_model_types``: dense and MoE), as random models of
   a shape vLLM's CPU kernels take (head_dim 64, SmolLM2's tokenizer): unquantized and W4. Random
   weights say "loads and computes the same function", not "keeps quality".
@@ -52,13 +55,16 @@ KINDS: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "w4-mixed": (W4, (MIXED,)),  # as w4-groups, and the first and last down_proj W8 per channel
     "w8": ("recipes/smollm2-w8-rtn.yaml", ()),
     "w8a8-smoothquant": ("recipes/smollm2-w8a8-smoothquant.yaml", ("calibration.num_samples=16",)),
+    "w4-sym-fp8kv": ("recipes/smollm2-w4g128-rtn-fp8kv.yaml", ()),
     "w4-experts-float": (W4, (EXPERTS_FLOAT,)),
     "w8a8-smoothquant-experts-float": (
         "recipes/smollm2-w8a8-smoothquant.yaml",
         ("calibration.num_samples=16", EXPERTS_FLOAT),
     ),
 }
-REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-groups", "w4-mixed", "w8", "w8a8-smoothquant")
+REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-groups", "w4-mixed", "w8", "w8a8-smoothquant",
+              "w4-sym-fp8kv")
+FP8_KV_KINDS = ("w4-sym-fp8kv",)  # served with fp8 KV pages, in vLLM and in ours
 FAMILY_KINDS = ("base", "w4-sym")
 MOE_KINDS = ("base", "w4-sym", "w4-experts-float", "w8a8-smoothquant-experts-float")
 # random models vLLM's CPU attention takes (head_dim 64) with SmolLM2's vocabulary; sliding
@@ -270,20 +276,39 @@ def export(case: Case, model_dir: Path, out: Path, log: Path) -> str | None:
     return refusal_reason(f"compress run exited {proc.returncode}", log.read_text())
 
 
-def ours_scores(path: Path, ids: list[int]) -> dict:
-    """Our argmax after each position and log-prob of each next token (fp32, compress.load)."""
+def ours_scores(path: Path, ids: list[int], fp8_kv: bool = False) -> dict:
+    """Our argmax after each position and log-prob of each next token (fp32, compress.load);
+    ``fp8_kv``: through our runtime with fp8 KV pages at the checkpoint's scales, every key
+    written and read back (``paged_logits``)."""
     import torch
 
     import compress
 
     loaded = compress.load(str(path))
     with torch.no_grad():
-        logits = loaded.model(torch.tensor([ids])).logits[0, :-1].float()  # [T-1, vocab]
+        if fp8_kv:
+            from compress.runtime.engine import Runtime
+            from compress.runtime.paged import FP8, PagedKVCache, paged_logits
+
+            runtime = Runtime(loaded.model, max_seq_len=len(ids), compile=False,
+                              static_cache=False)  # fmt: skip
+            if runtime.kv_scales is None:
+                raise RuntimeError(f"{path} has no fp8 KV-cache scales")
+            first = runtime.layers[0]
+            cache = PagedKVCache(
+                n_layers=len(runtime.layers), num_blocks=-(-len(ids) // 16), block_size=16,
+                n_kv=first.n_kv, head_dim=first.head_dim, dtype=FP8,
+                compute_dtype=runtime.kv_dtype, kv_scales=runtime.kv_scales,
+            )  # fmt: skip
+            logits = paged_logits(runtime, cache, ids)[:-1].float()
+        else:
+            logits = loaded.model(torch.tensor([ids])).logits[0, :-1].float()  # [T-1, vocab]
     logprob = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     return {"argmax": logits.argmax(-1).tolist(), "logprob": logprob.tolist()}
 
 
-def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path, env: dict) -> dict:
+def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path, env: dict,
+                kv_cache_dtype: str = "auto") -> dict:
     result = log.with_suffix(".json")
     result.unlink(missing_ok=True)
     cmd = [
@@ -294,6 +319,8 @@ def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path,
         str(result),
         "--dtype",
         dtype,
+        "--kv-cache-dtype",
+        kv_cache_dtype,
     ]
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
@@ -322,13 +349,14 @@ def run_case(case: Case, ctx: dict) -> dict:
         case.vllm_dtype,
         out / "logs" / f"{safe}.vllm.log",
         ctx["env"],
+        "fp8" if case.kind in FP8_KV_KINDS else "auto",
     )
     if not vllm["ok"]:
         log = (out / "logs" / f"{safe}.vllm.log").read_text()
         return {"status": "refused", "error": refusal_reason(vllm["error"], log)}
     key = (case.model, case.kind)
     if key not in ctx["ours"]:
-        ctx["ours"][key] = ours_scores(path, ctx["ids"])
+        ctx["ours"][key] = ours_scores(path, ctx["ids"], fp8_kv=case.kind in FP8_KV_KINDS)
     return {
         "status": "ok",
         "vllm": vllm,
@@ -355,7 +383,8 @@ def _header(args, versions: dict) -> dict:
         f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib:g} GiB",
         "passage": f"first {PASSAGE_TOKENS} tokens of WikiText-2 test (wiki.test.raw), "
         f"{PASSAGE_TOKENS - 1} scored positions, teacher-forced",
-        "ours": "compress.load, fp32 activations, auto backend",
+        "ours": "compress.load, fp32 activations, auto backend (fp8-KV kinds: our runtime "
+        "over fp8 pages at the checkpoint's scales)",
     }
 
 

@@ -1,9 +1,10 @@
 """Teacher-forced next-token scores of one checkpoint in vLLM; run by check_vllm.py with the
 interpreter of the cached vLLM venv (scripts/vllm_env.py). It imports vllm only, never compress.
 
-``vllm_score.py MODEL IDS_JSON OUT_JSON --dtype bfloat16`` feeds the token ids of IDS_JSON as one
-prompt to an offline ``vllm.LLM`` (enforce_eager, no prefix cache) with ``prompt_logprobs=1`` and
-``max_tokens=1``, and writes for every position i >= 1 the most likely token vLLM gives for it
+``vllm_score.py MODEL IDS_JSON OUT_JSON --dtype bfloat16 [--kv-cache-dtype fp8]`` feeds the
+token ids of IDS_JSON as one prompt to an offline ``vllm.LLM`` (enforce_eager, no prefix
+cache) with ``prompt_logprobs=1`` and ``max_tokens=1``, and writes for every position i >= 1
+the most likely token vLLM gives for it
 from the ids before it (rank 1 of the prompt logprobs) and the log-probability of the actual
 token. Position i of that list predicts ids[i], i.e. it pairs with logits[i - 1] of a forward
 pass. OUT_JSON gets ``{"ok": true, "argmax": [...], "logprob": [...], ...}``; when vLLM
@@ -19,7 +20,8 @@ import time
 import traceback
 
 
-def score(model: str, ids: list[int], dtype: str, max_model_len: int) -> dict:
+def score(model: str, ids: list[int], dtype: str, max_model_len: int,
+          kv_cache_dtype: str = "auto") -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -32,6 +34,7 @@ def score(model: str, ids: list[int], dtype: str, max_model_len: int) -> dict:
         max_num_seqs=1,
         enable_prefix_caching=False,
         seed=0,
+        kv_cache_dtype=kv_cache_dtype,
     )
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
@@ -47,6 +50,7 @@ def score(model: str, ids: list[int], dtype: str, max_model_len: int) -> dict:
         "logprob": logprob,
         "vllm": vllm.__version__,
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "load_s": round(loaded - started, 1),
         "score_s": round(time.perf_counter() - loaded, 1),
     }
@@ -59,10 +63,12 @@ def main() -> None:
     parser.add_argument("out_json")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's KV cache storage (fp8: the checkpoint's k/v scales)")
     args = parser.parse_args()
     ids = json.loads(open(args.ids_json).read())
     try:
-        result = score(args.model, ids, args.dtype, args.max_model_len)
+        result = score(args.model, ids, args.dtype, args.max_model_len, args.kv_cache_dtype)
     except Exception as exc:  # noqa: BLE001  (a refusal is a result: report it, do not crash)
         result = {
             "ok": False,

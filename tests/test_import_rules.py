@@ -36,8 +36,8 @@ PACKAGE_DIRS = {"compress": "compress"}
 # Who is a pass, read from the folders (a new algorithm module is covered without a list edit):
 # every module of compress/quant/ except the shared ones below, every module of compress/prune/
 # except its shared ones, and distillation.
-QUANT_SHARED = {  # shared by the algorithms
-    "scheme", "primitives", "linear", "calibrated", "coverage", "experts",
+QUANT_SHARED = {  # shared by the algorithms (kv_scales: also by checkpoint I/O and the runtime)
+    "scheme", "primitives", "linear", "calibrated", "coverage", "experts", "kv_scales",
 }  # fmt: skip
 PRUNE_SHARED = {"config", "slicing"}  # shared by the structured-pruning passes
 PASS_SHARED = {
@@ -65,7 +65,7 @@ def pass_algorithms(modules: Iterable[str]) -> set[str]:
 def io_modules(modules: Iterable[str]) -> set[str]:
     """Checkpoint writing/reading/inspection, the load path and the layer types it builds."""
     io = {name for name in modules if name.startswith("compress.io.")}
-    return io | {"compress.quant.linear", "compress.output_dir"}
+    return io | {"compress.quant.linear", "compress.quant.kv_scales", "compress.output_dir"}
 
 
 KERNEL_DEPENDENCIES = {"torch", "triton", "numpy"}

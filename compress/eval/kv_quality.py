@@ -57,8 +57,9 @@ def kv_cache_quality(
             n_kv=first.n_kv,
             head_dim=first.head_dim,
             dtype=KV_DTYPES[name],
-            compute_dtype=runtime.kv_dtype if name == "int8" else KV_DTYPES[name],
+            compute_dtype=runtime.kv_dtype if name in ("int8", "fp8") else KV_DTYPES[name],
             device=runtime.device,
+            kv_scales=runtime.kv_scales if name == "fp8" else None,
         )
         for name in (reference, *kv_dtypes)
     }
@@ -99,5 +100,7 @@ def kv_cache_quality(
         "scored_tokens": scored,
         "context_length": context_length,
         "request_tokens": request_tokens,
+        # fp8 pages' per-layer scales: the checkpoint's (quantize.kv_cache_fp8) or vLLM's 1.0
+        "fp8_scales": "calibrated" if runtime.kv_scales is not None else "1.0",
         "dtypes": per_dtype,
     }

@@ -36,6 +36,7 @@ from compress.core.matcher import matches
 from compress.core.registry import DTYPES
 from compress.io.stream import compute_narrow_in, keeps_stored_dtype, no_weight_init
 from compress.output_dir import check_output_dir, set_permissions, write_marker
+from compress.quant.kv_scales import KV_CACHE_SCHEME, add_kv_scale_buffers, has_kv_scales
 from compress.quant.linear import (
     INPUT_ACTIVATIONS,
     QuantExperts,
@@ -88,7 +89,8 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
             by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(rename(name))
         elif isinstance(module, nn.Linear):
             plain_linears.append(rename(name))
-    if not by_scheme:
+    kv_scheme = dict(KV_CACHE_SCHEME) if has_kv_scales(model) else None
+    if not by_scheme and kv_scheme is None:
         return None
     single = len(by_scheme) == 1
     groups = {}
@@ -102,14 +104,16 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
             "output_activations": None,
             "format": scheme.format,
         }
-    formats = {scheme.format for scheme, _ in by_scheme}
+    # no quantized weight (an fp8 KV cache alone): compressed-tensors' "dense"
+    formats = {scheme.format for scheme, _ in by_scheme} or {"dense"}
     return {
         "quant_method": "compressed-tensors",
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": sorted(plain_linears),
-        "kv_cache_scheme": None,
+        # fp8 KV-cache scales (quantize.kv_cache_fp8): self_attn.k_scale / v_scale per layer
+        "kv_cache_scheme": kv_scheme,
         "global_compression_ratio": None,
     }
 
@@ -219,10 +223,15 @@ def _tied_head_key(model: nn.Module) -> str | None:
     return output_weight_key(model) if tied else None
 
 
+# tensors stored in their own dtype, never the export's or the compute dtype
+SCALE_SUFFIXES = ("weight_scale", ".k_scale", ".v_scale")
+
+
 def export_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` as the checkpoint stores it: floating tensors in the export ``dtype`` except
-    quantization scales (they keep their own), contiguous, on the CPU."""
-    if tensor.is_floating_point() and not name.endswith(("weight_scale",)):
+    quantization scales (they keep their own: weight scales, fp32 KV-cache scales), contiguous,
+    on the CPU."""
+    if tensor.is_floating_point() and not name.endswith(SCALE_SUFFIXES):
         tensor = tensor.to(dtype)
     return tensor.detach().cpu().contiguous()
 
@@ -477,7 +486,7 @@ def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torc
     tensors: dict[str, torch.Tensor] = {}
     for name in reader.names():
         tensor = reader.read(name)
-        if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
+        if dtype is not None and tensor.is_floating_point() and not name.endswith(SCALE_SUFFIXES):
             tensor = tensor.to(dtype)
         tensors[name] = tensor
     return tensors
@@ -625,6 +634,8 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     model = meta_skeleton(path)
     if _moe_arch(model) is not None:
         return None
+    if quant.get("kv_cache_scheme"):
+        add_kv_scale_buffers(model)  # read below like every other tensor
     reader = CheckpointReader(path)
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
                            path, dtype, backend)
@@ -724,6 +735,8 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
     tensors = _load_moe_experts(model, read_tensors(path, dtype), quant, dtype, backend)
+    if quant.get("kv_cache_scheme"):
+        add_kv_scale_buffers(model)
     swap_quantized_linears(model, quant, lambda n: None if n not in tensors else tensors[n].dtype,
                            path, dtype, backend)
     check_shapes(path, tensors, model)

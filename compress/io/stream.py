@@ -46,8 +46,8 @@ _DTYPE_NAMES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-# tensors that must be finite for the weights to mean anything (quantized layers)
-_MUST_BE_FINITE = ("weight_scale", "weight_zero_point", "input_scale")
+# tensors that must be finite for the weights to mean anything (quantized layers, fp8 KV scales)
+_MUST_BE_FINITE = ("weight_scale", "weight_zero_point", "input_scale", "k_scale", "v_scale")
 
 
 def parse_size(size: int | str) -> int:
@@ -391,10 +391,11 @@ KEEP_STORED_BYTES = 1 << 20
 def keeps_stored_dtype(name: str, stored: torch.dtype, numel: int, dtype: torch.dtype, *,
                        quantized: bool) -> bool:
     """Whether ``load_compressed`` keeps tensor ``name`` as stored rather than casting it to
-    the compute ``dtype``: integer tensors and scales always; a quantized layer's other float
-    tensors never; a dense float tensor when it is stored narrower than ``dtype`` and holds
-    at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
-    if not stored.is_floating_point or name.endswith("weight_scale") or stored == dtype:
+    the compute ``dtype``: integer tensors and scales (weight, KV cache) always; a quantized
+    layer's other float tensors never; a dense float tensor when it is stored narrower than
+    ``dtype`` and holds at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
+    if (not stored.is_floating_point or name.endswith(("weight_scale", ".k_scale", ".v_scale"))
+            or stored == dtype):
         return True
     if quantized:
         return False

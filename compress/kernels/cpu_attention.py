@@ -13,7 +13,8 @@ import torch
 
 from compress.kernels import cpu_q8
 
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # page dtypes the kernel reads
+# page dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 def unavailable_reason(pool_dtype: torch.dtype, device: torch.device) -> str | None:
@@ -21,7 +22,7 @@ def unavailable_reason(pool_dtype: torch.dtype, device: torch.device) -> str | N
     if device.type != "cpu":
         return f"the pages are on {device.type}, the kernel is CPU-only"
     if pool_dtype not in KV_DTYPES:
-        return f"{pool_dtype} pages (the kernel reads fp32, bf16 or int8 with scales)"
+        return f"{pool_dtype} pages (the kernel reads fp32, bf16, or int8 or fp8 with scales)"
     return cpu_q8.unavailable_reason()
 
 
@@ -40,8 +41,9 @@ def paged_decode_attention(
     isa: str | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] over each row's first ``lengths[b]`` slots of its block table ``tables[b]``
-    in the pools [slots, Hkv, D] -> [B, H, D] fp32. Pools fp32 or bf16, or int8 codes with
-    ``scales`` (k, v) fp32 [slots, Hkv] (each row is code x scale). ``softcap``: scores become
+    in the pools [slots, Hkv, D] -> [B, H, D] fp32. Pools fp32 or bf16, int8 codes with
+    ``scales`` (k, v) fp32 [slots, Hkv] (each row is code x scale), or fp8 e4m3fn with
+    ``scales`` (k, v) fp32 [1] (value x the layer's scale). ``softcap``: scores become
     ``cap * tanh(s / cap)`` (Gemma 2); ``window``: only the last ``window`` keys. ``isa``: the
     build level (default: ``cpu_q8.selected_isa``)."""
     k_scale, v_scale = scales if scales is not None else (None, None)

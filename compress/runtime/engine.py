@@ -48,6 +48,7 @@ from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model
 from compress.core.device import float_dtype
 from compress.kernels import cpu_q8, dispatch
 from compress.memory import return_freed_memory
+from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
     config_unsupported_reason,
@@ -226,6 +227,9 @@ class Runtime:
             fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
             kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
+        # fp8 KV pages' (k_scale, v_scale) per layer from the checkpoint (quantize.kv_cache_fp8;
+        # None: it has none), read by the scheduler's fp8 paged cache
+        self.kv_scales = kv_cache_scales(model)
         wants_q8 = int4_kernel == "q4q8" or int8_kernel == "q8q8"
         q8_reason = dispatch.q8_unavailable_reason() if wants_q8 else None
         if q8_reason is not None:

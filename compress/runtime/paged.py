@@ -16,6 +16,11 @@ layer per step, what the kernel saves.
 (absmax / 127 over head_dim, per token and head: the KIVI/vLLM int8 granularity that keeps an
 outlier token from costing the others precision); a gather dequantizes to fp32. Bytes per
 token and head: head_dim + 4, against 2 * head_dim in bf16 and 4 * head_dim in fp32.
+``kv_dtype`` fp8 stores them as fp8 e4m3fn, value / scale with one scale per layer for keys
+and one for values (``kv_scales``): vLLM's ``--kv-cache-dtype fp8`` and the checkpoint form
+it reads (``kv_cache_scheme`` + ``self_attn.k_scale`` / ``v_scale``,
+``compress/quant/kv_cache.py``). head_dim bytes per token and head; without calibrated scales
+every scale is 1.0, as in vLLM, and values beyond +-448 saturate.
 
 The forward runs the runtime's own layer holders (``layers._Layer``): the projections of every
 token of a step as one call (decode rows of all requests; prefill chunks of several requests
@@ -28,11 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": FP8,
+}  # fmt: skip
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
 def kv_bytes_per_token(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes over all layers in ``dtype`` (int8: codes + scales)."""
+    """Bytes of K and V one token takes over all layers in ``dtype`` (int8: codes + scales;
+    fp8's two scales per layer are not per token)."""
     per_head = head_dim + 4 if dtype == torch.int8 else head_dim * dtype.itemsize
     return 2 * n_layers * n_kv * per_head
 
@@ -51,9 +61,14 @@ class PagedKVCache:
         dtype: torch.dtype,
         compute_dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """``kv_scales``: fp8 pages' (key, value) scale of each layer; None: 1.0 each."""
         if not (dtype.is_floating_point or dtype == torch.int8):  # float: the runtime's own
             raise ValueError(f"kv dtype {dtype} is neither a float dtype nor int8")
+        if kv_scales is not None and (dtype != FP8 or len(kv_scales) != n_layers):
+            raise ValueError(f"kv_scales are one (key, value) pair per layer ({n_layers}) of "
+                             f"fp8 pages; got {len(kv_scales)} for {dtype} pages")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.compute_dtype = dtype, compute_dtype
         slots = num_blocks * block_size
@@ -65,6 +80,13 @@ class PagedKVCache:
             scale = (slots, n_kv)
             self.k_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
             self.v_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
+        elif dtype == FP8:  # one scale per layer: [1] each, as the attention kernel takes it
+            pairs = kv_scales if kv_scales is not None else [(1.0, 1.0)] * n_layers
+            for k_s, v_s in pairs:
+                if not (k_s > 0 and v_s > 0 and k_s < float("inf") and v_s < float("inf")):
+                    raise ValueError(f"fp8 KV scales must be finite and > 0, got {k_s}, {v_s}")
+            self.k_scale = [torch.tensor([float(k_s)], device=device) for k_s, _ in pairs]
+            self.v_scale = [torch.tensor([float(v_s)], device=device) for _, v_s in pairs]
         self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -74,6 +96,10 @@ class PagedKVCache:
             self.v[layer].index_copy_(0, slots, v.to(self.dtype))
             return
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.dtype == FP8:  # index_copy_ has no fp8 kernel: copy the bytes
+                q = quantize_fp8(x, scales[layer])
+                codes[layer].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+                continue
             q, s = quantize_int8(x)
             codes[layer].index_copy_(0, slots, q)
             scales[layer].index_copy_(0, slots, s)
@@ -88,7 +114,9 @@ class PagedKVCache:
         for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             pages = codes[layer].view(self.num_blocks, self.block_size, *codes[layer].shape[1:])
             x = pages.index_select(0, flat)  # [B * nb, bs, Hkv, D]
-            if scales is not None:
+            if self.dtype == FP8:
+                x = dequantize_fp8(x, scales[layer])
+            elif scales is not None:
                 s = scales[layer].view(self.num_blocks, self.block_size, -1).index_select(0, flat)
                 x = dequantize_int8(x, s)
             x = x.to(self.compute_dtype).view(b, nb * self.block_size, *x.shape[2:])[:, :length]
@@ -107,6 +135,16 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The reference inverse of ``quantize_int8``: codes * scale, fp32."""
     return codes.float() * scale[..., None]
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale as fp8 e4m3fn, saturated at +-448 (one per-tensor ``scale``, fp32 [1])."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference inverse of ``quantize_fp8``: value x scale, fp32."""
+    return codes.float() * scale
 
 
 @dataclass

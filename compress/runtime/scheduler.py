@@ -31,6 +31,7 @@ cached keys (they gather, ``runtime/paged.py``).
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from compress.kernels import cpu_attention
 from compress.runtime.blocks import ROOT_KEY, BlockPool, block_key
 from compress.runtime.engine import Runtime
 from compress.runtime.paged import (
+    FP8,
     KV_DTYPES,
     PagedKVCache,
     Segment,
@@ -47,6 +49,8 @@ from compress.runtime.paged import (
     kv_bytes_per_token,
 )
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
+
+log = logging.getLogger(__name__)
 
 ATTENTION = ("auto", "kernel", "reference")  # how decode steps attend (Scheduler)
 
@@ -106,10 +110,12 @@ class Scheduler:
     prompt tokens plus the decode rows where both run as one forward (at least a block of
     prompt tokens a step; see ``mixed_reason``); ``mix``: False runs decode rows and chunks as
     two forwards always; ``kv_dtype``: ``None`` (the runtime's KV dtype), ``"float32"``,
-    ``"bfloat16"`` or ``"int8"``; ``attention``: how decode steps attend, ``"kernel"`` (read
-    each row's slots in the pool: ``kernels.cpu_attention``, CPU), ``"reference"`` (gather the
-    rows' blocks, then the contiguous runtime's attention: its numbers bit for bit; int8 pages
-    dequantized to the runtime's KV dtype first) or ``"auto"`` (the kernel where it runs)."""
+    ``"bfloat16"``, ``"int8"`` or ``"fp8"`` (e4m3 with the runtime's ``kv_scales``, from the
+    checkpoint; 1.0 each without, with a warning); ``attention``: how decode steps attend,
+    ``"kernel"`` (read each row's slots in the pool: ``kernels.cpu_attention``, CPU),
+    ``"reference"`` (gather the rows' blocks, then the contiguous runtime's attention: its
+    numbers bit for bit; int8 and fp8 pages dequantized to the runtime's KV dtype first) or
+    ``"auto"`` (the kernel where it runs)."""
 
     def __init__(
         self,
@@ -149,8 +155,15 @@ class Scheduler:
                 f"kv_memory={kv_memory} bytes holds no block of {block_size} tokens "
                 f"({per_block} bytes each); give more KV memory"
             )
-        # int8 pages dequantize to the dtype the contiguous runtime would attend in
-        compute = runtime.kv_dtype if dtype == torch.int8 else dtype
+        # int8 and fp8 pages dequantize to the dtype the contiguous runtime would attend in
+        compute = runtime.kv_dtype if dtype in (torch.int8, FP8) else dtype
+        kv_scales = None
+        if dtype == FP8:
+            kv_scales = runtime.kv_scales
+            if kv_scales is None:
+                log.warning("fp8 KV pages without calibrated scales: every scale is 1.0 and keys "
+                            "or values beyond +-448 saturate; run quantize.kv_cache_fp8 on the "
+                            "checkpoint")
         self.cache = PagedKVCache(
             n_layers=len(runtime.layers),
             num_blocks=num_blocks,
@@ -160,6 +173,7 @@ class Scheduler:
             dtype=dtype,
             compute_dtype=compute,
             device=runtime.device,
+            kv_scales=kv_scales,
         )
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")

@@ -48,8 +48,12 @@ def test_kv_quality_reports_cost_and_capacity(model):
         limit=3,
         block_size=4,
         request_tokens=64,
+        kv_dtypes=("bfloat16", "int8", "fp8"),
     )
     fp32, bf16, int8 = (result["dtypes"][k] for k in ("float32", "bfloat16", "int8"))
+    fp8 = result["dtypes"]["fp8"]
+    assert result["fp8_scales"] == "1.0"  # this model has no calibrated scales
+    assert 0.0 < fp8["kl"] < 0.2 and fp8["bytes_per_token"] == 128  # 2 x 2 x 2 x 16
     # each window scores all but its first token (nothing before it in the window)
     assert result["windows"] == 3 and result["scored_tokens"] == 3 * 63
     assert fp32["kl"] == 0.0 and fp32["delta_ppl_pct"] == 0.0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.kernels import cpu_attention, cpu_q8
-from compress.runtime.paged import quantize_int8
+from compress.runtime.paged import FP8, quantize_fp8, quantize_int8
 
 
 def pool_case(b, h, hkv, d, bs, num_blocks, dtype, seed=0):
@@ -22,6 +22,9 @@ def pool_case(b, h, hkv, d, bs, num_blocks, dtype, seed=0):
     if dtype == torch.int8:  # PagedKVCache's rounding: per slot and head
         (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
         scales = (ks, vs)
+    if dtype == FP8:  # one scale per layer; keys past 448 x scale saturate
+        scales = (torch.tensor([0.005]), torch.tensor([0.02]))
+        k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
     k, v = k.to(dtype), v.to(dtype)
     q = torch.randn(b, h, d, generator=g)
     nb = num_blocks // b
@@ -41,7 +44,7 @@ CASES = [  # b, heads, kv heads, head dim, block size, blocks
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"]
+    "dtype", [torch.float32, torch.bfloat16, torch.int8, FP8], ids=["fp32", "bf16", "int8", "fp8"]
 )
 @pytest.mark.parametrize("softcap,window", [(None, None), (None, 5), (20.0, None), (20.0, 7)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
@@ -53,6 +56,26 @@ def test_kernel_equals_the_float64_definition(isa, case, softcap, window, dtype)
     want = cpu_attention.paged_decode_attention_reference(*args, scales=scales)
     assert got.dtype == torch.float32 and got.shape == (b, h, d)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_pages_decode_every_code_exactly(isa):
+    """Each row attends to one key, so its output is that key's value row as the kernel widens
+    it: all 254 finite e4m3fn codes (subnormals, both zeros, +-448) against torch's own
+    fp8 -> fp32 conversion times the scale, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[[0x7F, 0xFF]] = 0  # the two NaN codes are never written
+    d, bs = 64, 4
+    v = codes.view(FP8).reshape(4, 1, d)  # four slots of 64 codes, one kv head
+    pool_v = torch.zeros(4 * bs, 1, d, dtype=FP8)
+    pool_v.view(torch.uint8)[::bs] = v.view(torch.uint8)  # the first slot of blocks 0..3
+    scales = (torch.tensor([1.0]), torch.tensor([0.375]))
+    q = torch.randn(4, 2, d)
+    tables = torch.arange(4).reshape(4, 1).contiguous()
+    lengths = torch.ones(4, dtype=torch.long)
+    got = cpu_attention.paged_decode_attention(q, pool_v, pool_v, tables, lengths, bs, 0.125,
+                                               scales=scales, isa=isa)  # fmt: skip
+    want = (v.float() * 0.375).expand(4, 2, d)
+    assert torch.equal(got, want)
 
 
 def test_reference_equals_sdpa_over_gathered_keys():
@@ -83,10 +106,13 @@ def test_bad_tables_and_pages_are_refused():
         run(q, k, v, tables.clone().fill_(99), lengths, 4, 0.25)
     with pytest.raises(RuntimeError, match="length"):
         run(q, k, v, tables, lengths + 100, 4, 0.25)
-    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
+    with pytest.raises(RuntimeError, match="fp32, bf16, int8 or fp8"):
         run(q, k.half(), v.half(), tables, lengths, 4, 0.25)
-    with pytest.raises(RuntimeError, match="int8 pages need k_scale and v_scale"):
+    with pytest.raises(RuntimeError, match="int8 and fp8 pages need k_scale and v_scale"):
         run(q, k.to(torch.int8), v.to(torch.int8), tables, lengths, 4, 0.25)
+    with pytest.raises(RuntimeError, match="fp8 pages' scales must be one fp32 value"):
+        run(q, k.to(FP8), v.to(FP8), tables, lengths, 4, 0.25,
+            scales=(torch.ones(2), torch.ones(2)))  # fmt: skip
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         run(q[:, :3].contiguous(), k, v, tables, lengths, 4, 0.25)
     assert cpu_attention.unavailable_reason(torch.float16, torch.device("cpu")) is not None

@@ -68,6 +68,10 @@ PASSES = {
         - {pass: quantize.int4_rtn, group_size: 32}
         - {pass: quantize.int8_rtn, targets: [lm_head], ignore: []}
     """,
+    "rtn_then_fp8_kv": """
+        - {pass: quantize.int4_rtn, group_size: 32}
+        - {pass: quantize.kv_cache_fp8}
+    """,
     "smoothquant_then_gptq": """
         - {pass: quantize.smoothquant, targets: ["re:.*mlp.*"]}
         - {pass: quantize.gptq, group_size: 32, targets: ["re:.*self_attn.*"]}
@@ -85,6 +89,8 @@ def test_streamed_equals_in_memory_bit_for_bit(name, checkpoint, tmp_path, one_t
     assert streamed.payload["memory"]["streamed"] and not memory.payload["memory"]["streamed"]
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
     assert sorted(a) == sorted(b)
+    if "fp8_kv" in name:  # one scale pair per layer, written by the layer that holds it
+        assert sum(key.endswith(("self_attn.k_scale", "self_attn.v_scale")) for key in a) == 6
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
     config_a = json.loads((tmp_path / "mem" / "config.json").read_text())

@@ -8,7 +8,8 @@
 //
 // One task per (row, kv head), its G = heads / kv_heads query heads one after another (grouped-
 // query attention: query head i reads kv head i / G, as SDPA's enable_gqa). Scores in fp32
-// (bf16 pages widen exactly, int8 pages as code x scale), eight keys at a time; an optional
+// (bf16 pages widen exactly, int8 pages as code x scale, fp8 pages as value x their layer's
+// scale), eight keys at a time; an optional
 // tanh softcap (Gemma 2); the window keeps the last `window` keys; softmax with the max
 // subtracted (a polynomial exp); then the weighted sum of values, 64 columns at a time in
 // registers. AVX2 + FMA intrinsics, so every ISA level builds the same code. Reference:
@@ -28,6 +29,19 @@ inline __m256 load8(const at::BFloat16* x, float) {
 inline __m256 load8(const int8_t* x, float scale) {
   const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x));
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_set1_ps(scale));
+}
+// fp8 e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinities): its seven
+// magnitude bits moved up to fp32's bit 20 are the fp32 of the same mantissa and exponent, off
+// by 2^(127 - 7); times 2^120 (exact), then the layer's scale (PagedKVCache's per-tensor
+// scales, vLLM's k_scale / v_scale). A code of exponent 0 (subnormal) becomes an fp32
+// subnormal first: exact unless the thread flushes denormal inputs (MXCSR DAZ, off by default;
+// the tests check subnormal codes). NaN codes (0x7F, 0xFF) are never written.
+inline __m256 load8(const at::Float8_e4m3fn* x, float scale) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
+  const __m256 v = _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
+  return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(0x1p120f)), _mm256_set1_ps(scale));
 }
 
 // exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
@@ -66,6 +80,8 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
                       float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb,
                       int64_t bs, float scale, float softcap, int64_t window) {
   const int64_t G = H / Hkv, V = D / 8, row_bytes = D * static_cast<int64_t>(sizeof(T));
+  // int8 pages: a scale per slot and kv head (index `at`); fp8 pages: one per layer (index 0)
+  const int64_t per_row = std::is_same_v<T, int8_t> ? -1 : 0;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // [n]: each key's index into the pool's [slots, Hkv] rows
@@ -89,7 +105,7 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
           for (int i = 0; i < 8; ++i) {
             const int64_t at = rows[t + i - first];
             k[i] = kpool + at * D;
-            ks[i] = kscale ? kscale[at] : 1.f;
+            ks[i] = kscale ? kscale[at & per_row] : 1.f;
           }
           if (g == 0)  // the next eight keys' rows: they lie in other blocks, out of the stream
             for (int64_t i = t + 8 - first; i < std::min(t + 16, L) - first; ++i)
@@ -106,7 +122,7 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
         for (; t < L; ++t) {
           const int64_t at = rows[t - first];
           const T* k = kpool + at * D;
-          const float ks = kscale ? kscale[at] : 1.f;
+          const float ks = kscale ? kscale[at & per_row] : 1.f;
           __m256 acc = _mm256_setzero_ps();
           for (int64_t j = 0; j < V; ++j)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), load8(k + 8 * j, ks), acc);
@@ -141,7 +157,7 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
               for (int64_t c = 0; c < row_bytes; c += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(vpool + rows[t + 8 - first] * D) + c,
                              _MM_HINT_T0);
-            const float vs = vscale ? vscale[at] : 1.f;
+            const float vs = vscale ? vscale[at & per_row] : 1.f;
             const __m256 p = _mm256_set1_ps(sg[t - first]);
             for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, load8(v + 8 * j, vs), o[j]);
           }
@@ -151,7 +167,7 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
           __m256 o = _mm256_setzero_ps();
           for (int64_t t = first; t < L; ++t) {
             const int64_t at = rows[t - first];
-            const float vs = vscale ? vscale[at] : 1.f;
+            const float vs = vscale ? vscale[at & per_row] : 1.f;
             o = _mm256_fmadd_ps(_mm256_set1_ps(sg[t - first]), load8(vpool + at * D + 8 * j0, vs), o);
           }
           _mm256_storeu_ps(og + 8 * j0, _mm256_mul_ps(o, norm));
@@ -161,8 +177,9 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
   });
 }
 
-// q [B, H, D] fp32; k_pool, v_pool [slots, Hkv, D] fp32, bf16 or int8 (slots = blocks *
-// block_size; int8 with k_scale, v_scale fp32 [slots, Hkv]); tables [B, nb] int64 block ids;
+// q [B, H, D] fp32; k_pool, v_pool [slots, Hkv, D] fp32, bf16, int8 or fp8 e4m3fn (slots =
+// blocks * block_size; int8 with k_scale, v_scale fp32 [slots, Hkv], fp8 with k_scale, v_scale
+// fp32 [1]); tables [B, nb] int64 block ids;
 // lengths [B] int64 keys per row (its new token's included); softcap <= 0: none; window <= 0:
 // none, else the last `window` keys -> [B, H, D] fp32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
@@ -178,17 +195,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                   v_pool.is_contiguous(),
               "k_pool and v_pool must be contiguous [slots, kv_heads, D] tensors of one dtype");
   const auto dtype = k_pool.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar,
-              "KV pages must be fp32, bf16 or int8, got ", dtype);
-  const bool codes = dtype == at::kChar;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar ||
+                  dtype == at::kFloat8_e4m3fn,
+              "KV pages must be fp32, bf16, int8 or fp8 e4m3fn, got ", dtype);
+  const bool fp8 = dtype == at::kFloat8_e4m3fn, codes = dtype == at::kChar || fp8;
   TORCH_CHECK(codes == (k_scale.has_value() && v_scale.has_value()) &&
                   codes == (k_scale.has_value() || v_scale.has_value()),
-              "int8 pages need k_scale and v_scale, other pages neither");
+              "int8 and fp8 pages need k_scale and v_scale, other pages neither");
   if (codes)
     for (const auto& s : {*k_scale, *v_scale})
-      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
-                      s.size(0) == k_pool.size(0) && s.size(1) == k_pool.size(1),
-                  "int8 pages' scales must be contiguous fp32 [slots, kv_heads]");
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                      (fp8 ? s.numel() == 1
+                           : s.dim() == 2 && s.size(0) == k_pool.size(0) &&
+                                 s.size(1) == k_pool.size(1)),
+                  fp8 ? "fp8 pages' scales must be one fp32 value each (per layer)"
+                      : "int8 pages' scales must be contiguous fp32 [slots, kv_heads]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0,
               "heads (", H, ") must be a multiple of kv_heads (", Hkv, ") and D equal");
@@ -222,6 +243,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   else if (dtype == at::kBFloat16)
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::BFloat16>(),
                      v_pool.data_ptr<at::BFloat16>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
+                     block_size, s, cap, window);
+  else if (fp8)
+    decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::Float8_e4m3fn>(),
+                     v_pool.data_ptr<at::Float8_e4m3fn>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
                      block_size, s, cap, window);
   else
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
