@@ -36,6 +36,8 @@ def main() -> None:
                    help="float layers' matmul dtype (serve's --dtype)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--shapes", action="store_true", help="--profile: one row per op and shapes")
+    p.add_argument("--rows-shown", type=int, default=20, help="--profile: table rows")
     p.add_argument("--no-fp32-pack", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,11 +66,12 @@ def main() -> None:
     print(f"{args.export}, {args.rows} rows, {args.dtype}: decode step median "
           f"{1e3 * statistics.median(times):.1f} ms (min {1e3 * min(times):.1f})")  # fmt: skip
     if args.profile:
-        with torch.profiler.profile() as prof:
+        with torch.profiler.profile(record_shapes=args.shapes) as prof:
             for _ in range(5):
                 scheduler.step()
         print("5 steps:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        averages = prof.key_averages(group_by_input_shape=args.shapes)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows_shown))
 
 
 if __name__ == "__main__":

@@ -61,10 +61,12 @@ import torch
 from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
-# q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op
+# q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op,
+# elementwise.cpp compress.kernels.cpu_elementwise's
 SOURCES = tuple(
     CSRC / f
-    for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp")
+    for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp",
+              "elementwise.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -146,6 +148,11 @@ def build_reason(isa: str) -> str | None:
     for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
+    torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake(f"compress_{isa}::rope_qkv")(_fake_rope_qkv)
+    torch.library.register_fake(f"compress_{isa}::silu_mul")(_fake_silu_mul)
+    torch.library.register_fake(f"compress_{isa}::add_rms_norm")(_fake_add_rms_norm)
+    torch.library.register_fake(f"compress_{isa}::greedy_tokens")(_fake_greedy_tokens)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
@@ -198,6 +205,27 @@ def _fake_tiles_linear(x, codes, scales, offsets, group):
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
                     softcap, window):  # fmt: skip
     return torch.empty_like(q)
+
+
+def _fake_rms_norm(x, w, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _fake_rope_qkv(qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps):
+    d = qkv.shape[1] // (heads + 2 * kv_heads)
+    return [qkv.new_empty(qkv.shape[0], n, d) for n in (heads, kv_heads, kv_heads)]
+
+
+def _fake_silu_mul(gate_up, out_dtype):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=out_dtype)
+
+
+def _fake_add_rms_norm(x, y, w, eps, out_dtype):
+    return [torch.empty_like(x), x.new_empty(x.shape, dtype=out_dtype)]
+
+
+def _fake_greedy_tokens(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
 def _fake_dequantize(columns_per_byte: int):

@@ -46,7 +46,7 @@ from torch import nn
 
 from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import float_dtype
-from compress.kernels import cpu_q8, dispatch
+from compress.kernels import cpu_elementwise, cpu_q8, dispatch
 from compress.memory import return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
@@ -302,8 +302,12 @@ class Runtime:
         self._step = _decode_step
         self._compiled = bool(compile)
         if not compile and device.type == "cpu":  # eager only: see _FloatLinear.pack
+            # Fused elementwise ops: measured on a Xeon (2 threads, SmolLM2-135M bf16), a
+            # 32-row decode step XX -> YY ms (scripts/profile_serving_step.py)
+            fused = cpu_elementwise.unavailable_reason(device) is None
             for layer in self.layers:
                 layer.pack_float()
+                layer.fused = fused
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
                     module.pack()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch import Arch, NormForm, RuntimeSpec
-from compress.kernels import cpu_native, cpu_q8
+from compress.kernels import cpu_elementwise, cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
@@ -120,13 +120,16 @@ class _FloatLinear(nn.Module):
         return holder if holder.pack() else None
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        y = self.native(x, decode).float()
+        return y if self.bias is None else y + self.bias
+
+    def native(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        """The product in the weight's dtype, bias not added (``forward`` widens it to fp32)."""
         if self.packed is not None:
             x = x.to(self.packed_dtype).contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "").float()
-        else:
-            w = self.w_decode if decode else self.w_prefill
-            y = F.linear(x.to(w.dtype), w).float()
-        return y if self.bias is None else y + self.bias
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        w = self.w_decode if decode else self.w_prefill
+        return F.linear(x.to(w.dtype), w)
 
 
 class _IntKernels(NamedTuple):
@@ -405,6 +408,25 @@ def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
     return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
 
 
+def _input_dtype(holder: nn.Module, decode: bool) -> torch.dtype:
+    """The dtype a linear holder casts its input to: a float layer's weight dtype (a norm may
+    write it directly, sparing the cast); fp32 for the others (int kernels quantize or cast
+    their fp32 input themselves)."""
+    if isinstance(holder, _FloatLinear):
+        if holder.packed is not None:
+            return holder.packed_dtype
+        return (holder.w_decode if decode else holder.w_prefill).dtype
+    return torch.float32
+
+
+def _native_out(holder: nn.Module, x: torch.Tensor, decode: bool) -> torch.Tensor:
+    """A holder's output as its matmul leaves it (bf16 for a bf16 float layer without a bias:
+    no fp32 copy; the fused ops and a promoting add widen it exactly), else fp32."""
+    if isinstance(holder, _FloatLinear) and holder.bias is None:
+        return holder.native(x, decode)
+    return holder(x, decode)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -435,6 +457,9 @@ class _Layer(nn.Module):
         self.window = layer_window(config, i)
         self.rope_key = config.layer_types[i] if spec.rope_per_layer_type else None
         self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
+        # Eager CPU runtimes set this: norms, RoPE and SiLU x up through the fused ops of
+        # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
+        self.fused = False
         self.softcap = config_value(config, spec.attn_softcap)
         self.residual_multiplier = config_value(config, spec.residual_multiplier)
         form = arch.norm_form
@@ -514,6 +539,8 @@ class _Layer(nn.Module):
         """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
         projected, q/k-normed and rotated (cos/sin [B, T, D])."""
         b, t, _ = x.shape
+        if self.fused and self.qkv is not None:
+            return self._project_qkv_fused(x, cos, sin, decode)
         h = _rms_norm(x, self.norm_in, self.eps)
         if self.qkv is not None:
             kv_width = self.n_kv * self.head_dim
@@ -529,6 +556,21 @@ class _Layer(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _project_qkv_fused(self, x, cos, sin, decode: bool):
+        """``project_qkv`` through the fused CPU ops (``kernels.cpu_elementwise``): the norm
+        written in the projection's input dtype, then q/k norms and RoPE in one call. q, k and v
+        come back as [B, heads, T, D] views of token-major [B * T, heads, D] tensors: the paged
+        decode kernel and the cache writes read the rows without a copy."""
+        b, t, _ = x.shape
+        h = cpu_elementwise.rms_norm(x, self.norm_in, self.eps, _input_dtype(self.qkv, decode))
+        qkv = _native_out(self.qkv, h, decode).view(b * t, -1)
+        d = self.head_dim
+        q, k, v = cpu_elementwise.rope_qkv(
+            qkv, cos.expand(b, t, d).reshape(b * t, d), sin.expand(b, t, d).reshape(b * t, d),
+            self.n_heads, self.n_kv, self.norm_q, self.norm_k, self.eps,
+        )  # fmt: skip
+        return tuple(y.view(b, t, -1, d).transpose(1, 2) for y in (q, k, v))
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
@@ -551,6 +593,8 @@ class _Layer(nn.Module):
     def finish(self, x, a, decode: bool) -> torch.Tensor:
         """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
         residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
+        if self.fused and self.gate_up is not None and self.act is F.silu:
+            return self._finish_fused(x, a, decode)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = _rms_norm(x, self.norm_post, self.eps)
         if self.sparse_mlp is not None:
@@ -562,6 +606,23 @@ class _Layer(nn.Module):
                 gate, up = self.gate(h, decode), self.up(h, decode)
             y = self.down(self.act(gate) * up, decode)
         return x + self._block_out(y, self.mlp_out_norm)
+
+    def _finish_fused(self, x, a, decode: bool) -> torch.Tensor:
+        """``finish`` through the fused CPU ops: the residual add and the MLP norm in one call
+        (where the attention block adds its output as it is), SiLU x up in one, the matmul
+        outputs as they leave the matmul (the adds widen bf16 exactly)."""
+        gate_up_dtype = _input_dtype(self.gate_up, decode)
+        if self.attn_out_norm is None and self.residual_multiplier is None:
+            x, h = cpu_elementwise.add_rms_norm(x, _native_out(self.o, a, decode), self.norm_post,
+                                                self.eps, gate_up_dtype)  # fmt: skip
+        else:
+            x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
+            h = cpu_elementwise.rms_norm(x, self.norm_post, self.eps, gate_up_dtype)
+        up = cpu_elementwise.silu_mul(_native_out(self.gate_up, h, decode),
+                                      _input_dtype(self.down, decode))  # fmt: skip
+        if self.mlp_out_norm is None and self.residual_multiplier is None:
+            return x + _native_out(self.down, up, decode)  # promotes to fp32: one op
+        return x + self._block_out(self.down(up, decode), self.mlp_out_norm)
 
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
         """The sparse MoE block on ``h [B, T, H]``, in its router's dtype, back to fp32."""

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from compress.core.errors import NumericsError
+from compress.kernels import cpu_elementwise
+
+_NON_FINITE = (
+    "the model's next-token logits hold NaN or Inf, so there is nothing to decode; the "
+    "checkpoint's weights or scales are corrupt, or the model overflowed in this dtype "
+    "(try float32)"
+)
 
 
 @dataclass
@@ -29,11 +36,7 @@ def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
     # against argmax's 68 us for 1 x 49152 (Xeon, 2026-12-03).
     top, tokens = logits.max(-1)
     if not (bool(torch.isfinite(top).all()) and bool(torch.isfinite(logits.amin()))):
-        raise NumericsError(
-            "the model's next-token logits hold NaN or Inf, so there is nothing to decode; the "
-            "checkpoint's weights or scales are corrupt, or the model overflowed in this dtype "
-            "(try float32)"
-        )
+        raise NumericsError(_NON_FINITE)
     if s.temperature <= 0:
         return tokens
     logits = logits / s.temperature
@@ -47,6 +50,17 @@ def _sample(logits: torch.Tensor, s: _Sampling) -> torch.Tensor:
         drop = probs.cumsum(-1) - probs >= s.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
+
+
+def _greedy_fused(logits: torch.Tensor) -> torch.Tensor:
+    """``_sample``'s greedy tokens of fp32 CPU logits [B, V] in one C++ pass, the argmax and
+    the finite check together (``cpu_elementwise.greedy_tokens``), for callers whose ops are
+    built (eager CPU runtimes). Measured on a Xeon, 2 threads, 32 x 49152: max + amin took
+    1.1 ms a step."""
+    tokens = cpu_elementwise.greedy_tokens(logits)
+    if bool((tokens < 0).any()):
+        raise NumericsError(_NON_FINITE)
+    return tokens
 
 
 def _make_sampling(

@@ -48,7 +48,7 @@ from compress.runtime.paged import (
     forward_step,
     kv_bytes_per_token,
 )
-from compress.runtime.sampling import _make_sampling, _sample, _Sampling
+from compress.runtime.sampling import _greedy_fused, _make_sampling, _sample, _Sampling
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,11 @@ class Scheduler:
             if seq.num_computed == len(seq.tokens):  # the whole prompt is in: sample
                 done.append(seq)
                 rows.append(row)
-        return self._emit(done, logits[rows]) if done else []
+        if not done:
+            return []
+        # every row sampled (a decode-only step): the logits as they are, no indexed copy of
+        # [B, V] (0.67 ms a step at 32 x 49152, Xeon)
+        return self._emit(done, logits if len(rows) == logits.shape[0] else logits[rows])
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's decoding requests and prefill chunks (request, tokens), blocks held."""
@@ -426,7 +430,8 @@ class Scheduler:
             # every row greedy (the usual case): no copy of the [B, V] logits (an indexed copy
             # took 0.5 ms a step at 32 x 49152, Xeon)
             rows = logits if len(greedy) == len(seqs) else logits[greedy]
-            picked = _sample(rows, _Sampling())
+            fused = self.runtime.layers[0].fused and rows.dtype == torch.float32
+            picked = _greedy_fused(rows) if fused else _sample(rows, _Sampling())
             tokens.update(zip(greedy, picked.tolist(), strict=True))
         for i, seq in enumerate(seqs):
             if i not in tokens:

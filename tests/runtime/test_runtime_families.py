@@ -173,12 +173,40 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     for layer in stacked.layers:
         assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
         assert (layer.gate_up is None) == (family in MOE)
+        layer.fused = False  # the fused elementwise ops need stacked calls: compare torch's
     monkeypatch.setattr(layers._IntLinear, "stacked", classmethod(lambda cls, parts: None))
     separate = Runtime(model, **settings)
     assert all(layer.qkv is None and layer.q is not None for layer in separate.layers)
     continuation = [40, 60, 80]
     got = step_logits(stacked, PROMPTS[0], continuation)
     assert torch.equal(got, step_logits(separate, PROMPTS[0], continuation))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_elementwise_ops_compute_the_torch_layer(family, monkeypatch):
+    """Eager CPU runtimes run norms, RoPE (with q/k norms) and SiLU x up through
+    kernels.cpu_elementwise where projections are stacked: logits within fp32 rounding of the
+    same runtime on torch's ops, the same greedy tokens. fp32 weights, packed and stacked at
+    any size here, so nothing but the elementwise ops differs (int kernels would round their
+    activations to int8, where a last-bit difference can move a code)."""
+    from compress.kernels import cpu_elementwise
+    from compress.runtime import layers
+
+    reason = cpu_elementwise.unavailable_reason(torch.device("cpu"))
+    if reason is not None or not torch.backends.mkldnn.is_available():
+        pytest.skip(f"the fused ops do not run here: {reason or 'no oneDNN'}")
+    monkeypatch.setattr(layers, "FP32_PACK_MIN_ELEMENTS", 1)
+    runtime = Runtime(make_model(family), max_seq_len=48, compile=False)
+    assert all(layer.fused for layer in runtime.layers)
+    assert all(layer.qkv is not None for layer in runtime.layers)
+    continuation = [40, 60, 80]
+    fused = step_logits(runtime, PROMPTS[0], continuation)
+    tokens = runtime.generate([PROMPTS[1]], 8)
+    for layer in runtime.layers:
+        layer.fused = False
+    torch.testing.assert_close(fused, step_logits(runtime, PROMPTS[0], continuation),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert runtime.generate([PROMPTS[1]], 8) == tokens
 
 
 def test_projections_that_differ_are_not_stacked():

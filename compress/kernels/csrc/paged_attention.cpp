@@ -44,28 +44,6 @@ inline __m256 load8(const at::Float8_e4m3fn* x, float scale) {
   return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(0x1p120f)), _mm256_set1_ps(scale));
 }
 
-// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial of r (relative error ~2e-7), times 2^n built in the exponent bits; below -87 it
-// is 0, as the float exp underflows there.
-inline __m256 exp8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-87.f);
-  const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, low);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 // the eight sums of acc[0..7]'s lanes, in that order
 inline __m256 hsum8(const __m256* a) {
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
