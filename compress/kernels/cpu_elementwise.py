@@ -9,7 +9,8 @@ hold the ops to).
   per head (Qwen3, Gemma 3), then rotated by rotate-half RoPE;
 - ``silu_mul``: ``SiLU(gate) * up`` of a gate/up projection's output;
 - ``add_rms_norm``: the residual add and the next norm in one pass;
-- ``greedy_tokens``: each row's argmax with the finite check sampling needs.
+- ``greedy_tokens``: each row's argmax with the finite check sampling needs;
+- ``write_kv``: a step's keys and values into their slots of fp32 or bf16 KV pages.
 
 Sums run in eight fp32 lanes and SiLU's exponential is a polynomial, so results are within
 fp32 rounding of the references, not bit-equal.
@@ -101,3 +102,14 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def silu_mul_reference(gate_up, dtype):
     gate, up = gate_up.chunk(2, -1)
     return (F.silu(gate) * up).to(dtype)
+
+
+def write_kv(k_pool, v_pool, slots, k, v) -> None:
+    """k, v [N, kv_heads, D] fp32 -> rows ``slots`` [N] of the pools [slots, kv_heads, D]
+    (fp32 or bf16), in place."""
+    cpu_q8.ops().write_kv(k_pool, v_pool, slots, k.contiguous(), v.contiguous())
+
+
+def write_kv_reference(k_pool, v_pool, slots, k, v) -> None:
+    k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slots, v.to(v_pool.dtype))

@@ -153,6 +153,7 @@ def build_reason(isa: str) -> str | None:
     torch.library.register_fake(f"compress_{isa}::silu_mul")(_fake_silu_mul)
     torch.library.register_fake(f"compress_{isa}::add_rms_norm")(_fake_add_rms_norm)
     torch.library.register_fake(f"compress_{isa}::greedy_tokens")(_fake_greedy_tokens)
+    torch.library.register_fake(f"compress_{isa}::write_kv")(_fake_write_kv)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
@@ -226,6 +227,10 @@ def _fake_add_rms_norm(x, y, w, eps, out_dtype):
 
 def _fake_greedy_tokens(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+def _fake_write_kv(k_pool, v_pool, slots, k, v):
+    return None
 
 
 def _fake_dequantize(columns_per_byte: int):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compress.kernels import cpu_elementwise
+
 FP8 = torch.float8_e4m3fn
 KV_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": FP8,
@@ -88,9 +90,16 @@ class PagedKVCache:
             self.k_scale = [torch.tensor([float(k_s)], device=device) for k_s, _ in pairs]
             self.v_scale = [torch.tensor([float(v_s)], device=device) for _, v_s in pairs]
         self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype)
+        # fp32/bf16 pages written by one C++ call per layer (kernels.cpu_elementwise.write_kv)
+        # instead of two casts and two index_copy_: the scheduler turns it on for eager CPU
+        # runtimes (the same bytes: .to(bf16) rounds to nearest even as the op does)
+        self.fused_writes = False
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [N, kv_heads, D] of N tokens at pool ``slots`` [N]."""
+        if self.k_scale is None and self.fused_writes:
+            cpu_elementwise.write_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
         if self.k_scale is None:
             self.k[layer].index_copy_(0, slots, k.to(self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.dtype))

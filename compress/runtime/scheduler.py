@@ -175,6 +175,9 @@ class Scheduler:
             device=runtime.device,
             kv_scales=kv_scales,
         )
+        self.cache.fused_writes = (
+            runtime.layers[0].fused and dtype in (torch.float32, torch.bfloat16)
+        )
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
         why_not = cpu_attention.unavailable_reason(dtype, runtime.device)

@@ -95,6 +95,21 @@ def test_silu_mul_matches_torch(isa, rows, inter, in_dtype, dtype):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_stores_what_index_copy_stores(isa, dtype):
+    g = torch.Generator().manual_seed(1)
+    pools = [torch.randn(40, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    slots = torch.tensor([5, 17, 0, 39, 22])
+    k, v = torch.randn(5, 3, 64, generator=g) * 10, torch.randn(5, 3, 64, generator=g)
+    _ops(isa).write_kv(pools[0], pools[1], slots, k, v)
+    ew.write_kv_reference(want[0], want[1], slots, k, v)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    with pytest.raises(RuntimeError, match="slot 40 outside the pool's 40"):
+        _ops(isa).write_kv(pools[0], pools[1], torch.tensor([0, 1, 2, 3, 40]), k, v)
+    assert torch.equal(pools[0], want[0])  # refused before writing anything
+
+
 def test_bad_inputs_are_refused():
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(cpu_q8.unavailable_reason())

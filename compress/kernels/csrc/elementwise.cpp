@@ -10,7 +10,8 @@
 //              rotated (rotate-half RoPE with the rows' cos/sin tables);
 //   silu_mul:  SiLU(gate) x up of a gate/up projection's output [R, 2I] -> [R, I];
 //   add_rms_norm: the residual add before a norm, and the norm, in one pass;
-//   greedy_tokens: each row's argmax of the logits, with the finite check sampling needs.
+//   greedy_tokens: each row's argmax of the logits, with the finite check sampling needs;
+//   write_kv:  a step's keys and values into their slots of fp32 or bf16 pages.
 // AVX2 + FMA intrinsics, so every ISA level builds the same code; sums in eight fp32 lanes.
 #include "q8_common.h"
 
@@ -270,6 +271,56 @@ at::Tensor greedy_tokens(const at::Tensor& logits) {
   return out;
 }
 
+// k, v [N, Hkv, D] fp32 contiguous -> rows `slots` [N] of the pools [slots, Hkv, D] (fp32 or
+// bf16, rounded to nearest even), keys and values in one call (PagedKVCache.write: two casts
+// and two index_copy_ calls in torch)
+void write_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == v_pool.scalar_type() && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() &&
+                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
+              "the pools must be contiguous fp32 or bf16 [slots, kv_heads, D] tensors of one dtype");
+  const int64_t row = k_pool.size(1) * k_pool.size(2), total = k_pool.size(0);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) * k.size(2) == row &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous fp32 [N, kv_heads, D] tensors of the pools' rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "slots must be contiguous int64 [N]");
+  const int64_t N = k.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < total, "slot ", slot[i], " outside the pool's ", total);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
+  at::BFloat16* kb = bf16 ? k_pool.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* vb = bf16 ? v_pool.data_ptr<at::BFloat16>() : nullptr;
+  float* kf = bf16 ? nullptr : k_pool.data_ptr<float>();
+  float* vf = bf16 ? nullptr : v_pool.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / row), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t at = slot[i] * row;
+      if (bf16) {
+        at::BFloat16 *ko = kb + at, *vo = vb + at;
+        int64_t j = 0;
+        for (; j + 8 <= row; j += 8) {
+          store8_bf16(ko + j, _mm256_loadu_ps(kp + i * row + j));
+          store8_bf16(vo + j, _mm256_loadu_ps(vp + i * row + j));
+        }
+        for (; j < row; ++j) {
+          ko[j] = static_cast<at::BFloat16>(kp[i * row + j]);
+          vo[j] = static_cast<at::BFloat16>(vp[i * row + j]);
+        }
+      } else {
+        std::copy(kp + i * row, kp + (i + 1) * row, kf + at);
+        std::copy(vp + i * row, vp + (i + 1) * row, vf + at);
+      }
+    }
+  });
+}
+
 // SiLU(g) x u of eight lanes: g x sigmoid(g), the sigmoid from e = exp(-|g|) <= 1 (exp8 takes
 // x <= 0): 1 / (1 + e) for g >= 0, e / (1 + e) below (relative error ~1e-7 against torch's
 // g / (1 + exp(-g)))
@@ -336,6 +387,7 @@ TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("silu_mul(Tensor gate_up, ScalarType out_dtype) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor y, Tensor w, float eps, ScalarType out_dtype) -> Tensor[]");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
@@ -344,4 +396,5 @@ TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("silu_mul", &compress_q8::silu_mul);
   m.impl("add_rms_norm", &compress_q8::add_rms_norm);
   m.impl("greedy_tokens", &compress_q8::greedy_tokens);
+  m.impl("write_kv", &compress_q8::write_kv);
 }
