@@ -21,7 +21,7 @@ from compress.runtime.engine import Runtime
 from compress.runtime.paged import FP8, dequantize_fp8, kv_bytes_per_token, quantize_fp8
 from compress.runtime.scheduler import Scheduler
 
-from ..runtime.test_scheduler import ALL_FAMILIES, _Logits, contiguous_logits, family_model
+from ..runtime.test_scheduler import ALL_FAMILIES, family_model, kl_against_contiguous
 
 
 def calibration(seed: int = 0) -> tuple[torch.Tensor, CompressionState]:
@@ -142,17 +142,7 @@ def test_fp8_pages_take_half_of_bf16_and_follow_the_fp32_model():
     assert torch.equal(back[~inside], x[~inside].sign() * 4.48)  # saturated, never NaN
     scheduler = Scheduler(runtime, num_blocks=32, block_size=4, kv_dtype="fp8")
     assert [float(s) for s in scheduler.cache.k_scale] == [k for k, _ in runtime.kv_scales]
-    recorder = _Logits(scheduler)
-    prompt = [3, 17, 29, 41, 5, 60, 7, 80]
-    seq_id = scheduler.add(prompt, 8)
-    tokens = []
-    while scheduler.has_work:
-        tokens += [e.token for e in scheduler.step()]
-    exact = contiguous_logits(runtime, prompt, tokens)
-    kl = []
-    for a, b in zip(recorder.rows[seq_id], exact, strict=True):
-        p, q = a.log_softmax(-1), b.log_softmax(-1)
-        kl.append(float((q.exp() * (q - p)).sum()))
+    tokens, exact, kl = kl_against_contiguous(scheduler, [3, 17, 29, 41, 5, 60, 7, 80], 8)
     # e4m3 keeps 3 mantissa bits (int8 per token: 7), on a random model whose activations are
     # wide (init 0.3); a real model's cost is measured by compress.eval.kv_quality
     assert max(kl) < 0.2 and sum(kl) / len(kl) < 0.05, kl

@@ -103,15 +103,21 @@ inline void norm_rope_head(const T* xin, const float* wn, float eps, const float
 
 }  // namespace
 
-// x [R, C] fp32 contiguous, w [C] fp32 -> [R, C] in `out_dtype` (fp32 or bf16)
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::ScalarType out_dtype) {
+// the arguments rms_norm and add_rms_norm share: x [R, C] and w [C] fp32, an fp32/bf16 output
+void check_norm_args(const at::Tensor& x, const at::Tensor& w, at::ScalarType out_dtype,
+                     const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous fp32 [rows, C] tensor");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat &&
                   w.is_contiguous(),
               "w must be a contiguous fp32 [C] tensor");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
-              "rms_norm writes fp32 or bf16, not ", out_dtype);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, op,
+              " writes fp32 or bf16, not ", out_dtype);
+}
+
+// x [R, C] fp32 contiguous, w [C] fp32 -> [R, C] in `out_dtype` (fp32 or bf16)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::ScalarType out_dtype) {
+  check_norm_args(x, w, out_dtype, "rms_norm");
   auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t R = x.size(0), C = x.size(1);
   if (out_dtype == at::kFloat)
@@ -203,16 +209,10 @@ void add_rms_norm_rows(const float* x, const S* y, const float* w, float* sum, T
 // (x + y in fp32, rms_norm(x + y) in out_dtype)
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w,
                                      double eps, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous fp32 [rows, C] tensor");
+  check_norm_args(x, w, out_dtype, "add_rms_norm");
   TORCH_CHECK(y.sizes() == x.sizes() && y.is_contiguous() &&
                   (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
               "y must be a contiguous fp32 or bf16 tensor of x's shape");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat &&
-                  w.is_contiguous(),
-              "w must be a contiguous fp32 [C] tensor");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
-              "add_rms_norm writes fp32 or bf16, not ", out_dtype);
   auto sum = at::empty_like(x);
   auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t R = x.size(0), C = x.size(1);
