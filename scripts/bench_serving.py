@@ -108,6 +108,7 @@ class ServerProcess:
                 "--int8-kernel",
                 "q8q8",
                 *extra,
+                *args.ours_flags.split(),
             ]
             env = dict(os.environ)
         else:
@@ -548,6 +549,8 @@ def main() -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=150)
     p.add_argument("--kv-windows", type=int, default=8, help="KV-dtype quality windows (0: off)")
     p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--ours-flags", default="",
+                   help="extra `compress serve` flags for our server, e.g. '--prefill-budget 512'")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
