@@ -91,6 +91,8 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         int8_weight = tensors.get("weight", "").startswith("I8")
         if "weight_packed" in tensors:
             fmt = "int4 pack-quantized"
+        elif set(tensors) <= {"k_scale", "v_scale"}:  # an attention module's fp8 KV scales
+            fmt = "fp8 KV-cache scales"
         elif any(t.startswith("weight_scale") for t in tensors) and int8_weight:
             fmt = "int8 int-quantized"
         else:
@@ -98,11 +100,16 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         main = tensors.get("weight_packed") or tensors.get("weight") or next(iter(tensors.values()))
         row = {"module": module, "format": fmt, "main_tensor": main, "bytes": info["bytes"],
                "scheme": None, "group_size": None}
-        if not fmt.startswith("dense"):
+        if fmt.endswith("quantized"):
             row.update(_scheme(module, info["shapes"], quant))
         rows.append(row)
     total = sum(r["bytes"] for r in rows)
-    lines = [f"# {path}", "", f"quantization: {quant.get('format', 'none')}", "",
+    kv = quant.get("kv_cache_scheme")
+    kv_line = "" if not kv else (
+        f"; KV cache: {kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')} "
+        "(self_attn.k_scale / v_scale)"
+    )
+    lines = [f"# {path}", "", f"quantization: {quant.get('format', 'none')}{kv_line}", "",
              "| module | format | scheme | group | tensor | bytes |", "|---|---|---|---:|---|---:|"]
     lines += [
         f"| {r['module']} | {r['format']} | {r['scheme'] or '—'} | {r['group_size'] or '—'} | "

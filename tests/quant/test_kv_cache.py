@@ -98,6 +98,14 @@ def test_the_export_carries_the_scheme_and_scales_and_loads_back(tmp_path, tiny_
                 assert float(tensor) == value
     loaded = load_compressed(out)
     assert kv_cache_scales(loaded) == scales
+    from compress.io.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(out)
+    assert "KV cache: float8 per tensor" in report["markdown"]
+    kv_rows = [r for r in report["layers"] if r["format"] == "fp8 KV-cache scales"]
+    assert [r["module"] for r in kv_rows] == [f"model.layers.{i}.self_attn"
+                                              for i in range(len(scales))]  # fmt: skip
+    assert all(r["bytes"] == 8 for r in kv_rows)
     assert Runtime(loaded, max_seq_len=32, compile=False).kv_scales == scales
 
     plain = family_model("llama")
