@@ -107,7 +107,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     kv = quant.get("kv_cache_scheme")
     kv_line = "" if not kv else (
         f"; KV cache: {kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')} "
-        "(self_attn.k_scale / v_scale)"
+        "(k_scale / v_scale per layer)"
     )
     lines = [f"# {path}", "", f"quantization: {quant.get('format', 'none')}{kv_line}", "",
              "| module | format | scheme | group | tensor | bytes |", "|---|---|---|---:|---|---:|"]
