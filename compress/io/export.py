@@ -34,7 +34,12 @@ from compress.arch import ARCHS, Arch, model_type, output_weight_key
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
-from compress.io.stream import compute_narrow_in, keeps_stored_dtype, no_weight_init
+from compress.io.stream import (
+    SCALE_SUFFIXES,
+    compute_narrow_in,
+    keeps_stored_dtype,
+    no_weight_init,
+)
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 from compress.quant.kv_scales import KV_CACHE_SCHEME, add_kv_scale_buffers, has_kv_scales
 from compress.quant.linear import (
@@ -221,10 +226,6 @@ def _tied_head_key(model: nn.Module) -> str | None:
     if head is not None and is_bnb_module(head):
         return None
     return output_weight_key(model) if tied else None
-
-
-# tensors stored in their own dtype, never the export's or the compute dtype
-SCALE_SUFFIXES = ("weight_scale", ".k_scale", ".v_scale")
 
 
 def export_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -48,6 +48,9 @@ _DTYPE_NAMES = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 # tensors that must be finite for the weights to mean anything (quantized layers, fp8 KV scales)
 _MUST_BE_FINITE = ("weight_scale", "weight_zero_point", "input_scale", "k_scale", "v_scale")
+# scales kept in their stored dtype, never cast to the compute or export dtype (weight scales,
+# fp8 KV-cache scales)
+SCALE_SUFFIXES = ("weight_scale", ".k_scale", ".v_scale")
 
 
 def parse_size(size: int | str) -> int:
@@ -394,8 +397,7 @@ def keeps_stored_dtype(name: str, stored: torch.dtype, numel: int, dtype: torch.
     the compute ``dtype``: integer tensors and scales (weight, KV cache) always; a quantized
     layer's other float tensors never; a dense float tensor when it is stored narrower than
     ``dtype`` and holds at least ``KEEP_STORED_BYTES`` (also the memory preflight's rule)."""
-    if (not stored.is_floating_point or name.endswith(("weight_scale", ".k_scale", ".v_scale"))
-            or stored == dtype):
+    if not stored.is_floating_point or name.endswith(SCALE_SUFFIXES) or stored == dtype:
         return True
     if quantized:
         return False

@@ -17,7 +17,7 @@ from torch import nn
 
 from compress.arch import arch_for, decoder_layers
 
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 # compressed-tensors QuantizationArgs of the cache, as llm-compressor writes them
 KV_CACHE_SCHEME: dict[str, Any] = {
     "num_bits": 8,

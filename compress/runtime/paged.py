@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from compress.kernels import cpu_elementwise
+from compress.quant.kv_scales import FP8_E4M3_MAX
 
 FP8 = torch.float8_e4m3fn
 KV_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": FP8,
 }  # fmt: skip
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
 def kv_bytes_per_token(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -148,7 +148,7 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale as fp8 e4m3fn, saturated at +-448 (one per-tensor ``scale``, fp32 [1])."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
