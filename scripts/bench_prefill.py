@@ -50,11 +50,16 @@ def dequant_gemm(qs, isa: str):
     return [(w.k, lambda x, w=w: F.linear(x, cpu_q8.dequantize(w, isa))) for w in prepack(qs)]
 
 
-def tile_pass(qs, amx: bool):
+def tile_pass(qs, amx: bool, bf16: bool = False):
     """int4 in the column-tile layout (what the runtime holds at the avx512vnni level): the VNNI
-    op, or its AMX form (``csrc/q8_amx.cpp``)."""
+    op, its AMX-INT8 form, or with ``bf16`` the AMX-BF16 op (bf16 activations; all
+    ``csrc/q8_amx.cpp``)."""
     weights = [cpu_q8.to_tiles(w) for w in prepack(qs)]
     isa = cpu_q8.TILES_ISA
+    if bf16:
+        op = cpu_q8.ops(isa).int4_linear_bf16_tiles_amx
+        return [(w.k, lambda x, w=w: op(x, w.codes, w.scales, w.offsets, w.group_size))
+                for w in weights]  # fmt: skip
     return [(w.k, lambda x, w=w: cpu_q8.linear_q8(x, w, isa, amx=amx)) for w in weights]
 
 
@@ -94,6 +99,8 @@ def main() -> None:
             kernels["ours int4 column tiles (avx512vnni)"] = tile_pass(qs, amx=False)
             if cpu_q8.amx_reason() is None:
                 kernels["ours int4 column tiles (AMX-INT8)"] = tile_pass(qs, amx=True)
+            if cpu_q8.amx_bf16_reason() is None:
+                kernels["ours int4 column tiles (AMX-BF16, bf16 x)"] = tile_pass(qs, True, True)
         if args.dequant_gemm:
             kernels[f"ours int{bits} dequantized + fp32 GEMM ({levels[-1]})"] = dequant_gemm(
                 qs, levels[-1]

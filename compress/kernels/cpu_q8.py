@@ -145,7 +145,7 @@ def build_reason(isa: str) -> str | None:
     # shapes only, so torch.compile keeps the calls in its graph
     for op in ("int4_linear_q8", "int8_linear_q8"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
-    for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx"):
+    for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx", "int4_linear_bf16_tiles_amx"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
@@ -497,6 +497,21 @@ def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     return y + xsum @ weight.offsets.double().T
 
 
+def linear_bf16_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
+    """``int4_linear_bf16_tiles_amx``'s product in float64, plain torch (for tests): x rounded
+    to bf16 times the exact weights ``(code - 8) * scale``, plus the offsets' term from the
+    unrounded x's group sums (as ``linear_q8_reference``)."""
+    weight = from_tiles(weight) if weight.tiles else weight
+    k, g = weight.k, weight.group_size
+    x2 = x.reshape(-1, k)
+    w = unpack_codes(weight) * weight.scales.double().repeat_interleave(g, dim=1)
+    y = x2.to(torch.bfloat16).double() @ w.T
+    if weight.offsets is None:
+        return y
+    xsum = x2.float().double().view(x2.shape[0], k // g, g).sum(-1)
+    return y + xsum @ weight.offsets.double().T
+
+
 @functools.cache
 def amx_reason(isa: str | None = None) -> str | None:
     """Why the AMX form of the column-tile op does not run at level ``isa`` (default: the
@@ -514,6 +529,50 @@ def amx_reason(isa: str | None = None) -> str | None:
             "the kernels were built without AMX intrinsics (GCC before 11) or Linux did not grant "
             "the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
         )
+    return None
+
+
+# From how many rows the runtime's int4 column-tile layers take the AMX-BF16 op (bf16
+# activations, no int8 rounding; ``int4_linear_bf16_tiles_amx``), where ``amx_bf16_reason`` is
+# None; ``$COMPRESS_CPU_BF16_ROWS`` overrides it (0: never). Its fixed cost is unpacking the
+# codes to bf16 once per call (four bytes stored per byte of codes), so it wins on big steps:
+# one 11264 x 2048 g128 call, 2 threads, weights cached, against the AMX-INT8 op: 1 row 1.64 /
+# 1.06 ms, 32 rows 1.79 / 1.84, 64 rows 2.60 / 3.21, 256 rows 9.82 / 12.55. A prefill pass of
+# SmolLM2's layers (g64): 32 rows 18.0 / 23.0 ms (VNNI 23.9), 256 rows 84 / 97; of the 1.1B
+# shape's (g128): 32 rows 81 / 98, 256 rows 405 / 585 (docs/notes/2026-12-04-bf16-amx-prefill.md).
+BF16_AMX_MIN_ROWS = 32
+BF16_ROWS_ENV = "COMPRESS_CPU_BF16_ROWS"
+
+
+def bf16_amx_min_rows(isa: str | None = None) -> int | None:
+    """The row count from which int4 column-tile layers run the AMX-BF16 op at level ``isa``
+    (default: the selected one); None where it does not run (``amx_bf16_reason``) or
+    ``$COMPRESS_CPU_BF16_ROWS`` is 0."""
+    if amx_bf16_reason(isa) is not None:
+        return None
+    rows = _bf16_rows_override()
+    return BF16_AMX_MIN_ROWS if rows is None else (rows or None)
+
+
+@functools.cache
+def _bf16_rows_override() -> int | None:
+    raw = os.environ.get(BF16_ROWS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{BF16_ROWS_ENV}={raw!r}: expected a row count (0: never)")
+    return int(raw)
+
+
+@functools.cache
+def amx_bf16_reason(isa: str | None = None) -> str | None:
+    """Why the AMX-BF16 column-tile op (``int4_linear_bf16_tiles_amx``: bf16 activations) does
+    not run at level ``isa`` (default: the selected one), or None when it does."""
+    reason = amx_reason(isa)
+    if reason is not None:
+        return reason
+    if "amx_bf16" not in cpuinfo.cpu_flags() or not ops(isa).amx_bf16_ready():
+        return "the CPU does not report amx_bf16"
     return None
 
 

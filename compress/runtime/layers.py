@@ -165,11 +165,16 @@ class _Q8Kernel(nn.Module):
         self.bits, self.tiles = w.bits, w.tiles
         # from AMX_MIN_ROWS rows the AMX form of the tile op where the CPU grants it: the same
         # outputs bit for bit, so the row count of a step never changes a token
-        self.amx_op = None
+        self.amx_op = self.bf16_op = self.bf16_rows = None
         if w.tiles:
             self.op = ops.int4_linear_q8_tiles
             if cpu_q8.amx_reason(isa) is None:
                 self.amx_op = ops.int4_linear_q8_tiles_amx
+            # from BF16_AMX_MIN_ROWS rows bf16 activations on AMX-BF16: not the int8 ops'
+            # numbers, so a step's row count decides how its rows are rounded there
+            self.bf16_rows = cpu_q8.bf16_amx_min_rows(isa)
+            if self.bf16_rows is not None:
+                self.bf16_op = ops.int4_linear_bf16_tiles_amx
         else:
             self.op = ops.int4_linear_q8 if w.bits == 4 else ops.int8_linear_q8
         self.dequantize = ops.dequantize_q4 if w.bits == 4 else ops.dequantize_q8
@@ -188,8 +193,13 @@ class _Q8Kernel(nn.Module):
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N] fp32."""
+        rows = x2.shape[0]
+        if self.bf16_op is not None and rows >= self.bf16_rows:
+            x2 = x2 if x2.dtype == torch.bfloat16 else x2.float()
+            return self.bf16_op(x2.contiguous(), self.codes, self.scales, self.offsets,
+                                self.group_size)  # fmt: skip
         x2 = x2.float().contiguous()
-        if self.float_rows is not None and x2.shape[0] >= self.float_rows:
+        if self.float_rows is not None and rows >= self.float_rows:
             w = self.dequantize(self.codes, self.scales, self.offsets, self.group_size)
             return F.linear(x2, w)
         op = self.op

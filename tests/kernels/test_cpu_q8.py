@@ -289,16 +289,76 @@ def test_amx_tile_kernel_equals_the_vnni_tile_kernel_bit_for_bit(n, k, group, sy
     assert torch.allclose(amx.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["vnni", "amx"])
-def test_column_tile_ops_name_a_bad_argument(amx):
-    # both ops check their arguments alike (csrc/q8_common.h check_tiles_args): an error that
+def _bf16_op_or_skip():
+    reason = "no avx512vnni"
+    if cpu_q8.TILES_ISA in HERE:
+        reason = cpu_q8.amx_bf16_reason(cpu_q8.TILES_ISA)
+    if reason is not None:
+        pytest.skip(f"the AMX-BF16 tile op does not run here: {reason}")
+    return cpu_q8.ops(cpu_q8.TILES_ISA).int4_linear_bf16_tiles_amx
+
+
+@pytest.mark.parametrize(
+    "n,k,group,symmetric,m",
+    [
+        (64, 512, 32, False, 1),  # column tiles in pairs, one row (padded to a tile)
+        (48, 256, 64, True, 17),  # an odd tile count; a second row tile of one row
+        (16, 1024, 128, False, 40),
+        (32, 384, 384, True, 67),  # one group per row
+        # 304 padded rows: K in chunks of 26 groups of 64 (1 MB of bf16 activations), 3 chunks
+        (48, 4096, 64, False, 300),
+    ],
+)
+def test_bf16_amx_tile_kernel_equals_float64_of_bf16_activations(n, k, group, symmetric, m):
+    # x rounded to bf16 (no int8 rounding), the codes exact, fp32 sums per group
+    op = _bf16_op_or_skip()
+    w = cpu_q8.to_tiles(q8_weight(quant_layer(4, n, k, group, symmetric, seed=m)))
+    x = torch.randn(m, k) * torch.linspace(0.1, 4.0, k)
+    y = op(x, w.codes, w.scales, w.offsets, group)
+    assert y.shape == (m, n) and y.dtype == torch.float32 and torch.isfinite(y).all()
+    ref = cpu_q8.linear_bf16_reference(x, w)
+    assert torch.allclose(y.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
+    # closer to the exact product than the int8 ops are (their activation rounding)
+    exact = x.double() @ cpu_q8.dequantize_reference(w).T
+    int8 = cpu_q8.linear_q8_reference(x, w)
+    assert (y.double() - exact).abs().mean() < 0.5 * (int8 - exact).abs().mean()
+    if symmetric:  # bf16 input: the same rounding, so the same outputs
+        assert torch.equal(op(x.bfloat16(), w.codes, w.scales, None, group), y)
+
+
+def test_bf16_amx_rows_come_from_the_environment(monkeypatch):
+    op = _bf16_op_or_skip()
+    del op
+    assert cpu_q8.bf16_amx_min_rows() == cpu_q8.BF16_AMX_MIN_ROWS
+    for raw, rows in (("0", None), ("64", 64)):
+        monkeypatch.setenv(cpu_q8.BF16_ROWS_ENV, raw)
+        cpu_q8._bf16_rows_override.cache_clear()
+        try:
+            assert cpu_q8.bf16_amx_min_rows() == rows
+        finally:
+            cpu_q8._bf16_rows_override.cache_clear()
+    monkeypatch.setenv(cpu_q8.BF16_ROWS_ENV, "many")
+    try:
+        with pytest.raises(ValueError, match="expected a row count"):
+            cpu_q8.bf16_amx_min_rows()
+    finally:
+        cpu_q8._bf16_rows_override.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["vnni", "amx", "bf16"])
+def test_column_tile_ops_name_a_bad_argument(kind):
+    # the ops check their arguments alike (csrc/q8_common.h check_tiles_args): an error that
     # names the tensor and the shape it must have, never a crash or a wrong read
     if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
         pytest.skip(f"the column-tile ops need the {cpu_q8.TILES_ISA} level, not built here")
-    if amx and cpu_q8.amx_reason(cpu_q8.TILES_ISA) is not None:
+    if kind == "amx" and cpu_q8.amx_reason(cpu_q8.TILES_ISA) is not None:
         pytest.skip(f"the AMX tile op does not run here: {cpu_q8.amx_reason(cpu_q8.TILES_ISA)}")
     ops = cpu_q8.ops(cpu_q8.TILES_ISA)
-    op = ops.int4_linear_q8_tiles_amx if amx else ops.int4_linear_q8_tiles
+    op = {
+        "vnni": lambda: ops.int4_linear_q8_tiles,
+        "amx": lambda: ops.int4_linear_q8_tiles_amx,
+        "bf16": _bf16_op_or_skip,
+    }[kind]()
     w = cpu_q8.to_tiles(q8_weight(quant_layer(4, 32, 128, 64, True)))
     x = torch.randn(40, 128)
     with pytest.raises(RuntimeError, match=r"codes must be contiguous uint8 \[N/16, K/8, 64\]"):

@@ -193,6 +193,44 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
     assert rt.generate([long_prompt], 12) == [hf_greedy(model, long_prompt, 12)]
 
 
+def test_q8_kernel_big_steps_take_the_bf16_amx_op(model, monkeypatch):
+    # BF16_AMX_MIN_ROWS lowered to 8: prompts of 8+ tokens run the AMX-BF16 op (bf16
+    # activations) in every int4 layer, one-token steps our int8-activation kernel; transformers
+    # with the same two ops per row count gives the same tokens
+    from compress.kernels import cpu_q8
+    from compress.quant.linear import QuantLinear
+
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
+    if cpu_q8.amx_bf16_reason() is not None:
+        pytest.skip(f"the AMX-BF16 op does not run here: {cpu_q8.amx_bf16_reason()}")
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    monkeypatch.setattr(cpu_q8, "BF16_AMX_MIN_ROWS", 8)
+    rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False,
+                 int4_kernel="q4q8", keep_model_weights=True)  # fmt: skip
+    q8 = [m.q8 for m in rt.layers.modules() if type(m).__name__ == "_Int4Linear"]
+    assert q8 and all(q.bf16_rows == 8 and q.tiles for q in q8)
+    op = cpu_q8.ops().int4_linear_bf16_tiles_amx
+    for rows, expected in ((8, op), (7, cpu_q8.ops().int4_linear_q8_tiles)):  # the dispatch
+        x = torch.randn(rows, q8[0].weight.k)
+        assert torch.equal(q8[0](x), expected(x, q8[0].codes, q8[0].scales, None, 32))
+
+    def ours(layer, x):
+        w = cpu_q8.to_tiles(_q8_weight(layer))
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        if x2.shape[0] >= 8:
+            y = op(x2, w.codes, w.scales, w.offsets, w.group_size)
+        else:
+            y = cpu_q8.linear_q8(x2, w)
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            layer.register_forward_hook(lambda m, args, out: ours(m, args[0]))
+    long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]
+    assert rt.generate([long_prompt], 12) == [hf_greedy(model, long_prompt, 12)]
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
     import copy

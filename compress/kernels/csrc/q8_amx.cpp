@@ -39,6 +39,7 @@ namespace {
 constexpr int64_t AMX_ROWS = 16;     // rows of an activation tile and of a result tile
 constexpr int64_t B_BYTES = 512;     // an unpacked B tile: 8 rows x 64 bytes
 constexpr int64_t A_BYTES = 512;     // an activation tile: 16 rows x 32 bytes
+constexpr int64_t CHUNK_BYTES = 1 << 20;  // the bf16 op's activations per K chunk
 
 // Linux hands out the tile registers' state only on request, once per process.
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
@@ -168,6 +169,119 @@ __attribute__((target("amx-tile,amx-int8"))) void row_tiles(
         std::memcpy(y + (i * AMX_ROWS + r) * N + c * 16, acc[2 * i + c] + r * 16, 64);
 }
 
+
+// ---- int4 x bf16 (AMX-BF16): activations rounded to bf16, no per-block activation scale ----
+//
+// tiles 0-3: results (16 x 16 fp32), as above; 4, 5: activations of row tiles 0, 1 (16 rows x
+// 32 bf16, each tile one 1 KB run: read in place with x's row stride of 2K bytes, 16 rows
+// landed in one L1 set and ran ~10% slower); 6, 7: weights of column tiles 0, 1 (16 rows x 16
+// pairs of bf16: B row r holds k = 2r, 2r + 1 of each column).
+__attribute__((target("amx-tile,amx-bf16"))) void configure_bf16() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // as configure(): keep the stores
+  _tile_loadconfig(&cfg);
+}
+
+// A column tile's codes [K/8, 64] -> B rows [K/2][32] bf16 of the signed codes (code - 8),
+// exact. Step j's low nibbles hold k = 8j + i at byte 4c + i: its even 16-bit words (bytes 4c,
+// 4c + 1) are B row 4j, its odd words row 4j + 1; the high nibbles rows 4j + 2, 4j + 3. A word
+// permutation gathers even words then odd ones, bytes widen to words, a 16-entry table maps
+// each code to its bf16 bits.
+inline void unpack_tile_bf16(const uint8_t* tile, int64_t K, uint16_t* out) {
+  alignas(64) uint16_t table[32] = {};
+  for (int v = 0; v < 16; ++v) {
+    const float f = static_cast<float>(v - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    table[v] = static_cast<uint16_t>(bits >> 16);  // small integers: bf16 exact
+  }
+  alignas(64) uint16_t order[32];
+  for (int w = 0; w < 16; ++w) {
+    order[w] = static_cast<uint16_t>(2 * w);
+    order[16 + w] = static_cast<uint16_t>(2 * w + 1);
+  }
+  const __m512i lut = _mm512_load_si512(table), split = _mm512_load_si512(order);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j = 0; j < K / 8; ++j) {
+    const __m512i v = _mm512_loadu_si512(tile + j * 64);
+    const __m512i nib[2] = {_mm512_and_si512(v, low4),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+    for (int h = 0; h < 2; ++h) {
+      const __m512i s = _mm512_permutexvar_epi16(split, nib[h]);
+      const __m512i even = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(s));
+      const __m512i odd = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(s, 1));
+      uint16_t* row = out + (4 * j + 2 * h) * 32;
+      _mm512_storeu_si512(row, _mm512_permutexvar_epi16(even, lut));
+      _mm512_storeu_si512(row + 32, _mm512_permutexvar_epi16(odd, lut));
+    }
+  }
+}
+
+constexpr int64_t A_BF16 = AMX_ROWS * BLOCK;  // elements of an activation tile (1 KB)
+constexpr int64_t B_BF16 = 16 * 32;           // elements of a weight tile (1 KB)
+
+// MT row tiles (xa: their A tiles, [MT][K/32][16][32] bf16 from row m0) times NT column tiles
+// over groups g0 .. g1 - 1 (wb: their B rows from group g0's first, one tile after the other,
+// wstride elements apart; ws: their scales [G, 16] each), added to y rows m0 .. m0 + rows - 1,
+// columns col0 .. col0 + 16 NT - 1 (written, not added, when first). Per group the tile unit
+// sums the exact products (fp32), then the vector units scale the sums by the group's weight
+// scales.
+template <int MT, int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
+    const uint16_t* xa, int64_t K, int64_t per_group, int64_t g0, int64_t g1, const uint16_t* wb,
+    int64_t wstride, const float* ws, int64_t G, float* y, int64_t N, int64_t rows, bool first) {
+  alignas(64) float cbuf[4][AMX_ROWS * 16], acc[4][AMX_ROWS * 16];
+  if (first) {
+    std::memset(acc, 0, sizeof(acc));
+  } else {
+    for (int i = 0; i < MT; ++i)
+      for (int c = 0; c < NT; ++c)
+        for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r)
+          std::memcpy(acc[2 * i + c] + r * 16, y + (i * AMX_ROWS + r) * N + c * 16, 64);
+  }
+  const int64_t b0 = g0 * per_group;
+  for (int64_t g = g0; g < g1; ++g) {
+    _tile_zero(0);
+    if constexpr (NT == 2) _tile_zero(1);
+    if constexpr (MT == 2) _tile_zero(2);
+    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint16_t* w = wb + (b - b0) * B_BF16;
+      _tile_loadd(6, w, 64);
+      if constexpr (NT == 2) _tile_loadd(7, w + wstride, 64);
+      _tile_loadd(4, xa + b * A_BF16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (MT == 2) {
+        _tile_loadd(5, xa + AMX_ROWS * K + b * A_BF16, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, cbuf[0], 64);
+    if constexpr (NT == 2) _tile_stored(1, cbuf[1], 64);
+    if constexpr (MT == 2) _tile_stored(2, cbuf[2], 64);
+    if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf[3], 64);
+    for (int i = 0; i < MT; ++i)
+      for (int c = 0; c < NT; ++c) {
+        const __m512 sw = _mm512_loadu_ps(ws + c * G * 16 + g * 16);
+        const float* sums = cbuf[2 * i + c];
+        float* out = acc[2 * i + c];
+        for (int r = 0; r < AMX_ROWS; ++r)
+          _mm512_store_ps(out + r * 16, _mm512_fmadd_ps(_mm512_load_ps(sums + r * 16), sw,
+                                                        _mm512_load_ps(out + r * 16)));
+      }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int c = 0; c < NT; ++c)
+      for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r)
+        std::memcpy(y + (i * AMX_ROWS + r) * N + c * 16, acc[2 * i + c] + r * 16, 64);
+}
+
 }  // namespace
 #endif
 
@@ -182,6 +296,20 @@ bool amx_ready() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
   return ready;
+#else
+  return false;
+#endif
+}
+
+// amx_ready() and the CPU has AMX-BF16 (every AMX CPU so far; CPUID says so for sure).
+bool amx_bf16_ready() {
+#if defined(COMPRESS_AMX)
+  static const bool ready = [] {
+    unsigned eax, ebx, ecx, edx;
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    return (edx & (1u << 22)) != 0;
+  }();
+  return ready && amx_ready();
 #else
   return false;
 #endif
@@ -258,13 +386,92 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
 #endif
 }
 
+
+// int4 column tiles times bf16 activations on AMX-BF16: y = x W^T with x rounded to bf16 (no
+// per-block int8 rounding), the codes exact, the group's products summed in fp32 by the tile
+// unit and scaled once per group. Not the int8 ops' numbers: the runtime sends it only the
+// rows of large steps (cpu_q8.BF16_AMX_MIN_ROWS). x fp32 or bf16 [M, K].
+at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& codes,
+                                      const at::Tensor& scales,
+                                      const std::optional<at::Tensor>& offsets, int64_t group) {
+#if defined(COMPRESS_AMX)
+  const char* what = "int4_linear_bf16_tiles_amx";
+  TORCH_CHECK(amx_bf16_ready(), what,
+              ": this CPU or kernel does not grant AMX-BF16 (use int4_linear_q8_tiles)");
+  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group, true);
+  const int64_t M = x.size(0), K = args.K, G = args.G, T = args.T, N = args.N;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  // the last row tile reads 16 rows: zero rows pad it (their outputs are dropped)
+  const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  at::Tensor xb = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).copy_(x);  // round to nearest even, as .to(torch.bfloat16)
+  // as A tiles: [row tiles][blocks][16 rows][32]
+  const at::Tensor xt = xb.view({padded / AMX_ROWS, AMX_ROWS, K / BLOCK, BLOCK})
+                            .permute({0, 2, 1, 3})
+                            .contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xt.data_ptr<at::BFloat16>());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // K in chunks of whole groups whose activations (padded x chunk x 2 bytes) stay within
+  // CHUNK_BYTES, so every column pair reads them from L2: with all of K, the 1.1B shape's
+  // down_proj at 256 rows (2.9 MB of activations per pair) ran 1.4x slower than oneDNN's bf16
+  const int64_t per_group = group / BLOCK;
+  const int64_t chunk_groups = std::max<int64_t>(1, CHUNK_BYTES / (2 * padded * group));
+  const int64_t wstride = std::min(G, chunk_groups) * group * 16;  // B elements per tile
+  at::parallel_for(0, (T + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure_bf16();
+    std::vector<uint16_t> wb(2 * wstride);
+    for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
+      const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t t = 2 * p;
+        const bool pair = t + 1 < T;
+        unpack_tile_bf16(cp + t * K * 8 + k0 * 8, kc, wb.data());
+        if (pair) unpack_tile_bf16(cp + (t + 1) * K * 8 + k0 * 8, kc, wb.data() + wstride);
+        const float* ws = sp + t * G * 16;
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
+          const uint16_t* xa = xp + m0 * K;
+          float* out = yp + m0 * N + t * 16;
+          const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
+          const bool first = g0 == 0;
+          const uint16_t* w = wb.data();
+          if (rows > AMX_ROWS && pair)
+            row_tiles_bf16<2, 2>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+          else if (rows > AMX_ROWS)
+            row_tiles_bf16<2, 1>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+          else if (pair)
+            row_tiles_bf16<1, 2>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+          else
+            row_tiles_bf16<1, 1>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+        }
+      }
+    }
+    release();
+  });
+  if (args.with_offsets) {  // the offsets' term from the exact x sums, as the int8 ops
+    const at::Tensor xsum = x.to(at::kFloat).view({M, G, group}).sum(-1);
+    y.addmm_(xsum, offsets->t());
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "int4_linear_bf16_tiles_amx runs at the avx512vnni level, built by a "
+              "compiler with AMX intrinsics (GCC 11 or later), on Linux");
+  return at::Tensor();
+#endif
+}
+
 }  // namespace compress_q8
 
 TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("int4_linear_q8_tiles_amx(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("int4_linear_bf16_tiles_amx(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
   m.def("amx_ready() -> bool", &compress_q8::amx_ready);
+  m.def("amx_bf16_ready() -> bool", &compress_q8::amx_bf16_ready);
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("int4_linear_q8_tiles_amx", &compress_q8::int4_linear_q8_tiles_amx);
+  m.impl("int4_linear_bf16_tiles_amx", &compress_q8::int4_linear_bf16_tiles_amx);
 }

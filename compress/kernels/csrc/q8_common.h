@@ -129,8 +129,9 @@ inline float offset_term(const float* off, const float* xsum, int64_t G) {
   return out;
 }
 
-// The column-tile ops' arguments (q8_tiles.cpp, q8_amx.cpp), checked: x fp32 [M, K], codes
-// uint8 [N/16, K/8, 64], scales fp32 [N/16, K/group, 16], offsets fp32 [N, K/group] or none.
+// The column-tile ops' arguments (q8_tiles.cpp, q8_amx.cpp), checked: x fp32 [M, K] (or bf16
+// where bf16_x), codes uint8 [N/16, K/8, 64], scales fp32 [N/16, K/group, 16], offsets fp32
+// [N, K/group] or none.
 struct TilesArgs {
   int64_t M, K, G, T, N;
   bool with_offsets;
@@ -138,9 +139,12 @@ struct TilesArgs {
 
 inline TilesArgs check_tiles_args(const char* what, const at::Tensor& x, const at::Tensor& codes,
                                   const at::Tensor& scales,
-                                  const std::optional<at::Tensor>& offsets, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
-              ": x must be a contiguous fp32 [M, K] tensor");
+                                  const std::optional<at::Tensor>& offsets, int64_t group,
+                                  bool bf16_x = false) {
+  const bool dtype_ok = x.scalar_type() == at::kFloat ||
+                        (bf16_x && x.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(x.dim() == 2 && dtype_ok && x.is_contiguous(), what, ": x must be a contiguous ",
+              bf16_x ? "fp32 or bf16" : "fp32", " [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % PAIR == 0 && group > 0 && group % BLOCK == 0 && K % group == 0, what,
               ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
