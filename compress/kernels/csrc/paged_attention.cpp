@@ -159,10 +159,10 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
   // G = 8 2800 -> 2528-2738, but at G = 3 230 -> 306 (its widening per head is cheaper than the
   // scratch's store and reload), so int8 keeps the per-head path below 4 heads.
   const bool widen = fp8 ? G > 1 : std::is_same_v<T, int8_t> && G >= 4;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_claims(B * Hkv, 1, [&](Claims& claims) {
     std::vector<float> scores, wide_k, wide_v;
     std::vector<int64_t> rows, order;  // rows [n]: each key's index into the pool's rows
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task, task_end; claims.take(task, task_end);) {  // runs of one task
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = lengths[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;

@@ -379,10 +379,10 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
   // column tiles in pairs over the threads; each pair's codes unpacked once, then every pair
   // of row tiles runs over them
   const int64_t per_group = group / BLOCK, wstride = K / BLOCK * B_BYTES;
-  at::parallel_for(0, (T + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
     configure();
     std::vector<int8_t> wb(2 * wstride);
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
       const int64_t t = 2 * p;
       const bool pair = t + 1 < T;
       unpack_tile(cp + t * K * 8, K, wb.data());
@@ -447,12 +447,13 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
   const int64_t per_group = group / BLOCK;
   const int64_t chunk_groups = std::max<int64_t>(1, CHUNK_BYTES / (2 * padded * group));
   const int64_t wstride = std::min(G, chunk_groups) * group * 16;  // B elements per tile
-  at::parallel_for(0, (T + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    configure_bf16();
-    std::vector<uint16_t> wb(2 * wstride);
-    for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
-      const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
-      for (int64_t p = p0; p < p1; ++p) {
+  // one claimed pass over the column pairs per K chunk: a pair's chunks add up in order
+  for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
+    const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
+    parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
+      configure_bf16();
+      std::vector<uint16_t> wb(2 * wstride);
+      for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
         const int64_t t = 2 * p;
         const bool pair = t + 1 < T;
         unpack_tile_bf16(cp + t * K * 8 + k0 * 8, kc, wb.data());
@@ -474,9 +475,9 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
             row_tiles_bf16<1, 1>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
         }
       }
-    }
-    release();
-  });
+      release();
+    });
+  }
   if (args.with_offsets) {  // the offsets' term from the exact x sums, as the int8 ops
     const at::Tensor xsum = x.to(at::kFloat).view({M, G, group}).sum(-1);
     y.addmm_(xsum, offsets->t());

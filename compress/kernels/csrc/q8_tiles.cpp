@@ -86,7 +86,8 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
   const int64_t tile_bytes = K * TILE / 2;
   // as q8_dot.cpp's decode: tiles under ~128K weights a thread stay on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+  parallel_claims(T, grain, [&](Claims& claims) {
+    for (int64_t t0, t1; claims.take(t0, t1);)
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = cp + t * tile_bytes;
       const float* ws = sp + t * G * TILE;
