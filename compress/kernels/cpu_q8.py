@@ -40,7 +40,10 @@ codes [N/16, K/8, 64], the vector lanes holding 16 output columns, scales [N/16,
 op runs every row count there (``int4_linear_q8_tiles``). Where the CPU and Linux grant AMX-INT8
 (``amx_reason``), from ``AMX_MIN_ROWS`` rows the same layout goes through
 ``int4_linear_q8_tiles_amx`` (``csrc/q8_amx.cpp``): one TDPBSSD per block of 16 x 16 outputs, bit
-for bit the VNNI op's outputs.
+for bit the VNNI op's outputs. Where it also has AMX-BF16, from ``bf16_amx_min_rows()`` rows the
+runtime takes ``int4_linear_bf16_tiles_amx`` instead: the codes unpacked to bf16 tiles, the
+activations rounded to bf16 (not int8), TDPBF16PS sums scaled once per group; other numbers,
+closer to the float model (``linear_bf16_reference``).
 
 Built with torch.utils.cpp_extension (a C++ compiler and the ``ninja`` package, in the ``dev``
 and ``cpu-kernels`` extras; about a minute per level the first time, cached under torch's
@@ -535,12 +538,13 @@ def amx_reason(isa: str | None = None) -> str | None:
 # From how many rows the runtime's int4 column-tile layers take the AMX-BF16 op (bf16
 # activations, no int8 rounding; ``int4_linear_bf16_tiles_amx``), where ``amx_bf16_reason`` is
 # None; ``$COMPRESS_CPU_BF16_ROWS`` overrides it (0: never). Its fixed cost is unpacking the
-# codes to bf16 once per call (four bytes stored per byte of codes), so it wins on big steps:
-# one 11264 x 2048 g128 call, 2 threads, weights cached, against the AMX-INT8 op: 1 row 1.64 /
-# 1.06 ms, 32 rows 1.79 / 1.84, 64 rows 2.60 / 3.21, 256 rows 9.82 / 12.55. A prefill pass of
-# SmolLM2's layers (g64): 32 rows 18.0 / 23.0 ms (VNNI 23.9), 256 rows 84 / 97; of the 1.1B
-# shape's (g128): 32 rows 81 / 98, 256 rows 405 / 585 (docs/notes/2026-12-04-bf16-amx-prefill.md).
-BF16_AMX_MIN_ROWS = 32
+# codes to bf16 (four bytes stored per byte of codes), so one-row decode stays on the VNNI op.
+# Measured on a Xeon, 2 threads, one prefill pass of a shape's layers, weights from DRAM
+# (``scripts/bench_prefill.py --only tiles``, medians of 5; docs/notes/
+# 2026-12-04-bf16-amx-prefill.md), VNNI / AMX-INT8 / AMX-BF16 ms: the 1.1B shape (g128) at 8
+# rows 55.0 / 84.7 / 59.9, 16 rows 79.5 / 87.1 / 62.7, 32 rows 140.1 / 121.2 / 80.9; SmolLM2's
+# (g64) at 8 rows 10.5 / - / 10.2, 16 rows 15.0 / - / 11.2, 32 rows 23.5 / - / 17.2.
+BF16_AMX_MIN_ROWS = 16
 BF16_ROWS_ENV = "COMPRESS_CPU_BF16_ROWS"
 
 

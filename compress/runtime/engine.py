@@ -149,11 +149,13 @@ class Runtime:
     ``"q4q8"`` (both phases through our integer-dot kernel, ``compress/kernels/cpu_q8.py``, at
     the CPU's ISA level, activations rounded to int8 per block of 32, llama.cpp's scheme: faster
     decode and prefill (a row-tile GEMM; on the 256-bit levels, prompts from
-    ``cpu_q8.FLOAT_GEMM_MIN_ROWS`` tokens run an fp32 GEMM of the dequantized weights instead),
-    +0.2% perplexity measured on SmolLM2 W4, tokens may differ; torch's layout is not held
-    then). ``int8_kernel``: the same choice for int8 layers
-    and an int8 head (``"torch"`` or ``"q8q8"``). Both fall back to "torch" with a warning where
-    our kernels cannot be built; ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps
+    ``cpu_q8.FLOAT_GEMM_MIN_ROWS`` tokens run an fp32 GEMM of the dequantized weights instead;
+    on CPUs with AMX-BF16, steps of ``cpu_q8.bf16_amx_min_rows()`` rows or more take bf16
+    activations on AMX instead of the int8 rounding), +0.2% perplexity measured on SmolLM2 W4
+    with int8 activations, tokens may differ; torch's layout is not held then).
+    ``int8_kernel``: the same choice for int8 layers and an int8 head (``"torch"`` or
+    ``"q8q8"``). Both fall back to "torch" with a warning where our kernels cannot be built;
+    ``q8_isa`` says which level runs. ``lm_head_bits``: None keeps
     a float lm_head (in the decode dtype); 4 or 8 quantizes a copy at construction (RTN,
     symmetric; int4 group 32, int8 per channel) run by the int4/int8 kernels above: the (tied)
     lm_head is the largest matrix of small models (SmolLM2: 49152x576, 45% of W4's decode bytes

@@ -150,7 +150,9 @@ class _Q8Kernel(nn.Module):
     int4 weights with N a multiple of 16 are held in the column-tile layout at the AVX512-VNNI
     level (``cpu_q8.to_tiles``, csrc/q8_tiles.cpp: every row count through one kernel), unless
     ``tiles=False``; from ``cpu_q8.AMX_MIN_ROWS`` rows on where the CPU grants AMX-INT8, through
-    that kernel's AMX form (csrc/q8_amx.cpp), bit for bit the same outputs. Measured on a Xeon
+    that kernel's AMX form (csrc/q8_amx.cpp), bit for bit the same outputs; from
+    ``cpu_q8.bf16_amx_min_rows()`` rows where it also has AMX-BF16, through the bf16-activation
+    op (``int4_linear_bf16_tiles_amx``: no int8 rounding, so other numbers). Measured on a Xeon
     (2 threads, weights from DRAM): one row 7-16% faster than the row layout on SmolLM2's and
     the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x."""
 

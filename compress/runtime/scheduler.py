@@ -14,7 +14,8 @@ Each ``step``:
    its weights once per step (attention per request). Where the phases compute differently
    (other matmul dtypes, or a chunk long enough to leave our integer kernels for a float GEMM)
    they run as two forwards, so a request's tokens do not depend on what it was batched with
-   beyond float rounding;
+   beyond float rounding (except on CPUs with AMX-BF16, whose int4 layers take bf16 activations
+   in steps of 16 rows or more: ``cpu_q8.bf16_amx_min_rows``);
 4. each request samples with its own settings and seeded generator; a stop token or its
    length limit retires it, and its full blocks stay in the prefix cache.
 
@@ -192,7 +193,9 @@ class Scheduler:
         # matmul dtype, and rows under the count from which a layer of our integer kernels
         # leaves them for a float GEMM (``_Q8Kernel.float_rows``): decode rows mixed into a long
         # chunk would otherwise skip the activation rounding, and their tokens would then
-        # depend on what they were batched with.
+        # depend on what they were batched with. (Not so for the AMX-BF16 op, which takes every
+        # step of ``cpu_q8.bf16_amx_min_rows()`` rows, decode-only ones too: there a request's
+        # rounding follows its step's row count whether or not the step mixes.)
         self.mixed_reason = None if mix else "asked for"
         if mix and runtime.prefill_dtype != runtime.decode_dtype:
             self.mixed_reason = (

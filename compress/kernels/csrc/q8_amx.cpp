@@ -261,10 +261,17 @@ constexpr int64_t B_BF16 = 16 * 32;           // elements of a weight tile (1 KB
 // columns col0 .. col0 + 16 NT - 1 (written, not added, when first). Per group the tile unit
 // sums the exact products (fp32), then the vector units scale the sums by the group's weight
 // scales.
+//
+// With `codes` (the first column tile's codes; the second's K * 8 bytes on), each group's B rows
+// are unpacked into wb (one group per tile, wstride elements apart) just before its products:
+// for one row-tile pair (at most 32 rows) nothing is reused across row tiles, and unpacking a
+// whole tile ahead of use wrote 128-360 KB per pair through L2 (one 11264 x 2048 layer at 32
+// rows: 1.79 ms, most of it unpacking).
 template <int MT, int NT>
 __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
-    const uint16_t* xa, int64_t K, int64_t per_group, int64_t g0, int64_t g1, const uint16_t* wb,
-    int64_t wstride, const float* ws, int64_t G, float* y, int64_t N, int64_t rows, bool first) {
+    const uint16_t* xa, int64_t K, int64_t per_group, int64_t g0, int64_t g1, uint16_t* wb,
+    int64_t wstride, const float* ws, int64_t G, float* y, int64_t N, int64_t rows, bool first,
+    const uint8_t* codes = nullptr) {
   alignas(64) float cbuf[4][AMX_ROWS * 16], acc[4][AMX_ROWS * 16];
   if (first) {
     std::memset(acc, 0, sizeof(acc));
@@ -274,8 +281,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
         for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r)
           std::memcpy(acc[2 * i + c] + r * 16, y + (i * AMX_ROWS + r) * N + c * 16, 64);
   }
-  const int64_t b0 = g0 * per_group;
+  int64_t b0 = g0 * per_group;
   for (int64_t g = g0; g < g1; ++g) {
+    if (codes != nullptr) {
+      const int64_t group = per_group * BLOCK;
+      unpack_tile_bf16(codes + g * group * 8, group, wb);
+      if constexpr (NT == 2) unpack_tile_bf16(codes + K * 8 + g * group * 8, group, wb + wstride);
+      b0 = g * per_group;
+    }
     _tile_zero(0);
     if constexpr (NT == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
@@ -447,8 +460,31 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
   const int64_t per_group = group / BLOCK;
   const int64_t chunk_groups = std::max<int64_t>(1, CHUNK_BYTES / (2 * padded * group));
   const int64_t wstride = std::min(G, chunk_groups) * group * 16;  // B elements per tile
-  // one claimed pass over the column pairs per K chunk: a pair's chunks add up in order
-  for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
+  if (padded <= 2 * AMX_ROWS) {  // one row-tile pair: each group unpacked as it is used
+    const int64_t gstride = per_group * B_BF16;
+    parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
+      configure_bf16();
+      std::vector<uint16_t> wb(2 * gstride);
+      for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
+        const int64_t t = 2 * p;
+        const uint8_t* c = cp + t * K * 8;
+        const float* ws = sp + t * G * 16;
+        float* out = yp + t * 16;
+        uint16_t* w = wb.data();
+        if (M > AMX_ROWS && t + 1 < T)
+          row_tiles_bf16<2, 2>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+        else if (M > AMX_ROWS)
+          row_tiles_bf16<2, 1>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+        else if (t + 1 < T)
+          row_tiles_bf16<1, 2>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+        else
+          row_tiles_bf16<1, 1>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+      }
+      release();
+    });
+  }
+  // else one claimed pass over the column pairs per K chunk: a pair's chunks add up in order
+  for (int64_t g0 = 0; padded > 2 * AMX_ROWS && g0 < G; g0 += chunk_groups) {
     const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
     parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
       configure_bf16();
@@ -464,7 +500,7 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
           float* out = yp + m0 * N + t * 16;
           const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
           const bool first = g0 == 0;
-          const uint16_t* w = wb.data();
+          uint16_t* w = wb.data();
           if (rows > AMX_ROWS && pair)
             row_tiles_bf16<2, 2>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
           else if (rows > AMX_ROWS)
