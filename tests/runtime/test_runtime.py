@@ -164,7 +164,6 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
     # here: prompts of 8+ tokens must then equal transformers on the dequantized fp32 weights
     # and one-token steps transformers on our kernel
     from compress.kernels import cpu_q8
-    from compress.quant.linear import QuantLinear
 
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
@@ -177,18 +176,28 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
     holder = "_Int4Linear" if bits == 4 else "_Int8Linear"
     assert all(m.q8.float_rows == 8 for m in rt.layers.modules() if type(m).__name__ == holder)
 
-    def ours(layer, x):
+    def ours(layer, x2):
         w = _q8_weight(layer)
-        x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= 8:
-            y = torch.nn.functional.linear(x2.float(), cpu_q8.dequantize_reference(w).float())
-        else:
-            y = cpu_q8.linear_q8(x2, w)
+            return torch.nn.functional.linear(x2.float(), cpu_q8.dequantize_reference(w).float())
+        return cpu_q8.linear_q8(x2, w)
+
+    _assert_long_prompt_tokens_with(model, rt, ours)
+
+
+def _assert_long_prompt_tokens_with(model, rt, linear) -> None:
+    """``rt`` greedy on a 13-token prompt equals transformers' with every QuantLinear's output
+    replaced by ``linear(layer, x [rows, K])``."""
+    from compress.quant.linear import QuantLinear
+
+    def hook(layer, args, out):
+        x = args[0]
+        y = linear(layer, x.reshape(-1, x.shape[-1]))
         return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
-            layer.register_forward_hook(lambda m, args, out: ours(m, args[0]))
+            layer.register_forward_hook(hook)
     long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]
     assert rt.generate([long_prompt], 12) == [hf_greedy(model, long_prompt, 12)]
 
@@ -198,7 +207,6 @@ def test_q8_kernel_big_steps_take_the_bf16_amx_op(model, monkeypatch):
     # activations) in every int4 layer, one-token steps our int8-activation kernel; transformers
     # with the same two ops per row count gives the same tokens
     from compress.kernels import cpu_q8
-    from compress.quant.linear import QuantLinear
 
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(f"integer-dot kernels not available here: {cpu_q8.unavailable_reason()}")
@@ -215,20 +223,14 @@ def test_q8_kernel_big_steps_take_the_bf16_amx_op(model, monkeypatch):
         x = torch.randn(rows, q8[0].weight.k)
         assert torch.equal(q8[0](x), expected(x, q8[0].codes, q8[0].scales, None, 32))
 
-    def ours(layer, x):
+    def ours(layer, x2):
         w = cpu_q8.to_tiles(_q8_weight(layer))
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        x2 = x2.float().contiguous()
         if x2.shape[0] >= 8:
-            y = op(x2, w.codes, w.scales, w.offsets, w.group_size)
-        else:
-            y = cpu_q8.linear_q8(x2, w)
-        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+            return op(x2, w.codes, w.scales, w.offsets, w.group_size)
+        return cpu_q8.linear_q8(x2, w)
 
-    for layer in model.modules():
-        if isinstance(layer, QuantLinear):
-            layer.register_forward_hook(lambda m, args, out: ours(m, args[0]))
-    long_prompt = [1, 5, 9, 33, 70, 100, 7, 8, 21, 64, 3, 99, 17]
-    assert rt.generate([long_prompt], 12) == [hf_greedy(model, long_prompt, 12)]
+    _assert_long_prompt_tokens_with(model, rt, ours)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
