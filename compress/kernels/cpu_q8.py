@@ -150,6 +150,7 @@ def build_reason(isa: str) -> str | None:
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_linear)
     for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx", "int4_linear_bf16_tiles_amx"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
+    torch.library.register_fake(f"compress_{isa}::bf16_linear_tiles_amx")(_fake_bf16_tiles)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"compress_{isa}::rope_qkv")(_fake_rope_qkv)
@@ -204,6 +205,10 @@ def _fake_linear(x, codes, scales, offsets, group):
 
 def _fake_tiles_linear(x, codes, scales, offsets, group):
     return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+
+
+def _fake_bf16_tiles(x, w):
+    return x.new_empty(x.shape[0], w.shape[0] * TILE, dtype=torch.float32)
 
 
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
@@ -578,6 +583,26 @@ def amx_bf16_reason(isa: str | None = None) -> str | None:
     if "amx_bf16" not in cpuinfo.cpu_flags() or not ops(isa).amx_bf16_ready():
         return "the CPU does not report amx_bf16"
     return None
+
+
+def bf16_tiles_reason(w: torch.Tensor) -> str | None:
+    """Why a dense weight does not run as our AMX-BF16 tiles (``bf16_to_tiles``,
+    ``bf16_linear_tiles_amx``) in this process, or None."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
+        return "a 2-D bf16 weight on the CPU runs there"
+    if w.shape[0] % TILE or w.shape[1] % BLOCK:
+        return f"[N, K] = {list(w.shape)}: N must be a multiple of {TILE}, K of {BLOCK}"
+    if unavailable_reason() is not None:
+        return unavailable_reason()
+    return amx_bf16_reason()
+
+
+def bf16_to_tiles(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> [N/16, K/2, 32], AMX-BF16's B-tile order: element 2c + i of row r of
+    tile t is w[16t + c, 2r + i] (``bf16_linear_tiles_amx`` reads 16 such rows per tile)."""
+    n, k = w.shape
+    tiles = w.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3)
+    return tiles.reshape(n // TILE, k // 2, 32).contiguous()
 
 
 def tiles_reason(weight: Q8Weight, isa: str | None) -> str | None:

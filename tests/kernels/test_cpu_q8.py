@@ -326,6 +326,30 @@ def test_bf16_amx_tile_kernel_equals_float64_of_bf16_activations(n, k, group, sy
         assert torch.equal(op(x.bfloat16(), w.codes, w.scales, None, group), y)
 
 
+@pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 17), (64, 256, 40), (32, 2048, 33)])
+def test_bf16_tiles_linear_equals_float64(n, k, m):
+    # dense bf16 weights in B-tile order: float64 of the bf16-rounded x and w, fp32 sums; an
+    # odd tile count, padded row tiles, fp32 and bf16 inputs alike
+    op = _bf16_op_or_skip()
+    del op
+    torch.manual_seed(n + k + m)
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(m, k)
+    tiles = cpu_q8.bf16_to_tiles(w)
+    assert tiles.shape == (n // 16, k // 2, 32)
+    assert torch.equal(tiles[0, 3, 5], w[2, 7])  # element 2c + i of row r: w[16t + c, 2r + i]
+    ops = cpu_q8.ops(cpu_q8.TILES_ISA)
+    y = ops.bf16_linear_tiles_amx(x, tiles)
+    ref = x.bfloat16().double() @ w.double().T
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+    assert torch.equal(ops.bf16_linear_tiles_amx(x.bfloat16(), tiles), y)
+    assert cpu_q8.bf16_tiles_reason(w) is None
+    assert "multiple of 16" in cpu_q8.bf16_tiles_reason(w[:8])
+    with pytest.raises(RuntimeError, match=r"w must be contiguous bf16 \[N/16, K/2, 32\]"):
+        ops.bf16_linear_tiles_amx(x[:, :-32].contiguous(), tiles)
+
+
 def test_bf16_amx_rows_come_from_the_environment(monkeypatch):
     op = _bf16_op_or_skip()
     del op

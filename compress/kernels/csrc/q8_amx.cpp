@@ -526,11 +526,69 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
 #endif
 }
 
+
+// Dense bf16 weights in B-tile order (cpu_q8.bf16_to_tiles: [N/16, K/2, 32], element 2c + i of
+// row r = w[16t + c, 2r + i]) times bf16 activations on AMX-BF16: the int4 op's loops with the
+// weights read in place (no unpack) and one group of all of K (scale 1: exact). y fp32 [M, N].
+at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
+#if defined(COMPRESS_AMX)
+  const char* what = "bf16_linear_tiles_amx";
+  TORCH_CHECK(amx_bf16_ready(), what, ": this CPU or kernel does not grant AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              what, ": x must be a contiguous fp32 or bf16 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                  w.size(2) == 32 && w.size(1) * 2 == x.size(1) && x.size(1) % BLOCK == 0,
+              what, ": w must be contiguous bf16 [N/16, K/2, 32] with K = x's width, a "
+              "multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), T = w.size(0), N = T * 16;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  std::vector<uint16_t> xt(padded * K);
+  to_a_tiles(x, M, K, padded, xt.data());
+  const uint16_t* xp = xt.data();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t per_group = K / BLOCK, wstride = K * 16;
+  alignas(64) float ones[32];  // the scales of one group, [G = 1][16] for each of two tiles
+  for (float& o : ones) o = 1.f;
+  parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
+    configure_bf16();
+    for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
+      const int64_t t = 2 * p;
+      const bool pair = t + 1 < T;
+      uint16_t* wt = wp + t * wstride;
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
+        const uint16_t* xa = xp + m0 * K;
+        float* out = yp + m0 * N + t * 16;
+        const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
+        if (rows > AMX_ROWS && pair)
+          row_tiles_bf16<2, 2>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+        else if (rows > AMX_ROWS)
+          row_tiles_bf16<2, 1>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+        else if (pair)
+          row_tiles_bf16<1, 2>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+        else
+          row_tiles_bf16<1, 1>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+      }
+    }
+    release();
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "bf16_linear_tiles_amx runs at the avx512vnni level, built with AMX "
+              "intrinsics, on Linux");
+  return at::Tensor();
+#endif
+}
+
 }  // namespace compress_q8
 
 TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("int4_linear_q8_tiles_amx(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
   m.def("int4_linear_bf16_tiles_amx(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("bf16_linear_tiles_amx(Tensor x, Tensor w) -> Tensor");
   m.def("amx_ready() -> bool", &compress_q8::amx_ready);
   m.def("amx_bf16_ready() -> bool", &compress_q8::amx_bf16_ready);
 }
@@ -538,4 +596,5 @@ TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("int4_linear_q8_tiles_amx", &compress_q8::int4_linear_q8_tiles_amx);
   m.impl("int4_linear_bf16_tiles_amx", &compress_q8::int4_linear_bf16_tiles_amx);
+  m.impl("bf16_linear_tiles_amx", &compress_q8::bf16_linear_tiles_amx);
 }
