@@ -69,6 +69,22 @@ __attribute__((target("amx-tile,amx-int8"))) void configure() {
 
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
+// f(MT, NT) as std::integral_constant<int, ...>: two row tiles from 17 rows, two column tiles
+// where a pair exists; the one place that picks the row_tiles* instantiation
+template <typename F>
+inline void by_tiles(int64_t rows, bool pair, const F& f) {
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  if (rows > AMX_ROWS && pair)
+    f(two{}, two{});
+  else if (rows > AMX_ROWS)
+    f(two{}, one{});
+  else if (pair)
+    f(one{}, two{});
+  else
+    f(one{}, one{});
+}
+
 // A column tile's codes [K/8, 64] -> B tiles [K/32][8][64] of signed codes (code - 8).
 inline void unpack_tile(const uint8_t* tile, int64_t K, int8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
@@ -406,14 +422,9 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
         const float* sx = rx.scale.data() + m0 * B;
         float* out = yp + m0 * N + t * 16;
         const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
-        if (rows > AMX_ROWS && pair)
-          row_tiles<2, 2>(q, sx, K, B, per_group, wb.data(), ws, G, out, N, rows);
-        else if (rows > AMX_ROWS)
-          row_tiles<2, 1>(q, sx, K, B, per_group, wb.data(), ws, G, out, N, rows);
-        else if (pair)
-          row_tiles<1, 2>(q, sx, K, B, per_group, wb.data(), ws, G, out, N, rows);
-        else
-          row_tiles<1, 1>(q, sx, K, B, per_group, wb.data(), ws, G, out, N, rows);
+        by_tiles(rows, pair, [&](auto mt, auto nt) {
+          row_tiles<decltype(mt)::value, decltype(nt)::value>(q, sx, K, B, per_group, wb.data(), ws, G, out, N, rows);
+        });
       }
     }
     release();
@@ -471,14 +482,9 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
         const float* ws = sp + t * G * 16;
         float* out = yp + t * 16;
         uint16_t* w = wb.data();
-        if (M > AMX_ROWS && t + 1 < T)
-          row_tiles_bf16<2, 2>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
-        else if (M > AMX_ROWS)
-          row_tiles_bf16<2, 1>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
-        else if (t + 1 < T)
-          row_tiles_bf16<1, 2>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
-        else
-          row_tiles_bf16<1, 1>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+        by_tiles(M, t + 1 < T, [&](auto mt, auto nt) {
+          row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+        });
       }
       release();
     });
@@ -501,14 +507,9 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
           const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
           const bool first = g0 == 0;
           uint16_t* w = wb.data();
-          if (rows > AMX_ROWS && pair)
-            row_tiles_bf16<2, 2>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
-          else if (rows > AMX_ROWS)
-            row_tiles_bf16<2, 1>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
-          else if (pair)
-            row_tiles_bf16<1, 2>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
-          else
-            row_tiles_bf16<1, 1>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+          by_tiles(rows, pair, [&](auto mt, auto nt) {
+            row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+          });
         }
       }
       release();
@@ -563,14 +564,9 @@ at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
         const uint16_t* xa = xp + m0 * K;
         float* out = yp + m0 * N + t * 16;
         const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
-        if (rows > AMX_ROWS && pair)
-          row_tiles_bf16<2, 2>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
-        else if (rows > AMX_ROWS)
-          row_tiles_bf16<2, 1>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
-        else if (pair)
-          row_tiles_bf16<1, 2>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
-        else
-          row_tiles_bf16<1, 1>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+        by_tiles(rows, pair, [&](auto mt, auto nt) {
+          row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+        });
       }
     }
     release();
