@@ -40,6 +40,9 @@ CASES = [  # b, heads, kv heads, head dim, block size, blocks
     (3, 9, 3, 64, 16, 12),  # SmolLM2's heads
     (5, 8, 8, 32, 4, 20),  # no grouping
     (2, 32, 4, 64, 16, 8),  # the 1.1B shape's heads
+    (3, 14, 2, 128, 8, 10),  # seven heads per kv head (groups of 3, 3, 1), two column groups
+    (2, 10, 2, 80, 4, 12),  # head dim 80: a 64-column group and one of 16 (AVX-512 build)
+    (2, 6, 3, 24, 4, 8),  # head dim 24: not a multiple of 16, the AVX2 loop on every build
 ]
 
 
