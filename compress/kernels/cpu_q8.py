@@ -507,12 +507,18 @@ def linear_q8_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
 
 def linear_bf16_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``int4_linear_bf16_tiles_amx``'s product in float64, plain torch (for tests): x rounded
-    to bf16 times the exact weights ``(code - 8) * scale``, plus the offsets' term from the
-    unrounded x's group sums (as ``linear_q8_reference``)."""
+    to bf16 times the weights ``(code - 8) * scale``, plus the offsets' term from the unrounded
+    x's group sums (as ``linear_q8_reference``). Up to ``BF16_WHOLE_MIN_ROWS - 1`` rows the
+    weights are exact and each group's sums are scaled; from ``BF16_WHOLE_MIN_ROWS`` rows the op
+    rounds each weight to fp32, then bf16 (the scales folded into its tiles, one sum over K)."""
     weight = from_tiles(weight) if weight.tiles else weight
     k, g = weight.k, weight.group_size
     x2 = x.reshape(-1, k)
-    w = unpack_codes(weight) * weight.scales.double().repeat_interleave(g, dim=1)
+    scales = weight.scales.repeat_interleave(g, dim=1)
+    if x2.shape[0] >= BF16_WHOLE_MIN_ROWS:
+        w = (unpack_codes(weight).float() * scales.float()).bfloat16().double()
+    else:
+        w = unpack_codes(weight) * scales.double()
     y = x2.to(torch.bfloat16).double() @ w.T
     if weight.offsets is None:
         return y
@@ -551,6 +557,11 @@ def amx_reason(isa: str | None = None) -> str | None:
 # (g64) at 8 rows 10.5 / - / 10.2, 16 rows 15.0 / - / 11.2, 32 rows 23.5 / - / 17.2.
 BF16_AMX_MIN_ROWS = 16
 BF16_ROWS_ENV = "COMPRESS_CPU_BF16_ROWS"
+# From how many rows (more than one pair of 16-row tiles) ``int4_linear_bf16_tiles_amx`` folds
+# the weight scales into its bf16 tiles (each weight rounded to bf16, as a dequantize-then-bf16
+# GEMM does) and sums all of K in the tile unit; below, the codes stay exact and each group's
+# sums leave the tiles to be scaled. The constant of csrc/q8_amx.cpp's op, not a setting.
+BF16_WHOLE_MIN_ROWS = 33
 
 
 def bf16_amx_min_rows(isa: str | None = None) -> int | None:

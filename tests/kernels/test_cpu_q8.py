@@ -305,6 +305,8 @@ def _bf16_op_or_skip():
         (48, 256, 64, True, 17),  # an odd tile count; a second row tile of one row
         (16, 1024, 128, False, 40),
         (32, 384, 384, True, 67),  # one group per row
+        (32, 256, 64, True, 32),  # the last row count with exact codes, scaled per group
+        (32, 256, 64, False, 33),  # the first with the scales folded into bf16 weights
         # 304 padded rows: K in chunks of 26 groups of 64 (1 MB of bf16 activations), 3 chunks
         (48, 4096, 64, False, 300),
     ],

@@ -237,6 +237,58 @@ inline void unpack_tile_bf16(const uint8_t* tile, int64_t K, uint16_t* out) {
   }
 }
 
+// unpack_tile_bf16 with the weight scales folded in: B rows [k_len/2][32] of bf16((code - 8) x
+// scale), the product rounded once to fp32 (one FMA: code x s - 8 s) and then to bf16 (nearest
+// even), as cpu_q8.linear_bf16_reference does for more than 32 rows. `ws`: this column tile's
+// scales [groups][16] from the chunk's first group. Element 2c + i of a B row is column c's, so
+// a row's first 16 elements take scales s0 s0 s1 s1 .. s7 s7 and its last 16 s8 s8 .. s15 s15.
+// one B row (32 code bytes in B order) -> bf16(code x s + b), s and b per element
+__attribute__((target("avx512bf16"))) inline void scaled_b_row(__m256i codes, __m512 s_lo,
+                                                               __m512 b_lo, __m512 s_hi,
+                                                               __m512 b_hi, uint16_t* dst) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, b_hi),
+                                         _mm512_fmadd_ps(lo, s_lo, b_lo));
+  _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(v));
+}
+
+__attribute__((target("avx512bf16"))) void unpack_tile_bf16_scaled(
+    const uint8_t* tile, int64_t k_len, const float* ws, int64_t group, uint16_t* out) {
+  alignas(64) uint16_t order[32];
+  alignas(64) int32_t pair_lo[16], pair_hi[16];
+  for (int w = 0; w < 16; ++w) {
+    order[w] = static_cast<uint16_t>(2 * w);
+    order[16 + w] = static_cast<uint16_t>(2 * w + 1);
+    pair_lo[w] = w / 2;
+    pair_hi[w] = 8 + w / 2;
+  }
+  const __m512i split = _mm512_load_si512(order), low4 = _mm512_set1_epi8(0x0F);
+  const __m512i idx_lo = _mm512_load_si512(pair_lo), idx_hi = _mm512_load_si512(pair_hi);
+  __m512 s_lo = _mm512_setzero_ps(), s_hi = s_lo, b_lo = s_lo, b_hi = s_lo;
+  auto row = [&](__m256i codes, uint16_t* dst) {
+    scaled_b_row(codes, s_lo, b_lo, s_hi, b_hi, dst);
+  };
+  for (int64_t j = 0; j < k_len / 8; ++j) {
+    if ((8 * j) % group == 0) {  // a new group: its 16 scales spread over the row's pairs
+      const __m512 sw = _mm512_loadu_ps(ws + (8 * j / group) * 16);
+      s_lo = _mm512_permutexvar_ps(idx_lo, sw);
+      s_hi = _mm512_permutexvar_ps(idx_hi, sw);
+      b_lo = _mm512_mul_ps(s_lo, _mm512_set1_ps(-8.f));  // exact: times a power of two
+      b_hi = _mm512_mul_ps(s_hi, _mm512_set1_ps(-8.f));
+    }
+    const __m512i v = _mm512_loadu_si512(tile + j * 64);
+    const __m512i nib[2] = {_mm512_and_si512(v, low4),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sp = _mm512_permutexvar_epi16(split, nib[h]);  // even words, then odd
+      uint16_t* dst = out + (4 * j + 2 * h) * 32;
+      row(_mm512_castsi512_si256(sp), dst);
+      row(_mm512_extracti64x4_epi64(sp, 1), dst + 32);
+    }
+  }
+}
+
 constexpr int64_t A_BF16 = AMX_ROWS * BLOCK;  // elements of an activation tile (1 KB)
 
 // x [M, K] (fp32 or bf16) -> bf16 A tiles [padded / 16][K / 32][16][32], rows M .. padded - 1
@@ -271,40 +323,28 @@ void to_a_tiles(const at::Tensor& x, int64_t M, int64_t K, int64_t padded, uint1
 }
 constexpr int64_t B_BF16 = 16 * 32;           // elements of a weight tile (1 KB)
 
-// MT row tiles (xa: their A tiles, [MT][K/32][16][32] bf16 from row m0) times NT column tiles
-// over groups g0 .. g1 - 1 (wb: their B rows from group g0's first, one tile after the other,
-// wstride elements apart; ws: their scales [G, 16] each), added to y rows m0 .. m0 + rows - 1,
-// columns col0 .. col0 + 16 NT - 1 (written, not added, when first). Per group the tile unit
-// sums the exact products (fp32), then the vector units scale the sums by the group's weight
-// scales.
-//
-// With `codes` (the first column tile's codes; the second's K * 8 bytes on), each group's B rows
-// are unpacked into wb (one group per tile, wstride elements apart) just before its products:
-// for one row-tile pair (at most 32 rows) nothing is reused across row tiles, and unpacking a
-// whole tile ahead of use wrote 128-360 KB per pair through L2 (one 11264 x 2048 layer at 32
-// rows: 1.79 ms, most of it unpacking).
+// Up to 32 rows: MT row tiles (xa: their A tiles, [MT][K/32][16][32] bf16 from row m0) times NT
+// column tiles (codes: the first's, the second's K * 8 bytes on; ws: their scales [G, 16] each,
+// G * 16 apart), written to y rows m0 .. m0 + rows - 1, columns col0 .. col0 + 16 NT - 1. Per
+// group the codes are unpacked exact (unpack_tile_bf16) into wb (per_group tiles per column
+// tile, wstride elements apart) just before their products, the tile unit sums the exact
+// products (fp32), then the vector units scale the sums by the group's weight scales. Nothing is
+// reused across row tiles here, so unpacking a whole tile ahead of use only wrote 128-360 KB
+// per pair through L2 (one 11264 x 2048 layer at 32 rows: 1.79 ms, most of it unpacking); and
+// folding the scales into the tiles (row_tiles_bf16_whole) costs more ALU work per weight than
+// the per-group scaling saves (SmolLM2's layers at 16 rows 12.3-13.1 ms against 9.4-9.8, at 32
+// rows 16.4-16.5 against 13.7-13.9; scripts/bench_prefill.py --rows 16 32 --only tiles).
 template <int MT, int NT>
 __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
-    const uint16_t* xa, int64_t K, int64_t per_group, int64_t g0, int64_t g1, uint16_t* wb,
-    int64_t wstride, const float* ws, int64_t G, float* y, int64_t N, int64_t rows, bool first,
-    const uint8_t* codes = nullptr) {
+    const uint16_t* xa, int64_t K, int64_t per_group, uint16_t* wb, int64_t wstride,
+    const float* ws, int64_t G, float* y, int64_t N, int64_t rows, const uint8_t* codes) {
   alignas(64) float cbuf[4][AMX_ROWS * 16], acc[4][AMX_ROWS * 16];
-  if (first) {
-    std::memset(acc, 0, sizeof(acc));
-  } else {
-    for (int i = 0; i < MT; ++i)
-      for (int c = 0; c < NT; ++c)
-        for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r)
-          std::memcpy(acc[2 * i + c] + r * 16, y + (i * AMX_ROWS + r) * N + c * 16, 64);
-  }
-  int64_t b0 = g0 * per_group;
-  for (int64_t g = g0; g < g1; ++g) {
-    if (codes != nullptr) {
-      const int64_t group = per_group * BLOCK;
-      unpack_tile_bf16(codes + g * group * 8, group, wb);
-      if constexpr (NT == 2) unpack_tile_bf16(codes + K * 8 + g * group * 8, group, wb + wstride);
-      b0 = g * per_group;
-    }
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t group = per_group * BLOCK;
+  for (int64_t g = 0; g < G; ++g) {
+    unpack_tile_bf16(codes + g * group * 8, group, wb);
+    if constexpr (NT == 2) unpack_tile_bf16(codes + K * 8 + g * group * 8, group, wb + wstride);
+    const int64_t b0 = g * per_group;
     _tile_zero(0);
     if constexpr (NT == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
@@ -340,6 +380,47 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
     for (int c = 0; c < NT; ++c)
       for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r)
         std::memcpy(y + (i * AMX_ROWS + r) * N + c * 16, acc[2 * i + c] + r * 16, 64);
+}
+
+// MT row tiles (xa: their A tiles, [MT][K/32][16][32] bf16 from row m0) times NT column tiles
+// whose B tiles hold the weights whole (dense bf16, or int4 with its scales folded in:
+// unpack_tile_bf16_scaled), over blocks b0 .. b1 - 1 (wb: block b0's B tile of the first column
+// tile, the second's wstride elements on): the tile unit sums every block's products in fp32,
+// stored once at the end and written (`first`) or added to y rows m0 .. m0 + rows - 1, columns
+// col0 .. col0 + 16 NT - 1.
+template <int MT, int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16_whole(
+    const uint16_t* xa, int64_t K, int64_t b0, int64_t b1, const uint16_t* wb, int64_t wstride,
+    float* y, int64_t N, int64_t rows, bool first) {
+  alignas(64) float cbuf[4][AMX_ROWS * 16];
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* w = wb + (b - b0) * B_BF16;
+    _tile_loadd(6, w, 64);
+    if constexpr (NT == 2) _tile_loadd(7, w + wstride, 64);
+    _tile_loadd(4, xa + b * A_BF16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) {
+      _tile_loadd(5, xa + AMX_ROWS * K + b * A_BF16, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf[0], 64);
+  if constexpr (NT == 2) _tile_stored(1, cbuf[1], 64);
+  if constexpr (MT == 2) _tile_stored(2, cbuf[2], 64);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf[3], 64);
+  for (int i = 0; i < MT; ++i)
+    for (int c = 0; c < NT; ++c)
+      for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r) {
+        float* out = y + (i * AMX_ROWS + r) * N + c * 16;
+        const __m512 sums = _mm512_load_ps(cbuf[2 * i + c] + r * 16);
+        _mm512_storeu_ps(out, first ? sums : _mm512_add_ps(sums, _mm512_loadu_ps(out)));
+      }
 }
 
 }  // namespace
@@ -443,9 +524,16 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
 
 
 // int4 column tiles times bf16 activations on AMX-BF16: y = x W^T with x rounded to bf16 (no
-// per-block int8 rounding), the codes exact, the group's products summed in fp32 by the tile
-// unit and scaled once per group. Not the int8 ops' numbers: the runtime sends it only the
-// rows of large steps (cpu_q8.BF16_AMX_MIN_ROWS). x fp32 or bf16 [M, K].
+// per-block int8 rounding). Up to 32 rows the codes stay exact, each group's products are
+// summed in fp32 by the tile unit and scaled once per group (row_tiles_bf16). From 33 rows
+// (cpu_q8.BF16_WHOLE_MIN_ROWS) each column pair's weights are unpacked once per K chunk as
+// bf16((code - 8) x scale), so the tile unit sums all of the chunk and the sums leave the tiles
+// once (row_tiles_bf16_whole): the per-group stores and scaling had cost SmolLM2's layers at
+// 256 rows 73-74 ms against 56-60 now (oneDNN's dense bf16 67-71; scripts/bench_prefill.py
+// --rows 256 512 --only tiles bf16, Xeon, 2 threads), at 512 rows 142-149 against 114-120. The
+// weights' bf16 rounding (relative 2^-9) is what a dequantize-then-bf16 GEMM does, far below
+// the 4-bit grid's. Not the int8 ops' numbers: the runtime sends it only the rows of large
+// steps (cpu_q8.BF16_AMX_MIN_ROWS). x fp32 or bf16 [M, K].
 at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& codes,
                                       const at::Tensor& scales,
                                       const std::optional<at::Tensor>& offsets, int64_t group) {
@@ -483,7 +571,7 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
         float* out = yp + t * 16;
         uint16_t* w = wb.data();
         by_tiles(M, t + 1 < T, [&](auto mt, auto nt) {
-          row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xp, K, per_group, 0, G, w, gstride, ws, G, out, N, M, true, c);
+          row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xp, K, per_group, w, gstride, ws, G, out, N, M, c);
         });
       }
       release();
@@ -498,17 +586,18 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
       for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
         const int64_t t = 2 * p;
         const bool pair = t + 1 < T;
-        unpack_tile_bf16(cp + t * K * 8 + k0 * 8, kc, wb.data());
-        if (pair) unpack_tile_bf16(cp + (t + 1) * K * 8 + k0 * 8, kc, wb.data() + wstride);
-        const float* ws = sp + t * G * 16;
+        const float* ws = sp + t * G * 16 + g0 * 16;
+        unpack_tile_bf16_scaled(cp + t * K * 8 + k0 * 8, kc, ws, group, wb.data());
+        if (pair)
+          unpack_tile_bf16_scaled(cp + (t + 1) * K * 8 + k0 * 8, kc, ws + G * 16, group,
+                                  wb.data() + wstride);
         for (int64_t m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
           const uint16_t* xa = xp + m0 * K;
           float* out = yp + m0 * N + t * 16;
           const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
-          const bool first = g0 == 0;
-          uint16_t* w = wb.data();
+          const uint16_t* w = wb.data();
           by_tiles(rows, pair, [&](auto mt, auto nt) {
-            row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xa, K, per_group, g0, g1, w, wstride, ws, G, out, N, rows, first);
+            row_tiles_bf16_whole<decltype(mt)::value, decltype(nt)::value>(xa, K, k0 / BLOCK, (k0 + kc) / BLOCK, w, wstride, out, N, rows, g0 == 0);
           });
         }
       }
@@ -551,9 +640,7 @@ at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
   const uint16_t* xp = xt.data();
   uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const int64_t per_group = K / BLOCK, wstride = K * 16;
-  alignas(64) float ones[32];  // the scales of one group, [G = 1][16] for each of two tiles
-  for (float& o : ones) o = 1.f;
+  const int64_t wstride = K * 16;
   parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
     configure_bf16();
     for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
@@ -565,7 +652,7 @@ at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
         float* out = yp + m0 * N + t * 16;
         const int64_t rows = std::min(2 * AMX_ROWS, M - m0);
         by_tiles(rows, pair, [&](auto mt, auto nt) {
-          row_tiles_bf16<decltype(mt)::value, decltype(nt)::value>(xa, K, per_group, 0, 1, wt, wstride, ones, 1, out, N, rows, true);
+          row_tiles_bf16_whole<decltype(mt)::value, decltype(nt)::value>(xa, K, 0, K / BLOCK, wt, wstride, out, N, rows, true);
         });
       }
     }
