@@ -323,6 +323,37 @@ void to_a_tiles(const at::Tensor& x, int64_t M, int64_t K, int64_t padded, uint1
 }
 constexpr int64_t B_BF16 = 16 * 32;           // elements of a weight tile (1 KB)
 
+// The tile unit's fp32 sums over blocks b0 .. b1 - 1 of MT row tiles (xa: their A tiles,
+// [MT][K/32][16][32] bf16) times NT column tiles (block b's B tile at wb + (b - b0) * B_BF16,
+// the second column tile's wstride elements on), stored to cbuf (row tile i, column tile c in
+// cbuf[2i + c]). Each loaded tile feeds two products.
+template <int MT, int NT>
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_sums_bf16(
+    const uint16_t* xa, int64_t K, int64_t b0, int64_t b1, const uint16_t* wb, int64_t wstride,
+    float (*cbuf)[AMX_ROWS * 16]) {
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* w = wb + (b - b0) * B_BF16;
+    _tile_loadd(6, w, 64);
+    if constexpr (NT == 2) _tile_loadd(7, w + wstride, 64);
+    _tile_loadd(4, xa + b * A_BF16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) {
+      _tile_loadd(5, xa + AMX_ROWS * K + b * A_BF16, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf[0], 64);
+  if constexpr (NT == 2) _tile_stored(1, cbuf[1], 64);
+  if constexpr (MT == 2) _tile_stored(2, cbuf[2], 64);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf[3], 64);
+}
+
 // Up to 32 rows: MT row tiles (xa: their A tiles, [MT][K/32][16][32] bf16 from row m0) times NT
 // column tiles (codes: the first's, the second's K * 8 bytes on; ws: their scales [G, 16] each,
 // G * 16 apart), written to y rows m0 .. m0 + rows - 1, columns col0 .. col0 + 16 NT - 1. Per
@@ -344,28 +375,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
   for (int64_t g = 0; g < G; ++g) {
     unpack_tile_bf16(codes + g * group * 8, group, wb);
     if constexpr (NT == 2) unpack_tile_bf16(codes + K * 8 + g * group * 8, group, wb + wstride);
-    const int64_t b0 = g * per_group;
-    _tile_zero(0);
-    if constexpr (NT == 2) _tile_zero(1);
-    if constexpr (MT == 2) _tile_zero(2);
-    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      const uint16_t* w = wb + (b - b0) * B_BF16;
-      _tile_loadd(6, w, 64);
-      if constexpr (NT == 2) _tile_loadd(7, w + wstride, 64);
-      _tile_loadd(4, xa + b * A_BF16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (MT == 2) {
-        _tile_loadd(5, xa + AMX_ROWS * K + b * A_BF16, 64);
-        _tile_dpbf16ps(2, 5, 6);
-        if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, cbuf[0], 64);
-    if constexpr (NT == 2) _tile_stored(1, cbuf[1], 64);
-    if constexpr (MT == 2) _tile_stored(2, cbuf[2], 64);
-    if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf[3], 64);
+    tile_sums_bf16<MT, NT>(xa, K, g * per_group, (g + 1) * per_group, wb, wstride, cbuf);
     for (int i = 0; i < MT; ++i)
       for (int c = 0; c < NT; ++c) {
         const __m512 sw = _mm512_loadu_ps(ws + c * G * 16 + g * 16);
@@ -393,27 +403,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16_whole(
     const uint16_t* xa, int64_t K, int64_t b0, int64_t b1, const uint16_t* wb, int64_t wstride,
     float* y, int64_t N, int64_t rows, bool first) {
   alignas(64) float cbuf[4][AMX_ROWS * 16];
-  _tile_zero(0);
-  if constexpr (NT == 2) _tile_zero(1);
-  if constexpr (MT == 2) _tile_zero(2);
-  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-  for (int64_t b = b0; b < b1; ++b) {
-    const uint16_t* w = wb + (b - b0) * B_BF16;
-    _tile_loadd(6, w, 64);
-    if constexpr (NT == 2) _tile_loadd(7, w + wstride, 64);
-    _tile_loadd(4, xa + b * A_BF16, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MT == 2) {
-      _tile_loadd(5, xa + AMX_ROWS * K + b * A_BF16, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cbuf[0], 64);
-  if constexpr (NT == 2) _tile_stored(1, cbuf[1], 64);
-  if constexpr (MT == 2) _tile_stored(2, cbuf[2], 64);
-  if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf[3], 64);
+  tile_sums_bf16<MT, NT>(xa, K, b0, b1, wb, wstride, cbuf);
   for (int i = 0; i < MT; ++i)
     for (int c = 0; c < NT; ++c)
       for (int64_t r = 0; r < AMX_ROWS && i * AMX_ROWS + r < rows; ++r) {
