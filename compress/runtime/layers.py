@@ -117,7 +117,11 @@ class _FloatLinear(nn.Module):
         """One packed holder computing ``parts`` (float linears of one input: q/k/v, gate/up)
         as one oneDNN call, their outputs side by side; None where a part is another holder or
         would not pack. One call instead of three saves oneDNN's fixed cost per call (about
-        20 us at SmolLM2's shapes, 2 threads)."""
+        20 us at SmolLM2's shapes, 2 threads). fp32 weights on a CPU stack even where they do
+        not pack (under ``FP32_PACK_MIN_ELEMENTS``): one ATen GEMM instead of three, and the
+        layer's fused elementwise ops, which need the stacked calls. Measured on a Xeon, 2
+        threads, SmolLM2 in fp32, 32 requests of 128 + 64 tokens through the scheduler alone:
+        10.8-11.0 s unstacked (docs/notes/2026-12-04-attention-and-folded-scales.md)."""
         if not all(type(p) is cls and p.packed is None and p.w_decode is not None for p in parts):
             return None
         weights = [p.w_decode for p in parts]
@@ -130,7 +134,9 @@ class _FloatLinear(nn.Module):
             pairs = zip(weights, biases, strict=True)
             bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in pairs])
         holder = cls(weight, bias, weight.dtype, weight.dtype)
-        return holder if holder.pack() else None
+        if holder.pack():
+            return holder
+        return holder if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         y = self.native(x, decode).float()

@@ -529,6 +529,34 @@ def test_large_fp32_linears_pack_within_fp32_rounding():
             torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-4)
 
 
+def test_small_fp32_linears_stack_unpacked(model):
+    """fp32 parts under FP32_PACK_MIN_ELEMENTS stack anyway: one ATen GEMM of the concatenated
+    weight, each part's columns within fp32 rounding of its own call (float64 reference), its
+    bias where it had one; an eager fp32 runtime then runs stacked q/k/v and gate/up and the
+    fused elementwise ops."""
+    from compress.kernels import cpu_elementwise
+    from compress.runtime.layers import _FloatLinear
+
+    torch.manual_seed(0)
+    ws = [torch.randn(n, 96) for n in (64, 32, 32)]
+    bias = torch.randn(32)
+    parts = [_FloatLinear(w, bias if i == 1 else None, torch.float32, torch.float32)
+             for i, w in enumerate(ws)]  # fmt: skip
+    stacked = _FloatLinear.stacked_packed(parts)
+    assert stacked is not None and stacked.packed is None and stacked.n == 128
+    x = torch.randn(5, 96)
+    want = torch.cat([x.double() @ ws[0].double().T, x.double() @ ws[1].double().T + bias.double(),
+                      x.double() @ ws[2].double().T], -1)  # fmt: skip
+    torch.testing.assert_close(stacked(x, True).double(), want, rtol=0, atol=1e-4)
+    # parts whose two phases hold different dtypes do not stack
+    mixed = [_FloatLinear(w, None, torch.float32, torch.bfloat16) for w in ws]
+    assert _FloatLinear.stacked_packed(mixed) is None
+    runtime = Runtime(model, max_seq_len=32, compile=False)  # fp32, eager
+    layer = runtime.layers[0]
+    assert layer.qkv is not None and layer.q is None and layer.gate_up is not None
+    assert layer.fused == (cpu_elementwise.unavailable_reason(torch.device("cpu")) is None)
+
+
 @needs_bf16
 def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
     """An eager CPU runtime in bf16 holds q/k/v, gate/up and the head packed for oneDNN (or, on
