@@ -121,7 +121,8 @@ class _FloatLinear(nn.Module):
         not pack (under ``FP32_PACK_MIN_ELEMENTS``): one ATen GEMM instead of three, and the
         layer's fused elementwise ops, which need the stacked calls. Measured on a Xeon, 2
         threads, SmolLM2 in fp32, 32 requests of 128 + 64 tokens through the scheduler alone:
-        10.8-11.0 s unstacked (docs/notes/2026-12-04-attention-and-folded-scales.md)."""
+        10.8-11.0 s unstacked, 10.35-10.43 s stacked (three runs each; docs/notes/
+        2026-12-04-attention-and-folded-scales.md)."""
         if not all(type(p) is cls and p.packed is None and p.w_decode is not None for p in parts):
             return None
         weights = [p.w_decode for p in parts]
