@@ -13,6 +13,9 @@ per pass (min-max) and speed vs dense fp32. JSON + markdown:
     python scripts/bench_prefill.py --shape 1b --rows 32 --out out/prefill_1b
     python scripts/bench_prefill.py --shape 1b --group 128 --rows 16 32 128 256 \
         --only tiles bf16 --out out/prefill_1b_amx
+
+(where the CPU grants AMX-BF16, ``--only bf16`` also times the dense bf16 weights in AMX's tile
+order through the same loops.)
     COMPRESS_CPU_ISA=avx2 python scripts/bench_prefill.py --rows 64 128 256 512 --dequant-gemm
 """
 
@@ -63,6 +66,14 @@ def tile_pass(qs, amx: bool, bf16: bool = False):
     return [(w.k, lambda x, w=w: cpu_q8.linear_q8(x, w, isa, amx=amx)) for w in weights]
 
 
+def bf16_tile_pass(qs):
+    """The dequantized weights in bf16, in AMX's B-tile order (``cpu_q8.bf16_to_tiles``), through
+    ``bf16_linear_tiles_amx``: the float layers of eager bf16 runtimes on AMX-BF16 CPUs."""
+    op = cpu_q8.ops(cpu_q8.TILES_ISA).bf16_linear_tiles_amx
+    weights = [cpu_q8.bf16_to_tiles(q.dequantized_weight().to(torch.bfloat16)) for q in qs]
+    return [(w.shape[1] * 2, lambda x, w=w: op(x, w)) for w in weights]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -101,6 +112,9 @@ def main() -> None:
                 kernels["ours int4 column tiles (AMX-INT8)"] = tile_pass(qs, amx=True)
             if cpu_q8.amx_bf16_reason() is None:
                 kernels["ours int4 column tiles (AMX-BF16, bf16 x)"] = tile_pass(qs, True, True)
+        if bits == 4 and cpu_q8.amx_bf16_reason() is None:
+            # the same AMX loops over dense bf16 weights (what eager bf16 runtimes run)
+            kernels["ours dense bf16 tiles (AMX-BF16)"] = bf16_tile_pass(qs)
         if args.dequant_gemm:
             kernels[f"ours int{bits} dequantized + fp32 GEMM ({levels[-1]})"] = dequant_gemm(
                 qs, levels[-1]

@@ -4,10 +4,14 @@ our int kernels, bf16 float matmuls and pages, 1 GiB of KV) and stepped until ev
 Wall time and output tokens per second, the median of ``--runs`` (each with new prompts, so no
 prefix hit), optionally beside a ``--busy`` neighbour: a process that spins that share of one
 core in bursts of 0.4 ms and sleeps the rest, as an HTTP client or server thread does beside the
-engine on a small machine. JSON + markdown:
+engine on a small machine. ``--dtype float32`` builds the runtime as ``compress serve --dtype
+float32`` does; ``--profile`` adds torch.profiler's ops by self CPU time over one more run. JSON +
+markdown:
 
     python scripts/bench_scheduler.py ~/.cache/compress/serving/smollm2-w4 --busy 0 0.2 \
         --out out/scheduler
+    python scripts/bench_scheduler.py ~/.cache/compress/serving/smollm2-base --dtype float32 \
+        --profile --out out/scheduler-fp32
 """
 
 from __future__ import annotations
@@ -49,13 +53,18 @@ def main() -> None:
                    help="the neighbour's share of one core, one run set each (0: none)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="float matmul dtype (the bf16 exports' default in compress serve)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over one more run: ops by self CPU time")
     p.add_argument("--out", type=Path, default=Path("out/scheduler"))
     args = p.parse_args()
     if any(not 0.0 <= b < 1.0 for b in args.busy):
         p.error("--busy takes shares in [0, 1)")
     torch.set_num_threads(args.threads)
     runtime = Runtime(load_model(args.export).model, max_seq_len=2048, compile=False,
-                      prefill_dtype=torch.bfloat16, decode_dtype=torch.bfloat16,
+                      prefill_dtype=getattr(torch, args.dtype),
+                      decode_dtype=getattr(torch, args.dtype),
                       int4_kernel="q4q8", int8_kernel="q8q8", static_cache=False)  # fmt: skip
     scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=args.requests,
                           prefill_budget=args.prefill_budget)  # fmt: skip
@@ -92,18 +101,27 @@ def main() -> None:
         rows.append(dict(busy=share, seconds=med, spread=f"{min(seconds):.2f}-{max(seconds):.2f}",
                          tok_s=tokens / med))  # fmt: skip
         print(rows[-1], flush=True)
+    profile = ""
+    if args.profile:
+        with torch.profiler.profile() as prof:
+            run()
+        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        print(profile)
     env = environment()
     columns = [("busy", "neighbour's share of a core"), ("seconds", "wall s (median)"),
                ("spread", "min-max"), ("tok_s", "output tok/s")]  # fmt: skip
     md = (
         f"{args.export.name}: {args.requests} requests of {args.prompt} + {args.output} tokens "
-        f"through the Scheduler alone (prefill budget {args.prefill_budget}), {args.threads} "
+        f"through the Scheduler alone ({args.dtype} matmuls, prefill budget "
+        f"{args.prefill_budget}), {args.threads} "
         f"threads, medians of {args.runs}. {env['cpu']}, torch {env['torch']}, {env['date']}."
         f"\n\n" + markdown_table(rows, columns) + "\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scheduler.json").write_text(json.dumps({"environment": env, "rows": rows},
                                                         indent=1))  # fmt: skip
+    if profile:  # the profiled run's ops (the profiler slows the run it watches)
+        md += f"\nOne more run under torch.profiler, ops by self CPU time:\n\n```\n{profile}\n```\n"
     (args.out / "scheduler.md").write_text(md)
     print(md)
 
