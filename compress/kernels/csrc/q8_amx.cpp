@@ -321,6 +321,18 @@ void to_a_tiles(const at::Tensor& x, int64_t M, int64_t K, int64_t padded, uint1
     }
   });
 }
+// rows rounded up to whole 16-row tiles: the last row tile reads 16 rows, zero rows pad it
+// (their outputs are dropped)
+inline int64_t padded_rows(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
+
+// x [M, K] as bf16 A tiles (to_a_tiles), padded_rows(M) rows
+inline std::vector<uint16_t> a_tiles(const at::Tensor& x, int64_t M, int64_t K) {
+  const int64_t padded = padded_rows(M);
+  std::vector<uint16_t> xt(padded * K);
+  to_a_tiles(x, M, K, padded, xt.data());
+  return xt;
+}
+
 constexpr int64_t B_BF16 = 16 * 32;           // elements of a weight tile (1 KB)
 
 // The tile unit's fp32 sums over blocks b0 .. b1 - 1 of MT row tiles (xa: their A tiles,
@@ -461,7 +473,7 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
   RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, with_offsets);
   const int64_t B = rx.B;
   // the last row tile reads 16 rows: pad codes and scales with zero rows (outputs dropped)
-  const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  const int64_t padded = padded_rows(M);
   rx.q.resize(padded * K, 0);
   // activations as A tiles, [row tiles][blocks][16 rows][32 bytes]: each tile one 512-byte run
   std::vector<int8_t> qa(padded * K);
@@ -535,10 +547,8 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
   const int64_t M = x.size(0), K = args.K, G = args.G, T = args.T, N = args.N;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  // the last row tile reads 16 rows: zero rows pad it (their outputs are dropped)
-  const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-  std::vector<uint16_t> xt(padded * K);
-  to_a_tiles(x, M, K, padded, xt.data());
+  const int64_t padded = padded_rows(M);
+  const std::vector<uint16_t> xt = a_tiles(x, M, K);
   const uint16_t* xp = xt.data();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -624,9 +634,7 @@ at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), T = w.size(0), N = T * 16;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-  std::vector<uint16_t> xt(padded * K);
-  to_a_tiles(x, M, K, padded, xt.data());
+  const std::vector<uint16_t> xt = a_tiles(x, M, K);
   const uint16_t* xp = xt.data();
   uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
