@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--pass", dest="whole", action="store_true", help="time all shapes together")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pack-rows", type=int, default=1,
+                   help="the row count oneDNN picks the packed layout for (batch-size hint)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -52,12 +54,14 @@ def main() -> None:
     size = dtype.itemsize
     env = environment()
     print(f"{env['cpu']} ({', '.join(env['cpu_flags'])}); torch {env['torch']}; "
-          f"{env['threads']} threads; {env['date']}; {args.dtype}")
+          f"{env['threads']} threads; {env['date']}; {args.dtype}; "
+          f"packed for {args.pack_rows} rows")
     weights = {}
     for n, k in shapes:
         copies = args.copies or min(40, max(2, int(2e9 // (n * k * size))))
         plain = [torch.randn(n, k).to(dtype) for _ in range(copies)]
-        weights[(n, k)] = (plain, [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in plain])
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, args.pack_rows) for w in plain]
+        weights[(n, k)] = (plain, packed)
     for m in args.rows:
         xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
         line = []

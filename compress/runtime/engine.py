@@ -397,7 +397,9 @@ class Runtime:
             tensors = dict(module.named_buffers(recurse=False))
             if isinstance(module, _FloatLinear):  # decode reads w_decode (maybe w_prefill itself)
                 tensors["w_prefill"] = module.w_decode
-                if module.packed is not None:  # an opaque oneDNN tensor: no data_ptr
+                # one row reads the plain weight where one is kept beside the packed copy
+                if module.packed is not None and module.w_decode is None:
+                    # an opaque oneDNN tensor: no data_ptr
                     weights += module.packed.numel() * module.packed.element_size()
             for t in tensors.values():
                 if t is not None and t.data_ptr() not in seen:

@@ -41,14 +41,23 @@ from compress.runtime.families import (
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
 
-# fp32 weights from this many elements (16 MB) are held packed for oneDNN in eager runtimes
-# (``_FloatLinear.pack``). Measured on a Xeon (AVX-512/AMX), 2 threads, torch 2.13, per call,
-# plain F.linear / packed, weights from DRAM (scripts/bench_float_linears.py): 2048x2048 at 1
-# row 539 / 631 us, 4 rows 1064 / 790, 8 rows 1405 / 914, 32 rows 1784 / 1414; 11008x4096 at 1
-# row 5455 / 6430, 8 rows 17298 / 10019. Below it the gain shrinks and one row loses more:
-# 1024x1024 at 8 rows 231 / 254 us, 3072x576 (SmolLM2's gate/up) at 1 row 267 / 289, at 8 rows
-# 747 / 784 (docs/notes/2026-12-04-amx-prefill.md).
+# How eager runtimes hold fp32 weights for oneDNN (``_FloatLinear.pack``). oneDNN picks the
+# blocked layout for a row count (``_reorder_linear_weight``'s batch-size hint): one picked for 32
+# rows serves 4-256 rows far better than one picked for 1 row and costs nothing at 1 row.
+# Measured on a Xeon (AVX-512/AMX), 2 threads, torch 2.13, weights cycled from DRAM, plain
+# F.linear / packed for 1 row / packed for 32 rows (scripts/bench_float_linears.py
+# --pack-rows): 49152x576 (SmolLM2's head) at 1 row 4.4 / 4.7 / 4.8 ms, 8 rows 16.6 / 8.2 /
+# 6.0, 32 rows 12.5 / 12.1 / 11.1; the 1.1B shape's projections at 8 rows 1.1-2.4x faster
+# packed than plain (docs/notes/2026-12-04-fp32-pack-rows.md).
+FP32_PACK_ROWS = 32
+# fp32 weights from this many elements (16 MB) are held packed only. Smaller ones keep their
+# plain copy too, for calls of fewer than ``FP32_PACKED_MIN_ROWS`` rows, where ATen's GEMM (MKL)
+# wins: a pass of SmolLM2's 30 layers from DRAM, plain / packed, 1 row 14.1 / 19.3 ms, 2 rows
+# 16.0 / 21.9, 4 rows 25.3 / 21.0, 8 rows 32.1 / 23.8, 32 rows 48.5 / 41.1, 256 rows 183 / 181.
+# The copy costs the small weights' memory twice; large weights lose less at one row (2048x2048:
+# 386 / 428 us) and would cost more.
 FP32_PACK_MIN_ELEMENTS = 1 << 22
+FP32_PACKED_MIN_ROWS = 4
 
 
 # ---- linear layers, re-held per phase --------------------------------------------------
@@ -77,10 +86,11 @@ class _FloatLinear(nn.Module):
         1.1-1.5x faster from 128 rows on. Outputs are equal at 1-32 rows and within one bf16
         rounding beyond (another blocking of the sum).
 
-        fp32: ATen's GEMM (MKL) halves its speed from 4 rows on for large weights, where
-        oneDNN's does not; the packed layout costs 12-18% more at one row and 32-35% at two
-        (``FP32_PACK_MIN_ELEMENTS`` says where this was measured). Outputs are within fp32
-        rounding (another summation order).
+        fp32: ATen's GEMM (MKL) halves its speed from 4 rows on, where oneDNN's packed layout
+        (picked for ``FP32_PACK_ROWS`` rows) does not; at one or two rows it is the faster, so
+        weights under ``FP32_PACK_MIN_ELEMENTS`` keep their plain copy for calls under
+        ``FP32_PACKED_MIN_ROWS`` rows (the constants say where this was measured). Outputs are
+        within fp32 rounding (another summation order).
 
         bf16 on a CPU with AMX-BF16 where the shape allows (``cpu_q8.bf16_tiles_reason``): our
         tile order instead (``cpu_q8.bf16_to_tiles``, run by ``bf16_linear_tiles_amx``: fp32
@@ -89,7 +99,8 @@ class _FloatLinear(nn.Module):
         4.5-4.9 / 7.1-7.5, 64 rows 6.37 / 8.55, 256 rows 16.9 / 18.2
         (docs/notes/2026-12-04-bf16-amx-prefill.md).
 
-        Returns whether it packed; the plain weight is then released."""
+        Returns whether it packed; the plain weight is then released, but for fp32 weights
+        under ``FP32_PACK_MIN_ELEMENTS``."""
         if self.packed is not None:
             return True
         w = self.w_decode
@@ -103,13 +114,15 @@ class _FloatLinear(nn.Module):
         if w.dtype == torch.bfloat16:
             if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 return False
-        elif w.dtype != torch.float32 or w.numel() < FP32_PACK_MIN_ELEMENTS:
+        elif w.dtype != torch.float32:
             return False
         if not torch.backends.mkldnn.is_available():
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        rows_hint = FP32_PACK_ROWS if w.dtype == torch.float32 else 1
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
         self.packed_dtype = w.dtype
-        self.w_prefill = self.w_decode = None
+        if w.dtype != torch.float32 or w.numel() >= FP32_PACK_MIN_ELEMENTS:
+            self.w_prefill = self.w_decode = None
         return True
 
     @classmethod
@@ -117,9 +130,9 @@ class _FloatLinear(nn.Module):
         """One packed holder computing ``parts`` (float linears of one input: q/k/v, gate/up)
         as one oneDNN call, their outputs side by side; None where a part is another holder or
         would not pack. One call instead of three saves oneDNN's fixed cost per call (about
-        20 us at SmolLM2's shapes, 2 threads). fp32 weights on a CPU stack even where they do
-        not pack (under ``FP32_PACK_MIN_ELEMENTS``): one ATen GEMM instead of three, and the
-        layer's fused elementwise ops, which need the stacked calls. Measured on a Xeon, 2
+        20 us at SmolLM2's shapes, 2 threads). fp32 weights on a CPU stack even where oneDNN
+        is missing (one ATen GEMM instead of three) for the layer's fused elementwise ops,
+        which need the stacked calls. Measured on a Xeon, 2
         threads, SmolLM2 in fp32, 32 requests of 128 + 64 tokens through the scheduler alone:
         10.8-11.0 s unstacked, 10.35-10.43 s stacked (three runs each; docs/notes/
         2026-12-04-attention-and-folded-scales.md)."""
@@ -150,10 +163,11 @@ class _FloatLinear(nn.Module):
             x2 = x.reshape(-1, x.shape[-1])
             x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
             return self.amx_op(x2, self.packed).view(*x.shape[:-1], -1)
-        if self.packed is not None:
+        w = self.w_decode if decode else self.w_prefill
+        rows = x.numel() // x.shape[-1]
+        if self.packed is not None and (w is None or rows >= FP32_PACKED_MIN_ROWS):
             x = x.to(self.packed_dtype).contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        w = self.w_decode if decode else self.w_prefill
         return F.linear(x.to(w.dtype), w)
 
 

@@ -496,9 +496,8 @@ def test_packed_bf16_linear_equals_plain_and_stacks():
         assert torch.equal(stacked(x, False), torch.cat(packed, -1))
         parts = [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
                  for i, w in enumerate(ws)]  # fmt: skip
-    # mixed dtypes per phase, or fp32 weights below FP32_PACK_MIN_ELEMENTS, stay plain
+    # mixed dtypes per phase stay plain
     assert not _FloatLinear(ws[0], None, torch.float32, torch.bfloat16).pack()
-    assert not _FloatLinear(ws[0], None, torch.float32, torch.float32).pack()
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -506,14 +505,21 @@ def test_large_fp32_linears_pack_within_fp32_rounding():
     """From FP32_PACK_MIN_ELEMENTS on, an fp32 weight is held packed for oneDNN (ATen's GEMM is
     slow on large weights at 4+ rows); its outputs stay within fp32 rounding of F.linear in
     float64 (a second path), at decode's rows and a prompt's, with a bias; stacked parts too."""
-    from compress.runtime.layers import FP32_PACK_MIN_ELEMENTS, _FloatLinear
+    from compress.runtime.layers import FP32_PACK_MIN_ELEMENTS, FP32_PACKED_MIN_ROWS, _FloatLinear
 
     torch.manual_seed(0)
     k = 1024
     n = FP32_PACK_MIN_ELEMENTS // k
     w, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
-    small = _FloatLinear(w[: n // 2].clone(), None, torch.float32, torch.float32)
-    assert not small.pack() and small.w_decode is not None  # below the size: plain
+    # below the size: packed, and the plain copy kept for calls under FP32_PACKED_MIN_ROWS rows
+    small = _FloatLinear(w[: n // 2].clone(), bias[: n // 2], torch.float32, torch.float32)
+    assert small.pack() and small.packed is not None and small.w_decode is not None
+    for rows in (1, FP32_PACKED_MIN_ROWS - 1, FP32_PACKED_MIN_ROWS, 33):
+        x = torch.randn(2, rows, k)  # a batch dimension: the rows are all of x's
+        want = torch.nn.functional.linear(x.double(), w[: n // 2].double(), bias[: n // 2].double())
+        got = small(x, rows < 8)
+        assert got.dtype == torch.float32 and got.shape == (2, rows, n // 2)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
     parts = [_FloatLinear(w[: n // 2], bias[: n // 2], torch.float32, torch.float32),
              _FloatLinear(w[n // 2 :], None, torch.float32, torch.float32)]  # fmt: skip
     stacked = _FloatLinear.stacked_packed(parts)  # together they reach the size
@@ -529,11 +535,11 @@ def test_large_fp32_linears_pack_within_fp32_rounding():
             torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-4)
 
 
-def test_small_fp32_linears_stack_unpacked(model):
-    """fp32 parts under FP32_PACK_MIN_ELEMENTS stack anyway: one ATen GEMM of the concatenated
-    weight, each part's columns within fp32 rounding of its own call (float64 reference), its
-    bias where it had one; an eager fp32 runtime then runs stacked q/k/v and gate/up and the
-    fused elementwise ops."""
+def test_small_fp32_linears_stack(model):
+    """fp32 parts under FP32_PACK_MIN_ELEMENTS stack: one GEMM of the concatenated weight
+    (ATen's at one row, oneDNN's packed one from FP32_PACKED_MIN_ROWS), each part's columns
+    within fp32 rounding of its own call (float64 reference), its bias where it had one; an
+    eager fp32 runtime then runs stacked q/k/v and gate/up and the fused elementwise ops."""
     from compress.kernels import cpu_elementwise
     from compress.runtime.layers import _FloatLinear
 
@@ -543,11 +549,13 @@ def test_small_fp32_linears_stack_unpacked(model):
     parts = [_FloatLinear(w, bias if i == 1 else None, torch.float32, torch.float32)
              for i, w in enumerate(ws)]  # fmt: skip
     stacked = _FloatLinear.stacked_packed(parts)
-    assert stacked is not None and stacked.packed is None and stacked.n == 128
-    x = torch.randn(5, 96)
-    want = torch.cat([x.double() @ ws[0].double().T, x.double() @ ws[1].double().T + bias.double(),
-                      x.double() @ ws[2].double().T], -1)  # fmt: skip
-    torch.testing.assert_close(stacked(x, True).double(), want, rtol=0, atol=1e-4)
+    assert stacked is not None and stacked.w_decode is not None and stacked.n == 128
+    for rows in (1, 5):  # the plain copy, then the packed one where oneDNN runs
+        x = torch.randn(rows, 96)
+        want = torch.cat([x.double() @ ws[0].double().T,
+                          x.double() @ ws[1].double().T + bias.double(),
+                          x.double() @ ws[2].double().T], -1)  # fmt: skip
+        torch.testing.assert_close(stacked(x, True).double(), want, rtol=0, atol=1e-4)
     # parts whose two phases hold different dtypes do not stack
     mixed = [_FloatLinear(w, None, torch.float32, torch.bfloat16) for w in ws]
     assert _FloatLinear.stacked_packed(mixed) is None
