@@ -326,9 +326,9 @@ void to_a_tiles(const at::Tensor& x, int64_t M, int64_t K, int64_t padded, uint1
 inline int64_t padded_rows(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
 
 // x [M, K] as bf16 A tiles (to_a_tiles), padded_rows(M) rows
-inline std::vector<uint16_t> a_tiles(const at::Tensor& x, int64_t M, int64_t K) {
+inline aligned_vector<uint16_t> a_tiles(const at::Tensor& x, int64_t M, int64_t K) {
   const int64_t padded = padded_rows(M);
-  std::vector<uint16_t> xt(padded * K);
+  aligned_vector<uint16_t> xt(padded * K);
   to_a_tiles(x, M, K, padded, xt.data());
   return xt;
 }
@@ -476,7 +476,7 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
   const int64_t padded = padded_rows(M);
   rx.q.resize(padded * K, 0);
   // activations as A tiles, [row tiles][blocks][16 rows][32 bytes]: each tile one 512-byte run
-  std::vector<int8_t> qa(padded * K);
+  aligned_vector<int8_t> qa(padded * K);
   at::parallel_for(0, padded / AMX_ROWS, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t b = 0; b < B; ++b)
@@ -493,7 +493,7 @@ at::Tensor int4_linear_q8_tiles_amx(const at::Tensor& x, const at::Tensor& codes
   const int64_t per_group = group / BLOCK, wstride = K / BLOCK * B_BYTES;
   parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
     configure();
-    std::vector<int8_t> wb(2 * wstride);
+    aligned_vector<int8_t> wb(2 * wstride);
     for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
       const int64_t t = 2 * p;
       const bool pair = t + 1 < T;
@@ -548,7 +548,7 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
   const int64_t padded = padded_rows(M);
-  const std::vector<uint16_t> xt = a_tiles(x, M, K);
+  const aligned_vector<uint16_t> xt = a_tiles(x, M, K);
   const uint16_t* xp = xt.data();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -563,7 +563,7 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
     const int64_t gstride = per_group * B_BF16;
     parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
       configure_bf16();
-      std::vector<uint16_t> wb(2 * gstride);
+      aligned_vector<uint16_t> wb(2 * gstride);
       for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
         const int64_t t = 2 * p;
         const uint8_t* c = cp + t * K * 8;
@@ -582,7 +582,7 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
     const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
     parallel_claims((T + 1) / 2, 1, [&](Claims& claims) {
       configure_bf16();
-      std::vector<uint16_t> wb(2 * wstride);
+      aligned_vector<uint16_t> wb(2 * wstride);
       for (int64_t p, p_end; claims.take(p, p_end);) {  // runs of one pair
         const int64_t t = 2 * p;
         const bool pair = t + 1 < T;
@@ -634,7 +634,7 @@ at::Tensor bf16_linear_tiles_amx(const at::Tensor& x, const at::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), T = w.size(0), N = T * 16;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  const std::vector<uint16_t> xt = a_tiles(x, M, K);
+  const aligned_vector<uint16_t> xt = a_tiles(x, M, K);
   const uint16_t* xp = xt.data();
   uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();

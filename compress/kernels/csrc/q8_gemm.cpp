@@ -90,9 +90,9 @@ constexpr int CHUNK = 4;  // output columns per step (their weights broadcast, r
 
 struct RowTiles {
   int64_t T, K4, B;
-  std::vector<int8_t> q;       // [T, K/4, LANES, 4]
-  std::vector<float> scale;    // [T, B, LANES]
-  std::vector<int32_t> corr;   // [T, B, LANES]
+  aligned_vector<int8_t> q;       // [T, K/4, LANES, 4]
+  aligned_vector<float> scale;    // [T, B, LANES]
+  aligned_vector<int32_t> corr;   // [T, B, LANES]
 };
 
 RowTiles tile_rows(const RoundedX& x) {
@@ -249,7 +249,7 @@ at::Tensor gemm_q8(const RoundedX& x, const uint8_t* codes, const float* scales,
   float* yp = y.data_ptr<float>();
   // Column chunks spread over threads; each thread unpacks its own CHUNK columns at a time.
   at::parallel_for(0, (N + CHUNK - 1) / CHUNK, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<uint8_t> buf(CHUNK * K);
+    aligned_vector<uint8_t> buf(CHUNK * K);
     const uint8_t* cols[CHUNK];
     const float* ws[CHUNK];
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
