@@ -2,9 +2,9 @@
 // four TDPBF16PS) in isolation: ns per TDPBF16PS by where its tiles come from and how they are
 // aligned. Linux, a CPU with AMX-BF16, one thread:
 //
-//     g++ -O2 -std=c++17 -mamx-tile -mamx-bf16 scripts/bench_amx_tile_loop.cpp -o /tmp/tile_loop
-//     /tmp/tile_loop            # buffers on 64-byte boundaries
-//     OFFSET=16 /tmp/tile_loop  # 16 bytes off, as glibc's malloc may return them
+//     g++ -O2 -std=c++17 -mamx-tile -mamx-bf16 scripts/bench_amx_tile_loop.cpp -o tile_loop
+//     ./tile_loop            # buffers on 64-byte boundaries
+//     OFFSET=16 ./tile_loop  # 16 bytes off, as glibc's malloc may return them
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -47,7 +47,7 @@ LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}
 # Measured on a Xeon (AVX-512/AMX), 2 threads, torch 2.13, weights cycled from DRAM, plain
 # F.linear / packed for 1 row / packed for 32 rows (scripts/bench_float_linears.py
 # --pack-rows): 49152x576 (SmolLM2's head) at 1 row 4.4 / 4.7 / 4.8 ms, 8 rows 16.6 / 8.2 /
-# 6.0, 32 rows 12.5 / 12.1 / 11.1; the 1.1B shape's projections at 8 rows 1.1-2.4x faster
+# 6.0, 32 rows 12.5 / 12.1 / 11.1; the 1.1B shape's projections at 8 rows 1.8-2.3x faster
 # packed than plain (docs/notes/2026-12-04-fp32-pack-rows.md).
 FP32_PACK_ROWS = 32
 # fp32 weights from this many elements (16 MB) are held packed only. Smaller ones keep their
