@@ -405,8 +405,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
   std::memset(acc, 0, sizeof(acc));
   const int64_t group = per_group * BLOCK, group_bytes = group * 8;
   // the codes GROUPS_AHEAD groups on into L1 at each group's start: each group's unpack waited
-  // on DRAM (1.1B shape's layers at 32 rows 70 against 61 ms a pass with it, at 16 rows 51
-  // against 43; 4 groups ahead gained only 5%, medians of 7 interleaved, Xeon, 2 threads)
+  // on DRAM (1.1B shape's layers, a pass at 8 rows 44 -> 36 ms, 16 rows 46 -> 40, 32 rows
+  // 61 -> 58; Xeon, 2 threads, measured as above; 1 group ahead did as well as 2, 4 less)
   constexpr int64_t GROUPS_AHEAD = 2;
   for (int64_t g = 0; g < G; ++g) {
     if (g + GROUPS_AHEAD < G)
@@ -611,8 +611,9 @@ at::Tensor int4_linear_bf16_tiles_amx(const at::Tensor& x, const at::Tensor& cod
   // Each thread claims its next pair before it runs the current one and unpacks the next one's
   // weights a step or so after each block of the current one's products, into the other half
   // of its buffer: the unpack (vector units) then overlaps the products (tile unit). Unpacking
-  // each pair ahead of its products had cost the 1.1B shape's layers at 256 rows 312 against
-  // 264 ms a pass now (medians of 7 interleaved, Xeon, 2 threads; at 64 rows 116 against 104).
+  // each pair ahead of its products had cost the 1.1B shape's layers at 256 rows 304 against
+  // 262 ms a pass now, at 64 rows 114 against 100 (Xeon, 2 threads; medians of 3 processes of
+  // the two builds alternated, each the median of 5 passes).
   for (int64_t g0 = 0; padded > 2 * AMX_ROWS && g0 < G; g0 += chunk_groups) {
     const int64_t g1 = std::min(G, g0 + chunk_groups), k0 = g0 * group, kc = (g1 - g0) * group;
     const int64_t row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
