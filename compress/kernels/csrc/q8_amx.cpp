@@ -406,7 +406,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tiles_bf16(
   const int64_t group = per_group * BLOCK, group_bytes = group * 8;
   // the codes GROUPS_AHEAD groups on into L1 at each group's start: each group's unpack waited
   // on DRAM (1.1B shape's layers, a pass at 8 rows 44 -> 36 ms, 16 rows 46 -> 40, 32 rows
-  // 61 -> 58; Xeon, 2 threads, measured as above; 1 group ahead did as well as 2, 4 less)
+  // 61 -> 58; Xeon, 2 threads, measured as in int4_linear_bf16_tiles_amx; 1 group ahead did as
+  // well as 2, 4 less)
   constexpr int64_t GROUPS_AHEAD = 2;
   for (int64_t g = 0; g < G; ++g) {
     if (g + GROUPS_AHEAD < G)
