@@ -551,11 +551,11 @@ def amx_reason(isa: str | None = None) -> str | None:
 # None; ``$COMPRESS_CPU_BF16_ROWS`` overrides it (0: never). Its fixed cost is unpacking the
 # codes to bf16 (four bytes stored per byte of codes), so one-row decode stays on the VNNI op.
 # Measured on a Xeon, 2 threads, one prefill pass of a shape's layers, weights from DRAM
-# (``scripts/bench_prefill.py --only tiles``, medians of 5; docs/notes/
-# 2026-12-04-bf16-amx-prefill.md), VNNI / AMX-INT8 / AMX-BF16 ms: the 1.1B shape (g128) at 8
-# rows 55.0 / 84.7 / 59.9, 16 rows 79.5 / 87.1 / 62.7, 32 rows 140.1 / 121.2 / 80.9; SmolLM2's
-# (g64) at 8 rows 10.5 / - / 10.2, 16 rows 15.0 / - / 11.2, 32 rows 23.5 / - / 17.2.
-BF16_AMX_MIN_ROWS = 16
+# (``scripts/bench_prefill.py --only "column tiles"``, medians of 5, 2026-12-05, with the codes
+# prefetched two groups ahead), VNNI / AMX-BF16 ms: the 1.1B shape (g128) at 4 rows 32.1 /
+# 39.3, 8 rows 37.1 / 39.2, 10 rows 44.6 / 41.0, 12 rows 50.3 / 40.8, 16 rows 61.4 / 43.1;
+# SmolLM2's (g64) at 8 rows 8.2 / 7.5, 10 rows 9.1 / 8.2, 12 rows 9.8 / 8.2, 16 rows 11.5 / 8.9.
+BF16_AMX_MIN_ROWS = 10
 BF16_ROWS_ENV = "COMPRESS_CPU_BF16_ROWS"
 # From how many rows (more than one pair of 16-row tiles) ``int4_linear_bf16_tiles_amx`` folds
 # the weight scales into its bf16 tiles (each weight rounded to bf16, as a dequantize-then-bf16

@@ -15,7 +15,7 @@ Each ``step``:
    (other matmul dtypes, or a chunk long enough to leave our integer kernels for a float GEMM)
    they run as two forwards, so a request's tokens do not depend on what it was batched with
    beyond float rounding (except on CPUs with AMX-BF16, whose int4 layers take bf16 activations
-   in steps of 16 rows or more: ``cpu_q8.bf16_amx_min_rows``);
+   in steps of 10 rows or more: ``cpu_q8.bf16_amx_min_rows``);
 4. each request samples with its own settings and seeded generator; a stop token or its
    length limit retires it, and its full blocks stay in the prefix cache.
 
