@@ -6,7 +6,11 @@ prefix hit), optionally beside a ``--busy`` neighbour: a process that spins that
 core in bursts of 0.4 ms and sleeps the rest, as an HTTP client or server thread does beside the
 engine on a small machine. ``--dtype float32`` builds the runtime as ``compress serve --dtype
 float32`` does; ``--profile`` adds torch.profiler's ops by self CPU time over one more run. JSON +
-markdown:
+markdown. ``--shared-prompt`` times instead what ``bench_serving.py``'s shared-prompt run does,
+without HTTP: 8 requests one after another, a 256-token system prompt plus 32 tokens of their
+own, 8 new tokens each; time to first token of the first (its prompt not cached yet) against
+the median of the later ones (prefix-cache hits), ``--runs`` times with other prompts (with
+``--profile``: one more later request's first step under the profiler):
 
     python scripts/bench_scheduler.py ~/.cache/compress/serving/smollm2-w4 --busy 0 0.2 \
         --out out/scheduler
@@ -57,6 +61,8 @@ def main() -> None:
                    help="float matmul dtype (the bf16 exports' default in compress serve)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over one more run: ops by self CPU time")
+    p.add_argument("--shared-prompt", action="store_true",
+                   help="time to first token with a shared 256-token system prompt instead")
     p.add_argument("--out", type=Path, default=Path("out/scheduler"))
     args = p.parse_args()
     if any(not 0.0 <= b < 1.0 for b in args.busy):
@@ -79,6 +85,9 @@ def main() -> None:
             scheduler.step()
         return time.perf_counter() - start
 
+    if args.shared_prompt:
+        shared_prompt(scheduler, generator, args)
+        return
     run()  # warm-up: first calls, allocator
     rows = []
     for share in args.busy:
@@ -123,6 +132,55 @@ def main() -> None:
     if profile:  # the profiled run's ops (the profiler slows the run it watches)
         md += f"\nOne more run under torch.profiler, ops by self CPU time:\n\n```\n{profile}\n```\n"
     (args.out / "scheduler.md").write_text(md)
+    print(md)
+
+
+def shared_prompt(scheduler, generator, args) -> None:
+    """``--shared-prompt``: TTFT of sequential requests sharing a system prompt (module doc)."""
+
+    def tokens(n: int) -> list[int]:  # token ids every supported vocabulary has
+        return torch.randint(100, 30000, (n,), generator=generator).tolist()
+
+    def ttft_ms(prompt: list[int]) -> float:
+        scheduler.add(prompt, 8)
+        start, first = time.perf_counter(), None
+        while scheduler.has_work:
+            events = scheduler.step()
+            if first is None and events:
+                first = time.perf_counter() - start
+        return first * 1e3
+
+    ttft_ms(tokens(32))  # warm-up: first calls, allocator
+    rows = []
+    for _ in range(args.runs):
+        system = tokens(256)
+        ttfts = [ttft_ms(system + tokens(32)) for _ in range(8)]
+        later = statistics.median(ttfts[1:])
+        rows.append(dict(first_ms=ttfts[0], later_ms=later, ratio=later / ttfts[0]))
+        print(rows[-1], flush=True)
+    profile = ""
+    if args.profile:
+        scheduler.add(system + tokens(32), 1)
+        with torch.profiler.profile() as prof:
+            scheduler.step()
+        while scheduler.has_work:
+            scheduler.step()
+        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    env = environment()
+    columns = [("first_ms", "first TTFT ms"), ("later_ms", "later TTFT ms (median of 7)"),
+               ("ratio", "later / first")]  # fmt: skip
+    md = (
+        f"{args.export.name}: 8 sequential requests sharing a 256-token system prompt (+32 "
+        f"tokens each, 8 new), through the Scheduler alone ({args.dtype} matmuls), "
+        f"{args.threads} threads, {args.runs} runs. {env['cpu']}, torch {env['torch']}, "
+        f"{env['date']}.\n\n" + markdown_table(rows, columns) + "\n"
+    )
+    if profile:
+        md += f"\nOne later request's first step under torch.profiler:\n\n```\n{profile}\n```\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "shared_prompt.json").write_text(json.dumps({"environment": env, "rows": rows},
+                                                            indent=1))  # fmt: skip
+    (args.out / "shared_prompt.md").write_text(md)
     print(md)
 
 
