@@ -6,8 +6,7 @@ Sections: 1 kernel tests on CUDA; 2 the kernel table (``compress.kernels.bench``
 bf16 and torch's int4/int8 kernels on decode shapes, written as ``kernel_table.json`` (the file
 format of ``compress/kernels/kernel_table.py``, merged with the committed one: copy it to
 ``compress/kernels/configs/`` to commit it); 3 runtime decode, bf16 vs W4 vs W8A8, SmolLM2-135M
-and TinyLlama-1.1B shapes (random weights), eager and with one decode step captured in a CUDA
-graph; 4 GPTQ, AWQ and AutoRound of the 1.1B shape via ``compress run`` with ``device: cuda``;
+and TinyLlama-1.1B shapes (random weights), eager and replayed from the runtime's CUDA graphs; 4 GPTQ, AWQ and AutoRound of the 1.1B shape via ``compress run`` with ``device: cuda``;
 5 perplexity of one export on the GPU and on the CPU. Writes ``gpu_check.json`` and
 ``gpu_check.md`` after every section. ``--dry-run`` runs the same code on CPU on tiny shapes
 (the kernels in the interpreter): it checks the plumbing, its numbers mean nothing.
@@ -134,36 +133,38 @@ def _quantize(model, variant: str):
 
 
 def _decode_rates(model, ctx: dict, prompt_len: int = 32, new_tokens: int = 64) -> dict:
-    """Eager tokens/s of ``Runtime.generate`` and, when capture works, tokens/s of one decode
-    step (context ``prompt_len`` + 1) replayed from a CUDA graph. The graph is the runtime's
-    own ``_decode`` (eager step) captured here: the runtime has no CUDA-graph mode yet."""
+    """Tokens/s of ``Runtime.generate`` (greedy, batch 1, ``new_tokens`` after a ``prompt_len``
+    prompt), eager (every kernel launched from Python) and with the runtime's CUDA graphs (one
+    replay per token, ``compress/runtime/graphs.py``), and whether the two give the same
+    tokens. Each is timed after a warm-up generation of the same length (compiles, tunes,
+    captures the graphs of both power-of-two key lengths)."""
     from compress.runtime.engine import Runtime
 
-    dry = ctx["dry_run"]
-    runtime = Runtime(model, max_seq_len=prompt_len + new_tokens + 8, compile=False)
+    dry, cuda = ctx["dry_run"], ctx["device"].type == "cuda"
     prompt = list(range(1, prompt_len + 1))
-    runtime.generate([prompt], 2)  # warm-up: kernels compile, GEMV configs are tuned
-    _sync(ctx)
-    start = time.perf_counter()
-    tokens = runtime.generate([prompt], 4 if dry else new_tokens)[0]
-    _sync(ctx)
-    out = {"eager_tok_s": len(tokens) / (time.perf_counter() - start), "tokens": len(tokens)}
-    if ctx["device"].type != "cuda":
-        out["cuda_graph"] = "not run: needs CUDA"
-        return out
-    try:
-        length = prompt_len + 1
-        ids = torch.tensor([[prompt[-1]]], device=ctx["device"])
-        pos = torch.tensor([[prompt_len]], device=ctx["device"])
-        mask = runtime.valid[:1, None, None, :length]
-        step = lambda: runtime._decode(ids, pos, mask, 1, length)  # noqa: E731
-        from compress.kernels.bench import time_us
-
-        timing = time_us(step, ctx["device"], calls=new_tokens, repeats=3)
-        out["cuda_graph_tok_s"] = 1e6 / timing["median_us"]
-        out["cuda_graph_method"] = timing["method"]
-    except Exception as exc:  # noqa: BLE001
-        out["cuda_graph"] = f"failed: {type(exc).__name__}: {exc}"[:400]
+    count = 4 if dry else new_tokens
+    out: dict = {}
+    tokens = {}
+    for mode, graphs in (("eager", False), ("cuda_graph", True)):
+        if graphs and not cuda:
+            out[mode] = "not run: needs CUDA"
+            continue
+        try:
+            runtime = Runtime(model, max_seq_len=prompt_len + new_tokens + 8, compile=False,
+                              keep_model_weights=True, cuda_graphs=graphs)  # fmt: skip
+            runtime.generate([prompt], count)  # warm-up
+            _sync(ctx)
+            start = time.perf_counter()
+            tokens[mode] = runtime.generate([prompt], count)[0]
+            _sync(ctx)
+            out[f"{mode}_tok_s"] = len(tokens[mode]) / (time.perf_counter() - start)
+            if graphs:
+                out["graphs"] = len(runtime._graphs.graphs) if runtime._graphs else 0
+        except Exception as exc:  # noqa: BLE001
+            out[mode] = f"failed: {type(exc).__name__}: {exc}"[:400]
+    out["tokens"] = len(tokens.get("eager", []))
+    if len(tokens) == 2:
+        out["graph_tokens_equal_eager"] = tokens["eager"] == tokens["cuda_graph"]
     return out
 
 
@@ -189,7 +190,24 @@ def section_runtime(ctx: dict) -> dict:
             del model
             if ctx["device"].type == "cuda":
                 torch.cuda.empty_cache()
+    results["goals"] = _runtime_goals(results, list(shapes))
     return results
+
+
+def _runtime_goals(results: dict, shapes: list[str]) -> list[str]:
+    """Issue 34's decode goals: W4 over bf16 tokens/s (>= 2x on the 1.1B shape, >= 1x on
+    SmolLM2's), graphed and eager."""
+    lines = []
+    for name in shapes:
+        want = {"1.1b": 2.0}.get(name, 1.0)
+        for mode in ("cuda_graph", "eager"):
+            w4 = results.get(f"{name} w4", {}).get(f"{mode}_tok_s")
+            bf16 = results.get(f"{name} bf16", {}).get(f"{mode}_tok_s")
+            if w4 and bf16:
+                verdict = "met" if w4 / bf16 >= want else "not met"
+                lines.append(f"{name} {mode}: W4 {w4:.1f} / bf16 {bf16:.1f} tok/s = "
+                             f"{w4 / bf16:.2f}x (goal >= {want:g}x: {verdict})")  # fmt: skip
+    return lines
 
 
 def section_quant(ctx: dict) -> dict:

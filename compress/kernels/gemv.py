@@ -71,18 +71,31 @@ def _configs() -> list[triton.Config]:
 
 def valid_configs(configs, *, m: int, n: int, k: int, group_size: int, min_block_k: int):
     """The configs that can run this problem: BLOCK_K inside one group (or a single group),
-    at least ``min_block_k`` (8: one int4 word), not more splits than K tiles, and few enough
-    products per thread; oversized tiles are dropped when a smaller one fits."""
+    at least ``min_block_k`` (8: one int4 word), few enough products per thread; oversized tiles
+    are dropped when a smaller one fits. A config with more splits than K tiles gets one split
+    per tile (a short K, e.g. 64: otherwise no candidate would be left)."""
     block_m = triton.next_power_of_2(m)
     valid = [c for c in configs if c.kwargs["BLOCK_K"] >= min_block_k
              and (group_size == k or group_size % c.kwargs["BLOCK_K"] == 0)]  # fmt: skip
-    valid = [c for c in valid if c.kwargs["SPLIT_K"] <= triton.cdiv(k, c.kwargs["BLOCK_K"])]
+    valid = list({_key(c): c for c in map(functools.partial(_fit_splits, k=k), valid)}.values())
     ok = [c for c in valid if block_m * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"]
           <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]  # fmt: skip
     small = [c for c in ok if c.kwargs["BLOCK_N"] <= max(16, triton.next_power_of_2(n))]
     # the soft filters may empty the list: then the smallest valid tile (correct, just slow)
     smallest = sorted(valid, key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"])[:1]
     return small or ok or smallest
+
+
+def _fit_splits(config: triton.Config, *, k: int) -> triton.Config:
+    tiles = triton.cdiv(k, config.kwargs["BLOCK_K"])
+    if config.kwargs["SPLIT_K"] <= tiles:
+        return config
+    return gemv_config(config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], tiles,
+                       config.num_warps, config.num_stages)  # fmt: skip
+
+
+def _key(config: triton.Config) -> tuple:
+    return (*sorted(config.kwargs.items()), config.num_warps, config.num_stages)
 
 
 @triton.jit

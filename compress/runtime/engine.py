@@ -56,6 +56,7 @@ from compress.runtime.families import (
     rope_tables,
     window_mask,
 )
+from compress.runtime.graphs import CaptureFailed, GraphedSteps
 from compress.runtime.layers import (
     LM_HEAD_SCHEMES,
     _FloatLinear,
@@ -169,6 +170,12 @@ class Runtime:
     both copies. ``static_cache=False`` allocates no contiguous KV cache (``max_batch_size`` x
     ``max_seq_len`` slots per layer): for a runtime that only a ``Scheduler`` drives, which
     brings its own paged cache; ``generate``/``stream``/``prefill`` then refuse.
+
+    ``cuda_graphs``: replay each decode step from a CUDA graph (``runtime/graphs.py``; one per
+    batch size and power-of-two key length, captured on first use), so a token costs one launch
+    instead of one per kernel. None (default): on where the model is on a GPU and the runtime
+    has its static cache; True elsewhere is refused. A capture that fails warns once and decodes
+    without graphs from then on.
     """
 
     def __init__(
@@ -187,6 +194,7 @@ class Runtime:
         lm_head_bits: int | None = None,
         keep_model_weights: bool = False,
         static_cache: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel={int4_kernel!r}: expected one of {INT4_KERNELS}")
@@ -205,6 +213,12 @@ class Runtime:
         self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
         self.fallback_reason = unsupported_reason(model)
         self.device = model.get_input_embeddings().weight.device  # seeded generators live here
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device} "
+                "(leave cuda_graphs=None: graphs where the model is on a GPU)"
+            )
+        self._graphs: GraphedSteps | None = None  # decode steps replayed from CUDA graphs
         if self.fallback_reason is not None:
             warnings.warn(
                 f"compress runtime falls back to transformers generate: {self.fallback_reason}",
@@ -330,6 +344,17 @@ class Runtime:
                 )
             if compile_prefill:
                 self._prefill_fn = torch.compile(_call_layer, dynamic=False, options=options)
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda"
+        if cuda_graphs and static_cache:
+            self.use_graphs(GraphedSteps())
+
+    def use_graphs(self, graphs: GraphedSteps | None) -> None:
+        """Replay decode steps from ``graphs`` (None: launch every kernel of every step). Key
+        lengths are then rounded up to powers of two, as for a compiled step, so that a
+        generation of ``max_seq_len`` tokens captures log2(max_seq_len) graphs per batch size.
+        The CUDA default is ``GraphedSteps()``; tests pass one that replays on the CPU."""
+        self._graphs = graphs
 
     # ---- public API ----------------------------------------------------------------------
     def stream(self, input_ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
@@ -386,6 +411,8 @@ class Runtime:
         if self.fallback_reason is None:  # the fallback keeps no cache
             other.k_cache, other.v_cache = self._new_cache(), self._new_cache()
             other.valid, other._slot = torch.zeros_like(self.valid), torch.zeros_like(self._slot)
+            # graphs replay fixed addresses: this runtime's read the other cache and slot
+            other._graphs = None if self._graphs is None else self._graphs.fresh()
         return other
 
     def decode_bytes(self) -> dict[str, int]:
@@ -450,14 +477,14 @@ class Runtime:
             x = self._layers(ids, slots[None], mask, slots, 1, t, decode=False)
         else:
             length = start + t
-            if t == 1 and self._compiled:  # the compiled step's power-of-two key lengths
+            if t == 1 and self._bucketed:  # the compiled step's power-of-two key lengths
                 length = _bucket(length, self.max_seq_len)
             keys = torch.arange(length, device=self.device)
             mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, T, L] causal
-            if t == 1:  # [1, V]
+            if t == 1:  # [1, V]; a copy: a graph's output is overwritten by its next replay
                 self._slot.fill_(start)
                 self.position = start + t
-                return self._decode(ids, slots[None], mask, 1, length)
+                return self._decode(ids, slots[None], mask, 1, length).clone()
             else:  # eager: a k-token decode step is another shape than the compiled one
                 x = self._embed(ids)
                 x = self._apply(_call_layer, x, slots[None], mask, slots, 1, length, True)
@@ -532,14 +559,37 @@ class Runtime:
             # Attend to the filled prefix only (measured: the whole 512-slot cache cost more per
             # token than every int4 matmul together); compiled steps use power-of-two lengths so
             # that only log2(max_seq_len) graphs exist.
-            length = _bucket(pos + 1, self.max_seq_len) if self._compiled else pos + 1
+            length = _bucket(pos + 1, self.max_seq_len) if self._bucketed else pos + 1
             mask = self.valid[:b, None, None, :length]  # [B, 1, 1, L]
             logits = self._decode(next_tokens[:, None], (pos - pad)[:, None], mask, b, length)
             pos += 1
 
+    @property
+    def _bucketed(self) -> bool:
+        """Whether decode key lengths are rounded up to powers of two (compiled or graphed
+        steps: one graph per length)."""
+        return self._compiled or self._graphs is not None
+
     def _decode(self, tokens, positions, mask, b: int, length: int) -> torch.Tensor:
-        """Logits [B, V] of one decode step at cache slot ``self._slot`` (whole-step compiled,
-        per-layer compiled or eager: ``compile``)."""
+        """Logits [B, V] of one decode step at cache slot ``self._slot``, replayed from a CUDA
+        graph where graphs are on, else launched (``_launch_decode``). A graph's logits are its
+        output tensor: read them before the next step."""
+        if self._graphs is not None:
+            step = lambda t, p, m: self._launch_decode(t, p, m, b, length)  # noqa: E731
+            try:
+                return self._graphs((b, length), step, tokens, positions, mask)
+            except CaptureFailed as exc:
+                warnings.warn(
+                    f"compress runtime: {exc}; decoding without CUDA graphs from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._graphs = None  # rerunning writes the same cache slot from the same inputs
+        return self._launch_decode(tokens, positions, mask, b, length)
+
+    def _launch_decode(self, tokens, positions, mask, b: int, length: int) -> torch.Tensor:
+        """One decode step's kernels launched from Python (whole-step compiled, per-layer
+        compiled or eager: ``compile``)."""
         if self._step is _decode_step:
             x = self._layers(tokens, positions, mask, self._slot, b, length, decode=True)
             return self.head(x[:, -1])
@@ -547,7 +597,7 @@ class Runtime:
             return self._step(self, tokens, positions, mask, self._slot, b, length)
         except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
             self._compile_failed(exc)
-            return self._decode(tokens, positions, mask, b, length)
+            return self._launch_decode(tokens, positions, mask, b, length)
 
     def _compile_failed(self, exc: Exception) -> None:
         warnings.warn(

@@ -151,3 +151,19 @@ def test_valid_configs_keep_block_k_inside_a_group_and_splits_inside_k():
                                      min_block_k=16)  # fmt: skip
     assert per_channel and all(c.kwargs["SPLIT_K"] <= -(-80 // c.kwargs["BLOCK_K"])
                                for c in per_channel)  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 2, 4], ids=lambda m: f"M{m}")
+def test_a_short_k_still_has_configs_with_one_split_per_k_tile(m, device):
+    """K = 64 with groups of 32 (a tiny model's hidden size): every candidate split more than
+    K has tiles, and the tuner had none to pick (IndexError); the splits are now cut to fit."""
+    from compress.kernels import gemv
+
+    valid = gemv.valid_configs(gemv._configs(), m=m, n=64, k=64, group_size=32, min_block_k=8)
+    assert valid and all(c.kwargs["SPLIT_K"] <= 64 // c.kwargs["BLOCK_K"] for c in valid)
+    (x, w_packed, scales, zeros, b), expected, magnitude = _int4_case(
+        m, 64, 64, 32, True, False, torch.float32
+    )
+    args = [t if t is None else t.to(device) for t in (x, w_packed, scales, zeros)]
+    y = gemv.int4_gemv_triton(*args, group_size=32, config=None)
+    _close(y, expected, magnitude, torch.float32)

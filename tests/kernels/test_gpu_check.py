@@ -35,7 +35,10 @@ def test_gpu_check_dry_run_writes_the_report_and_a_loadable_table(tmp_path):
     assert sections["3 runtime decode"]["status"] == "ok"
     decode = sections["3 runtime decode"]["result"]
     assert {"tiny bf16", "tiny w4", "tiny w8a8"} <= set(decode)
-    assert all("eager_tok_s" in row for row in decode.values()), decode
+    rows = {k: v for k, v in decode.items() if k != "goals"}
+    assert all("eager_tok_s" in row for row in rows.values()), decode
+    assert all(row["cuda_graph"] == "not run: needs CUDA" for row in rows.values())
+    assert any(line.startswith("tiny eager: W4") for line in decode["goals"])
     # 4 and 5 run or say why not (the recipe device key, eval --device); never "failed"
     assert all(s["status"] in ("ok", "skipped") for s in sections.values()), sections
     tables = kernel_table.parse_file(json.loads((out / kernel_table.TABLE_FILE).read_text()))
