@@ -6,8 +6,9 @@ Sections: 1 kernel tests on CUDA; 2 the kernel table (``compress.kernels.bench``
 bf16 and torch's int4/int8 kernels on decode shapes, written as ``kernel_table.json`` (the file
 format of ``compress/kernels/kernel_table.py``, merged with the committed one: copy it to
 ``compress/kernels/configs/`` to commit it); 3 runtime decode, bf16 vs W4 vs W8A8, SmolLM2-135M
-and TinyLlama-1.1B shapes (random weights), eager and replayed from the runtime's CUDA graphs; 4 GPTQ, AWQ and AutoRound of the 1.1B shape via ``compress run`` with ``device: cuda``;
-5 perplexity of one export on the GPU and on the CPU. Writes ``gpu_check.json`` and
+and TinyLlama-1.1B shapes (random weights), eager and replayed from the runtime's CUDA graphs;
+4 GPTQ, AWQ and AutoRound of the 1.1B shape via ``compress run`` with ``device: cuda``; 5
+perplexity of one export on the GPU and on the CPU. Writes ``gpu_check.json`` and
 ``gpu_check.md`` after every section. ``--dry-run`` runs the same code on CPU on tiny shapes
 (the kernels in the interpreter): it checks the plumbing, its numbers mean nothing.
 Needs what ``scripts/gpu_check.sh`` sets up (this checkout importable, ``.gpu/data`` as
