@@ -210,26 +210,27 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _eval_layer_by_layer(args: argparse.Namespace, path, tasks: list[str], device) -> int:
     """``compress eval --layer-by-layer``: perplexity of a local checkpoint (plain or
     compressed) read one decoder layer at a time, for a model bigger than memory; quantized
-    layers are scored through their dequantized weights, as ``compress run`` scores them."""
+    layers are scored through their dequantized weights, as ``compress run`` scores them. On a
+    GPU each layer runs there in turn, in bf16 as ``compress eval`` of the whole model would."""
     from transformers import AutoTokenizer
 
     from compress.core.errors import RecipeError
-    from compress.eval.quality import perplexity
+    from compress.eval.quality import layerwise_placement, perplexity
     from compress.io.export import layerwise_model
     from compress.io.load import resolve_model_path
 
     where = resolve_model_path(args.model)
-    if tasks or path is None or device.type != "cpu" or not isinstance(where, Path):
+    if tasks or path is None or not isinstance(where, Path):
         raise RecipeError(
-            "--layer-by-layer scores perplexity of a local checkpoint on the CPU: drop --tasks "
-            "and --no-perplexity, use --device cpu, and give a model folder")
+            "--layer-by-layer scores perplexity of a local checkpoint: drop --tasks and "
+            "--no-perplexity, and give a model folder")
     stream = layerwise_model(where, backend=args.backend)
     result = perplexity(
         stream.model, AutoTokenizer.from_pretrained(where), path.read_text(encoding="utf-8"),
         context_length=args.context_length, stride=args.stride, limit=args.limit,
-        source=str(path), progress=not args.no_progress, stream=stream)
+        source=str(path), progress=not args.no_progress, stream=stream, device=device)
     out = result.to_dict()
-    placed = {"device": "cpu", "dtype": "float32", "scored": "layer by layer"}
+    placed = layerwise_placement(stream, device)
     out["protocol"].update(placed)
     out["device"] = placed
     print(json.dumps(out, indent=2, default=str))
@@ -644,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_eval.add_argument("--layer-by-layer", action="store_true",
                         help="read one decoder layer at a time (a model bigger than memory; "
-                        "perplexity on the CPU only; quantized layers scored dequantized, as "
+                        "perplexity only, on --device; quantized layers scored dequantized, as "
                         "compress run scores them)")
     add_device_arg(p_eval)
     p_eval.set_defaults(func=_cmd_eval)

@@ -134,14 +134,16 @@ def _digest_files(folder: Path, digest: Any) -> None:
 
 
 def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: int,
-              stream: Any = None) -> str:
+              stream: Any = None, device: torch.device | None = None) -> str:
     """What a saved perplexity state depends on: weights, token ids, windows, device, versions.
-    A model scored layer by layer (``stream``) is known by its checkpoint files, not its
-    tensors (``_digest_files``)."""
+    A model scored layer by layer (``stream``, on ``device``: None is the CPU) is known by its
+    checkpoint files, not its tensors (``_digest_files``)."""
     import transformers
 
     digest = hashlib.sha256()
-    device = (torch.device("cpu") if stream is not None else next(model.parameters()).device)
+    if stream is None:
+        device = next(model.parameters()).device
+    device = device or torch.device("cpu")
     settings = (_STATE_VERSION, context_length, stride, device.type, torch.__version__,
                 transformers.__version__, "layer by layer" if stream is not None else "whole")
     digest.update(repr(settings).encode())
@@ -381,7 +383,7 @@ def _score_windows(model, ids, spans, scores: _Scores, save, *, desc: str, progr
 
 @torch.no_grad()
 def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc: str,
-                             progress: bool) -> None:
+                             progress: bool, device: torch.device | None = None) -> None:
     """``_score_windows`` for a model whose decoder layers stay on disk (``stream``, a
     ``compress.io.stream.StreamedModel`` without a sink): every forward batch of
     ``_batches`` through layer i, then layer i+1, each layer read, run and freed in turn;
@@ -389,11 +391,17 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
     the decoder stack replaced by the stored last hidden states. The batches and the ops are
     the whole-model forward's, so the numbers are its numbers. Memory: one layer plus the
     hidden states of the windows scored (windows x context x hidden x 4 bytes, twice while a
-    layer runs). Quantized weight-only layers are scored dequantized, one layer at a time."""
+    layer runs). Quantized weight-only layers are scored dequantized, one layer at a time.
+    ``device`` (None: the CPU): where each layer, the modules outside the stack and the hidden
+    states go, cast as whole-model evaluation casts there (``eval_dtype``: bf16 on a GPU), so
+    the numbers are those of the whole model on that device; host memory stays one layer."""
     from compress.arch import decoder_layers
+    from compress.core.device import eval_dtype, on_device
     from compress.quant.calibrated import capture_first_layer_inputs, run_layer
     from compress.quant.linear import dequantized_for_scoring
 
+    device = device or torch.device("cpu")
+    dtype = eval_dtype(device)
     model = stream.model
     todo = [i for i in range(len(spans)) if scores.needs(i)]
     groups = _hidden_groups(_batches(todo, spans), spans, int(model.config.hidden_size))
@@ -404,25 +412,35 @@ def _score_windows_layerwise(stream, ids, spans, scores: _Scores, save, *, desc:
         for batches in groups:
             windows = [torch.stack([ids[spans[i][0] : spans[i][1]] for i in batch])
                        for batch in batches]
-            with stream.outside():
-                inputs = capture_first_layer_inputs(model, windows, torch.device("cpu"))
+            with stream.outside(device), on_device(model, device, dtype, skip=[layers]):
+                inputs = capture_first_layer_inputs(model, windows, device)
             for index in range(len(layers)):
-                layer = stream.load_layer(index)
+                layer = stream.load_layer(index)  # on the host, then a copy on the device
                 inputs.kwargs = inputs.per_layer[index]
-                with dequantized_for_scoring(layer):
+                with on_device(layer, device, dtype), dequantized_for_scoring(layer):
                     inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
                 stream.finish_layer(index)
                 bar.update(1)
-            with stream.outside(head=True), contextlib.ExitStack() as dequantized:
+            with stream.outside(device, head=True), contextlib.ExitStack() as placed:
+                placed.enter_context(on_device(model, device, dtype, skip=[layers]))
                 for _, module in stream.outside_modules():  # a quantized head, scored as such
-                    dequantized.enter_context(dequantized_for_scoring(module))
+                    placed.enter_context(dequantized_for_scoring(module))
                 for batch, batch_ids, hidden in zip(batches, windows, inputs.hidden, strict=True):
+                    batch_ids = batch_ids.to(device)
                     logits = _logits_from_last_hidden(model, layers, batch_ids, hidden)
                     _add_batch(scores, spans, batch, batch_ids, logits)
                     del logits
             del inputs
             save(True)  # a group is the unit a cut run resumes after
             bar.update(1)
+
+
+def layerwise_placement(stream, device: torch.device) -> dict[str, str]:
+    """What a result scored layer by layer on ``device`` records: where, in what dtype."""
+    from compress.core.device import device_name, dtype_name, eval_dtype
+
+    dtype = eval_dtype(device) or stream.dtype
+    return {"device": device_name(device), "dtype": dtype_name(dtype), "scored": "layer by layer"}
 
 
 # Hidden states held while scoring layer by layer (entering and leaving a layer, float32):
@@ -511,6 +529,7 @@ def perplexity(
     top_k_dir: str | os.PathLike[str] | None = None,
     kl_base: str | os.PathLike[str] | None = None,
     stream: Any = None,
+    device: torch.device | None = None,
 ) -> PerplexityResult:
     """Token perplexity of ``model`` on ``text`` under the protocol in the module docstring.
 
@@ -522,7 +541,8 @@ def perplexity(
     baseline scored on the same text and windows: the result gets ``kl``. stream: score layer
     by layer (``_score_windows_layerwise``): ``model`` is then ``stream.model``, a skeleton
     whose layers ``stream`` (a ``compress.io.stream.StreamedModel`` without a sink) reads in
-    turn; the numbers are the whole-model path's.
+    turn; the numbers are the whole-model path's. device: where layer-by-layer scoring runs
+    (None: the CPU; the whole-model path runs where ``model`` is).
     """
     stride = stride or context_length
     if stride > context_length:
@@ -534,7 +554,7 @@ def perplexity(
     spans = all_spans[:limit] if limit is not None else all_spans
     if not spans:
         raise ValueError(f"{source}: text too short to score ({len(ids)} tokens)")
-    key = (state_key(model, ids, context_length, stride, stream)
+    key = (state_key(model, ids, context_length, stride, stream, device)
            if state_dir or top_k else None)
     path = Path(state_dir) / f"{key}.json" if state_dir is not None else None
     state = _read_state(path, key) if path is not None and resume else {}
@@ -557,7 +577,7 @@ def perplexity(
     reused = sum(not scores.needs(i) for i in range(len(spans)))
     _run_windows(model, ids, spans, scores, path, record, reused, label=label, source=source,
                  progress=progress, save_every_s=save_every_s, context_length=context_length,
-                 stream=stream)
+                 stream=stream, device=device)
     result = _result(scores, spans, all_spans, ids, limit, source, context_length, stride)
     result.reused_windows = reused
     if kl_base is not None:
@@ -568,7 +588,7 @@ def perplexity(
 
 
 def _run_windows(model, ids, spans, scores, path, record, reused, *, label, source, progress,
-                 save_every_s, context_length, stream=None) -> None:
+                 save_every_s, context_length, stream=None, device=None) -> None:
     """Score what is missing, saving ``record`` at ``path`` (when not None) as it goes."""
     if reused == len(spans):
         log.info("%s: all %d windows already scored, result read from %s", label, reused, path)
@@ -586,7 +606,8 @@ def _run_windows(model, ids, spans, scores, path, record, reused, *, label, sour
     name = Path(source).name or source
     desc = f"{label} ({name}, {len(spans)} windows of {context_length})"
     if stream is not None:
-        _score_windows_layerwise(stream, ids, spans, scores, save, progress=progress, desc=desc)
+        _score_windows_layerwise(stream, ids, spans, scores, save, progress=progress, desc=desc,
+                                 device=device)
     else:
         _score_windows(model, ids, spans, scores, save, progress=progress, desc=desc)
     save(True)

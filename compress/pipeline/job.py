@@ -98,7 +98,8 @@ def evaluate_perplexity(
     the KL of later variants; kl_base: the ``top_k_path`` of such a baseline, for ``result.kl``.
     Weight-only int4/int8 layers are scored as their dequantized float32 weights (the reference
     definition; ``compress.quant.linear.dequantized_for_scoring``). stream: score layer by
-    layer on the CPU (``compress.io.export.layerwise_model``; ``model`` is its skeleton)."""
+    layer (``compress.io.export.layerwise_model``; ``model`` is its skeleton) on the recipe's
+    device, in bf16 on a GPU as the whole model would be."""
     cfg = recipe.eval.perplexity
     if cfg is None or text is None:
         return None
@@ -106,12 +107,15 @@ def evaluate_perplexity(
         log.info("%s: scoring every window of %s (WikiText-2 test: 593 windows, 10-15 min per "
                  "model on 2 idle CPU cores); stop at any time, the same command resumes", label,
                  cfg.dataset)
+    device = resolve_device(recipe.device)
     if stream is not None:  # each layer is dequantized for scoring when it is read
         result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
-                             top_k, kl_base, stream)
-        placed = {"device": "cpu", "dtype": "float32", "scored": "layer by layer"}
+                             top_k, kl_base, stream, device)
+        from compress.eval.quality import layerwise_placement
+
+        placed = layerwise_placement(stream, device)
     else:  # on the recipe's device, in bf16 on a GPU; the protocol records where and in what
-        with on_eval_device(model, resolve_device(recipe.device)) as placed, \
+        with on_eval_device(model, device) as placed, \
                 dequantized_for_scoring(model):
             result = _perplexity(model, tokenizer, text, cfg, source, progress, label, resume,
                                  top_k, kl_base)
@@ -124,7 +128,7 @@ def evaluate_perplexity(
 
 
 def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, top_k, kl_base,
-                stream=None):
+                stream=None, device=None):
     from compress.eval.quality import perplexity
     from compress.io.load import cache_dir
 
@@ -144,6 +148,7 @@ def _perplexity(model, tokenizer, text, cfg, source, progress, label, resume, to
         top_k_dir=cache_dir() / "perplexity-top-k",
         kl_base=kl_base,
         stream=stream,
+        device=device if stream is not None else None,
     )
 
 

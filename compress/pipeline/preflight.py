@@ -177,13 +177,10 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
 
 
 def layerwise_eval(recipe) -> bool:
-    """Whether a streamed job scores layer by layer (memory: one layer, not the model): only
-    perplexity and KL are asked for (tasks and latency need the model whole) and it runs on
-    the CPU (the GPU path scores the model whole)."""
-    from compress.core.device import resolve_device
-
-    return (recipe.eval.tasks is None and recipe.eval.latency is None
-            and resolve_device(recipe.device).type == "cpu")
+    """Whether a streamed job scores layer by layer (host memory: one layer, not the model):
+    only perplexity and KL are asked for (tasks and latency need the model whole). On a GPU
+    each layer runs there in turn (``compress.eval.quality._score_windows_layerwise``)."""
+    return recipe.eval.tasks is None and recipe.eval.latency is None
 
 
 def layerwise_export_eval(recipe) -> bool:

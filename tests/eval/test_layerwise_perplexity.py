@@ -160,3 +160,42 @@ def test_cli_eval_layer_by_layer_equals_eval_and_refusal_names_it(checkpoint, tm
     monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 10**6)
     assert main(["eval", *common]) == 2
     assert "--layer-by-layer" in capsys.readouterr().err
+
+
+def test_layerwise_on_a_device_scores_as_the_whole_model_there(checkpoint, tmp_path,
+                                                               monkeypatch, one_thread):
+    """On a GPU evaluation casts the weights to bf16 (``eval_dtype``) and layer-by-layer scoring
+    runs each layer, the modules outside the stack and the hidden states there, cast the same
+    way. Without a GPU the same code runs with the CPU standing in for it and ``eval_dtype``
+    giving bf16: the numbers must be those of the whole model scored under ``on_eval_device``,
+    bit for bit, plain and W4 (against fp32 they differ: the cast happened)."""
+    from compress.core import device as device_mod
+    from compress.core.device import on_eval_device
+    from compress.core.registry import CompressionState, run_passes
+    from compress.eval.quality import layerwise_placement
+    from compress.quant.rtn import Int4RtnConfig
+
+    fp32 = _score(_whole(checkpoint), tmp_path, "fp32")
+    monkeypatch.setattr(device_mod, "eval_dtype", lambda device: torch.bfloat16)
+    cpu = torch.device("cpu")
+    whole = _whole(checkpoint)
+    with on_eval_device(whole, cpu) as placed:
+        assert placed["dtype"] == "bfloat16"
+        ref = _score(whole, tmp_path, "whole-bf16")
+    stream = layerwise_model(checkpoint)
+    layerwise = _score(stream.model, tmp_path, "layerwise-bf16", stream, device=cpu)
+    assert layerwise.nll_mean == ref.nll_mean and layerwise.nll_mean != fp32.nll_mean
+    assert layerwise_placement(stream, cpu) == {"device": "cpu", "dtype": "bfloat16",
+                                                "scored": "layer by layer"}  # fmt: skip
+    assert all(t.device.type == "meta" for t in stream.model.state_dict().values())
+
+    quantized = _whole(checkpoint)
+    run_passes(quantized, [Int4RtnConfig(group_size=32)], CompressionState())
+    out = tmp_path / "w4"
+    export_checkpoint(quantized, make_char_tokenizer(), out, dtype="bfloat16")
+    loaded = load_compressed(out).eval()
+    with on_eval_device(loaded, cpu), dequantized_for_scoring(loaded):
+        w4 = _score(loaded, tmp_path, "w4-whole-bf16")
+    w4_stream = layerwise_model(out)
+    w4_layerwise = _score(w4_stream.model, tmp_path, "w4-layerwise-bf16", w4_stream, device=cpu)
+    assert w4_layerwise.nll_mean == w4.nll_mean and w4.nll_mean != layerwise.nll_mean
