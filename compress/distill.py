@@ -19,6 +19,7 @@ atomically; resuming from a checkpoint of a different run is an error.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -293,8 +294,24 @@ def accelerator_settings(mixed_precision: str, device: torch.device) -> tuple[st
     return mixed_precision, not on_gpu
 
 
+def device_scope(device: torch.device):
+    """The block in which a single-process run trains on ``device``: accelerate puts a
+    non-distributed run on ``torch.device("cuda")``, the *current* GPU, so ``cuda:1`` needs
+    ``torch.cuda.device(1)`` around the run (without it every run trained on GPU 0). Runs
+    launched with several processes take their GPU from the launcher (rank), not from here."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if device.type != "cuda" or device.index is None or launched:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 @register_pass("distill.logits", LogitsConfig, needs_teacher=True)
 def distill_logits(student: nn.Module, cfg: LogitsConfig, state: CompressionState) -> PassReport:
+    with device_scope(state.device):
+        return _distill_logits(student, cfg, state)
+
+
+def _distill_logits(student: nn.Module, cfg: LogitsConfig, state: CompressionState) -> PassReport:
     from accelerate import Accelerator
 
     if state.tokenizer is None:
