@@ -324,25 +324,44 @@ def dequantized_for_scoring(model: nn.Module) -> Iterator[int]:
     re-dequantizing per call (measured 2026-11-30, SmolLM2 W4, one 512-token forward on 2 Xeon
     cores: 2.2 s through either, 1.3 s for the float model). The kernels' own numerics (bf16
     activations) differ from this by ~0.05% perplexity. W8A8 layers keep their int8 activations
-    (part of the format). Costs one float32 copy of the quantized weights while scoring; when
-    that exceeds half the available memory, the layers run as they are and a warning says so."""
+    (part of the format). Costs one float32 copy of the quantized weights while scoring (on a
+    GPU one in the model's compute dtype, ``scoring_dtype``); when that exceeds half the memory
+    available where the layers are (host or GPU), the layers run as they are and a warning says
+    so."""
     layers = [m for m in model.modules() if type(m) is QuantLinear]
-    need = sum(4 * m.in_features * m.out_features for m in layers)
-    available = _available_memory_bytes()
+    dtype = scoring_dtype(layers[0].weight_scale.device, float_dtype(model)) if layers else None
+    element = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+    need = sum(element * m.in_features * m.out_features for m in layers)
+    where = layers[0].weight_scale.device if layers else torch.device("cpu")
+    available = _available_memory_bytes(where)
     if available is not None and need > available // 2:
         log.warning("scoring through the quantized kernels: a dequantized copy needs %.1f GB, "
-                    "more than half the %.1f GB available", need / 1e9, available / 1e9)
+                    "more than half the %.1f GB available on %s", need / 1e9, available / 1e9,
+                    where)
         layers, need = [], 0
     try:
         for module in layers:
-            module._prepared["scoring_weight"] = module.dequantized_weight(torch.float32)
+            module._prepared["scoring_weight"] = module.dequantized_weight(dtype)
         yield need
     finally:
         for module in layers:
             module._prepared.pop("scoring_weight", None)
 
 
-def _available_memory_bytes() -> int | None:
+def scoring_dtype(device: torch.device, compute: torch.dtype | None) -> torch.dtype:
+    """The dtype of the dequantized weights scoring holds: float32 on the CPU (the reference
+    definition); on a GPU the model's compute dtype (bf16 in evaluation there), since the
+    forward casts the weight to the activations' dtype per call anyway: the same products
+    from half the memory (a 70B model's float32 copy would not fit one GPU)."""
+    if device.type == "cpu" or compute is None:
+        return torch.float32
+    return compute
+
+
+def _available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Bytes free where ``device`` is: the GPU's free memory, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -44,3 +44,36 @@ def test_w8a8_layers_keep_their_int8_activations():
     with dequantized_for_scoring(model) as held:
         assert held == 0
         torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
+
+
+def test_on_a_gpu_the_dequantized_copy_is_in_the_compute_dtype_and_sized_by_gpu_memory(
+        monkeypatch, caplog):
+    """On a GPU the copy is in the evaluated model's dtype (bf16 there; float32 would double it:
+    a 70B model's would not fit), and whether it fits is asked of that GPU's free memory, not
+    the host's. Without a GPU: the meta device stands in for the placement (the CPU-only build
+    refuses fake CUDA tensors in the unpacking), ``mem_get_info`` is faked."""
+    from compress.core.device import on_device
+    from compress.quant import linear
+
+    assert linear.scoring_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
+    assert linear.scoring_dtype(torch.device("cuda", 0), torch.bfloat16) == torch.bfloat16
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (7, 9))
+    assert linear._available_memory_bytes(torch.device("cuda", 1)) == 7
+    assert asked == [torch.device("cuda", 1)]
+
+    model = make_tiny_llama()
+    run_passes(model, [Int4RtnConfig(group_size=32)], CompressionState(progress=False))
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    weights = sum(m.in_features * m.out_features for m in layers)
+    free = {"bytes": 10 * weights}
+    monkeypatch.setattr(linear, "_available_memory_bytes", lambda device: free["bytes"])
+    with on_device(model, torch.device("meta"), torch.bfloat16):
+        with dequantized_for_scoring(model) as held:
+            held_weights = {(m._prepared["scoring_weight"].device.type,
+                             m._prepared["scoring_weight"].dtype) for m in layers}
+        free["bytes"] = 3 * weights  # the bf16 copy (2 bytes a weight) is over half of it
+        with dequantized_for_scoring(model) as refused:
+            assert not any("scoring_weight" in m._prepared for m in layers)
+    assert held == 2 * weights and held_weights == {("meta", torch.bfloat16)}
+    assert refused == 0 and "available on meta" in caplog.text
