@@ -8,9 +8,10 @@ format of ``compress/kernels/kernel_table.py``, merged with the committed one: c
 ``compress/kernels/configs/`` to commit it); 3 runtime decode, bf16 vs W4 vs W8A8, SmolLM2-135M
 and TinyLlama-1.1B shapes (random weights), eager and replayed from the runtime's CUDA graphs;
 4 GPTQ, AWQ and AutoRound of the 1.1B shape via ``compress run`` with ``device: cuda``; 5
-perplexity of one export on the GPU and on the CPU. Writes ``gpu_check.json`` and
-``gpu_check.md`` after every section. ``--dry-run`` runs the same code on CPU on tiny shapes
-(the kernels in the interpreter): it checks the plumbing, its numbers mean nothing.
+perplexity of one export on the GPU (whole, layer by layer) and the CPU. Writes
+``gpu_check.json`` and ``gpu_check.md`` after every section. ``--dry-run`` runs the same code
+on CPU on tiny shapes (the kernels in the interpreter): it checks the plumbing, its numbers mean
+nothing.
 Needs what ``scripts/gpu_check.sh`` sets up (this checkout importable, ``.gpu/data`` as
 ``COMPRESS_DATA_DIR`` for sections 4-5).
 """
@@ -278,18 +279,22 @@ def section_ppl(ctx: dict) -> dict:
     if not exports:
         return {"skipped": "no export from section 4"}
     out = {"export": exports[0]}
-    for device in ("cuda", "cpu"):
-        cmd = [sys.executable, "-m", "compress.cli", "eval", exports[0], "--device", device,
-               "--limit", "4"]  # fmt: skip
+    runs = {"cuda": ["--device", "cuda"], "cpu": ["--device", "cpu"],
+            "cuda layer by layer": ["--device", "cuda", "--layer-by-layer"]}  # fmt: skip
+    for name, flags in runs.items():
+        cmd = [sys.executable, "-m", "compress.cli", "eval", exports[0], *flags, "--limit", "4"]
         proc = _run(cmd, ctx, cap_s=60)
         found = re.search(r'"perplexity": ([0-9.eE+-]+)', proc["output"])
-        out[device] = {"returncode": proc["returncode"], "seconds": proc["seconds"],
-                       "perplexity": float(found.group(1)) if found else None,
-                       "tail": proc["output"].strip().splitlines()[-4:]}  # fmt: skip
+        out[name] = {"returncode": proc["returncode"], "seconds": proc["seconds"],
+                     "perplexity": float(found.group(1)) if found else None,
+                     "tail": proc["output"].strip().splitlines()[-4:]}  # fmt: skip
     gpu, cpu = out["cuda"]["perplexity"], out["cpu"]["perplexity"]
     if gpu and cpu:  # GPU in bf16, CPU in the export's dtype; 1% is a guess at bf16's noise
         out["relative_difference"] = abs(gpu / cpu - 1)
         out["within_1pct"] = out["relative_difference"] <= PPL_TOLERANCE
+    layerwise = out["cuda layer by layer"]["perplexity"]
+    if gpu and layerwise:  # the same casts and ops, one layer at a time: expected equal
+        out["layer_by_layer_equals_whole"] = layerwise == gpu
     return out
 
 

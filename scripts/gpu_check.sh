@@ -3,7 +3,8 @@
 #   1. kernel tests on CUDA, 2. kernel table vs cuBLAS bf16 / torch int4pack / _int_mm on decode
 #   shapes (CUDA graphs, median and spread) -> kernel_table.json, 3. runtime decode bf16 vs W4 vs
 #   W8A8 (SmolLM2-135M and 1.1B shapes, random weights; eager and from CUDA graphs),
-#   4. GPTQ / AWQ / AutoRound of the 1.1B shape with `device: cuda`, 5. perplexity GPU vs CPU.
+#   4. GPTQ / AWQ / AutoRound of the 1.1B shape with `device: cuda`, 5. perplexity GPU vs CPU
+#   (and GPU layer by layer).
 # Writes gpu_check.json, gpu_check.md, kernel_table.json, kernel_tests.log into $OUT (or --out
 # DIR; default ./out). A failing section records its error; the others still run.
 #   bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--sections 12345] [--budget-s 450]
