@@ -221,8 +221,8 @@ def section_quant(ctx: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         return {"skipped": f"recipes have no 'device' key yet ({type(exc).__name__}: "
                            f"{str(exc)[:200]})"}  # fmt: skip
+    results = {"column walk": _gptq_walk_timing(ctx)}
     model_dir = _synthetic(ctx)
-    results = {}
     for name, (calibration, step) in QUANT_RECIPES.items():
         recipe = ctx["work"] / f"quant-{name}.yaml"  # not in --out: 8 files come back at most
         recipe.write_text(
@@ -243,6 +243,35 @@ def section_quant(ctx: dict) -> dict:
             ctx.setdefault("exports", []).append(str(export))
         results[name] = row
     return results
+
+
+def _gptq_walk_timing(ctx: dict) -> dict:
+    """GPTQ of one 1.1B down_proj (2048 x 5632, g128) on the device, the column walk in torch
+    (a dozen launches a column) and in Triton (``kernels.gptq_walk``, one a group): seconds
+    each and how many codes agree."""
+    from compress.quant.gptq import GptqConfig, gptq_quantize
+    from compress.quant.linear import WeightScheme
+
+    n, k = (64, 256) if ctx["dry_run"] else (2048, 5632)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(ctx["device"])
+    x = torch.randn(2 * k, k, generator=g).to(ctx["device"])
+    h = x.T @ x / x.shape[0]
+    out: dict = {"shape": [n, k]}
+    codes = {}
+    for walk in ("torch", "triton"):
+        try:
+            gptq_quantize(w[:16], h, WeightScheme(4, 128), GptqConfig(), walk=walk)  # warm-up
+            _sync(ctx)
+            start = time.perf_counter()
+            codes[walk] = gptq_quantize(w, h, WeightScheme(4, 128), GptqConfig(), walk=walk)[0]
+            _sync(ctx)
+            out[f"{walk}_s"] = round(time.perf_counter() - start, 3)
+        except Exception as exc:  # noqa: BLE001
+            out[walk] = f"failed: {type(exc).__name__}: {exc}"[:400]
+    if len(codes) == 2:
+        out["codes_equal_fraction"] = (codes["torch"] == codes["triton"]).float().mean().item()
+    return out
 
 
 def _peaks(payload, path: str = "") -> dict:

@@ -261,13 +261,14 @@ def _qparams(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch
 def gptq_quantize(
     w: torch.Tensor, h: torch.Tensor | list[torch.Tensor], scheme: WeightScheme, cfg: GptqConfig,
     name: str = "layer",
-    *, h_is_scratch: bool = False,
+    *, h_is_scratch: bool = False, walk: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """GPTQ of ``w [N, K]`` given ``h [K, K]`` -> ``(w_q int8 [N, K], scales fp32 [N, K/g],
     zeros int8 [N, K/g] | None, info)``; see the module docstring. ``h_is_scratch``: ``h`` is
     a one-item list holding the caller's Hessian to lose (``HessianHooks.take_hessian``): it
     is taken out of the list, worked on in place instead of copied, and freed once factored
-    (a tensor argument would stay alive through the call: the no_grad wrapper holds it)."""
+    (a tensor argument would stay alive through the call: the no_grad wrapper holds it).
+    ``walk``: the column walk's implementation (``_walk_columns``)."""
     w = w.detach().to(torch.float32, copy=True)  # one copy, from bf16 or float32 alike
     if h_is_scratch:
         if not (isinstance(h, list) and len(h) == 1):
@@ -307,7 +308,8 @@ def gptq_quantize(
     if dev.type == "cpu":
         torch.set_num_threads(1)
     try:
-        _walk_columns(w, hinv, scales, zeros, codes, losses, order, block, group, static, scheme)
+        _walk_columns(w, hinv, scales, zeros, codes, losses, order, block, group, static, scheme,
+                      walk=walk)
     finally:
         torch.set_num_threads(threads)
     loss = float(losses.sum()) / 2
@@ -326,13 +328,20 @@ def _walk_columns(
     group: int,
     static: bool,
     scheme: WeightScheme,
+    *,
+    walk: str = "auto",
 ) -> None:
     """The GPTQ column loop (in place on w, scales, zeros, codes, losses); w and hinv are in
-    visiting order, ``order[j]`` is the original index of visited column j."""
+    visiting order, ``order[j]`` is the original index of visited column j. Each block walks
+    group by group (a dynamic group's parameters come from the block's updated columns when
+    the walk reaches it), then the columns after the block take the block's errors at once.
+    ``walk``: "torch" (``_walk_block``, the reference), "triton" (``kernels.gptq_walk``) or
+    "auto" (Triton on a GPU where it runs, else torch)."""
     n, k = w.shape
     dev = w.device
     qmin, qmax = quant_primitives.code_range(scheme.n_bits)
     slab = max(block, UPDATE_SLAB_ELEMENTS // max(n, 1))
+    kernel = _block_walker(w, min(block, k), walk)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1, err1, hinv1 = (
@@ -340,29 +349,97 @@ def _walk_columns(
             torch.zeros(n, i2 - i1, device=dev),
             hinv[i1:i2, i1:i2],
         )
-        diag = torch.diag(hinv1).tolist()
-        for i in range(i2 - i1):
-            col = order[i1 + i]  # original column index
-            g = col // group
-            if not static and col % group == 0:  # group starts here: params from updated w
-                s, z = _qparams(w1[:, i : i + group], scheme)
+        cols = order[i1:i2]
+        starts = [i for i, col in enumerate(cols) if not static and col % group == 0]
+        bounds = sorted({0, *starts, i2 - i1})
+        walked = kernel(w1, hinv1, cols, group)
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            if not static and cols[a] % group == 0:  # group starts here: params from updated w
+                g = cols[a] // group
+                s, z = _qparams(w1[:, a : a + group], scheme)
                 scales[:, g : g + 1] = s
                 if zeros is not None:
                     zeros[:, g : g + 1] = z
-            s = scales[:, g]
-            z = zeros[:, g].to(torch.float32) if zeros is not None else 0.0
-            wi = w1[:, i]
-            q = torch.round(wi / s).add_(z).clamp_(qmin, qmax)
-            codes[:, col] = q
-            err = (wi - (q - z) * s).div_(diag[i])
-            losses += err * err  # OBS loss of this column's rounding (x2)
-            w1[:, i:].addr_(err, hinv1[i, i:], alpha=-1.0)  # spread the error onto later columns
-            err1[:, i] = err
+            walked(a, b, scales, zeros, codes, err1, losses, qmin, qmax)
         # the later columns in slabs: the product for all of them at once is a temporary as
         # large as w (283 MB at 13B's down_proj, the walk's peak)
         for c1 in range(i2, k, slab):
             c2 = min(c1 + slab, k)
             w[:, c1:c2] -= err1 @ hinv[i1:i2, c1:c2]
+
+
+def _block_walker(w: torch.Tensor, width: int, walk: str):
+    """``kernel(w1, hinv1, cols, group)`` -> ``walked(a, b, scales, zeros, codes, err1,
+    losses, qmin, qmax)``, which walks columns a..b-1 of one block: the reference or Triton."""
+    if walk not in ("auto", "torch", "triton"):
+        raise ValueError(f"walk={walk!r}: expected auto, torch or triton")
+    use_triton = walk == "triton" or (walk == "auto" and _triton_walk_reason(w, width) is None)
+
+    def torch_kernel(w1, hinv1, cols, group):
+        diag = torch.diag(hinv1).tolist()
+        return lambda a, b, *rest: _walk_block(w1, hinv1, diag, cols, group, a, b, *rest)
+
+    if not use_triton:
+        return torch_kernel
+    from compress.kernels.gptq_walk import gptq_walk_triton
+
+    failed: list[str] = []  # a kernel that does not build: the rest walks in torch
+
+    def triton_kernel(w1, hinv1, cols, group):
+        if failed:
+            return torch_kernel(w1, hinv1, cols, group)
+        index = torch.tensor(cols, dtype=torch.int32, device=w1.device)
+        groups = index // group
+
+        def walked(a, b, *rest):
+            if not failed:
+                try:
+                    scales, zeros, codes, err1, losses, qmin, qmax = rest
+                    return gptq_walk_triton(w1, hinv1, scales, zeros, codes, err1, losses,
+                                            index, groups, a, b, qmin=qmin, qmax=qmax)
+                except Exception as exc:  # noqa: BLE001  (a build failure: nothing written yet)
+                    if walk == "triton":
+                        raise
+                    failed.append(f"{type(exc).__name__}: {exc}")
+                    log.warning("GPTQ: the Triton column walk failed (%s); walking in torch",
+                                failed[0][:300])
+            return torch_kernel(w1, hinv1, cols, group)(a, b, *rest)
+
+        return walked
+
+    return triton_kernel
+
+
+def _triton_walk_reason(w: torch.Tensor, width: int) -> str | None:
+    """Why ``walk="auto"`` walks this weight in torch: not on a GPU, no triton, too wide."""
+    if w.device.type != "cuda":
+        return f"on {w.device} the torch walk runs (the kernel is for GPUs)"
+    from compress.kernels import dispatch
+
+    if not dispatch.triton_importable():
+        return "triton is not importable"
+    from compress.kernels import gptq_walk
+
+    return gptq_walk.unsupported_reason(w, width)
+
+
+def _walk_block(w1, hinv1, diag, cols, group, a, b, scales, zeros, codes, err1, losses,
+                qmin, qmax) -> None:
+    """Columns a..b-1 of one block, one at a time (the reference of ``kernels.gptq_walk``):
+    round with the column's group parameters, then spread the scaled error onto the block's
+    later columns through row i of ``hinv1``."""
+    for i in range(a, b):
+        col = cols[i]  # original column index
+        g = col // group
+        s = scales[:, g]
+        z = zeros[:, g].to(torch.float32) if zeros is not None else 0.0
+        wi = w1[:, i]
+        q = torch.round(wi / s).add_(z).clamp_(qmin, qmax)
+        codes[:, col] = q
+        err = (wi - (q - z) * s).div_(diag[i])
+        losses += err * err  # OBS loss of this column's rounding (x2)
+        w1[:, i:].addr_(err, hinv1[i, i:], alpha=-1.0)  # spread the error onto later columns
+        err1[:, i] = err
 
 
 @register_pass("quantize.gptq", GptqConfig, needs_calibration=True, layerwise=True)
