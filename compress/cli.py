@@ -67,10 +67,17 @@ def _with_device(recipe, device: str | None):
 
 
 def _device(args: argparse.Namespace):
-    """The torch device ``--device`` names (RecipeError before any work when it cannot be)."""
+    """The torch device ``--device`` names (RecipeError before any work when it cannot be),
+    made this process's current CUDA device (``core.device.current_device``: Triton kernels
+    launch there)."""
+    import torch
+
     from compress.core.device import resolve_device
 
-    return resolve_device(args.device, where="--device")
+    device = resolve_device(args.device, where="--device")
+    if device.type == "cuda":  # for the rest of this command's process
+        torch.cuda.set_device(device)
+    return device
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

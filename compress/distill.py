@@ -35,6 +35,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
+from compress.core.device import current_device
 from compress.core.errors import ConfigError, DataError
 from compress.core.registry import (
     MAX_TOKENS,
@@ -300,9 +301,7 @@ def device_scope(device: torch.device):
     ``torch.cuda.device(1)`` around the run (without it every run trained on GPU 0). Runs
     launched with several processes take their GPU from the launcher (rank), not from here."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if device.type != "cuda" or device.index is None or launched:
-        return contextlib.nullcontext()
-    return torch.cuda.device(device.index)
+    return contextlib.nullcontext() if launched else current_device(device)
 
 
 @register_pass("distill.logits", LogitsConfig, needs_teacher=True)

@@ -75,6 +75,17 @@ def resolve_device(spec: str = "auto", *, where: str = "device") -> torch.device
     return torch.device("cuda", index)
 
 
+def current_device(device: torch.device):
+    """The block in which ``device`` is this process's current CUDA device (nothing to do for
+    the CPU or a ``cuda`` without an index). Torch ops run where their tensors are, but Triton
+    kernels (our GEMVs and GEMMs, the GPTQ walk) launch on the current device, and CUDA graphs
+    capture and replay on its stream: without this, work on ``cuda:1`` would launch on GPU 0
+    with pointers into GPU 1."""
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 def eval_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype evaluation casts the float weights to: bfloat16 on a GPU (its tensor cores;
     what the models are served in); None on the CPU, where the model keeps its own dtype (the

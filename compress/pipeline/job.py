@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from compress.calibration import calibration_mix
-from compress.core.device import device_name, on_eval_device, resolve_device
+from compress.core.device import current_device, device_name, on_eval_device, resolve_device
 from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, CompressionState, pass_name_of, run_passes
 from compress.data import resolve_text_path
@@ -461,8 +461,9 @@ def execute_job(
     outcome once the compressed model is evaluated; what it returns is the export's
     ``report.json``. label: the compressed perplexity's progress-bar name."""
     run = _run_streamed if plan.streamed else _run_in_memory
-    return run(plan, out, options, export=export, baseline=baseline, report=report,
-               label=label)
+    with current_device(resolve_device(plan.recipe.device)):  # Triton launches on the current
+        return run(plan, out, options, export=export, baseline=baseline, report=report,
+                   label=label)
 
 
 def evaluate_baseline(plan: JobPlan, options: JobOptions) -> Evaluation:

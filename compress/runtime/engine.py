@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
-from compress.core.device import float_dtype
+from compress.core.device import current_device, float_dtype
 from compress.kernels import cpu_elementwise, cpu_q8, dispatch
 from compress.memory import return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
@@ -463,7 +463,11 @@ class Runtime:
     def score(self, tokens: list[int]) -> torch.Tensor:
         """Logits [T, V] fp32 after each of ``tokens``, fed in one forward from ``position``
         (gpt-fast's verify step): row i is what greedy decoding would compute after token i.
-        A single token goes through the (compiled) decode step; several run it eager."""
+        A single token goes through the (compiled or graphed) decode step; several run eager."""
+        with current_device(self.device):
+            return self._score(tokens)
+
+    def _score(self, tokens: list[int]) -> torch.Tensor:
         self._check_cache()
         start, t = self.position, len(tokens)
         if t < 1 or start + t > self.max_seq_len:
@@ -546,8 +550,9 @@ class Runtime:
         eye = torch.eye(tb, dtype=torch.bool, device=self.device)
         mask = ((causal & keys[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
         slots = torch.arange(tb, device=self.device)
-        x = self._layers(tokens, positions, mask, slots, b, tb, decode=False)
-        logits = self.head(x[:, t - 1])
+        with current_device(self.device):  # Triton kernels and graphs use the current GPU
+            x = self._layers(tokens, positions, mask, slots, b, tb, decode=False)
+            logits = self.head(x[:, t - 1])
         pos = t
         for step in range(max_new_tokens):
             next_tokens = _sample(logits, sampling)
@@ -561,7 +566,8 @@ class Runtime:
             # that only log2(max_seq_len) graphs exist.
             length = _bucket(pos + 1, self.max_seq_len) if self._bucketed else pos + 1
             mask = self.valid[:b, None, None, :length]  # [B, 1, 1, L]
-            logits = self._decode(next_tokens[:, None], (pos - pad)[:, None], mask, b, length)
+            with current_device(self.device):
+                logits = self._decode(next_tokens[:, None], (pos - pad)[:, None], mask, b, length)
             pos += 1
 
     @property
