@@ -116,22 +116,30 @@ def main() -> None:
             run()
         profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
         print(profile)
-    env = environment()
     columns = [("busy", "neighbour's share of a core"), ("seconds", "wall s (median)"),
                ("spread", "min-max"), ("tok_s", "output tok/s")]  # fmt: skip
-    md = (
-        f"{args.export.name}: {args.requests} requests of {args.prompt} + {args.output} tokens "
-        f"through the Scheduler alone ({args.dtype} matmuls, prefill budget "
-        f"{args.prefill_budget}), {args.threads} "
-        f"threads, medians of {args.runs}. {env['cpu']}, torch {env['torch']}, {env['date']}."
-        f"\n\n" + markdown_table(rows, columns) + "\n"
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scheduler.json").write_text(json.dumps({"environment": env, "rows": rows},
-                                                        indent=1))  # fmt: skip
-    if profile:  # the profiled run's ops (the profiler slows the run it watches)
-        md += f"\nOne more run under torch.profiler, ops by self CPU time:\n\n```\n{profile}\n```\n"
-    (args.out / "scheduler.md").write_text(md)
+    what = (f"{args.export.name}: {args.requests} requests of {args.prompt} + {args.output} "
+            f"tokens through the Scheduler alone ({args.dtype} matmuls, prefill budget "
+            f"{args.prefill_budget}), {args.threads} threads, medians of {args.runs}")
+    # the profiled run's ops (the profiler slows the run it watches)
+    write_report(args.out, "scheduler", what, rows, columns,
+                 ("One more run under torch.profiler, ops by self CPU time", profile)
+                 if profile else None)
+
+
+def write_report(out: Path, name: str, what: str, rows: list[dict], columns: list,
+                 profile: tuple[str, str] | None = None) -> None:
+    """``out/<name>.json`` (environment and rows) and ``out/<name>.md``: ``what``, the
+    machine, the table, and a profile (title, table) when there is one."""
+    env = environment()
+    md = (f"{what}. {env['cpu']}, torch {env['torch']}, {env['date']}.\n\n"
+          + markdown_table(rows, columns) + "\n")  # fmt: skip
+    if profile:
+        title, table = profile
+        md += f"\n{title}:\n\n```\n{table}\n```\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / f"{name}.md").write_text(md)
     print(md)
 
 
@@ -166,22 +174,14 @@ def shared_prompt(scheduler, generator, args) -> None:
         while scheduler.has_work:
             scheduler.step()
         profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-    env = environment()
     columns = [("first_ms", "first TTFT ms"), ("later_ms", "later TTFT ms (median of 7)"),
                ("ratio", "later / first")]  # fmt: skip
-    md = (
-        f"{args.export.name}: 8 sequential requests sharing a 256-token system prompt (+32 "
-        f"tokens each, 8 new), through the Scheduler alone ({args.dtype} matmuls), "
-        f"{args.threads} threads, {args.runs} runs. {env['cpu']}, torch {env['torch']}, "
-        f"{env['date']}.\n\n" + markdown_table(rows, columns) + "\n"
-    )
-    if profile:
-        md += f"\nOne later request's first step under torch.profiler:\n\n```\n{profile}\n```\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "shared_prompt.json").write_text(json.dumps({"environment": env, "rows": rows},
-                                                            indent=1))  # fmt: skip
-    (args.out / "shared_prompt.md").write_text(md)
-    print(md)
+    what = (f"{args.export.name}: 8 sequential requests sharing a 256-token system prompt (+32 "
+            f"tokens each, 8 new), through the Scheduler alone ({args.dtype} matmuls), "
+            f"{args.threads} threads, {args.runs} runs")
+    write_report(args.out, "shared_prompt", what, rows, columns,
+                 ("One later request's first step under torch.profiler", profile)
+                 if profile else None)
 
 
 if __name__ == "__main__":
