@@ -327,9 +327,12 @@ def _launch(kernel, name, pointers, sizes, flags, config, *, x, n, group_size, m
     run = functools.partial(_run, kernel, pointers, sizes, flags, m=m, n=n, out_dtype=out_dtype,
                             device=x.device, scales=scales)  # fmt: skip
     if config is None:
-        valid = valid_configs(_configs(), m=m, n=n, k=k, group_size=group_size,
-                              min_block_k=min_block_k)  # fmt: skip
-        config = tuned_config(_problem_key(name, x, n, group_size, flags), valid, run)
+        key = _problem_key(name, x, n, group_size, flags)
+        config = _TUNED.get(key)  # the hot path: one dict lookup once tuned
+        if config is None:
+            valid = valid_configs(_configs(), m=m, n=n, k=k, group_size=group_size,
+                                  min_block_k=min_block_k)  # fmt: skip
+            config = tuned_config(key, valid, run)
     else:
         bk = config.kwargs["BLOCK_K"]
         if bk < min_block_k or (group_size != k and group_size % bk):

@@ -167,3 +167,24 @@ def test_a_short_k_still_has_configs_with_one_split_per_k_tile(m, device):
     args = [t if t is None else t.to(device) for t in (x, w_packed, scales, zeros)]
     y = gemv.int4_gemv_triton(*args, group_size=32, config=None)
     _close(y, expected, magnitude, torch.float32)
+
+
+def test_a_tuned_shape_skips_the_candidate_filter(monkeypatch, device):
+    """Once a (kernel, shape, M bucket) has its config, a call is one dict lookup: the
+    candidate list is not rebuilt and filtered per call (Python on the decode hot path)."""
+    from compress.kernels import gemv
+
+    (x, w_packed, scales, zeros, b), expected, magnitude = _int4_case(
+        1, 64, 128, 32, True, False, torch.float32
+    )
+    args = [t if t is None else t.to(device) for t in (x, w_packed, scales, zeros)]
+    flags = {"GROUP_SIZE": 32, "HAS_ZEROS": False, "HAS_BIAS": False}  # int4_gemv_triton's
+    key = gemv._problem_key("int4", args[0], 64, 32, flags)
+    monkeypatch.setitem(gemv._TUNED, key, gemv.gemv_config(32, 16, 4, 1, 1))
+
+    def rebuilt(*a, **k):
+        raise AssertionError("valid_configs ran for a tuned shape")
+
+    monkeypatch.setattr(gemv, "valid_configs", rebuilt)
+    y = gemv.int4_gemv_triton(*args, group_size=32, config=None)
+    _close(y, expected, magnitude, torch.float32)
