@@ -26,6 +26,28 @@ def one_thread():
 
 
 @pytest.fixture
+def cuda_scopes(monkeypatch) -> list:
+    """``torch.cuda.device`` without a GPU: entering one appends its index to the returned
+    list, leaving it appends "exit" (what ran inside which GPU scope)."""
+    import torch
+
+    entered: list = []
+
+    class Scope:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "device", Scope)
+    return entered
+
+
+@pytest.fixture
 def tiny_model():
     return make_tiny_llama()
 

@@ -71,25 +71,12 @@ def test_eval_on_a_gpu_runs_there_in_bf16_and_puts_the_model_back(monkeypatch):
     assert all(now[k] is v for k, v in before.items()), "the very CPU tensors are back"
 
 
-def test_current_device_makes_an_indexed_gpu_current_and_leaves_the_cpu_alone(monkeypatch):
+def test_current_device_makes_an_indexed_gpu_current_and_leaves_the_cpu_alone(cuda_scopes):
     """Triton kernels launch on the current GPU: work on cuda:1 runs inside
     ``torch.cuda.device(1)``; the CPU and an unindexed ``cuda`` need nothing."""
     from compress.core.device import current_device
 
-    entered = []
-
-    class Scope:  # torch.cuda.device without a GPU
-        def __init__(self, index):
-            self.index = index
-
-        def __enter__(self):
-            entered.append(self.index)
-
-        def __exit__(self, *exc):
-            entered.append("exit")
-
-    monkeypatch.setattr(torch.cuda, "device", Scope)
     for spec in ("cpu", "cuda", "cuda:1"):
         with current_device(torch.device(spec)):
-            entered.append(f"in {spec}")
-    assert entered == ["in cpu", "in cuda", 1, "in cuda:1", "exit"]
+            cuda_scopes.append(f"in {spec}")
+    assert cuda_scopes == ["in cpu", "in cuda", 1, "in cuda:1", "exit"]

@@ -200,33 +200,21 @@ def test_training_runs_on_the_state_device_with_its_precision(requested, monkeyp
     [("cuda:1", "1", [1, "exit"]), ("cuda:0", "1", [0, "exit"]), ("cuda", "1", []),
      ("cuda:1", "2", []), ("cpu", "1", [])],
 )  # fmt: skip
-def test_a_single_process_run_trains_on_the_gpu_it_was_given(device, world, want, monkeypatch):
+def test_a_single_process_run_trains_on_the_gpu_it_was_given(device, world, want, monkeypatch,
+                                                             cuda_scopes):
     """accelerate puts a single-process run on the current GPU: ``cuda:1`` trained on GPU 0
     until the pass ran inside ``torch.cuda.device(1)``. A launched run (WORLD_SIZE > 1) takes
     its GPU from its rank; ``cuda`` without an index and the CPU need no scope."""
     import compress.distill as distill
     from compress.core.registry import CompressionState
 
-    entered: list = []
-
-    class Scope:  # torch.cuda.device without a GPU: records what the pass ran inside
-        def __init__(self, index):
-            self.index = index
-
-        def __enter__(self):
-            entered.append(self.index)
-
-        def __exit__(self, *exc):
-            entered.append("exit")
-
-    monkeypatch.setattr(torch.cuda, "device", Scope)
     monkeypatch.setenv("WORLD_SIZE", world)
     inside: list = []
     monkeypatch.setattr(distill, "_distill_logits",
-                        lambda *args: inside.append(list(entered)) or "report")  # fmt: skip
+                        lambda *args: inside.append(list(cuda_scopes)) or "report")  # fmt: skip
     state = CompressionState(device=torch.device(device))
     assert distill_logits(None, None, state) == "report"
-    assert entered == want and inside == [want[:1]]
+    assert cuda_scopes == want and inside == [want[:1]]
 
 
 def test_bad_config_messages():
