@@ -562,8 +562,8 @@ class Runtime:
             self.valid[:b, pos] = True
             self._slot.fill_(pos)
             # Attend to the filled prefix only (measured: the whole 512-slot cache cost more per
-            # token than every int4 matmul together); compiled steps use power-of-two lengths so
-            # that only log2(max_seq_len) graphs exist.
+            # token than every int4 matmul together); compiled and graphed steps use power-of-two
+            # lengths so that only log2(max_seq_len) graphs exist.
             length = _bucket(pos + 1, self.max_seq_len) if self._bucketed else pos + 1
             mask = self.valid[:b, None, None, :length]  # [B, 1, 1, L]
             with current_device(self.device):
