@@ -53,8 +53,10 @@ QUANT_RECIPES = {  # section 4; the goal's GPTQ setting is 128 x 2048 tokens
 
 
 def section_tests(ctx: dict) -> dict:
-    """1. The kernel tests, interpreter off (the CPU-only ones are CI's)."""
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-m", "not slow", "-q",
+    """1. The kernel tests and the runtime's CUDA-graph tests, interpreter off (the CPU-only
+    ones are CI's)."""
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/runtime/test_cuda_graphs.py",
+           "-m", "not slow", "-q",
            "-p", "no:cacheprovider", "--ignore", "tests/kernels/test_alignment.py",
            "--ignore", "tests/kernels/test_cpu_q8.py"]  # fmt: skip
     if ctx["dry_run"]:

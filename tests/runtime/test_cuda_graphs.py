@@ -219,3 +219,36 @@ def test_a_step_that_syncs_the_host_is_caught_by_the_emulation():
 def test_cuda_graphs_are_refused_off_the_gpu():
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         Runtime(make_tiny_llama(), max_seq_len=16, compile=False, cuda_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the real capture")
+@pytest.mark.parametrize("kind", ["float", "w4"])
+def test_real_cuda_graphs_give_the_launched_logits(kind):
+    """On a GPU: the real capture and replay (warm-up on a side stream, a shared pool, static
+    inputs), float layers or W4 layers on the kernels ``backend="auto"`` picks there; no capture
+    may fail (a failure only warns in use, so warnings are errors here). fp32 weights: the
+    graphed and launched steps differ only by the key lengths they attend over."""
+    import warnings
+
+    from compress.testing import make_tiny_llama as tiny
+
+    model = tiny(seed=1).to("cuda")
+    if kind == "w4":
+        for name, linear in list(model.named_modules()):
+            if isinstance(linear, torch.nn.Linear) and "lm_head" not in name:
+                parent, _, child = name.rpartition(".")
+                q = QuantLinear.from_linear(linear, WeightScheme(4, 32), backend="auto")
+                setattr(model.get_submodule(parent), child, q)
+    launched = Runtime(model, max_seq_len=48, compile=False, keep_model_weights=True,
+                       cuda_graphs=False)  # fmt: skip
+    graphed = Runtime(model, max_seq_len=48, compile=False, keep_model_weights=True)
+    assert graphed._graphs is not None
+    prompt = [(5 * i + 1) % 200 + 1 for i in range(14)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(graphed.prefill(prompt), launched.prefill(prompt))
+        for token in (3, 7, 7, 12, 40, 2):  # key lengths 15..20: graphs of 16 and 32
+            torch.testing.assert_close(graphed.score([token]), launched.score([token]),
+                                       rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert graphed.generate([prompt], 8) == launched.generate([prompt], 8)
+    assert sorted(graphed._graphs.graphs) == [(1, 16), (1, 32)]
