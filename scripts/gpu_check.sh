@@ -10,8 +10,9 @@
 #   bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--sections 12345] [--budget-s 450]
 # --dry-run: the same Python on the CPU, tiny shapes, kernels interpreted (plumbing only).
 # On the device machine (no registry): wheels in .whl/ (pydantic's; docs/notes/gpu-check.md) are
-# installed first, then this checkout without dependencies; carry .whl and .gpu. Sections 4-5
-# read calibration/eval text from .gpu/data (a copy of $COMPRESS_DATA_DIR's wikitext-2-raw).
+# installed first, then this checkout without dependencies; carry .whl and
+# .gpu/data/wikitext-2-raw (.gpu/data: a link to the data folder). Sections 4-5 read their
+# calibration and evaluation text from .gpu/data.
 # To commit the measured table: cp $OUT/kernel_table.json compress/kernels/configs/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
