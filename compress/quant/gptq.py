@@ -420,7 +420,45 @@ def _triton_walk_reason(w: torch.Tensor, width: int) -> str | None:
         return "triton is not importable"
     from compress.kernels import gptq_walk
 
-    return gptq_walk.unsupported_reason(w, width)
+    return gptq_walk.unsupported_reason(w, width) or _walk_self_check(w.device)
+
+
+# device -> why the Triton walk is not used there (None: it agreed with the torch walk)
+_WALK_CHECKED: dict[str, str | None] = {}
+
+
+def _walk_self_check(device: torch.device) -> str | None:
+    """Once per device and process, before ``walk="auto"`` trusts the kernel with a model:
+    GPTQ of a small random problem (48 x 256, groups of 32 and per channel, asymmetric) through
+    both walks on ``device``; a disagreement beyond rounding ties turns the kernel off there
+    with a warning (the reason), so a miscompiled kernel cannot quantize a model wrong
+    silently. About 4k columns of the torch walk: well under a second on a GPU."""
+    key = str(device)
+    if key not in _WALK_CHECKED:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 256, generator=g)
+        x = torch.randn(512, 256, generator=g) * torch.rand(256, generator=g)
+        h = (x.T @ x / 512).to(device)
+        w = w.to(device)
+        reason = None
+        for scheme in (WeightScheme(4, 32, symmetric=False), WeightScheme(4, None)):
+            try:
+                ref = gptq_quantize(w, h, scheme, GptqConfig(), walk="torch")
+                got = gptq_quantize(w, h, scheme, GptqConfig(), walk="triton")
+            except Exception as exc:  # noqa: BLE001  (a kernel that does not build or run)
+                reason = f"the kernel failed its self-check: {type(exc).__name__}: {exc}"[:300]
+                break
+            same = (got[0] == ref[0]).float().mean().item()
+            loss, ref_loss = got[3]["gptq_loss"], ref[3]["gptq_loss"]
+            if same < 0.999 or abs(loss - ref_loss) > 1e-4 * abs(ref_loss):
+                reason = (f"the kernel disagreed with the torch walk on its self-check "
+                          f"({100 * (1 - same):.2f}% of codes, loss {loss:.6g} against "
+                          f"{ref_loss:.6g})")
+                break
+        if reason is not None:
+            log.warning("GPTQ on %s: %s; walking in torch", device, reason)
+        _WALK_CHECKED[key] = reason
+    return _WALK_CHECKED[key]
 
 
 def _walk_block(w1, hinv1, diag, cols, group, a, b, scales, zeros, codes, err1, losses,

@@ -82,3 +82,27 @@ def test_auto_walks_in_torch_when_the_kernel_fails_to_build(monkeypatch, caplog)
     assert caplog.text.count("the Triton column walk failed (RuntimeError: PTX") == 1
     with pytest.raises(RuntimeError, match="PTX assembly failed"):
         gptq_quantize(w, h, scheme, cfg, walk="triton")
+
+
+def test_the_self_check_passes_the_kernel_and_catches_a_wrong_one(monkeypatch, caplog):
+    """Before ``walk="auto"`` uses the kernel on a device it checks it once against the torch
+    walk there: the real kernel agrees; one that gets the codes wrong (here: every code one
+    higher) is turned off with a warning instead of quantizing a model wrong."""
+    from compress.kernels import gptq_walk
+    from compress.quant import gptq
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(gptq, "_WALK_CHECKED", {})
+    assert gptq._walk_self_check(cpu) is None
+    real = gptq_walk.gptq_walk_triton
+
+    def off_by_one(w, hinv, scales, zeros, codes, *rest, **kwargs):
+        real(w, hinv, scales, zeros, codes, *rest, **kwargs)
+        codes.add_(1)
+
+    monkeypatch.setattr(gptq, "_WALK_CHECKED", {})
+    monkeypatch.setattr(gptq_walk, "gptq_walk_triton", off_by_one)
+    reason = gptq._walk_self_check(cpu)
+    assert reason is not None and "disagreed with the torch walk" in reason
+    assert "walking in torch" in caplog.text
+    assert gptq._walk_self_check(cpu) is reason  # once per device and process
