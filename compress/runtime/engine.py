@@ -213,6 +213,8 @@ class Runtime:
         self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
         self.fallback_reason = unsupported_reason(model)
         self.device = model.get_input_embeddings().weight.device  # seeded generators live here
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: expected None, True or False")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(
                 f"cuda_graphs=True needs the model on a CUDA device; it is on {self.device} "

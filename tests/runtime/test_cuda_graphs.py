@@ -219,6 +219,8 @@ def test_a_step_that_syncs_the_host_is_caught_by_the_emulation():
 def test_cuda_graphs_are_refused_off_the_gpu():
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         Runtime(make_tiny_llama(), max_seq_len=16, compile=False, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs='yes': expected None, True or False"):
+        Runtime(make_tiny_llama(), max_seq_len=16, compile=False, cuda_graphs="yes")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the real capture")
