@@ -266,10 +266,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         steps.append("our integer-dot kernels are built on first use and cached (~15 s)")
     if args.compile:
         steps.append("the first steps compile")
+    if device.type == "cuda" and not args.no_cuda_graphs:
+        steps.append("each new key length's first step is captured in a CUDA graph")
     print(f"preparing the runtime ({'; '.join(steps)})...", file=sys.stderr)
     runtime = Runtime(loaded.model, max_seq_len=-(-need // 64) * 64, compile=args.compile,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
-                      lm_head_bits=args.lm_head_bits)
+                      lm_head_bits=args.lm_head_bits,
+                      cuda_graphs=False if args.no_cuda_graphs else None)
     prepared_at = time.perf_counter()
     print(f"prepared in {prepared_at - loaded_at:.1f} s", file=sys.stderr)
     stream = runtime.stream(ids, args.max_new_tokens, temperature=args.temperature,
@@ -719,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--lm-head-bits", type=int, choices=[4, 8],
                        help="quantize a copy of the output head for decode (8: +0.01-0.1%% ppl "
                        "measured on SmolLM2, the largest matrix of small models)")
+    p_gen.add_argument("--no-cuda-graphs", action="store_true",
+                       help="on a GPU, launch every kernel of every decode step instead of "
+                       "replaying each step from a CUDA graph (the default there)")
     add_device_arg(p_gen)
     p_gen.set_defaults(func=_cmd_generate)
 
