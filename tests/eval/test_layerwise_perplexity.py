@@ -199,3 +199,24 @@ def test_layerwise_on_a_device_scores_as_the_whole_model_there(checkpoint, tmp_p
     w4_stream = layerwise_model(out)
     w4_layerwise = _score(w4_stream.model, tmp_path, "w4-layerwise-bf16", w4_stream, device=cpu)
     assert w4_layerwise.nll_mean == w4.nll_mean and w4.nll_mean != layerwise.nll_mean
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3"])
+def test_layerwise_on_a_device_across_families(model_type, tmp_path, monkeypatch, one_thread):
+    """The device path (cast as on a GPU, the CPU standing in) for a family with a scaled
+    embedding, soft-capped logits and a tied head (Gemma2) and one with q/k norms (Qwen3)."""
+    from compress.core import device as device_mod
+    from compress.core.device import on_eval_device
+    from compress.testing import make_tiny_model
+
+    model = make_tiny_model(model_type, num_hidden_layers=3).to(torch.bfloat16)
+    folder = tmp_path / model_type
+    model.save_pretrained(folder)
+    monkeypatch.setattr(device_mod, "eval_dtype", lambda device: torch.bfloat16)
+    cpu = torch.device("cpu")
+    whole = _whole(folder)
+    with on_eval_device(whole, cpu):
+        ref = _score(whole, tmp_path, "whole")
+    stream = layerwise_model(folder)
+    assert _score(stream.model, tmp_path, "layerwise", stream, device=cpu).nll_mean == ref.nll_mean
+    assert all(t.device.type == "meta" for t in stream.model.state_dict().values())
