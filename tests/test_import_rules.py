@@ -287,3 +287,22 @@ def test_importing_kernels_or_the_load_path_imports_no_pass():
     after_kernels, after_load_path = out.stdout.splitlines()
     assert after_kernels == "[]", f"import compress.kernels imported passes: {after_kernels}"
     assert after_load_path == "[]", f"the load path imported passes: {after_load_path}"
+
+
+def test_a_config_imported_alone_names_its_pass():
+    """``run_passes`` finds a pass by its config's type: importing a config's own module must
+    register the pass, without ``compress.recipe`` (prune's configs live apart from the passes).
+    """
+    from compress.recipe import PASSES
+
+    configs = sorted({(s.config_cls.__module__, s.config_cls.__name__) for s in PASSES.values()})
+    code = (
+        "import importlib\n"
+        "from compress.core.registry import pass_name_of\n"
+        f"for module, name in {configs!r}:\n"
+        "    cls = getattr(importlib.import_module(module), name)\n"
+        "    print(pass_name_of(cls.model_construct()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(out.stdout.split()) == sorted(PASSES)

@@ -30,3 +30,7 @@ the kept heads only, so a head-pruned OLMo2 is not exactly the head-masked model
 is reset to what a reload computes, with every post-norm scaled by the same ratio so that the
 residual stream's scale, to which the pre-norms are invariant, is all that changes.
 """
+
+# The pass modules, imported for their @register_pass side effect: a config taken from
+# ``compress.prune.config`` must name its pass in ``run_passes`` without ``compress.recipe``.
+from compress.prune import depth, heads, hidden, mlp  # noqa: E402, F401
