@@ -31,6 +31,13 @@ How each family's peculiarities are handled (scale folds:
   absent and listed in ``scale_gaps``; AWQ and SmoothQuant report them (the linears are still
   quantized, unscaled). q_norm/k_norm span all heads (``qk_norm_span="heads"``): head pruning
   slices them with the q/k rows.
+* OLMo3 (OLMo2's layout) and EXAONE 4 (the same post-norms, q/k norms over one head).
+* Gemma (1): Gemma's ``(1 + w)`` norms and scaled embedding in Llama's layout. Hidden-size
+  pruning refuses it: no post-norm can compensate the new embedding factor.
+* SmolLM3 (layers without RoPE: ``no_rope_layers``, kept per layer when layers are dropped,
+  ``PER_LAYER_CONFIG_KEYS``), Seed-OSS, ERNIE 4.5 and HunYuan dense: Llama's names and data
+  flow (biases and q/k norms where the config has them).
+* GLM and GLM-4: separate q/k/v, Phi-3's fused ``gate_up_proj``; GLM-4 adds post-norms.
 * Mixtral and Qwen3-MoE (``Arch.moe``): quantized and exported with every expert
   (tests/quant/test_moe.py); prune.layers drops their layers, the passes that would slice
   the fused experts refuse them; the runtime runs its attention around the family's own sparse
@@ -309,11 +316,10 @@ PHI3 = dataclasses.replace(
     ),
     heads=PruneGroup(rows=(), cols=("self_attn.o_proj",), fused=("self_attn.qkv_proj",)),
     mlp_channels=PruneGroup(rows=(), cols=("mlp.down_proj",), fused=("mlp.gate_up_proj",)),
-    runtime=False,
 )
 
 _RESIDUAL_INPUT = (
-    "OLMo2 has no norm before attention/MLP (its norms come after them), so these read the "
+    "the family has no norm before attention/MLP (its norms come after them), so these read the "
     "residual stream directly and no operation can absorb a per-channel scale"
 )
 OLMO2 = dataclasses.replace(
@@ -336,6 +342,55 @@ OLMO2 = dataclasses.replace(
     runtime=False,
 )
 
+# OLMo3: OLMo2's layout and norms (its sliding windows are config constants). EXAONE 4: the
+# same post-norm layout, with q/k norms over one head's head_dim.
+OLMO3 = dataclasses.replace(OLMO2, model_type="olmo3")
+EXAONE4 = dataclasses.replace(OLMO2, model_type="exaone4", qk_norm_span="head")
+
+# Llama's module names and data flow: SmolLM3 (some layers without RoPE: ``no_rope_layers``),
+# Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs, where the runtime
+# rotates halves, so it runs in the transformers fallback), HunYuan dense (q/k norms over one
+# head, named query/key_layernorm).
+SMOLLM3, SEED_OSS, ERNIE4_5 = (
+    dataclasses.replace(LLAMA, model_type=t, runtime=t != "ernie4_5")
+    for t in ("smollm3", "seed_oss", "ernie4_5")
+)
+HUNYUAN_V1_DENSE = dataclasses.replace(
+    LLAMA,
+    model_type="hunyuan_v1_dense",
+    qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
+    runtime=False,
+)
+
+# Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
+GEMMA = dataclasses.replace(
+    GEMMA2,
+    model_type="gemma",
+    mlp_norm=LLAMA.mlp_norm,
+    awq_mappings=LLAMA.awq_mappings,
+    smoothquant_mappings=LLAMA.smoothquant_mappings,
+    post_norms=(),
+)
+
+# GLM (glm-4-9b) and GLM-4: separate q/k/v (biases), a fused gate_up_proj (rows [gate; up]) as
+# Phi-3's; GLM-4 adds post-norms on both blocks' outputs (post_self_attn/post_mlp_layernorm)
+# before the residual add. Partial, interleaved RoPE: the transformers fallback runs them.
+GLM = dataclasses.replace(
+    LLAMA,
+    model_type="glm",
+    gate=PHI3.gate,
+    up=PHI3.up,
+    awq_mappings=LLAMA.awq_mappings[:2] + PHI3.awq_mappings[2:],
+    smoothquant_mappings=LLAMA.smoothquant_mappings[:1] + PHI3.smoothquant_mappings[1:],
+    mlp_channels=PHI3.mlp_channels,
+    runtime=False,
+)
+GLM4 = dataclasses.replace(
+    GLM,
+    model_type="glm4",
+    post_norms=("post_self_attn_layernorm", "post_mlp_layernorm"),
+)
+
 ARCHS: dict[str, Arch] = {
     a.model_type: a
     for a in (
@@ -348,10 +403,23 @@ ARCHS: dict[str, Arch] = {
         GEMMA3_TEXT,
         PHI3,
         OLMO2,
+        OLMO3,
+        EXAONE4,
+        SMOLLM3,
+        SEED_OSS,
+        ERNIE4_5,
+        HUNYUAN_V1_DENSE,
+        GEMMA,
+        GLM,
+        GLM4,
         MIXTRAL,
         QWEN3_MOE,
     )
 }
+
+# Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
+# kept layers' entries (else a reload would give a kept layer a dropped one's type).
+PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers")
 
 # The default ``ignore`` of every pass config: the output head is never compressed by default.
 DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
@@ -481,6 +549,7 @@ class RuntimeSpec:
     attn_softcap: str | None = None  # config attribute: scores -> cap * tanh(scores / cap)
     final_softcap: str | None = None  # config attribute: logits -> cap * tanh(logits / cap)
     rope_per_layer_type: bool = False  # rotary module takes the layer type (own base per type)
+    rope_layers: str | None = None  # config attribute: per layer, 1 rotates q/k, 0 does not
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -500,6 +569,10 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
         residual_multiplier="residual_multiplier",
         logits_divisor="logits_scaling",
     ),
+    "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
+    "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
+    "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
+    "phi3": _LLAMA_RT,  # the fused qkv_proj / gate_up_proj are the runtime's stacked calls
     "gemma2": _GEMMA2_RT,
     "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
     # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block

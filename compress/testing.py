@@ -72,6 +72,28 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        {"sliding_window": 8, "sliding_window_pattern": 2},
+    ),
+    # layer 1 without RoPE (SmolLM3 leaves every 4th out)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
+    "seed_oss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        {"attention_bias": True, "attention_out_bias": True},
+    ),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
 }
 TINY_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 

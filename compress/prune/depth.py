@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.arch import arch_for
+from compress.arch import PER_LAYER_CONFIG_KEYS, arch_for
 from compress.core.registry import CompressionState, PassReport, register_pass
 from compress.prune.config import (
     LayersConfig,
@@ -76,8 +76,10 @@ def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -
     parent, _, child = arch.layers.rpartition(".")
     setattr(model.get_submodule(parent), child, nn.ModuleList(new_blocks))
     config = model.config
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in kept]
+    for key in PER_LAYER_CONFIG_KEYS:
+        values = getattr(config, key, None)
+        if values:
+            setattr(config, key, [values[i] for i in kept])
     config.num_hidden_layers = keep
     report.changed.extend(f"{arch.layer_prefix}{i}" for i in removed)
     report.metrics.update(

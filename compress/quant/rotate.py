@@ -228,8 +228,7 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
             "weight between a block and the residual add does not commute with a rotation and "
             "no linear can absorb it. Remove this pass for this family"
         )
-    if arch.embed_scaling != "none":
-        raise ConfigError(f"{NAME}: embedding scaling of {arch.model_type!r} is not handled")
+    # Gemma's sqrt(hidden) embedding factor is a scalar: (E Q) c = (E c) Q, nothing to do.
     quantized = [n for n, m in model.named_modules()
                  if isinstance(m, (QuantLinear, W8A8Linear, QuantExperts)) or is_bnb_module(m)]
     if quantized:

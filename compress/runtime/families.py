@@ -29,6 +29,9 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
     for rope in rope_settings(config):
         if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
             return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
+        if partial not in (None, 1):  # the runtime rotates every channel of a head
+            return f"partial_rotary_factor {partial} (RoPE on part of each head)"
     other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
     if other:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
@@ -83,21 +86,35 @@ def embed_factor(
     return config_value(config, spec.embed_multiplier)
 
 
+NO_ROPE = "no_rope"  # the rope key of a layer whose q/k are not rotated (SmolLM3's NoPE)
+
+
+def layer_rope_key(config, spec: RuntimeSpec, i: int) -> str | None:
+    """Which rope table layer ``i`` takes: ``NO_ROPE``, its layer type where each type has its
+    own base (Gemma 3's local vs global), else None (the model's one table)."""
+    if spec.rope_layers is not None and not getattr(config, spec.rope_layers)[i]:
+        return NO_ROPE
+    return config.layer_types[i] if spec.rope_per_layer_type else None
+
+
 def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: int) -> dict:
     """cos/sin tables [S, D] fp32 for every cache position, from the model's own rotary module
-    so that its rope type and attention scaling carry over; keyed by ``_Layer.rope_key``
-    (the layer type where each type has its own base, Gemma 3's local vs global; else None)."""
+    so that its rope type and attention scaling carry over; keyed by ``layer_rope_key``.
+    ``NO_ROPE``'s table is cos 1, sin 0: rotating by it returns q and k exactly."""
     rotary = model.get_submodule(arch.rotary)
     device = model.get_input_embeddings().weight.device
     pos = torch.arange(max_seq_len, device=device)[None]
     x = torch.zeros(1, device=device)
-    if not spec.rope_per_layer_type:
-        keys, tables = [None], [rotary(x, pos)]
-    else:
-        keys = sorted(set(model.config.layer_types))
-        tables = [rotary(x, pos, key) for key in keys]
-    pairs = zip(keys, tables, strict=True)
-    return {key: (cos[0].float(), sin[0].float()) for key, (cos, sin) in pairs}
+    config = model.config
+    keys = {layer_rope_key(config, spec, i) for i in range(config.num_hidden_layers)}
+    tables = {}
+    for key in keys:
+        if key == NO_ROPE:
+            cos, sin = tables.get(None) or rotary(x, pos)  # for the shape [1, S, D]
+            tables[key] = (torch.ones_like(cos), torch.zeros_like(sin))
+        else:
+            tables[key] = rotary(x, pos) if key is None else rotary(x, pos, key)
+    return {key: (cos[0].float(), sin[0].float()) for key, (cos, sin) in tables.items()}
 
 
 def window_mask(mask: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
     config_value,
+    layer_rope_key,
     layer_window,
     softcapped_attention,
 )
@@ -369,6 +370,7 @@ class _ModuleLinear(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.module, self.dtype = module, dtype
+        self.n = module.out_features
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         return self.module(x.to(self.dtype)).float()
@@ -507,7 +509,7 @@ class _Layer(nn.Module):
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
         self.window = layer_window(config, i)
-        self.rope_key = config.layer_types[i] if spec.rope_per_layer_type else None
+        self.rope_key = layer_rope_key(config, spec, i)
         self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
         # Eager CPU runtimes set this: norms, RoPE and SiLU x up through the fused ops of
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
@@ -531,6 +533,15 @@ class _Layer(nn.Module):
         paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
         if arch.moe is None:
             paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        # A family whose checkpoint fuses them (Phi-3's qkv_proj [q; k; v], gate_up_proj
+        # [gate; up]) names one linear for every part: it is the stacked call itself.
+        stacks = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+        for stack, parts in stacks.items():
+            if parts[0] in paths and len({paths[p] for p in parts}) == 1:
+                paths[stack] = paths[parts[0]]
+                for part in parts:
+                    del paths[part]
+                    setattr(self, part, None)
         # MoE: the family's own sparse block (router + experts, QuantExperts when quantized):
         # routing is data-dependent, so it runs as transformers' module inside our layer
         self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
@@ -542,8 +553,10 @@ class _Layer(nn.Module):
             setattr(self, name, linear)
         # Projections of one input as one kernel call where they can (_IntLinear.stacked):
         # qkv (then q, k, v are None) and gate_up (then gate, up are None); else None.
-        self.qkv = self._stack("q", "k", "v")
-        self.gate_up = self._stack("gate", "up") if arch.moe is None else None
+        if "qkv" not in paths:
+            self.qkv = self._stack("q", "k", "v")
+        if "gate_up" not in paths:
+            self.gate_up = self._stack("gate", "up") if arch.moe is None else None
 
     def _stack(self, *names: str) -> nn.Module | None:
         parts = [getattr(self, name) for name in names]

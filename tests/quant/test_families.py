@@ -198,7 +198,9 @@ def test_awq_scale_fold_keeps_the_logits(model_type):
     scaled = {k: v for k, v in notes.items() if isinstance(v, dict)}
     arch = arch_for(model, "test")
     assert len(scaled) == 2 * len(arch.awq_mappings)  # every mapping of both layers
-    assert max(v["scale_spread"] for v in scaled.values()) > 2  # scales far from 1: a real test
+    # scales far from 1 (a wrong fold then moves the logits far past the tolerance): a real
+    # test. Post-norm families (OLMo2/3) have only linear -> linear mappings, spread ~1.9.
+    assert max(v["scale_spread"] for v in scaled.values()) > 1.5
     assert len(notes) - len(scaled) == 2 * len(arch.scale_gaps)  # the gaps, reported
     assert _rel(_logits(model), before) < 1e-5
 
@@ -292,9 +294,10 @@ def _kept(pruned: torch.Tensor, original: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize(
     ("model_type", "what"),
-    # OLMo2's q_norm spans all heads: removing heads changes its statistics, so a head-pruned
+    # OLMo2/3's q_norm spans all heads: removing heads changes its statistics, so a head-pruned
     # OLMo2 is not the masked one (its structure and reload are checked below).
-    [(t, "heads") for t in FAMILIES if t != "olmo2"] + [(t, "mlp") for t in FAMILIES],
+    [(t, "heads") for t in FAMILIES if ARCHS[t].qk_norm_span != "heads"]
+    + [(t, "mlp") for t in FAMILIES],
 )
 @torch.no_grad()
 def test_structured_prune_equals_the_masked_model(model_type, what):
@@ -349,10 +352,17 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = _model(model_type, dtype=torch.float32)
+    arch = arch_for(model, "test")
+    # Gemma (1) scales its embedding by sqrt(hidden) and has no post-norm to compensate a new
+    # factor with: hidden-size pruning refuses it (checked), the rest of the chain runs.
+    hidden = 64 if arch.embed_scaling != "none" and not arch.post_norms else 48
+    if hidden == 64:
+        with pytest.raises(ConfigError, match="post-norm"):
+            run_passes(copy.deepcopy(model), [HiddenSizeConfig(hidden_size=48)], tiny_state())
     passes = [
         AttentionHeadsConfig(num_attention_heads=2),
         MlpChannelsConfig(intermediate_size=96),
-        HiddenSizeConfig(hidden_size=48),
+        *([HiddenSizeConfig(hidden_size=hidden)] if hidden != 64 else []),
         LayersConfig(num_layers=1),
     ]
     run_passes(model, passes, tiny_state())
@@ -361,7 +371,8 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     assert type(reloaded) is type(model)
     config = reloaded.config
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
-    assert (config.intermediate_size, config.hidden_size, config.num_hidden_layers) == (96, 48, 1)
+    sizes = (config.intermediate_size, config.hidden_size, config.num_hidden_layers)
+    assert sizes == (96, hidden, 1)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=1e-5, atol=1e-6)
 
 

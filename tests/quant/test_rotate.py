@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compress.arch import ARCHS
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, run_passes
 from compress.io.export import export_checkpoint
@@ -23,7 +24,8 @@ from compress.testing import (
 )
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8, 90, 111, 4, 60]])
-REFUSED = ("gemma2", "gemma3_text", "olmo2")  # norms after the blocks
+# norms after the blocks (Gemma 2/3, OLMo2/3, EXAONE 4, GLM-4)
+REFUSED = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].post_norms)
 ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED] + ["mixtral", "qwen3_moe"]
 
 

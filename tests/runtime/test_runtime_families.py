@@ -1,8 +1,10 @@
 """The runtime on every family it runs besides Llama: Qwen2 (q/k/v biases), Qwen3 (per-head q/k
 norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
-multipliers), Gemma 2 (softcapped attention and logits) and Gemma 3 (local/global rope bases,
-post-norms, (1 + w) norms, scaled embeddings). The reference is transformers itself in fp32:
-greedy tokens and the logits of each prefill and decode step, float and int4-RTN quantized.
+multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
+logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
+(q/k/v and o biases), Phi-3 (fused qkv_proj and gate_up_proj). The reference is transformers
+itself in fp32: greedy tokens and the logits of each prefill and decode step, float and int4-RTN
+quantized.
 
 Tiny random models: 2 layers, hidden 64, vocab 320, sliding window 8 (prompts + generation run
 past it), every 1-d parameter (norm weights, biases) randomised so that a wrong norm form, a
@@ -43,6 +45,11 @@ FAMILIES = {
         attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
         final_logit_softcapping=3.0,
     ),
+    # Gemma (1): (1 + w) norms and the scaled embedding without Gemma 2's post-norms
+    "gemma": dict(tie_word_embeddings=False),
+    "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 without RoPE
+    "seed_oss": dict(attention_bias=True, attention_out_bias=True),  # q/k/v and o biases
+    "phi3": dict(sliding_window=WINDOW),  # fused qkv_proj and gate_up_proj
     # sparse MoE: the runtime's attention around the family's own router + experts block
     "mixtral": dict(),
     "qwen3_moe": dict(),
@@ -150,13 +157,16 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
     # native kernel (bf16 activations) on both sides; the model keeps its weights to run.
     rt = Runtime(model, max_seq_len=48, decode_dtype=torch.float32, compile=False,
                  keep_model_weights=True)  # fmt: skip
-    linears = 4 if family in MOE else 7  # MoE: the experts are QuantExperts in the block
+    # MoE: the experts are QuantExperts in the block; Phi-3: qkv_proj and gate_up_proj are one
+    # linear each in the checkpoint
+    linears = 4 if family in MOE else len(ARCHS[family].linears)
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# (Phi-3's projections are fused in the checkpoint: nothing to compare with)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHS[f].q != ARCHS[f].k])
 def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     # Our kernel runs q/k/v (and gate/up) of one input as one call; every output column is
     # its own dot product, so prefill (the row-tile GEMM: 11 tokens) and decode logits must
@@ -275,8 +285,14 @@ def test_compiled_decode_step_equals_transformers_gemma3():
             ),
             "rope_type 'dynamic' depends on the sequence length",
         ),
+        (
+            "phi3",  # Phi-4-mini: RoPE on 3/4 of each head
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.75}),
+            "partial_rotary_factor 0.75",
+        ),
     ],
-    ids=["activation", "bidirectional", "dynamic-rope"],
+    ids=["activation", "bidirectional", "dynamic-rope", "partial-rope"],
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
@@ -287,11 +303,12 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
 
 
 def test_a_family_without_runtime_facts_falls_back_by_model_type():
-    phi3 = make_tiny_model("phi3", num_hidden_layers=1, initializer_range=0.3)
-    assert "model_type 'phi3' is not one of" in unsupported_reason(phi3)
-    with pytest.warns(RuntimeWarning, match="model_type 'phi3'"):
-        rt = Runtime(phi3, max_seq_len=48)
-    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(phi3, PROMPTS[1], 8)]
+    # ERNIE 4.5 rotates interleaved pairs, which the runtime's RoPE does not
+    ernie = make_tiny_model("ernie4_5", num_hidden_layers=1, initializer_range=0.3)
+    assert "model_type 'ernie4_5' is not one of" in unsupported_reason(ernie)
+    with pytest.warns(RuntimeWarning, match="model_type 'ernie4_5'"):
+        rt = Runtime(ernie, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(ernie, PROMPTS[1], 8)]
 
 
 def test_runtime_families_have_runtime_facts():

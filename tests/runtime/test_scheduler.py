@@ -216,7 +216,9 @@ def contiguous_logits(runtime: Runtime, prompt: list[int], tokens: list[int]):
     return rows
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "smollm3", "phi3"]
+)
 def test_paged_equals_contiguous_bit_for_bit(family):
     """One request at a time: the same matmul shapes as the contiguous runtime, keys read
     through block tables with slots scattered over the pool -> the same logits, bit for bit."""
