@@ -339,7 +339,6 @@ OLMO2 = dataclasses.replace(
         ScaleGap(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _RESIDUAL_INPUT),
         ScaleGap(("mlp.gate_proj", "mlp.up_proj"), _RESIDUAL_INPUT),
     ),
-    runtime=False,
 )
 
 # OLMo3: OLMo2's layout and norms (its sliding windows are config constants). EXAONE 4: the
@@ -550,6 +549,8 @@ class RuntimeSpec:
     final_softcap: str | None = None  # config attribute: logits -> cap * tanh(logits / cap)
     rope_per_layer_type: bool = False  # rotary module takes the layer type (own base per type)
     rope_layers: str | None = None  # config attribute: per layer, 1 rotates q/k, 0 does not
+    # with a sliding window set, only the sliding layers rotate q/k (EXAONE 4's global: NoPE)
+    rope_only_sliding: bool = False
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -573,6 +574,11 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
     "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
     "phi3": _LLAMA_RT,  # the fused qkv_proj / gate_up_proj are the runtime's stacked calls
+    # no norms before the blocks, post-norms after them (Arch); OLMo2/3's q/k norms over all
+    # heads, EXAONE 4's over one
+    "olmo2": _LLAMA_RT,
+    "olmo3": RuntimeSpec(rope_per_layer_type=True),
+    "exaone4": RuntimeSpec(rope_only_sliding=True),
     "gemma2": _GEMMA2_RT,
     "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
     # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block

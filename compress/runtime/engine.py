@@ -80,11 +80,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    arch = arch_for(model, "compress runtime")
-    if arch.attn_norm is None or arch.mlp_norm is None or arch.qk_norm_span != "head":
-        return (
-            f"model_type {model_type!r}: the runtime's layer needs pre-norms and per-head q/k norms"
-        )
     return config_unsupported_reason(config, RUNTIME_SPECS[model_type])
 
 

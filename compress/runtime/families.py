@@ -94,6 +94,9 @@ def layer_rope_key(config, spec: RuntimeSpec, i: int) -> str | None:
     own base (Gemma 3's local vs global), else None (the model's one table)."""
     if spec.rope_layers is not None and not getattr(config, spec.rope_layers)[i]:
         return NO_ROPE
+    sliding = getattr(config, "sliding_window", None) is not None
+    if spec.rope_only_sliding and sliding and config.layer_types[i] != "sliding_attention":
+        return NO_ROPE
     return config.layer_types[i] if spec.rope_per_layer_type else None
 
 

@@ -517,8 +517,13 @@ class _Layer(nn.Module):
         self.softcap = config_value(config, spec.attn_softcap)
         self.residual_multiplier = config_value(config, spec.residual_multiplier)
         form = arch.norm_form
-        self.norm_in = _norm_weight(layer.get_submodule(arch.attn_norm), form)
-        self.norm_post = _norm_weight(layer.get_submodule(arch.mlp_norm), form)
+        # None: the family has no norm before the block (OLMo2: its norms come after them)
+        self.norm_in, self.norm_post = (
+            None if path is None else _norm_weight(layer.get_submodule(path), form)
+            for path in (arch.attn_norm, arch.mlp_norm)
+        )
+        # q/k norms over all heads at once (OLMo2: weights [H * D] and [KVH * D]), else per head
+        self.qk_norm_heads = arch.qk_norm_span == "heads"
         qk, post = arch.qk_norms or (None, None), arch.post_norms or (None, None)
         norms = {
             "norm_q": qk[0],
@@ -604,17 +609,19 @@ class _Layer(nn.Module):
         """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
         projected, q/k-normed and rotated (cos/sin [B, T, D])."""
         b, t, _ = x.shape
-        if self.fused and self.qkv is not None:
+        if self.fused and self.qkv is not None and not self.qk_norm_heads:
             return self._project_qkv_fused(x, cos, sin, decode)
-        h = _rms_norm(x, self.norm_in, self.eps)
+        h = x if self.norm_in is None else _rms_norm(x, self.norm_in, self.eps)
         if self.qkv is not None:
             kv_width = self.n_kv * self.head_dim
             q, k, v = self.qkv(h, decode).split([self.qkv.n - 2 * kv_width, kv_width, kv_width], -1)
         else:
             q, k, v = self.q(h, decode), self.k(h, decode), self.v(h, decode)
+        if self.norm_q is not None and self.qk_norm_heads:  # over all heads, before RoPE
+            q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
-        if self.norm_q is not None:  # per head, over D, before RoPE
+        if self.norm_q is not None and not self.qk_norm_heads:  # per head, over D, before RoPE
             q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
         # [B, T, heads, D] -> [B, heads, T, D]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -628,7 +635,9 @@ class _Layer(nn.Module):
         come back as [B, heads, T, D] views of token-major [B * T, heads, D] tensors: the paged
         decode kernel and the cache writes read the rows without a copy."""
         b, t, _ = x.shape
-        h = cpu_elementwise.rms_norm(x, self.norm_in, self.eps, _input_dtype(self.qkv, decode))
+        dtype = _input_dtype(self.qkv, decode)
+        h = x.to(dtype) if self.norm_in is None else cpu_elementwise.rms_norm(
+            x, self.norm_in, self.eps, dtype)  # fmt: skip
         qkv = _native_out(self.qkv, h, decode).view(b * t, -1)
         d = self.head_dim
         q, k, v = cpu_elementwise.rope_qkv(
@@ -661,7 +670,7 @@ class _Layer(nn.Module):
         if self.fused and self.gate_up is not None and self.act is F.silu:
             return self._finish_fused(x, a, decode)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
-        h = _rms_norm(x, self.norm_post, self.eps)
+        h = x if self.norm_post is None else _rms_norm(x, self.norm_post, self.eps)
         if self.sparse_mlp is not None:
             y = self._routed(h)
         else:
@@ -677,7 +686,10 @@ class _Layer(nn.Module):
         (where the attention block adds its output as it is), SiLU x up in one, the matmul
         outputs as they leave the matmul (the adds widen bf16 exactly)."""
         gate_up_dtype = _input_dtype(self.gate_up, decode)
-        if self.attn_out_norm is None and self.residual_multiplier is None:
+        if self.norm_post is None:  # EXAONE 4: the MLP reads the residual stream itself
+            x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
+            h = x.to(gate_up_dtype)
+        elif self.attn_out_norm is None and self.residual_multiplier is None:
             x, h = cpu_elementwise.add_rms_norm(x, _native_out(self.o, a, decode), self.norm_post,
                                                 self.eps, gate_up_dtype)  # fmt: skip
         else:

@@ -2,8 +2,9 @@
 norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
-(q/k/v and o biases), Phi-3 (fused qkv_proj and gate_up_proj). The reference is transformers
-itself in fp32: greedy tokens and the logits of each prefill and decode step, float and int4-RTN
+(q/k/v and o biases), Phi-3 (fused qkv_proj and gate_up_proj), OLMo2/3 and EXAONE 4 (no
+pre-norms, post-norms, q/k norms over all heads or one). The reference is transformers itself in
+fp32: greedy tokens and the logits of each prefill and decode step, float and int4-RTN
 quantized.
 
 Tiny random models: 2 layers, hidden 64, vocab 320, sliding window 8 (prompts + generation run
@@ -50,6 +51,14 @@ FAMILIES = {
     "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 without RoPE
     "seed_oss": dict(attention_bias=True, attention_out_bias=True),  # q/k/v and o biases
     "phi3": dict(sliding_window=WINDOW),  # fused qkv_proj and gate_up_proj
+    # no pre-norms, post-norms; q/k norms over all heads (OLMo2/3) or one (EXAONE 4)
+    "olmo2": dict(),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    # with a window, the global layer (1) has no RoPE
+    "exaone4": dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    ),
     # sparse MoE: the runtime's attention around the family's own router + experts block
     "mixtral": dict(),
     "qwen3_moe": dict(),
