@@ -347,12 +347,11 @@ OLMO3 = dataclasses.replace(OLMO2, model_type="olmo3")
 EXAONE4 = dataclasses.replace(OLMO2, model_type="exaone4", qk_norm_span="head")
 
 # Llama's module names and data flow: SmolLM3 (some layers without RoPE: ``no_rope_layers``),
-# Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs, where the runtime
-# rotates halves, so it runs in the transformers fallback), HunYuan dense (q/k norms over one
-# head, named query/key_layernorm).
+# Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs: its RuntimeSpec),
+# HunYuan dense (q/k norms over one head, named query/key_layernorm, applied after RoPE: the
+# runtime norms before it, so it runs in the transformers fallback).
 SMOLLM3, SEED_OSS, ERNIE4_5 = (
-    dataclasses.replace(LLAMA, model_type=t, runtime=t != "ernie4_5")
-    for t in ("smollm3", "seed_oss", "ernie4_5")
+    dataclasses.replace(LLAMA, model_type=t) for t in ("smollm3", "seed_oss", "ernie4_5")
 )
 HUNYUAN_V1_DENSE = dataclasses.replace(
     LLAMA,
@@ -373,7 +372,7 @@ GEMMA = dataclasses.replace(
 
 # GLM (glm-4-9b) and GLM-4: separate q/k/v (biases), a fused gate_up_proj (rows [gate; up]) as
 # Phi-3's; GLM-4 adds post-norms on both blocks' outputs (post_self_attn/post_mlp_layernorm)
-# before the residual add. Partial, interleaved RoPE: the transformers fallback runs them.
+# before the residual add. Partial, interleaved RoPE (their RuntimeSpecs).
 GLM = dataclasses.replace(
     LLAMA,
     model_type="glm",
@@ -382,7 +381,6 @@ GLM = dataclasses.replace(
     awq_mappings=LLAMA.awq_mappings[:2] + PHI3.awq_mappings[2:],
     smoothquant_mappings=LLAMA.smoothquant_mappings[:1] + PHI3.smoothquant_mappings[1:],
     mlp_channels=PHI3.mlp_channels,
-    runtime=False,
 )
 GLM4 = dataclasses.replace(
     GLM,
@@ -551,6 +549,7 @@ class RuntimeSpec:
     rope_layers: str | None = None  # config attribute: per layer, 1 rotates q/k, 0 does not
     # with a sliding window set, only the sliding layers rotate q/k (EXAONE 4's global: NoPE)
     rope_only_sliding: bool = False
+    rope_interleaved: bool = False  # RoPE pairs are channels (2i, 2i + 1), not (i, i + r/2)
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -573,7 +572,13 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
     "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
-    "phi3": _LLAMA_RT,  # the fused qkv_proj / gate_up_proj are the runtime's stacked calls
+    # the fused qkv_proj / gate_up_proj are the runtime's stacked calls; Phi-4-mini rotates
+    # 3/4 of each head (partial_rotary_factor, from the config)
+    "phi3": _LLAMA_RT,
+    "ernie4_5": RuntimeSpec(rope_interleaved=True),
+    # interleaved RoPE over half of each head; GLM-4 adds post-norms (Arch)
+    "glm": RuntimeSpec(rope_interleaved=True),
+    "glm4": RuntimeSpec(rope_interleaved=True),
     # no norms before the blocks, post-norms after them (Arch); OLMo2/3's q/k norms over all
     # heads, EXAONE 4's over one
     "olmo2": _LLAMA_RT,

@@ -29,9 +29,6 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
     for rope in rope_settings(config):
         if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
             return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
-        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
-        if partial not in (None, 1):  # the runtime rotates every channel of a head
-            return f"partial_rotary_factor {partial} (RoPE on part of each head)"
     other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
     if other:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
@@ -100,24 +97,75 @@ def layer_rope_key(config, spec: RuntimeSpec, i: int) -> str | None:
     return config.layer_types[i] if spec.rope_per_layer_type else None
 
 
+def head_dim_of_config(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim(config) -> int:
+    """How many channels of a head RoPE rotates: ``partial_rotary_factor`` of them (Phi-4-mini
+    0.75, GLM 0.5), the first ones; all by default."""
+    factors = [r["partial_rotary_factor"] for r in rope_settings(config)
+               if r.get("partial_rotary_factor") is not None]
+    factor = factors[0] if factors else getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim_of_config(config) * factor)
+
+
+def rope_permutation(config, spec: RuntimeSpec) -> torch.Tensor | None:
+    """The order of a head's q/k channels in which the runtime's rotation (pairs ``(i, i + D/2)``
+    over the whole head, ``_rotate``) is the family's RoPE, or None where it already is.
+
+    The family rotates pairs ``(i, i + r/2)`` of its first ``r`` channels (``rotary_dim``), or
+    ``(2i, 2i + 1)`` where interleaved (ERNIE 4.5, GLM), and passes the rest through. Slots
+    ``i`` and ``D/2 + i`` get pair ``i``; the passed channels fill the other slots, whose table
+    entries are cos 1, sin 0 (``rope_tables``). q and k take the same order, so their dot
+    products, the attention, are the family's; v keeps its own."""
+    d, r = head_dim_of_config(config), rotary_dim(config)
+    firsts = range(0, r, 2) if spec.rope_interleaved else range(r // 2)
+    seconds = range(1, r, 2) if spec.rope_interleaved else range(r // 2, r)
+    passed = list(range(r, d))
+    pad = d // 2 - r // 2
+    order = torch.tensor([*firsts, *passed[:pad], *seconds, *passed[pad:]])
+    return None if torch.equal(order, torch.arange(d)) else order
+
+
 def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: int) -> dict:
     """cos/sin tables [S, D] fp32 for every cache position, from the model's own rotary module
     so that its rope type and attention scaling carry over; keyed by ``layer_rope_key``.
-    ``NO_ROPE``'s table is cos 1, sin 0: rotating by it returns q and k exactly."""
+    ``NO_ROPE``'s table is cos 1, sin 0: rotating by it returns q and k exactly. A module's
+    table over ``r < D`` channels (partial RoPE) is laid out for ``rope_permutation``: its
+    pair ``i`` at slots ``i`` and ``D/2 + i``, cos 1 and sin 0 on the other slots."""
     rotary = model.get_submodule(arch.rotary)
     device = model.get_input_embeddings().weight.device
     pos = torch.arange(max_seq_len, device=device)[None]
     x = torch.zeros(1, device=device)
     config = model.config
+    d, r = head_dim_of_config(config), rotary_dim(config)
     keys = {layer_rope_key(config, spec, i) for i in range(config.num_hidden_layers)}
     tables = {}
     for key in keys:
         if key == NO_ROPE:
-            cos, sin = tables.get(None) or rotary(x, pos)  # for the shape [1, S, D]
-            tables[key] = (torch.ones_like(cos), torch.zeros_like(sin))
-        else:
-            tables[key] = rotary(x, pos) if key is None else rotary(x, pos, key)
-    return {key: (cos[0].float(), sin[0].float()) for key, (cos, sin) in tables.items()}
+            ones = torch.ones(max_seq_len, d, device=device)
+            tables[key] = (ones, torch.zeros_like(ones))
+            continue
+        cos, sin = rotary(x, pos) if key is None else rotary(x, pos, key)
+        cos, sin = cos[0].float(), sin[0].float()
+        if cos.shape[-1] != r:
+            raise RuntimeError(
+                f"compress runtime: the rotary module's tables cover {cos.shape[-1]} channels of "
+                f"a head, the config says {r} (head_dim {d}); this configuration is not supported"
+            )
+        if r < d:  # the module's [cat(f, f)] halves (f: the r/2 pair angles) -> D slots
+            half, full = r // 2, torch.ones(max_seq_len, d, device=device)
+            cos = full.index_copy(1, _slots(d, half), torch.cat([cos[:, :half]] * 2, 1))
+            sin = torch.zeros_like(full).index_copy(1, _slots(d, half),
+                                                    torch.cat([sin[:, :half]] * 2, 1))
+        tables[key] = (cos, sin)
+    return tables
+
+
+def _slots(d: int, half: int) -> torch.Tensor:
+    """The slots of ``rope_permutation``'s rotated pairs: 0..half-1 and D/2..D/2+half-1."""
+    return torch.cat([torch.arange(half), torch.arange(d // 2, d // 2 + half)])
 
 
 def window_mask(mask: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:

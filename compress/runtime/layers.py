@@ -36,6 +36,7 @@ from compress.runtime.families import (
     config_value,
     layer_rope_key,
     layer_window,
+    rope_permutation,
     softcapped_attention,
 )
 
@@ -524,6 +525,11 @@ class _Layer(nn.Module):
         )
         # q/k norms over all heads at once (OLMo2: weights [H * D] and [KVH * D]), else per head
         self.qk_norm_heads = arch.qk_norm_span == "heads"
+        # q/k channels reordered so that rotating halves is the family's RoPE (partial or
+        # interleaved); None: already so
+        perm = rope_permutation(config, spec)
+        device = next(layer.parameters()).device
+        self.rope_perm = None if perm is None else nn.Buffer(perm.to(device), persistent=False)
         qk, post = arch.qk_norms or (None, None), arch.post_norms or (None, None)
         norms = {
             "norm_q": qk[0],
@@ -609,7 +615,9 @@ class _Layer(nn.Module):
         """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
         projected, q/k-normed and rotated (cos/sin [B, T, D])."""
         b, t, _ = x.shape
-        if self.fused and self.qkv is not None and not self.qk_norm_heads:
+        # the fused op norms per head and rotates halves of the projection's own channel order
+        plain_heads = not self.qk_norm_heads and self.rope_perm is None
+        if self.fused and self.qkv is not None and plain_heads:
             return self._project_qkv_fused(x, cos, sin, decode)
         h = x if self.norm_in is None else _rms_norm(x, self.norm_in, self.eps)
         if self.qkv is not None:
@@ -623,6 +631,8 @@ class _Layer(nn.Module):
         k = k.view(b, t, self.n_kv, self.head_dim)
         if self.norm_q is not None and not self.qk_norm_heads:  # per head, over D, before RoPE
             q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
+        if self.rope_perm is not None:
+            q, k = q.index_select(-1, self.rope_perm), k.index_select(-1, self.rope_perm)
         # [B, T, heads, D] -> [B, heads, T, D]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)

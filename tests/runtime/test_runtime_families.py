@@ -51,6 +51,12 @@ FAMILIES = {
     "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 without RoPE
     "seed_oss": dict(attention_bias=True, attention_out_bias=True),  # q/k/v and o biases
     "phi3": dict(sliding_window=WINDOW),  # fused qkv_proj and gate_up_proj
+    # Phi-4-mini's layout: RoPE on the first 3/4 of each head
+    "phi4": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.75}),
+    "ernie4_5": dict(use_bias=True),  # interleaved RoPE pairs
+    "glm": dict(),  # interleaved pairs over the first half of each head, fused gate_up_proj
+    "glm4": dict(),  # ... and post-norms
     # no pre-norms, post-norms; q/k norms over all heads (OLMo2/3) or one (EXAONE 4)
     "olmo2": dict(),
     "olmo3": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
@@ -71,11 +77,18 @@ FAMILIES = {
 }
 
 
+VARIANTS = {"phi4": "phi3"}  # a FAMILIES key that is a configuration of another model_type
+
+
+def arch_of(family: str):
+    return ARCHS[VARIANTS.get(family, family)]
+
+
 def make_model(family: str, seed: int = 0, **overrides):
     """Tiny random ``family`` model in fp32, eval mode, eager attention (the reference)."""
     settings = {"initializer_range": 0.3, "tie_word_embeddings": True, **FAMILIES[family]}
     build = make_tiny_moe if family in MOE else make_tiny_model
-    model = build(family, seed, **{**settings, **overrides})
+    model = build(VARIANTS.get(family, family), seed, **{**settings, **overrides})
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for p in model.parameters():
@@ -101,9 +114,9 @@ def hf_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_is_run_by_the_runtime(family):
     model = make_model(family)
-    assert model.config.model_type == family
+    assert model.config.model_type == VARIANTS.get(family, family)
     assert unsupported_reason(model) is None
-    assert ARCHS[family].runtime
+    assert arch_of(family).runtime
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -168,14 +181,14 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
                  keep_model_weights=True)  # fmt: skip
     # MoE: the experts are QuantExperts in the block; Phi-3: qkv_proj and gate_up_proj are one
     # linear each in the checkpoint
-    linears = 4 if family in MOE else len(ARCHS[family].linears)
+    linears = 4 if family in MOE else len(arch_of(family).linears)
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
 
 
 # (Phi-3's projections are fused in the checkpoint: nothing to compare with)
-@pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHS[f].q != ARCHS[f].k])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if arch_of(f).q != arch_of(f).k])
 def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     # Our kernel runs q/k/v (and gate/up) of one input as one call; every output column is
     # its own dot product, so prefill (the row-tile GEMM: 11 tokens) and decode logits must
@@ -196,6 +209,8 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     monkeypatch.setattr(layers._IntLinear, "stacked", classmethod(lambda cls, parts: None))
     separate = Runtime(model, **settings)
     assert all(layer.qkv is None and layer.q is not None for layer in separate.layers)
+    for layer in separate.layers:
+        layer.fused = False  # GLM: its checkpoint's gate_up_proj would take the fused ops
     continuation = [40, 60, 80]
     got = step_logits(stacked, PROMPTS[0], continuation)
     assert torch.equal(got, step_logits(separate, PROMPTS[0], continuation))
@@ -294,14 +309,8 @@ def test_compiled_decode_step_equals_transformers_gemma3():
             ),
             "rope_type 'dynamic' depends on the sequence length",
         ),
-        (
-            "phi3",  # Phi-4-mini: RoPE on 3/4 of each head
-            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                  "partial_rotary_factor": 0.75}),
-            "partial_rotary_factor 0.75",
-        ),
     ],
-    ids=["activation", "bidirectional", "dynamic-rope", "partial-rope"],
+    ids=["activation", "bidirectional", "dynamic-rope"],
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
@@ -312,12 +321,12 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
 
 
 def test_a_family_without_runtime_facts_falls_back_by_model_type():
-    # ERNIE 4.5 rotates interleaved pairs, which the runtime's RoPE does not
-    ernie = make_tiny_model("ernie4_5", num_hidden_layers=1, initializer_range=0.3)
-    assert "model_type 'ernie4_5' is not one of" in unsupported_reason(ernie)
-    with pytest.warns(RuntimeWarning, match="model_type 'ernie4_5'"):
-        rt = Runtime(ernie, max_seq_len=48)
-    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(ernie, PROMPTS[1], 8)]
+    # HunYuan norms q/k after RoPE, the runtime before
+    hunyuan = make_tiny_model("hunyuan_v1_dense", num_hidden_layers=1, initializer_range=0.3)
+    assert "model_type 'hunyuan_v1_dense' is not one of" in unsupported_reason(hunyuan)
+    with pytest.warns(RuntimeWarning, match="model_type 'hunyuan_v1_dense'"):
+        rt = Runtime(hunyuan, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(hunyuan, PROMPTS[1], 8)]
 
 
 def test_runtime_families_have_runtime_facts():

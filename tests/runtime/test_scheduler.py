@@ -219,7 +219,7 @@ def contiguous_logits(runtime: Runtime, prompt: list[int], tokens: list[int]):
 @pytest.mark.parametrize(
     "family",
     ["llama", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "smollm3", "phi3", "olmo2",
-     "exaone4"],
+     "exaone4", "glm4"],
 )
 def test_paged_equals_contiguous_bit_for_bit(family):
     """One request at a time: the same matmul shapes as the contiguous runtime, keys read
