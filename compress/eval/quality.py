@@ -53,6 +53,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from compress.core.errors import NumericsError
+
 log = logging.getLogger(__name__)
 
 # Bump when the scoring itself changes, so that saved window NLLs are not mixed with new ones.
@@ -314,6 +316,12 @@ class _Scores:
             self.kl.append(float(kl.sum()))  # last: a window counts once its KL is stored
         if index == len(self.nll):
             value = float(torch.nn.functional.cross_entropy(preds, targets, reduction="sum"))
+            if not math.isfinite(value):  # a NaN perplexity would be a number that means nothing
+                raise NumericsError(
+                    f"window {index}: the model's loss is {value} (its logits hold NaN or Inf), "
+                    "so there is no perplexity to report; the checkpoint's weights or scales are "
+                    "corrupt, or the model overflowed in this dtype (try float32)"
+                )
             self.tokens.append(targets.numel())
             self.nll.append(value)  # last: a window counts once its NLL is stored
 

@@ -9,7 +9,6 @@ quantization from the matching ``quantization_config`` group.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -59,9 +58,9 @@ def _scheme(module: str, shapes: dict[str, list[int]], quant: dict[str, Any]) ->
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
-    config = json.loads((path / "config.json").read_text())
-    from compress.io.stream import verify_checkpoint
+    from compress.io.stream import read_config_json, verify_checkpoint
 
+    config = read_config_json(path)
     verify_checkpoint(path)  # corrupt shards, shapes against config.json, finite scales
     layers: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"bytes": 0, "tensors": {}, "shapes": {}}

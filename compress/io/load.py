@@ -135,10 +135,10 @@ def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
 def is_compressed_checkpoint(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    quant = config.get("quantization_config") or {}
-    return quant.get("quant_method") == "compressed-tensors"
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
 
 
 def local_model_dir(name_or_path: str, cache: Path | None = None) -> Path | None:
@@ -171,6 +171,23 @@ def resolve_model_path(name_or_path: str, cache: Path | None = None) -> Path | s
     )
 
 
+def _refuse_partial_load(where, info: dict) -> None:
+    """transformers fills a weight the checkpoint lacks with random values and skips a tensor
+    the model has no place for, with a warning only: either is a checkpoint that does not match
+    its config, whose numbers would be garbage. Names transformers itself expects to be absent
+    (a tied head) or ignores are not in ``info``."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(str(m) for m in info.get("mismatched_keys") or ())
+    if missing or unexpected or mismatched:
+        raise ModelLoadError(
+            f"{where}: checkpoint does not match its config: missing {missing[:10]}, unexpected "
+            f"{unexpected[:10]}" + (f", wrong shape {mismatched[:10]}" if mismatched else "")
+            + "; the download or export is incomplete or config.json belongs to another model: "
+            "fetch or write it again"
+        )
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -193,15 +210,26 @@ def load_model(
         model = load_compressed(where, dtype=dtype, backend=backend)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                where, dtype=dtype, output_loading_info=True
+            )
         except OSError as exc:
             raise ModelLoadError(
                 f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
                 "offline, pass a local directory."
             ) from exc
+        _refuse_partial_load(where, info)
     from compress.quant.linear import portable_cpu_layout
 
     portable_cpu_layout(model)  # bitsandbytes layers: same numerics on every CPU class (see there)
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(
+            f"{where}: its tokenizer cannot be loaded ({first}); the folder needs the source "
+            "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json): "
+            "copy them in"
+        ) from exc
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))

@@ -256,22 +256,55 @@ def no_weight_init() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config.json it cannot take: its own checks raise
+    ValueError/KeyError/TypeError or assert; huggingface_hub's strict dataclass validators
+    (transformers 5 configs: e.g. heads that do not divide the hidden size) their own type."""
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError,
+                                               AssertionError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict dataclasses
+        return errors
+    return (*errors, StrictDataclassError)
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict:
+    """``path``/config.json as a mapping, or a ModelLoadError naming what is wrong with it (not
+    JSON, not an object, a ``quantization_config`` that is not an object)."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{file} cannot be read ({exc}); fix or replace it") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file} holds a JSON {type(config).__name__}, not an object; "
+                             "fix or replace it")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ModelLoadError(f"{file}: quantization_config is a {type(quant).__name__}, not an "
+                             "object; fix it or remove it (a float checkpoint has none)")
+    return config
+
+
 def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
     """The causal LM that ``path``'s config.json describes, every parameter on the meta device
     (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    read_config_json(path)
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
+    except _config_errors() as exc:
+        reason = " ".join(str(exc).split())  # one line: validators' messages span several
+        raise ModelLoadError(f"{path}/config.json cannot be read ({reason}); fix or replace it") \
             from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     try:
         with no_weight_init(), parameters_on_meta():
             return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+    except (*_config_errors(), RuntimeError) as exc:
         raise ModelLoadError(
             f"{path}/config.json does not describe a model transformers can build ({exc}); fix it"
         ) from exc
@@ -289,8 +322,17 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     reader = CheckpointReader(path)
     skeleton = meta_skeleton(path)
     expected = expected_tensors(skeleton)
+    plain = "quantization_config" not in read_config_json(path)
     for name in reader.names():
         leaf = name.rpartition(".")[2]
+        if plain and name in expected and expected[name].is_floating_point() \
+                and not reader.dtype(name).is_floating_point:
+            raise ModelLoadError(
+                f"{reader.file_of(name)}: tensor {name} is stored as {reader.dtype(name)} but "
+                "the model's parameter is floating point and config.json has no "
+                "quantization_config; the checkpoint is corrupt or its config.json lost its "
+                "quantization_config"
+            )
         if name in expected and f"{name}.absmax" in reader:
             want = -(-expected[name].numel() // 2)
             if reader.nbytes(name) != want:

@@ -95,3 +95,86 @@ def test_runtime_refuses_non_finite_logits(tiny_model):
     runtime = Runtime(tiny_model, max_seq_len=32, max_batch_size=1)
     with pytest.raises(NumericsError, match="logits hold NaN or Inf"):
         runtime.generate([[1, 5, 9]], 4)
+
+
+def _plain_tensors(edit):
+    def brk(folder):
+        file = folder / "model.safetensors"
+        tensors = load_file(file)
+        message = edit(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+        return message
+    return brk
+
+
+def _config_text(text, message):
+    def brk(folder):
+        (folder / "config.json").write_text(text(json.loads((folder / "config.json").read_text())))
+        return message
+    return brk
+
+
+def _drop(tensors):
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    return r"missing \['model.layers.1.mlp.down_proj.weight'\]"
+
+
+def _extra(tensors):
+    tensors["model.layers.7.mlp.extra.weight"] = torch.zeros(3)
+    return r"unexpected \['model.layers.7.mlp.extra.weight'\]"
+
+
+def _int_norm(tensors):
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    return "model.norm.weight is stored as torch.int8 but the model's parameter is floating"
+
+
+# A float checkpoint broken as downloads and hand edits break them: transformers would fill a
+# missing weight with random values or drop an unknown one with a warning, and convert integer
+# weights; each is one line naming the file and the fix instead.
+PLAIN_BREAKS = {
+    "missing_tensor": _plain_tensors(_drop),
+    "unexpected_tensor": _plain_tensors(_extra),
+    "integer_weight": _plain_tensors(_int_norm),
+    "config_not_json": _config_text(lambda c: "{not json", "config.json cannot be read"),
+    "quantization_config_not_object": _config_text(
+        lambda c: json.dumps({**c, "quantization_config": "int4"}),
+        "quantization_config is a str, not an object"),
+    "heads_do_not_divide": _config_text(  # transformers 5: a strict-dataclass validator's error
+        lambda c: json.dumps({**c, "num_attention_heads": 3}), "config.json"),
+    "negative_vocab": _config_text(  # an assertion inside the embedding's constructor
+        lambda c: json.dumps({**c, "vocab_size": -5}), "config.json"),
+}
+
+
+@pytest.mark.parametrize("kind", list(PLAIN_BREAKS))
+def test_a_broken_float_checkpoint_is_refused_in_one_line(kind, tiny_model, tiny_tokenizer,
+                                                          tmp_path):
+    folder = tmp_path / "plain"
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    load_model(str(folder))  # loads before the break
+    message = PLAIN_BREAKS[kind](folder)
+    with pytest.raises(ModelLoadError, match=message) as raised:
+        load_model(str(folder))
+    assert "\n" not in str(raised.value) and str(folder) in str(raised.value)
+
+
+def test_a_folder_without_a_usable_tokenizer_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    folder = tmp_path / "plain"
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(b"\x00\xff not json")
+    with pytest.raises(ModelLoadError, match="its tokenizer cannot be loaded .* copy them in"):
+        load_model(str(folder))
+
+
+def test_perplexity_of_a_model_computing_nan_is_an_error(tiny_model, tiny_tokenizer):
+    from compress.eval.quality import perplexity
+
+    text = "the quick brown fox jumps over the lazy dog. " * 8
+    assert perplexity(tiny_model, tiny_tokenizer, text, context_length=32, progress=False)
+    with torch.no_grad():
+        tiny_model.model.norm.weight[3] = float("inf")
+    with pytest.raises(NumericsError, match="window 0: the model's loss is nan"):
+        perplexity(tiny_model, tiny_tokenizer, text, context_length=32, progress=False)
