@@ -577,7 +577,7 @@ def swap_quantized_linears(
     empty QuantLinear / W8A8Linear its config group describes, built on the device of the
     linear's weight (meta for a skeleton). ``stored_dtype(name)``: the dtype the checkpoint
     stores tensor ``name`` in, None when it is missing (the scales' dtype is the scheme's)."""
-    ignore = quant.get("ignore", [])
+    ignore = quant.get("ignore", [])  # the groups' form: io.stream.read_config_json
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
             continue
@@ -590,15 +590,21 @@ def swap_quantized_linears(
                 cls = QuantLinear
                 if (group.get("input_activations") or {}).get("strategy") == "token":
                     cls = W8A8Linear  # dynamic int8 inputs
-                with torch.device(module.weight.device):
-                    quant_linear = cls(
-                        module.in_features,
-                        module.out_features,
-                        scheme,
-                        bias=module.bias is not None,
-                        dtype=dtype,
-                        backend=backend,
-                    )
+                try:
+                    with torch.device(module.weight.device):
+                        quant_linear = cls(
+                            module.in_features,
+                            module.out_features,
+                            scheme,
+                            bias=module.bias is not None,
+                            dtype=dtype,
+                            backend=backend,
+                        )
+                except ValueError as exc:  # a scheme the layer's shape cannot take
+                    raise ModelLoadError(
+                        f"{path}/config.json: quantization_config does not fit layer {name} "
+                        f"({exc}); fix it or re-export the checkpoint"
+                    ) from exc
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, quant_linear)
                 break

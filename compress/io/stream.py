@@ -284,6 +284,16 @@ def read_config_json(path: str | os.PathLike[str]) -> dict:
     if quant is not None and not isinstance(quant, dict):
         raise ModelLoadError(f"{file}: quantization_config is a {type(quant).__name__}, not an "
                              "object; fix it or remove it (a float checkpoint has none)")
+    groups = (quant or {}).get("config_groups", {})
+    problem = None if isinstance(groups, dict) else "config_groups is not an object"
+    for key, group in groups.items() if problem is None else ():
+        if not isinstance(group, dict) or not isinstance(group.get("targets"), list) \
+                or not isinstance(group.get("weights"), dict):  # what the loader reads of one
+            problem = f"config_groups.{key} needs a targets list and a weights object"
+            break
+    if problem is not None:
+        raise ModelLoadError(f"{file}: quantization_config: {problem}; fix it or re-export the "
+                             "checkpoint")
     return config
 
 
@@ -322,15 +332,15 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     reader = CheckpointReader(path)
     skeleton = meta_skeleton(path)
     expected = expected_tensors(skeleton)
-    plain = "quantization_config" not in read_config_json(path)
+    read_config_json(path)
     for name in reader.names():
         leaf = name.rpartition(".")[2]
-        if plain and name in expected and expected[name].is_floating_point() \
-                and not reader.dtype(name).is_floating_point:
+        if name in expected and expected[name].is_floating_point() \
+                and not reader.dtype(name).is_floating_point and not _stores_codes(reader, name):
             raise ModelLoadError(
                 f"{reader.file_of(name)}: tensor {name} is stored as {reader.dtype(name)} but "
-                "the model's parameter is floating point and config.json has no "
-                "quantization_config; the checkpoint is corrupt or its config.json lost its "
+                "the model's parameter is floating point and nothing beside it scales integer "
+                "codes; the checkpoint is corrupt or its config.json lost its "
                 "quantization_config"
             )
         if name in expected and f"{name}.absmax" in reader:
@@ -356,6 +366,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
                 )
         if leaf in _MUST_BE_FINITE:
             reader.read(name)  # raises on NaN/Inf
+
+
+def _stores_codes(reader: CheckpointReader, name: str) -> bool:
+    """Whether integer tensor ``name`` is a quantized layer's codes: a scale beside it (int8
+    W8A8 ``weight_scale``, bitsandbytes' ``SCB`` or 4-bit ``absmax``)."""
+    module = name.rpartition(".")[0]
+    return any(k in reader for k in (f"{module}.weight_scale", f"{module}.SCB",
+                                     f"{name}.absmax"))
 
 
 def expected_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -50,7 +50,31 @@ def _wrong_hidden(folder):
     return r"has shape \[.*\] but config.json implies \[.*\]; the config does not match"
 
 
-BREAKS = {"nan_scale": _nan_scale, "truncated": _truncated, "wrong_hidden": _wrong_hidden}
+def _group_size(folder):
+    config = json.loads((folder / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["group_size"] = 100
+    (folder / "config.json").write_text(json.dumps(config))
+    return "quantization_config does not fit layer .*group_size 100 does not divide"
+
+
+def _groups_malformed(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"] = {"group_0": ["Linear"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return "config_groups.group_0 needs a targets list and a weights object"
+
+
+def _int_dense(folder):  # a float tensor of a compressed checkpoint stored as integers
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return "model.norm.weight is stored as torch.int8 .* nothing beside it scales"
+
+
+BREAKS = {"nan_scale": _nan_scale, "truncated": _truncated, "wrong_hidden": _wrong_hidden,
+          "groups_malformed": _groups_malformed, "integer_dense": _int_dense}
 
 
 @pytest.mark.parametrize("kind", list(BREAKS))
@@ -61,6 +85,12 @@ def test_load_and_inspect_refuse_a_broken_checkpoint(kind, exported):
     assert "\n" not in str(raised.value) and str(exported) in str(raised.value)
     with pytest.raises(ModelLoadError, match=message):
         inspect_checkpoint(exported)
+
+
+def test_a_group_size_the_layers_cannot_take_is_refused_at_load(exported):
+    # (inspect reads the headers only and reports the group size as configured)
+    with pytest.raises(ModelLoadError, match=_group_size(exported)):
+        load_model(str(exported))
 
 
 def test_plain_checkpoint_with_a_mismatched_config_is_one_line(tiny_model, tmp_path):
