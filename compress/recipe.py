@@ -381,6 +381,11 @@ def _order_problems(names: list[str]) -> list[tuple[int, str]]:
                                 "from"))
         if name == "quantize.bnb":
             problems += _bnb_problems(i, names)
+        earlier = [n for n in names[:i] if n.startswith("quantize.")]
+        if family == "rotate" and earlier:
+            problems.append((i, f"passes[{i}] ({name}) comes after {earlier[0]}: the rotation "
+                                "rewrites float weights (and would void calibrated scales); move "
+                                "it before the quantize.* passes"))
     return problems
 
 
@@ -433,10 +438,7 @@ def parse_recipe(
     ``key.path=value`` overrides (``apply_overrides``). Problems caused by an override are
     reported against it (``--set eval.perplexity.limt=20: ...``), the rest against ``source``."""
     if isinstance(data, str):
-        try:
-            data = yaml.safe_load(data)
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{source}: not valid YAML: {exc}") from exc
+        data = _yaml(data, source)
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe is a YAML mapping with keys {', '.join(TOP_LEVEL)}")
     if overrides:
@@ -565,13 +567,21 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise RecipeError(f"{path}: a recipe file must end in .yaml or .yml")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}. Check the path (ls recipes/).")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from exc
+    data = _yaml(path.read_text(), str(path))
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping with keys {', '.join(TOP_LEVEL)}")
     return data
+
+
+def _yaml(text: str, source: str) -> Any:
+    """``text`` parsed, or a RecipeError naming ``source`` (not YAML, or nested so deeply that
+    the parser runs out of stack)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise RecipeError(f"{source}: nested too deeply to be a recipe") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -240,3 +240,20 @@ def test_mutated_recipes_validate_or_name_the_offending_key(mutant):
     except RecipeError as exc:  # any other exception type fails the test
         message = str(exc)
         assert key in message or repr(key) in message, (key, message)
+
+
+@pytest.mark.parametrize("first", ["quantize.int4_rtn", "quantize.kv_cache_fp8"])
+def test_a_rotation_after_a_quantization_pass_is_refused_before_work(first):
+    problems = _problems({"name": "r", "passes": [{"pass": first}, {"pass": "rotate.hadamard"}]})
+    assert f"passes[1] (rotate.hadamard) comes after {first}" in problems
+    assert "move it before the quantize.* passes" in problems
+    parse_recipe({"name": "r", "passes": [{"pass": "rotate.hadamard"}, {"pass": first}]})
+
+
+def test_yaml_nested_past_the_parser_stack_is_a_recipe_error(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a:" + " [" * 5000)
+    with pytest.raises(RecipeError, match="deep.yaml: nested too deeply"):
+        load_recipe(deep)
+    with pytest.raises(RecipeError, match="nested too deeply"):
+        parse_recipe(deep.read_text())
