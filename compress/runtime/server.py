@@ -48,7 +48,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None)  # -1 or None: off (vLLM's convention)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a torch generator's range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -58,6 +58,17 @@ class _Request(BaseModel):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # Sampling controls this server does not implement: a request that sets one is refused
+    # (unknown fields are ignored, so without these it would be served as if unset).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Request):
@@ -367,6 +378,15 @@ class Server:
             "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
+            "presence_penalty": body.presence_penalty != 0,
+            "frequency_penalty": body.frequency_penalty != 0,
+            "repetition_penalty": body.repetition_penalty != 1,
+            "logit_bias": bool(body.logit_bias),
+            "min_p": body.min_p != 0,
+            "min_tokens": body.min_tokens != 0,
+            "stop_token_ids": bool(body.stop_token_ids),
+            "response_format": (body.response_format or {}).get("type", "text") != "text",
+            "top_logprobs": body.top_logprobs not in (None, 0),
         }
         for name, bad in unsupported.items():
             if bad:
@@ -397,6 +417,7 @@ class Server:
     # ---- serving ---------------------------------------------------------------------------
     async def _serve(self, body: _Request, prompts: list[list[int]], request, *, chat: bool):
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
         try:
             for prompt in prompts:

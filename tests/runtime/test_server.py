@@ -139,6 +139,14 @@ def test_token_id_prompts_several_choices_and_stop_strings(served):
         ({"prompt": "x" * 200, "max_tokens": 2}, "max_model_len"),
         ({"prompt": "hi", "max_tokens": 500}, "max_seq_len"),
         ({"prompt": "hi", "top_k": -5}, "top_k"),
+        # sampling controls that would otherwise be ignored: refused, not served as if unset
+        ({"prompt": "hi", "presence_penalty": 1.5}, "presence_penalty is not supported"),
+        ({"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty is not supported"),
+        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
+        ({"prompt": "hi", "min_p": 0.1}, "min_p is not supported"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "hi", "seed": 2**80, "temperature": 1}, "seed"),
     ],
 )
 def test_malformed_requests_get_a_400_that_names_the_problem(served, body, fragment):
@@ -147,6 +155,16 @@ def test_malformed_requests_get_a_400_that_names_the_problem(served, body, fragm
     assert reply.status_code == 400, reply.text
     assert fragment in reply.json()["error"]["message"]
     assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+
+
+def test_defaults_spelt_out_and_an_empty_stop_string_change_nothing(served):
+    running, runtime, tokenizer = served
+    body = {"prompt": [1, 40, 50], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stop": [""], "presence_penalty": 0, "repetition_penalty": 1,
+            "response_format": {"type": "text"}}  # fmt: skip
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 6)
 
 
 def test_invalid_json_and_unknown_roles_are_400(served):
