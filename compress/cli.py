@@ -342,7 +342,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # (gathered bf16 keys measured slower: 101 vs 72 ms)
         from compress.kernels import cpu_attention
 
-        if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device) is not None:
+        if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device,
+                                            runtime.layers[0].head_dim) is not None:
             kv_dtype = "float32"
     try:
         scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,

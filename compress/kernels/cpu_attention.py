@@ -17,12 +17,16 @@ from compress.kernels import cpu_q8
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
-def unavailable_reason(pool_dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why the kernel cannot serve pages of ``pool_dtype`` on ``device``, or None."""
+def unavailable_reason(pool_dtype: torch.dtype, device: torch.device,
+                       head_dim: int | None = None) -> str | None:
+    """Why the kernel cannot serve pages of ``pool_dtype`` on ``device`` (heads of
+    ``head_dim`` channels, when given), or None."""
     if device.type != "cpu":
         return f"the pages are on {device.type}, the kernel is CPU-only"
     if pool_dtype not in KV_DTYPES:
         return f"{pool_dtype} pages (the kernel reads fp32, bf16, or int8 or fp8 with scales)"
+    if head_dim is not None and head_dim % 8:
+        return f"head_dim {head_dim} is not a multiple of 8 (the kernel's vector width)"
     return cpu_q8.unavailable_reason()
 
 

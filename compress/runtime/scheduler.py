@@ -181,7 +181,8 @@ class Scheduler:
         )
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
-        why_not = cpu_attention.unavailable_reason(dtype, runtime.device)
+        why_not = cpu_attention.unavailable_reason(dtype, runtime.device,
+                                                   runtime.layers[0].head_dim)
         if attention == "kernel" and why_not is not None:
             raise ValueError(f"attention='kernel' cannot run: {why_not}")
         # the reason the decode steps gather instead (None: they run the kernel)

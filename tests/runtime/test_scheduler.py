@@ -372,3 +372,16 @@ def test_block_keys_chain_over_the_whole_prefix():
     other = block_key(block_key(ROOT_KEY, [1, 3]), [5, 6])
     assert one != other and one == block_key(block_key(ROOT_KEY, [1, 2]), [5, 6])
     assert BlockPool(2, prefix_caching=False).lookup(one) is None
+
+
+def test_heads_the_kernel_cannot_take_are_gathered_with_the_reason():
+    """head_dim 12 (hidden 48, 4 heads): not a multiple of the decode kernel's 8 lanes. The
+    scheduler gathers instead of calling it (which would refuse in C++), and says why."""
+    model = make_tiny_model("llama", 0, hidden_size=48, head_dim=12, initializer_range=0.3)
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=16, block_size=4, max_batch=2, prefill_budget=32)
+    assert scheduler.attention_reason == "head_dim 12 is not a multiple of 8 (the kernel's " \
+                                         "vector width)"
+    requests = [([3, 17, 29, 41, 5], 8), ([250, 4, 2], 6)]
+    alone = [runtime.generate([p], n)[0] for p, n in requests]
+    assert drive(scheduler, requests, random.Random(0)) == alone
