@@ -72,6 +72,9 @@ def int8_unsupported_reason(n: int, k: int, group_size: int, symmetric: bool) ->
         return "native int8 CPU kernel is symmetric-only"
     if group_size != k:
         return "native int8 CPU kernel takes per-channel scales only"
+    if k % 16:  # measured on torch 2.13, AVX-512: K = 8, 40, 120, 136 garbage at 1 row,
+        # every K not a multiple of 16 from 8 to 264 SIGSEGV at 4 rows
+        return f"K={k} not divisible by 16 (torch's int8 kernel then reads past its rows)"
     return None
 
 

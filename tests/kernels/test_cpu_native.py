@@ -80,3 +80,34 @@ def test_repack_equals_torchs_at_every_lower_aten_level():
                               text=True, cwd=root)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.split()[0] == level.upper()
+
+
+# Run apart: before the fix torch's int8 kernel killed the process at these shapes.
+_INT8_ODD_K = """
+import torch
+from torch import nn
+from compress.quant.rtn import Int8RtnConfig, quantize_linears
+for k in (8, 24, 40, 72, 136, 200):
+    for rows in (1, 4):
+        lin = nn.Linear(k, 64, bias=False)
+        holder = nn.Sequential(lin)
+        quantize_linears(holder, Int8RtnConfig(targets=["re:.*"], ignore=[]), 8, "test")
+        q = holder[0]
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+        want = x @ q.dequantized_weight(torch.float32).T
+        err = float((q(x).float() - want).abs().max() / want.abs().max())
+        assert err < 2e-2, (k, rows, err, q.plan(x.device))
+print("ok")
+"""
+
+
+def test_int8_layers_with_k_not_a_multiple_of_16_compute_their_weights():
+    """torch's ``_weight_int8pack_mm`` returns garbage or dies (SIGSEGV) when K is not a
+    multiple of 16 (measured on AVX-512); such layers must take another path and still equal
+    their dequantized weights (the bf16 activations' rounding apart)."""
+    assert cpu_native.int8_unsupported_reason(64, 72, 72, True) is not None
+    assert cpu_native.int8_unsupported_reason(64, 80, 80, True) is None
+    proc = subprocess.run([sys.executable, "-c", _INT8_ODD_K], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode,
+                                                                   proc.stderr[-2000:])
