@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from compress.arch import PER_LAYER_CONFIG_KEYS
+
 # The sizes every tiny model shares (the families add head_dim 16 and their own features).
 TINY_SIZES = dict(
     vocab_size=320,
@@ -112,6 +114,10 @@ def make_tiny_model(model_type: str, seed: int = 0, **overrides):
     settings = dict(TINY_SIZES, head_dim=16)
     settings.update(family)
     settings.update(overrides)
+    layers = settings["num_hidden_layers"]
+    for key in PER_LAYER_CONFIG_KEYS:  # the family's per-layer pattern, repeated to the depth
+        if key in family and key not in overrides:
+            settings[key] = [family[key][i % len(family[key])] for i in range(layers)]
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(**settings)
     return getattr(transformers, model_name)(config).eval()
