@@ -197,6 +197,13 @@ class Runtime:
             raise ValueError(f"int8_kernel={int8_kernel!r}: expected one of {INT8_KERNELS}")
         if lm_head_bits not in (None, *LM_HEAD_SCHEMES):
             raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected None, 4 or 8")
+        group = lm_head_bits and LM_HEAD_SCHEMES[lm_head_bits].group_size
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        if group and hidden and hidden % group:
+            raise ValueError(
+                f"lm_head_bits={lm_head_bits} quantizes the head in groups of {group}, which do "
+                f"not divide hidden_size {hidden}; use lm_head_bits=8 or leave it unset"
+            )
         if compile not in (False, True, "step", "step-cpp", "layer"):
             raise ValueError(
                 f"compile={compile!r}: expected True/'step', 'step-cpp', 'layer' or False"

@@ -253,6 +253,16 @@ def test_quantized_lm_head_equals_transformers_with_that_head(model, bits):
         Runtime(model, max_seq_len=64, compile=False, lm_head_bits=3)
 
 
+def test_a_head_its_groups_do_not_divide_is_refused_with_the_way_out():
+    narrow = make_tiny_llama(hidden_size=48, head_dim=12)  # 48: no groups of 32
+    with pytest.raises(ValueError, match="groups of 32, which do not divide hidden_size 48; "
+                                         "use lm_head_bits=8"):
+        Runtime(narrow, max_seq_len=32, compile=False, lm_head_bits=4)
+    rt = Runtime(narrow, max_seq_len=32, decode_dtype=torch.float32, compile=False,
+                 lm_head_bits=8)
+    assert len(rt.generate([PROMPTS[0]], 4)[0]) == 4
+
+
 def test_q4q8_unavailable_falls_back_with_warning(model, monkeypatch):
     from compress.kernels import cpu_q8
 
