@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from compress.runtime.sampling import _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
 
+MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
+
 
 class _Request(BaseModel):
     """The sampling fields both endpoints take (OpenAI's names and defaults)."""
@@ -53,7 +55,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    # choices per prompt; bounded like the batch a step can hold
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     logprobs: Any = None
     echo: bool = False
     best_of: int | None = None
@@ -371,9 +374,11 @@ class Server:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _sampling(self, body: _Request, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+    def _sampling(self, body: _Request, prompt: list[int],
+                  sample: int = 0) -> tuple[int, dict[str, Any]]:
+        """The token limit and sampling settings of choice ``sample`` of ``prompt`` (with a
+        seed, choice j samples with seed + j: the n choices differ and each is reproducible)."""
         unsupported = {
-            "n": body.n != 1,
             "logprobs": body.logprobs not in (None, False),
             "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
@@ -411,7 +416,7 @@ class Server:
             temperature=body.temperature,
             top_k=top_k,
             top_p=top_p,
-            seed=body.seed,
+            seed=None if body.seed is None else (body.seed + sample + 2**63) % 2**64 - 2**63,
         )
 
     # ---- serving ---------------------------------------------------------------------------
@@ -420,10 +425,11 @@ class Server:
         stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
         try:
-            for prompt in prompts:
-                limit, sampling = self._sampling(body, prompt)
-                seq_id, queue = self.engine.add(prompt, limit, **sampling)
-                opened.append((seq_id, queue, _Detokenizer(self.tokenizer, stops)))
+            for prompt in prompts:  # choice index: prompt * n + sample, as vLLM orders them
+                for sample in range(body.n):
+                    limit, sampling = self._sampling(body, prompt, sample)
+                    seq_id, queue = self.engine.add(prompt, limit, **sampling)
+                    opened.append((seq_id, queue, _Detokenizer(self.tokenizer, stops)))
         except (RequestError, OverflowError, RuntimeError) as exc:
             for seq_id, _, _ in opened:
                 self.engine.abort(seq_id)

@@ -133,7 +133,8 @@ def test_token_id_prompts_several_choices_and_stop_strings(served):
     [
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, "n is not supported"),
+        ({"prompt": "hi", "n": 65}, "n: Input should be less than or equal to 64"),
+        ({"prompt": "hi", "n": 0}, "n: Input should be greater than or equal to 1"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": [1, 99999], "max_tokens": 2}, "outside the vocabulary"),
         ({"prompt": "x" * 200, "max_tokens": 2}, "max_model_len"),
@@ -165,6 +166,34 @@ def test_defaults_spelt_out_and_an_empty_stop_string_change_nothing(served):
     reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 6)
+
+
+def test_n_choices_per_prompt_in_vllms_order(served):
+    """n copies of each prompt, choice index prompt * n + j: greedy choices are the greedy
+    text; seeded sampled choices differ from each other (choice j samples with seed + j) and
+    come back the same on a second request."""
+    running, runtime, tokenizer = served
+    prompts = [[1, 40, 50, 60], [1, 70, 80]]
+    body = {"prompt": prompts, "n": 3, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    texts = [c["text"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
+    assert texts == [greedy_text(runtime, tokenizer, p, 8) for p in prompts for _ in range(3)]
+    assert reply["usage"]["prompt_tokens"] == 7 and reply["usage"]["completion_tokens"] == 48
+    streamed = ["" for _ in texts]
+    with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed[choice["index"]] += choice["text"]
+    assert streamed == texts
+    sampled = {"prompt": prompts[0], "n": 4, "max_tokens": 12, "temperature": 1.5, "seed": 7,
+               "ignore_eos": True}  # fmt: skip
+    first, again = (httpx.post(running.url + "/v1/completions", json=sampled, timeout=60).json()
+                    for _ in range(2))
+    texts = [c["text"] for c in sorted(first["choices"], key=lambda c: c["index"])]
+    assert len(set(texts)) > 1
+    assert texts == [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])]
 
 
 def test_invalid_json_and_unknown_roles_are_400(served):
