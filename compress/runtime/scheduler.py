@@ -73,6 +73,7 @@ class Sequence:
     admitted: int = -1  # admission order (preemption takes the newest)
     finish_reason: str | None = None  # "stop", "length", "abort"
     preemptions: int = 0
+    logprobs: int | None = None  # None: none asked; k: each token's log-prob and the top k
 
     @property
     def tokens(self) -> list[int]:
@@ -86,6 +87,28 @@ class Event:
     id: int
     token: int | None
     finish_reason: str | None = None
+    # the model's log-probability of ``token`` and its top-k (token, log-prob) alternatives,
+    # where the request asked for them (``Scheduler.add(logprobs=k)``)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+def _logprobs(seqs: list[Sequence], logits: torch.Tensor,
+              tokens: dict[int, int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+    """Row -> (log-prob of its token, its top-k (token, log-prob)) for the rows whose request
+    asked (``Sequence.logprobs``): one log-softmax over those rows only."""
+    rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    if not rows:
+        return {}
+    logp = logits[rows].float().log_softmax(-1)
+    out = {}
+    for r, i in enumerate(rows):
+        k = seqs[i].logprobs
+        top = torch.topk(logp[r], k) if k else None
+        pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(),
+                                                 strict=True))
+        out[i] = (float(logp[r, tokens[i]]), pairs)
+    return out
 
 
 @dataclass
@@ -226,19 +249,27 @@ class Scheduler:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Queue a request; returns its id. Raises ValueError for a request that can never run
-        (empty, out-of-vocabulary, longer than the runtime's positions or the whole cache)."""
+        (empty, out-of-vocabulary, longer than the runtime's positions or the whole cache).
+        ``logprobs``: k >= 0 puts each token's log-probability under the model (its logits
+        before temperature, top-k or top-p, as vLLM's default) and the k likeliest tokens'
+        on its events."""
         prompt = [int(t) for t in prompt]
-        self.check(prompt, max_new_tokens)
+        self.check(prompt, max_new_tokens, logprobs)
         sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device)
-        seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens))
+        seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens),
+                       logprobs=logprobs)
         self.waiting.append(seq)
         return seq.id
 
-    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None) -> None:
         """The ValueError ``add`` would raise for this request, if any."""
         self.runtime._check([prompt], max_new_tokens)
+        vocab = self.runtime.embed.shape[0]
+        if logprobs is not None and not 0 <= logprobs <= vocab:
+            raise ValueError(f"logprobs={logprobs} must be in 0..{vocab} (the vocabulary)")
         need = -(-(len(prompt) + max_new_tokens) // self.block_size)
         if need > self.pool.num_blocks:
             raise ValueError(
@@ -443,6 +474,7 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             if i not in tokens:
                 tokens[i] = int(_sample(logits[i : i + 1], seq.sampling)[0])
+        scored = _logprobs(seqs, logits, tokens)
         events = []
         for i, seq in enumerate(seqs):
             token = tokens[i]
@@ -456,5 +488,5 @@ class Scheduler:
                 seq.finish_reason = reason
                 self.running.remove(seq)
                 self._release(seq)
-            events.append(Event(seq.id, token, reason))
+            events.append(Event(seq.id, token, reason, *scored.get(i, (None, None))))
         return events

@@ -13,7 +13,10 @@ a client that disconnects aborts its request, which frees its KV blocks. Ctrl-C 
 accepting connections and lets the requests in flight finish (uvicorn's graceful shutdown).
 
 Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
-Not supported (400): ``n`` > 1, ``logprobs``, ``echo``, ``best_of``, ``suffix``, tools.
+``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
+``top_logprobs``) are the model's log-probabilities before temperature, top-k and top-p (vLLM's
+default). Not supported (400): ``echo``, ``best_of``, ``suffix``, tools, and the sampling controls
+listed in ``_Request``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from compress.runtime.sampling import _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
+MAX_LOGPROBS = 20  # top log-probs per token, as vLLM's default limit
 
 
 class _Request(BaseModel):
@@ -71,7 +75,7 @@ class _Request(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # chat: with logprobs true, the top k per token
 
 
 class CompletionRequest(_Request):
@@ -138,8 +142,9 @@ class Engine:
         Raises RequestError (400) for a request that cannot run, OverflowError (503) when
         ``max_waiting`` requests wait already."""
         try:
-            self.scheduler.check(prompt, max_new_tokens)
-            _make_sampling(**{k: v for k, v in sampling.items() if k != "stop_tokens"})
+            self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"))
+            _make_sampling(**{k: v for k, v in sampling.items()
+                              if k not in ("stop_tokens", "logprobs")})
         except ValueError as exc:
             raise RequestError(str(exc), "prompt") from None
         queue: asyncio.Queue = asyncio.Queue()
@@ -379,7 +384,6 @@ class Server:
         """The token limit and sampling settings of choice ``sample`` of ``prompt`` (with a
         seed, choice j samples with seed + j: the n choices differ and each is reproducible)."""
         unsupported = {
-            "logprobs": body.logprobs not in (None, False),
             "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
@@ -391,7 +395,6 @@ class Server:
             "min_tokens": body.min_tokens != 0,
             "stop_token_ids": bool(body.stop_token_ids),
             "response_format": (body.response_format or {}).get("type", "text") != "text",
-            "top_logprobs": body.top_logprobs not in (None, 0),
         }
         for name, bad in unsupported.items():
             if bad:
@@ -412,6 +415,7 @@ class Server:
         top_p = None if body.top_p >= 1.0 else body.top_p
         stops = () if body.ignore_eos else self.eos
         return limit, dict(
+            logprobs=_logprobs_asked(body),
             stop_tokens=stops,
             temperature=body.temperature,
             top_k=top_k,
@@ -440,14 +444,18 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = self._stream(rid, opened, usage, chat=chat, include_usage=include_usage)
+            events = self._stream(rid, opened, usage, chat=chat, include_usage=include_usage,
+                                  logprobs=_logprobs_asked(body) is not None)
             return StreamingResponse(events, media_type="text/event-stream")
         texts = ["" for _ in opened]
         reasons: list[str | None] = [None] * len(opened)
+        scored: list[list[Event]] = [[] for _ in opened]  # events carrying log-probs
         try:
-            async for index, delta, reason in self._merge(opened, usage, request):
+            async for index, delta, reason, event in self._merge(opened, usage, request):
                 texts[index] += delta
                 reasons[index] = reason or reasons[index]
+                if event.logprob is not None:
+                    scored[index].append(event)
         except RuntimeError as exc:
             return _error(500, str(exc), None, "server_error")
         finally:
@@ -455,10 +463,13 @@ class Server:
                 self.engine.abort(seq_id)  # no-op for finished requests
         if any(r is None for r in reasons):  # the client went away
             return JSONResponse({}, status_code=499)
-        return self._body(rid, texts, reasons, usage, chat=chat)
+        logprobs = [self._logprobs(events, chat=chat) if _logprobs_asked(body) is not None
+                    else None for events in scored]
+        return self._body(rid, texts, reasons, usage, chat=chat, logprobs=logprobs)
 
-    async def _merge(self, opened, usage, request=None) -> AsyncIterator[tuple[int, str, str]]:
-        """(choice index, text delta, finish reason or None) as tokens arrive, every choice."""
+    async def _merge(self, opened, usage, request=None) -> AsyncIterator[tuple]:
+        """(choice index, text delta, finish reason or None, the event) as tokens arrive, every
+        choice."""
         pending = {i: q.get() for i, (_, q, _) in enumerate(opened)}
         tasks = {asyncio.ensure_future(c): i for i, c in pending.items()}
         try:
@@ -477,24 +488,32 @@ class Server:
                     delta, stopped = detok.add(event.token, final)
                     if stopped:
                         self.engine.abort(seq_id)
-                        yield index, delta, "stop"
+                        yield index, delta, "stop", event
                         continue
-                    yield index, delta, event.finish_reason
+                    yield index, delta, event.finish_reason, event
                     if not final:
                         tasks[asyncio.ensure_future(queue.get())] = index
         finally:
             for task in tasks:
                 task.cancel()
 
-    async def _stream(self, rid, opened, usage, *, chat: bool, include_usage: bool):
+    async def _stream(self, rid, opened, usage, *, chat: bool, include_usage: bool,
+                      logprobs: bool = False):
         """Server-sent events; a disconnect cancels this generator, whose finally aborts."""
+        offsets = [0] * len(opened)  # completions' text_offset of each choice's next token
         try:
             if chat:
                 yield _sse(self._chunk(rid, 0, None, None, chat=True, role=True))
-            async for index, delta, reason in self._merge(opened, usage):
+            async for index, delta, reason, event in self._merge(opened, usage):
                 # one event per token, as OpenAI's and vLLM's servers send, even when its text
                 # waits for the next token (a split character): clients count tokens by events
-                yield _sse(self._chunk(rid, index, delta, reason, chat=chat))
+                chunk = self._chunk(rid, index, delta, reason, chat=chat)
+                if logprobs and event.logprob is not None:
+                    scored = self._logprobs([event], chat=chat, offset=offsets[index])
+                    chunk["choices"][0]["logprobs"] = scored
+                    if not chat:
+                        offsets[index] += len(scored["tokens"][0])
+                yield _sse(chunk)
             if include_usage:
                 chunk = self._chunk(rid, 0, None, None, chat=chat)
                 chunk["choices"] = []
@@ -515,17 +534,48 @@ class Server:
             return self._response(rid, "chat.completion.chunk", [choice])
         return self._response(rid, "text_completion", [_text_choice(index, delta or "", reason)])
 
-    def _body(self, rid, texts, reasons, usage, *, chat: bool) -> dict:
-        """The whole answer of a request that does not stream: every choice's text."""
+    def _logprobs(self, events: list[Event], *, chat: bool, offset: int = 0) -> dict:
+        """OpenAI's ``logprobs`` object for ``events``' tokens: completions' parallel lists
+        (``top_logprobs`` a token -> log-prob map each, None without alternatives), chat's
+        ``content`` entries with the tokens' UTF-8 bytes."""
+        def text(token: int) -> str:
+            return self.tokenizer.decode([token])
+
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                piece = text(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+            return {"content": [
+                {**entry(e.token, e.logprob),
+                 "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or ()]}
+                for e in events
+            ]}  # fmt: skip
+        tokens = [text(e.token) for e in events]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{text(t): lp for t, lp in e.top_logprobs} if e.top_logprobs
+                             else None for e in events],
+            "text_offset": offsets,
+        }
+
+    def _body(self, rid, texts, reasons, usage, *, chat: bool,
+              logprobs: list[dict | None] | None = None) -> dict:
+        """The whole answer of a request that does not stream: every choice's text (and its
+        log-probs, where asked)."""
         pairs = list(enumerate(zip(texts, reasons, strict=True)))
+        logprobs = logprobs or [None] * len(pairs)
         if chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
+                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
+                 "logprobs": logprobs[i]}
                 for i, (t, r) in pairs
             ]
             kind = "chat.completion"
         else:
-            choices = [_text_choice(i, t, r) for i, (t, r) in pairs]
+            choices = [{**_text_choice(i, t, r), "logprobs": logprobs[i]} for i, (t, r) in pairs]
             kind = "text_completion"
         return {**self._response(rid, kind, choices), "usage": _usage(usage)}
 
@@ -538,6 +588,31 @@ class Server:
             "model": self.model_name,
             "choices": choices,
         }
+
+
+def _logprobs_asked(body: _Request) -> int | None:
+    """How many alternatives per token the request asks log-probs for (0: the chosen token's
+    only), None when it asks none; RequestError for a malformed ask. Completions take
+    ``logprobs: k``; chat ``logprobs: true`` and ``top_logprobs: k``."""
+    chat = isinstance(body, ChatRequest)
+    asked, top = body.logprobs, body.top_logprobs
+    if chat:
+        if asked not in (None, True, False):
+            raise RequestError("logprobs must be true or false for chat completions", "logprobs")
+        if top is not None and not asked:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        k = (top or 0) if asked else None
+        name = "top_logprobs"
+    else:
+        if top is not None:
+            raise RequestError("top_logprobs is a chat field; completions take logprobs: k",
+                               "top_logprobs")
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)):
+            raise RequestError("logprobs must be an integer k (the top k per token)", "logprobs")
+        k, name = asked, "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise RequestError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}", name)
+    return k
 
 
 def _text_choice(index: int, text: str, reason: str | None) -> dict:

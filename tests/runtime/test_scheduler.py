@@ -385,3 +385,33 @@ def test_heads_the_kernel_cannot_take_are_gathered_with_the_reason():
     requests = [([3, 17, 29, 41, 5], 8), ([250, 4, 2], 6)]
     alone = [runtime.generate([p], n)[0] for p, n in requests]
     assert drive(scheduler, requests, random.Random(0)) == alone
+
+
+def test_logprobs_are_the_models_before_temperature():
+    """A sampled request's events carry each drawn token's log-probability under the model
+    (transformers' fp32 log-softmax at that position), not under the temperature's
+    distribution, and the top k; a request that asks none carries none."""
+    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=16, block_size=4, max_batch=2, prefill_budget=32)
+    prompt = [3, 17, 29, 41]
+    asked = scheduler.add(prompt, 6, temperature=5.0, seed=3, logprobs=2)
+    plain = scheduler.add([250, 4, 2], 3)
+    events = []
+    while scheduler.has_work:
+        events += scheduler.step()
+    mine = [e for e in events if e.id == asked]
+    assert all(e.logprob is None and e.top_logprobs is None for e in events if e.id == plain)
+    tokens = [e.token for e in mine]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    ref = ref.double().log_softmax(-1)
+    assert [e.logprob for e in mine] == pytest.approx(
+        [float(ref[i, t]) for i, t in enumerate(tokens)], abs=1e-4)
+    assert sum(float(ref[i, t]) < float(ref[i].max()) - 1e-3 for i, t in enumerate(tokens)) > 0
+    for row, e in zip(ref, mine, strict=True):  # not always the argmax: sampled at T=5
+        values, ids = row.topk(2)
+        assert [t for t, _ in e.top_logprobs] == ids.tolist()
+        assert [v for _, v in e.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    with pytest.raises(ValueError, match="logprobs=999 must be in 0..320"):
+        scheduler.add(prompt, 2, logprobs=999)

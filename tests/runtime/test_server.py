@@ -196,6 +196,67 @@ def test_n_choices_per_prompt_in_vllms_order(served):
     assert texts == [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])]
 
 
+def test_logprobs_are_the_models_log_probabilities(served):
+    """Completions' logprobs: k and chat's logprobs/top_logprobs: each token's log-probability
+    and its top k under the model (transformers' fp32 log-softmax at the same positions, the
+    reference; sampled requests: tests/runtime/test_scheduler.py); streamed pieces add up to
+    the whole answer's."""
+    running, runtime, tokenizer = served
+    model, _ = tiny()  # the served weights (same seed), run by transformers
+    prompt = [1, 40, 50, 60]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 3}  # fmt: skip
+    got = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    got = got["choices"][0]["logprobs"]
+    ids = runtime.generate([prompt], 6)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    ref = ref.log_softmax(-1)
+    assert got["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert got["token_logprobs"] == pytest.approx([float(ref[i, t]) for i, t in enumerate(ids)],
+                                                  abs=1e-4)
+    for row, top in zip(ref, got["top_logprobs"], strict=True):
+        values, tokens = row.topk(3)
+        want = {tokenizer.decode([t]): float(v) for t, v in zip(tokens, values, strict=True)}
+        assert top == pytest.approx(want, abs=1e-4)
+    assert got["text_offset"] == [sum(len(t) for t in got["tokens"][:i]) for i in range(6)]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    whole = httpx.post(running.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6 for c in content)
+    streamed = []
+    with httpx.stream("POST", running.url + "/v1/chat/completions",
+                      json={**chat, "stream": True}, timeout=60) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("content", [])
+    # the same entries (their numbers within the float rounding of another batch's matmuls)
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content],
+                                                             abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be in 0..20"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
+        ("/v1/completions", {"prompt": "hi", "top_logprobs": 2}, "top_logprobs is a chat field"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ],
+)
+def test_malformed_logprobs_asks_are_400(served, path, body, fragment):
+    running, _, _ = served
+    reply = httpx.post(running.url + path, json=body, timeout=30)
+    assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
+
+
 def test_invalid_json_and_unknown_roles_are_400(served):
     running, _, _ = served
     reply = httpx.post(running.url + "/v1/completions", content=b"{not json", timeout=30,
