@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -49,7 +50,16 @@ from compress.runtime.paged import (
     forward_step,
     kv_bytes_per_token,
 )
-from compress.runtime.sampling import _greedy_fused, _make_sampling, _sample, _Sampling
+from compress.runtime.sampling import (
+    Adjustments,
+    _greedy_fused,
+    _make_sampling,
+    _sample,
+    _Sampling,
+    adjust_logits,
+    check_finite,
+    make_adjustments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +84,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort"
     preemptions: int = 0
     logprobs: int | None = None  # None: none asked; k: each token's log-prob and the top k
+    adjustments: Adjustments = Adjustments()  # penalties, logit bias, minimum length
 
     @property
     def tokens(self) -> list[int]:
@@ -250,26 +261,52 @@ class Scheduler:
         top_p: float | None = None,
         seed: int | None = None,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> int:
         """Queue a request; returns its id. Raises ValueError for a request that can never run
         (empty, out-of-vocabulary, longer than the runtime's positions or the whole cache).
         ``logprobs``: k >= 0 puts each token's log-probability under the model (its logits
         before temperature, top-k or top-p, as vLLM's default) and the k likeliest tokens'
-        on its events."""
+        on its events. The penalties, ``logit_bias`` (token id -> added logit) and ``min_tokens``
+        adjust the logits before sampling (``sampling.Adjustments``)."""
         prompt = [int(t) for t in prompt]
-        self.check(prompt, max_new_tokens, logprobs)
+        adjustments = make_adjustments(presence_penalty, frequency_penalty, repetition_penalty,
+                                       logit_bias, min_tokens)
+        self._check_adjusted(prompt, max_new_tokens, logprobs, adjustments)
         sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device)
         seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens),
-                       logprobs=logprobs)
+                       logprobs=logprobs, adjustments=adjustments)
         self.waiting.append(seq)
         return seq.id
 
-    def check(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None) -> None:
-        """The ValueError ``add`` would raise for this request, if any."""
+    def check(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None,
+              **adjust) -> None:
+        """The ValueError ``add`` would raise for this request, if any (``adjust``: ``add``'s
+        penalty, bias and minimum-length keywords)."""
+        self._check_adjusted(prompt, max_new_tokens, logprobs, make_adjustments(**adjust))
+
+    def _check_adjusted(self, prompt: list[int], max_new_tokens: int, logprobs: int | None,
+                        adjustments: Adjustments) -> None:
         self.runtime._check([prompt], max_new_tokens)
         vocab = self.runtime.embed.shape[0]
         if logprobs is not None and not 0 <= logprobs <= vocab:
             raise ValueError(f"logprobs={logprobs} must be in 0..{vocab} (the vocabulary)")
+        a = adjustments
+        if not (a.repetition_penalty > 0 and 0 <= a.min_tokens <= max_new_tokens
+                and all(map(math.isfinite, (a.presence_penalty, a.frequency_penalty,
+                                            a.repetition_penalty)))):
+            raise ValueError(
+                f"repetition_penalty={a.repetition_penalty} must be > 0, min_tokens="
+                f"{a.min_tokens} in 0..max_tokens ({max_new_tokens}), penalties finite"
+            )
+        bad = [t for t, b in a.logit_bias if not 0 <= t < vocab or not math.isfinite(b)]
+        if bad:
+            raise ValueError(f"logit_bias names tokens outside the vocabulary 0..{vocab - 1} or "
+                             f"non-finite biases: {bad[:5]}")
         need = -(-(len(prompt) + max_new_tokens) // self.block_size)
         if need > self.pool.num_blocks:
             raise ValueError(
@@ -462,7 +499,8 @@ class Scheduler:
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         """Sample each row with its request's settings; retire finished requests."""
-        greedy = [i for i, s in enumerate(seqs) if s.sampling.temperature <= 0]
+        greedy = [i for i, s in enumerate(seqs)
+                  if s.sampling.temperature <= 0 and not s.adjustments.active]
         tokens: dict[int, int] = {}
         if greedy:
             # every row greedy (the usual case): no copy of the [B, V] logits (an indexed copy
@@ -472,7 +510,14 @@ class Scheduler:
             picked = _greedy_fused(rows) if fused else _sample(rows, _Sampling())
             tokens.update(zip(greedy, picked.tolist(), strict=True))
         for i, seq in enumerate(seqs):
-            if i not in tokens:
+            if i in tokens:
+                continue
+            if seq.adjustments.active:
+                check_finite(logits[i])  # the model's; the adjusted row may hold -inf
+                row = adjust_logits(logits[i], seq.adjustments, seq.prompt, seq.output,
+                                    seq.stop)
+                tokens[i] = int(_sample(row[None], seq.sampling, checked=True)[0])
+            else:
                 tokens[i] = int(_sample(logits[i : i + 1], seq.sampling)[0])
         scored = _logprobs(seqs, logits, tokens)
         events = []

@@ -15,8 +15,9 @@ accepting connections and lets the requests in flight finish (uvicorn's graceful
 Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
 ``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
 ``top_logprobs``) are the model's log-probabilities before temperature, top-k and top-p (vLLM's
-default). Not supported (400): ``echo``, ``best_of``, ``suffix``, tools, and the sampling controls
-listed in ``_Request``.
+default); presence/frequency/repetition penalties, ``logit_bias``, ``min_tokens`` and
+``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``). Not supported (400):
+``echo``, ``best_of``, ``suffix``, tools, ``min_p``, a ``response_format`` other than text.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from compress.runtime.sampling import _make_sampling
+from compress.runtime.sampling import ADJUSTMENT_KEYS, _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
@@ -65,15 +66,16 @@ class _Request(BaseModel):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # logit adjustments before sampling (vLLM's definitions: compress.runtime.sampling)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI's range
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Sampling controls this server does not implement: a request that sets one is refused
     # (unknown fields are ignored, so without these it would be served as if unset).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
     min_p: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None  # chat: with logprobs true, the top k per token
 
@@ -142,9 +144,10 @@ class Engine:
         Raises RequestError (400) for a request that cannot run, OverflowError (503) when
         ``max_waiting`` requests wait already."""
         try:
-            self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"))
+            adjust = {k: v for k, v in sampling.items() if k in ADJUSTMENT_KEYS}
+            self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"), **adjust)
             _make_sampling(**{k: v for k, v in sampling.items()
-                              if k not in ("stop_tokens", "logprobs")})
+                              if k not in ("stop_tokens", "logprobs", *ADJUSTMENT_KEYS)})
         except ValueError as exc:
             raise RequestError(str(exc), "prompt") from None
         queue: asyncio.Queue = asyncio.Queue()
@@ -387,13 +390,7 @@ class Server:
             "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
-            "presence_penalty": body.presence_penalty != 0,
-            "frequency_penalty": body.frequency_penalty != 0,
-            "repetition_penalty": body.repetition_penalty != 1,
-            "logit_bias": bool(body.logit_bias),
             "min_p": body.min_p != 0,
-            "min_tokens": body.min_tokens != 0,
-            "stop_token_ids": bool(body.stop_token_ids),
             "response_format": (body.response_format or {}).get("type", "text") != "text",
         }
         for name, bad in unsupported.items():
@@ -413,9 +410,17 @@ class Server:
         if top_k is not None and top_k < 1:
             raise RequestError(f"top_k must be -1 (off) or >= 1, got {top_k}", "top_k")
         top_p = None if body.top_p >= 1.0 else body.top_p
-        stops = () if body.ignore_eos else self.eos
+        stops = (() if body.ignore_eos else tuple(self.eos)) + tuple(body.stop_token_ids or ())
+        if body.min_tokens > limit:
+            raise RequestError(f"min_tokens {body.min_tokens} is more than max_tokens {limit}",
+                               "min_tokens")
         return limit, dict(
             logprobs=_logprobs_asked(body),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias),
+            min_tokens=body.min_tokens,
             stop_tokens=stops,
             temperature=body.temperature,
             top_k=top_k,
@@ -588,6 +593,21 @@ class Server:
             "model": self.model_name,
             "choices": choices,
         }
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]) as ids -> bias."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not -100 <= value <= 100:
+            raise RequestError(f"logit_bias[{key}] = {value} is outside [-100, 100]",
+                               "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _logprobs_asked(body: _Request) -> int | None:

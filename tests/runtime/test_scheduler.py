@@ -415,3 +415,91 @@ def test_logprobs_are_the_models_before_temperature():
         assert [v for _, v in e.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
     with pytest.raises(ValueError, match="logprobs=999 must be in 0..320"):
         scheduler.add(prompt, 2, logprobs=999)
+
+
+def _adjusted_greedy_reference(model, prompt, n, *, presence, frequency, repetition, bias):
+    """Greedy tokens under the penalties and bias, written out from vLLM's definitions on
+    transformers' float64 logits: the reference for ``sampling.adjust_logits``."""
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            row = model.double()(torch.tensor([prompt + out])).logits[0, -1].clone()
+        for t in set(prompt + out):
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t in set(out):
+            row[t] -= frequency * out.count(t) + presence
+        for t, b in bias.items():
+            row[t] += b
+        out.append(int(row.argmax()))
+    model.float()
+    return out
+
+
+@pytest.mark.parametrize(
+    "presence, frequency, repetition, bias",
+    [(1.5, 0.0, 1.0, {}), (0.0, 3.0, 1.0, {}), (0.0, 0.0, 1.8, {}), (0.0, 0.0, 0.6, {}),
+     (0.0, 0.0, 1.0, {71: -5.0, 7: 2.0}), (0.8, 0.5, 1.3, {7: 2.0})],
+    ids=["presence", "frequency", "repetition", "repetition-below-1", "bias", "all"],
+)
+def test_penalties_and_logit_bias_follow_their_definitions(presence, frequency, repetition,
+                                                           bias):
+    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    runtime = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=16, block_size=4, max_batch=2, prefill_budget=32)
+    prompt = [3, 17, 29, 41, 17]
+    plain = runtime.generate([prompt], 10)[0]
+    want = _adjusted_greedy_reference(model, prompt, 10, presence=presence, frequency=frequency,
+                                      repetition=repetition, bias=bias)
+    assert want != plain  # the adjustment changes the greedy tokens here: a real test
+    asked = scheduler.add(prompt, 10, presence_penalty=presence, frequency_penalty=frequency,
+                          repetition_penalty=repetition, logit_bias=bias)
+    other = scheduler.add([250, 4, 2], 6)  # an unadjusted greedy row beside it
+    assert drive_ids(scheduler, [asked, other]) == [want, runtime.generate([[250, 4, 2]], 6)[0]]
+
+
+def test_min_tokens_holds_the_stop_tokens_back():
+    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=16, block_size=4, max_batch=2, prefill_budget=32)
+    stop = 9  # made the likeliest token by its bias: drawn as soon as it may be
+    asked = scheduler.add([3, 17, 29], 12, stop_tokens={stop}, logit_bias={stop: 100.0},
+                          min_tokens=4)
+    events = []
+    while scheduler.has_work:
+        events += scheduler.step()
+    tokens = [e.token for e in events if e.id == asked]
+    assert len(tokens) == 5 and stop not in tokens[:4] and tokens[4] == stop
+    assert events[-1].finish_reason == "stop"
+    with pytest.raises(ValueError, match="min_tokens=13 in 0..max_tokens"):
+        scheduler.add([3], 12, min_tokens=13)
+    with pytest.raises(ValueError, match="logit_bias names tokens outside"):
+        scheduler.add([3], 4, logit_bias={320: 1.0})
+
+
+def drive_ids(scheduler: Scheduler, ids: list[int]) -> list[list[int]]:
+    """Step ``scheduler`` until idle; the tokens of each request in ``ids``."""
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while scheduler.has_work:
+        for event in scheduler.step():
+            if event.token is not None and event.id in tokens:
+                tokens[event.id].append(event.token)
+    return [tokens[i] for i in ids]
+
+
+def test_adjusted_logits_by_hand():
+    """Known values: repetition 2 halves the seen positive logit and doubles the seen negative
+    one; frequency 0.5 x count and presence 1 per output token; bias added; the stop tokens
+    masked until min_tokens."""
+    from compress.runtime.sampling import adjust_logits, make_adjustments
+
+    row = torch.tensor([2.0, -2.0, 1.0, -1.0, 3.0])
+    got = adjust_logits(row, make_adjustments(repetition_penalty=2.0), [0, 1], [], frozenset())
+    assert got.tolist() == [1.0, -4.0, 1.0, -1.0, 3.0] and row[1] == -2.0  # row untouched
+    got = adjust_logits(row, make_adjustments(presence_penalty=1.0, frequency_penalty=0.5),
+                        [0], [2, 2, 4], frozenset())
+    assert got.tolist() == [2.0, -2.0, 1.0 - 1.0 - 1.0, -1.0, 3.0 - 1.0 - 0.5]
+    got = adjust_logits(row, make_adjustments(logit_bias={3: 5.0}, min_tokens=2), [0], [1],
+                        frozenset({4, 99}))  # 99: beyond the vocabulary, ignored
+    assert got.tolist() == [2.0, -2.0, 1.0, 4.0, float("-inf")]
+    got = adjust_logits(row, make_adjustments(min_tokens=2), [0], [1, 1], frozenset({4}))
+    assert got.tolist() == row.tolist()

@@ -141,11 +141,13 @@ def test_token_id_prompts_several_choices_and_stop_strings(served):
         ({"prompt": "hi", "max_tokens": 500}, "max_seq_len"),
         ({"prompt": "hi", "top_k": -5}, "top_k"),
         # sampling controls that would otherwise be ignored: refused, not served as if unset
-        ({"prompt": "hi", "presence_penalty": 1.5}, "presence_penalty is not supported"),
-        ({"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty is not supported"),
-        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty is not supported"),
-        ({"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
         ({"prompt": "hi", "min_p": 0.1}, "min_p is not supported"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias key 'abc' is not a token id"),
+        ({"prompt": "hi", "logit_bias": {"5": 200}}, "outside [-100, 100]"),
+        ({"prompt": "hi", "logit_bias": {"99999": 1}}, "outside the vocabulary"),
+        ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens 5 is more than"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "hi", "seed": 2**80, "temperature": 1}, "seed"),
     ],
@@ -166,6 +168,18 @@ def test_defaults_spelt_out_and_an_empty_stop_string_change_nothing(served):
     reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 6)
+
+
+def test_logit_bias_stop_token_ids_and_min_tokens_reach_the_scheduler(served):
+    running, _, tokenizer = served
+    body = {"prompt": [1, 40, 50], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"9": 100}}  # fmt: skip
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["text"] == tokenizer.decode([9, 9, 9])
+    body = {**body, "max_tokens": 8, "stop_token_ids": [9], "min_tokens": 2}
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == 3  # two held back, then the stop token
 
 
 def test_n_choices_per_prompt_in_vllms_order(served):
