@@ -27,6 +27,7 @@ class _Sampling:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+    min_p: float | None = None  # drop tokens under min_p x the likeliest one's probability
 
 
 def check_finite(logits: torch.Tensor) -> None:
@@ -60,6 +61,9 @@ def _sample(logits: torch.Tensor, s: _Sampling, *, checked: bool = False) -> tor
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop = probs.cumsum(-1) - probs >= s.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if s.min_p is not None:  # after temperature, as vLLM; the likeliest token always stays
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=s.generator).squeeze(-1)
 
 
@@ -136,6 +140,7 @@ def _make_sampling(
     top_p: float | None = None,
     seed: int | None = None,
     device: torch.device | None = None,
+    min_p: float | None = None,
 ) -> _Sampling:
     """Sampling settings; a seed makes a generator on ``device`` (the model's: multinomial on
     CUDA refuses a CPU generator; None: the CPU)."""
@@ -143,11 +148,13 @@ def _make_sampling(
         temperature < 0
         or (top_k is not None and top_k < 1)
         or not (top_p is None or 0 < top_p <= 1)
+        or not (min_p is None or 0 <= min_p <= 1)
     ):
         raise ValueError(
-            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1]"
+            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in "
+            f"(0, 1], min_p={min_p} in [0, 1]"
         )
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device or "cpu").manual_seed(seed)
-    return _Sampling(temperature, top_k, top_p, generator)
+    return _Sampling(temperature, top_k, top_p, generator, min_p or None)

@@ -260,6 +260,7 @@ class Scheduler:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        min_p: float | None = None,
         logprobs: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
@@ -277,7 +278,8 @@ class Scheduler:
         adjustments = make_adjustments(presence_penalty, frequency_penalty, repetition_penalty,
                                        logit_bias, min_tokens)
         self._check_adjusted(prompt, max_new_tokens, logprobs, adjustments)
-        sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device)
+        sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device,
+                                  min_p=min_p)
         seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens),
                        logprobs=logprobs, adjustments=adjustments)
         self.waiting.append(seq)

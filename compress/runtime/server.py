@@ -16,8 +16,8 @@ Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt``
 ``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
 ``top_logprobs``) are the model's log-probabilities before temperature, top-k and top-p (vLLM's
 default); presence/frequency/repetition penalties, ``logit_bias``, ``min_tokens`` and
-``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``). Not supported (400):
-``echo``, ``best_of``, ``suffix``, tools, ``min_p``, a ``response_format`` other than text.
+``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``), ``min_p``. Not supported (400):
+``echo``, ``best_of``, ``suffix``, tools, a ``response_format`` other than text.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     # Sampling controls this server does not implement: a request that sets one is refused
     # (unknown fields are ignored, so without these it would be served as if unset).
-    min_p: float = 0.0
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None  # chat: with logprobs true, the top k per token
 
@@ -390,7 +390,6 @@ class Server:
             "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
-            "min_p": body.min_p != 0,
             "response_format": (body.response_format or {}).get("type", "text") != "text",
         }
         for name, bad in unsupported.items():
@@ -425,6 +424,7 @@ class Server:
             temperature=body.temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=body.min_p or None,
             seed=None if body.seed is None else (body.seed + sample + 2**63) % 2**64 - 2**63,
         )
 

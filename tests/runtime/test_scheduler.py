@@ -503,3 +503,15 @@ def test_adjusted_logits_by_hand():
     assert got.tolist() == [2.0, -2.0, 1.0, 4.0, float("-inf")]
     got = adjust_logits(row, make_adjustments(min_tokens=2), [0], [1, 1], frozenset({4}))
     assert got.tolist() == row.tolist()
+
+
+def test_min_p_keeps_the_tokens_above_its_share_of_the_likeliest():
+    from compress.runtime.sampling import _make_sampling, _sample
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(4000, 4).contiguous()
+    kept = _sample(logits, _make_sampling(1.0, min_p=0.5, seed=0))
+    assert set(kept.tolist()) == {0, 1}  # 0.15 and 0.05 < 0.5 x 0.5
+    share = float((kept == 0).float().mean())
+    assert abs(share - 0.5 / 0.8) < 0.03  # the kept ones renormalised: 0.625
+    free = _sample(logits, _make_sampling(1.0, seed=0))
+    assert set(free.tolist()) == {0, 1, 2, 3}

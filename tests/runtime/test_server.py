@@ -141,7 +141,7 @@ def test_token_id_prompts_several_choices_and_stop_strings(served):
         ({"prompt": "hi", "max_tokens": 500}, "max_seq_len"),
         ({"prompt": "hi", "top_k": -5}, "top_k"),
         # sampling controls that would otherwise be ignored: refused, not served as if unset
-        ({"prompt": "hi", "min_p": 0.1}, "min_p is not supported"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p: Input should be less than or equal to 1"),
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias key 'abc' is not a token id"),
