@@ -62,7 +62,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     # choices per prompt; bounded like the batch a step can hold
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    logprobs: Any = None
+    logprobs: Any = None  # completions: k (the top k per token); chat: true or false
+    top_logprobs: int | None = None  # chat: with logprobs true, the top k per token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -77,7 +78,6 @@ class _Request(BaseModel):
     # Sampling controls this server does not implement: a request that sets one is refused
     # (unknown fields are ignored, so without these it would be served as if unset).
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None  # chat: with logprobs true, the top k per token
 
 
 class CompletionRequest(_Request):
