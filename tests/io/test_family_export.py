@@ -29,26 +29,45 @@ MOE_TYPES = ("mixtral", "qwen3_moe")
 IDS = [[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8]]
 
 
-@pytest.mark.parametrize("family", [*TINY_MODEL_TYPES, *MOE_TYPES])
-def test_family_quantize_export_reload_generate(family, tmp_path):
-    torch.set_num_threads(1)
-    model = make_tiny_moe(family) if family in MOE_TYPES else make_tiny_model(family)
-    gen = torch.Generator().manual_seed(0)
-    batches = list(torch.randint(3, 300, (4, 1, 32), generator=gen))
-    state = CompressionState(calibration_batches=lambda: batches, progress=False)
-    run_passes(model, [GptqConfig(group_size=32, strict=True)], state)
-    assert state.reports[-1].metrics["quantized_share"] == 1.0
+FAMILIES = [*TINY_MODEL_TYPES, *MOE_TYPES]
 
-    export_checkpoint(model, make_char_tokenizer(), tmp_path / "export", dtype="float32")
-    [theirs] = plain_transformers_logits([tmp_path / "export"], IDS, tmp_path)
-    with torch.no_grad():
-        ours = model(torch.tensor(IDS)).logits
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Every family quantized (GPTQ W4 g32, strict) and exported; then every export reloaded by
+    plain transformers in one subprocess (one interpreter start instead of one a family: about
+    4 s each). -> family -> (the quantized model, its share, our logits, transformers')."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("families")
+    done = {}
+    for family in FAMILIES:
+        model = make_tiny_moe(family) if family in MOE_TYPES else make_tiny_model(family)
+        gen = torch.Generator().manual_seed(0)
+        batches = list(torch.randint(3, 300, (4, 1, 32), generator=gen))
+        state = CompressionState(calibration_batches=lambda b=batches: b, progress=False)
+        run_passes(model, [GptqConfig(group_size=32, strict=True)], state)
+        export_checkpoint(model, make_char_tokenizer(), root / family, dtype="float32")
+        with torch.no_grad():
+            ours = model(torch.tensor(IDS)).logits
+        done[family] = (model, state.reports[-1].metrics["quantized_share"], ours)
+    theirs = plain_transformers_logits([root / f for f in FAMILIES], IDS, root)
+    torch.set_num_threads(threads)
+    return {f: (*done[f], t) for f, t in zip(FAMILIES, theirs, strict=True)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_quantize_export_reload_generate(family, exported):
+    torch.set_num_threads(1)
+    model, share, ours, theirs = exported[family]
+    assert share == 1.0
     assert float((theirs - ours).norm() / ours.norm()) < 1e-2
 
     expected = hf_greedy(model, IDS[0], 8)
     reason = unsupported_reason(model)
     if reason is None:  # the runtime runs it: fp32 decode, the int4 layers on the native kernel
-        runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False)
+        runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False,
+                          keep_model_weights=True)  # the model stays the fixture's
         assert runtime.generate(IDS, 8) == [expected]
     else:  # the fallback says why and still generates transformers' tokens
         assert not ARCHS[family].runtime, reason
