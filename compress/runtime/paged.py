@@ -199,11 +199,13 @@ def forward_step(
     *,
     kernel: bool = False,
     every_row: bool = False,
+    every_row_of: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """One forward over a step's tokens: ``decode`` rows (one new token each) and prefill
     ``chunks`` of several requests side by side through every projection, one call each, so the
     weights are read once per step; attention per request. -> logits [B + S, V] fp32: after each
-    decode row, then after each chunk's last token (``every_row``: after every chunk token).
+    decode row, then after each chunk's last token (``every_row``: after every chunk token;
+    ``every_row_of``: after every token of the chunks at those indices, in place of the last).
 
     Decode rows attend to their slots in the pool: with ``kernel`` where they lie
     (``kernels.cpu_attention``), else gathered, padded to the longest context and masked,
@@ -272,8 +274,14 @@ def forward_step(
         x = layer.finish(x, torch.cat(parts, 1), bool(decode))
     if every_row:
         return runtime.head(x[0])
-    rows = torch.cat([torch.arange(b), b + torch.tensor(sizes, dtype=torch.long).cumsum(0) - 1])
-    return runtime.head(x[0, rows.to(device)])
+    if not every_row_of:
+        rows = torch.cat([torch.arange(b), b + torch.tensor(sizes, dtype=torch.long).cumsum(0) - 1])
+        return runtime.head(x[0, rows.to(device)])
+    picked, end = list(range(b)), b
+    for j, size in enumerate(sizes):
+        end += size
+        picked += range(end - size, end) if j in every_row_of else [end - 1]
+    return runtime.head(x[0, torch.tensor(picked, device=device)])
 
 
 @torch.no_grad()

@@ -84,11 +84,21 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort"
     preemptions: int = 0
     logprobs: int | None = None  # None: none asked; k: each token's log-prob and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
+    # prompt position p (1..P-1) -> (log-prob of prompt[p], its top k), as prefill computes them
+    prompt_scores: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=dict)
     adjustments: Adjustments = Adjustments()  # penalties, logit bias, minimum length
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prefill must still score this request's prompt positions (so none of them
+        may come from the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt) - 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ class Event:
     # where the request asked for them (``Scheduler.add(logprobs=k)``)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # on a request's first event, where it asked (``Scheduler.add(prompt_logprobs=k)``): each
+    # prompt token's after the first, (log-prob, top k), in prompt order
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
 def _logprobs(seqs: list[Sequence], logits: torch.Tensor,
@@ -262,6 +275,7 @@ class Scheduler:
         seed: int | None = None,
         min_p: float | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
@@ -273,15 +287,19 @@ class Scheduler:
         ``logprobs``: k >= 0 puts each token's log-probability under the model (its logits
         before temperature, top-k or top-p, as vLLM's default) and the k likeliest tokens'
         on its events. The penalties, ``logit_bias`` (token id -> added logit) and ``min_tokens``
-        adjust the logits before sampling (``sampling.Adjustments``)."""
+        adjust the logits before sampling (``sampling.Adjustments``). ``prompt_logprobs``: k >= 0
+        scores the prompt's tokens after the first alike, on the request's first event (its
+        prompt is then computed whole, not read from the prefix cache)."""
         prompt = [int(t) for t in prompt]
         adjustments = make_adjustments(presence_penalty, frequency_penalty, repetition_penalty,
                                        logit_bias, min_tokens)
         self._check_adjusted(prompt, max_new_tokens, logprobs, adjustments)
+        self._check_adjusted(prompt, max_new_tokens, prompt_logprobs, adjustments)
         sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device,
                                   min_p=min_p)
         seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens),
-                       logprobs=logprobs, adjustments=adjustments)
+                       logprobs=logprobs, adjustments=adjustments,
+                       prompt_logprobs=prompt_logprobs)
         self.waiting.append(seq)
         return seq.id
 
@@ -365,7 +383,11 @@ class Scheduler:
         """One forward of decode rows and prefill chunks; their events."""
         segments = [self._segment(seq, 1) for seq in decode]
         chunk_segments = [self._segment(seq, n) for seq, n in chunks]
-        logits = forward_step(self.runtime, self.cache, segments, chunk_segments, kernel=kernel)
+        scoring = frozenset(j for j, (seq, _) in enumerate(chunks) if seq.scores_prompt)
+        logits = forward_step(self.runtime, self.cache, segments, chunk_segments, kernel=kernel,
+                              every_row_of=scoring)
+        if scoring:  # keep the prompt scores; each chunk's last row stays for sampling
+            logits = self._score_prompts(chunks, scoring, logits, len(decode))
         self.stats.decode_rows += len(decode)
         for seq in decode:
             seq.num_computed += 1
@@ -383,6 +405,29 @@ class Scheduler:
         # every row sampled (a decode-only step): the logits as they are, no indexed copy of
         # [B, V] (0.67 ms a step at 32 x 49152, Xeon)
         return self._emit(done, logits if len(rows) == logits.shape[0] else logits[rows])
+
+    def _score_prompts(self, chunks: list[tuple[Sequence, int]], scoring: frozenset[int],
+                       logits: torch.Tensor, b: int) -> torch.Tensor:
+        """Store the prompt scores of the ``scoring`` chunks from their every-row ``logits``
+        (``forward_step(every_row_of=...)``) -> the logits with one row per chunk (its last)."""
+        rows, at = list(range(b)), b
+        for j, (seq, n) in enumerate(chunks):
+            if j not in scoring:
+                rows.append(at)
+                at += 1
+                continue
+            start, k = seq.num_computed, seq.prompt_logprobs
+            logp = logits[at : at + n].float().log_softmax(-1)
+            for r in range(n):
+                target = start + r + 1  # the token row r predicts
+                if target < len(seq.prompt):
+                    top = torch.topk(logp[r], k) if k else None
+                    pairs = () if top is None else tuple(zip(
+                        top.indices.tolist(), top.values.tolist(), strict=True))
+                    seq.prompt_scores[target] = (float(logp[r, seq.prompt[target]]), pairs)
+            at += n
+            rows.append(at - 1)
+        return logits[rows]
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's decoding requests and prefill chunks (request, tokens), blocks held."""
@@ -436,7 +481,8 @@ class Scheduler:
         tokens = seq.tokens
         parent = ROOT_KEY
         hits = []
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+        last = -1 if seq.scores_prompt else len(tokens) - 1 - self.block_size + 1
+        for start in range(0, last, self.block_size):
             key = block_key(parent, tokens[start : start + self.block_size])
             block = self.pool.lookup(key)
             if block is None:
@@ -535,5 +581,9 @@ class Scheduler:
                 seq.finish_reason = reason
                 self.running.remove(seq)
                 self._release(seq)
-            events.append(Event(seq.id, token, reason, *scored.get(i, (None, None))))
+            prompt_scores = None
+            if seq.prompt_logprobs is not None and len(seq.output) == 1:
+                prompt_scores = tuple(seq.prompt_scores[p] for p in range(1, len(seq.prompt)))
+            events.append(Event(seq.id, token, reason, *scored.get(i, (None, None)),
+                                prompt_logprobs=prompt_scores))
         return events

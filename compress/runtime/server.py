@@ -15,9 +15,11 @@ accepting connections and lets the requests in flight finish (uvicorn's graceful
 Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
 ``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
 ``top_logprobs``) are the model's log-probabilities before temperature, top-k and top-p (vLLM's
-default); presence/frequency/repetition penalties, ``logit_bias``, ``min_tokens`` and
-``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``), ``min_p``. Not supported (400):
-``echo``, ``best_of``, ``suffix``, tools, a ``response_format`` other than text.
+default); ``echo`` (completions without stream; with ``logprobs`` the prompt's tokens scored
+too, what lm-eval's loglikelihood asks); presence/frequency/repetition penalties,
+``logit_bias``, ``min_tokens`` and ``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``),
+``min_p``. Not supported (400): ``best_of``, ``suffix``, tools, a ``response_format`` other than
+text.
 """
 
 from __future__ import annotations
@@ -146,8 +148,9 @@ class Engine:
         try:
             adjust = {k: v for k, v in sampling.items() if k in ADJUSTMENT_KEYS}
             self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"), **adjust)
-            _make_sampling(**{k: v for k, v in sampling.items()
-                              if k not in ("stop_tokens", "logprobs", *ADJUSTMENT_KEYS)})
+            self.scheduler.check(prompt, max_new_tokens, sampling.get("prompt_logprobs"))
+            _make_sampling(**{k: v for k, v in sampling.items() if k not in (
+                "stop_tokens", "logprobs", "prompt_logprobs", *ADJUSTMENT_KEYS)})
         except ValueError as exc:
             raise RequestError(str(exc), "prompt") from None
         queue: asyncio.Queue = asyncio.Queue()
@@ -386,8 +389,9 @@ class Server:
                   sample: int = 0) -> tuple[int, dict[str, Any]]:
         """The token limit and sampling settings of choice ``sample`` of ``prompt`` (with a
         seed, choice j samples with seed + j: the n choices differ and each is reproducible)."""
+        if body.echo and (isinstance(body, ChatRequest) or body.stream):
+            raise RequestError("echo is served for /v1/completions without stream only", "echo")
         unsupported = {
-            "echo": body.echo,
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
             "response_format": (body.response_format or {}).get("type", "text") != "text",
@@ -415,6 +419,8 @@ class Server:
                                "min_tokens")
         return limit, dict(
             logprobs=_logprobs_asked(body),
+            # echo with logprobs: the prompt's tokens scored too (lm-eval's loglikelihood ask)
+            prompt_logprobs=_logprobs_asked(body) if body.echo else None,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
@@ -433,12 +439,14 @@ class Server:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
+        echoed: list[list[int]] = []  # each choice's prompt, when echo is asked
         try:
             for prompt in prompts:  # choice index: prompt * n + sample, as vLLM orders them
                 for sample in range(body.n):
                     limit, sampling = self._sampling(body, prompt, sample)
                     seq_id, queue = self.engine.add(prompt, limit, **sampling)
                     opened.append((seq_id, queue, _Detokenizer(self.tokenizer, stops)))
+                    echoed += [prompt] if body.echo else []
         except (RequestError, OverflowError, RuntimeError) as exc:
             for seq_id, _, _ in opened:
                 self.engine.abort(seq_id)
@@ -452,7 +460,8 @@ class Server:
             events = self._stream(rid, opened, usage, chat=chat, include_usage=include_usage,
                                   logprobs=_logprobs_asked(body) is not None)
             return StreamingResponse(events, media_type="text/event-stream")
-        texts = ["" for _ in opened]
+        texts = [self.tokenizer.decode(p, skip_special_tokens=True) for p in echoed] or [
+            "" for _ in opened]
         reasons: list[str | None] = [None] * len(opened)
         scored: list[list[Event]] = [[] for _ in opened]  # events carrying log-probs
         try:
@@ -468,8 +477,9 @@ class Server:
                 self.engine.abort(seq_id)  # no-op for finished requests
         if any(r is None for r in reasons):  # the client went away
             return JSONResponse({}, status_code=499)
-        logprobs = [self._logprobs(events, chat=chat) if _logprobs_asked(body) is not None
-                    else None for events in scored]
+        logprobs = [self._logprobs(events, chat=chat, prompt=echoed[i] if echoed else None)
+                    if _logprobs_asked(body) is not None else None
+                    for i, events in enumerate(scored)]
         return self._body(rid, texts, reasons, usage, chat=chat, logprobs=logprobs)
 
     async def _merge(self, opened, usage, request=None) -> AsyncIterator[tuple]:
@@ -539,10 +549,13 @@ class Server:
             return self._response(rid, "chat.completion.chunk", [choice])
         return self._response(rid, "text_completion", [_text_choice(index, delta or "", reason)])
 
-    def _logprobs(self, events: list[Event], *, chat: bool, offset: int = 0) -> dict:
+    def _logprobs(self, events: list[Event], *, chat: bool, offset: int = 0,
+                  prompt: list[int] | None = None) -> dict:
         """OpenAI's ``logprobs`` object for ``events``' tokens: completions' parallel lists
         (``top_logprobs`` a token -> log-prob map each, None without alternatives), chat's
-        ``content`` entries with the tokens' UTF-8 bytes."""
+        ``content`` entries with the tokens' UTF-8 bytes. ``prompt`` (echo): its tokens come
+        first, the first one without a log-prob (nothing predicts it), the others scored by the
+        first event's ``prompt_logprobs``."""
         def text(token: int) -> str:
             return self.tokenizer.decode([token])
 
@@ -556,13 +569,18 @@ class Server:
                  "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or ()]}
                 for e in events
             ]}  # fmt: skip
-        tokens = [text(e.token) for e in events]
+        ids = [e.token for e in events]
+        scores = [(e.logprob, e.top_logprobs) for e in events]
+        if prompt is not None:
+            ids = list(prompt) + ids
+            scores = [(None, None), *(events[0].prompt_logprobs if events else ()), *scores]
+        tokens = [text(t) for t in ids]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{text(t): lp for t, lp in e.top_logprobs} if e.top_logprobs
-                             else None for e in events],
+            "token_logprobs": [lp for lp, _ in scores],
+            "top_logprobs": [{text(t): lp for t, lp in top} if top else None
+                             for _, top in scores],
             "text_offset": offsets,
         }
 

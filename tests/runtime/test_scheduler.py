@@ -515,3 +515,34 @@ def test_min_p_keeps_the_tokens_above_its_share_of_the_likeliest():
     assert abs(share - 0.5 / 0.8) < 0.03  # the kept ones renormalised: 0.625
     free = _sample(logits, _make_sampling(1.0, seed=0))
     assert set(free.tolist()) == {0, 1, 2, 3}
+
+
+def test_prompt_logprobs_are_the_models_over_chunks_and_cached_prefixes():
+    """Each prompt token's log-probability after the first (and its top 2) on the request's
+    first event: transformers' fp32 log-softmax at those positions, the prompt prefilled in
+    chunks of 4 beside another request, its prefix already in the cache (which it must not
+    take: those positions would have no logits)."""
+    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    runtime = Runtime(model, max_seq_len=64, compile=False)
+    scheduler = Scheduler(runtime, num_blocks=32, block_size=4, max_batch=3, prefill_budget=6)
+    prompt = [3, 17, 29, 41, 5, 60, 7, 80, 9, 10, 11]
+    drive_ids(scheduler, [scheduler.add(prompt, 2)])  # caches the prompt's full blocks
+    asked = scheduler.add(prompt, 3, prompt_logprobs=2, logprobs=0)
+    other = scheduler.add([250, 4, 2, 9, 9], 3)
+    events = []
+    while scheduler.has_work:
+        events += scheduler.step()
+    mine = [e for e in events if e.id == asked]
+    assert all(e.prompt_logprobs is None for e in events if e.id == other)
+    assert mine[0].prompt_logprobs is not None and all(e.prompt_logprobs is None
+                                                       for e in mine[1:])
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, :-1].double().log_softmax(-1)
+    got = mine[0].prompt_logprobs
+    assert len(got) == len(prompt) - 1
+    assert [lp for lp, _ in got] == pytest.approx(
+        [float(ref[p, prompt[p + 1]]) for p in range(len(prompt) - 1)], abs=1e-4)
+    for row, (_, top) in zip(ref, got, strict=True):
+        values, ids = row.topk(2)
+        assert [t for t, _ in top] == ids.tolist()
+    assert [e.token for e in mine] == runtime.generate([prompt], 3)[0]

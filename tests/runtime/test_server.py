@@ -255,9 +255,40 @@ def test_logprobs_are_the_models_log_probabilities(served):
                                                              abs=1e-5)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(served):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, token ids): the prompt's
+    tokens come first, the first without a log-prob, the others transformers' fp32
+    log-softmax at their positions; then the generated token."""
+    running, runtime, tokenizer = served
+    model, _ = tiny()
+    prompt = [1, 40, 50, 60, 41, 42, 43, 44, 45]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+            "ignore_eos": True}  # fmt: skip
+    choice = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    choice = choice["choices"][0]
+    got = choice["logprobs"]
+    new = runtime.generate([prompt], 1)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + new])).logits[0, :-1].log_softmax(-1)
+    ids = prompt + new
+    assert got["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(
+        [float(ref[p, ids[p + 1]]) for p in range(len(ids) - 1)], abs=1e-4)
+    assert all(len(top) == 1 for top in got["top_logprobs"][1:])
+    assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+    plain = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={**body, "logprobs": None, "max_tokens": 3}).json()  # fmt: skip
+    assert plain["choices"][0]["text"] == tokenizer.decode(
+        prompt + runtime.generate([prompt], 3)[0], skip_special_tokens=True)
+
+
 @pytest.mark.parametrize(
     "path, body, fragment",
     [
+        ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "without stream"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
+         "echo is served for /v1/completions"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be in 0..20"),
         ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
         ("/v1/completions", {"prompt": "hi", "top_logprobs": 2}, "top_logprobs is a chat field"),
