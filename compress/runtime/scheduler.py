@@ -293,8 +293,7 @@ class Scheduler:
         prompt = [int(t) for t in prompt]
         adjustments = make_adjustments(presence_penalty, frequency_penalty, repetition_penalty,
                                        logit_bias, min_tokens)
-        self._check_adjusted(prompt, max_new_tokens, logprobs, adjustments)
-        self._check_adjusted(prompt, max_new_tokens, prompt_logprobs, adjustments)
+        self._check_adjusted(prompt, max_new_tokens, (logprobs, prompt_logprobs), adjustments)
         sampling = _make_sampling(temperature, top_k, top_p, seed, device=self.runtime.device,
                                   min_p=min_p)
         seq = Sequence(next(self._ids), prompt, max_new_tokens, sampling, frozenset(stop_tokens),
@@ -304,17 +303,19 @@ class Scheduler:
         return seq.id
 
     def check(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None,
-              **adjust) -> None:
+              prompt_logprobs: int | None = None, **adjust) -> None:
         """The ValueError ``add`` would raise for this request, if any (``adjust``: ``add``'s
         penalty, bias and minimum-length keywords)."""
-        self._check_adjusted(prompt, max_new_tokens, logprobs, make_adjustments(**adjust))
+        self._check_adjusted(prompt, max_new_tokens, (logprobs, prompt_logprobs),
+                             make_adjustments(**adjust))
 
-    def _check_adjusted(self, prompt: list[int], max_new_tokens: int, logprobs: int | None,
-                        adjustments: Adjustments) -> None:
+    def _check_adjusted(self, prompt: list[int], max_new_tokens: int,
+                        logprobs: tuple[int | None, ...], adjustments: Adjustments) -> None:
         self.runtime._check([prompt], max_new_tokens)
         vocab = self.runtime.embed.shape[0]
-        if logprobs is not None and not 0 <= logprobs <= vocab:
-            raise ValueError(f"logprobs={logprobs} must be in 0..{vocab} (the vocabulary)")
+        for k in logprobs:
+            if k is not None and not 0 <= k <= vocab:
+                raise ValueError(f"logprobs={k} must be in 0..{vocab} (the vocabulary)")
         a = adjustments
         if not (a.repetition_penalty > 0 and 0 <= a.min_tokens <= max_new_tokens
                 and all(map(math.isfinite, (a.presence_penalty, a.frequency_penalty,

@@ -147,8 +147,8 @@ class Engine:
         ``max_waiting`` requests wait already."""
         try:
             adjust = {k: v for k, v in sampling.items() if k in ADJUSTMENT_KEYS}
-            self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"), **adjust)
-            self.scheduler.check(prompt, max_new_tokens, sampling.get("prompt_logprobs"))
+            self.scheduler.check(prompt, max_new_tokens, sampling.get("logprobs"),
+                                 sampling.get("prompt_logprobs"), **adjust)
             _make_sampling(**{k: v for k, v in sampling.items() if k not in (
                 "stop_tokens", "logprobs", "prompt_logprobs", *ADJUSTMENT_KEYS)})
         except ValueError as exc:
