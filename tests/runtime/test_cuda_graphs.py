@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.engine import Runtime
 from compress.runtime.graphs import Captured, CaptureFailed, GraphedSteps
+from compress.runtime.layers import _FloatLinear
 from compress.testing import TINY_MODEL_TYPES, make_tiny_llama, make_tiny_model, make_tiny_moe
 
 if not torch.cuda.is_available():  # the Triton W4 layers run in the interpreter (read at import)
@@ -63,6 +64,15 @@ class _Reads(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.made.add(t.untyped_storage().data_ptr())
         return out
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_weight_layouts(monkeypatch):
+    """Keep weights in the layout a GPU runtime holds them in. ``_FloatLinear.pack`` returns
+    False off the CPU, but the emulation runs on the CPU, where it would put a bf16 head into
+    oneDNN's blocked layout on a CPU with AVX512-BF16 and no AMX: an opaque tensor whose
+    storage no capture (and no check here) can read."""
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self: False)
 
 
 def _checked_capture(calls: list[str]):
