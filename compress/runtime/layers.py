@@ -34,6 +34,7 @@ from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
     config_value,
+    head_dim_of_config,
     layer_rope_key,
     layer_window,
     rope_permutation,
@@ -505,7 +506,7 @@ class _Layer(nn.Module):
     ):
         super().__init__()
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.head_dim = head_dim_of_config(config)
         self.eps = float(config.rms_norm_eps)
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.

@@ -15,7 +15,7 @@ accepting connections and lets the requests in flight finish (uvicorn's graceful
 Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
 ``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
 ``top_logprobs``) are the model's log-probabilities before temperature, top-k and top-p (vLLM's
-default); ``echo`` (completions without stream; with ``logprobs`` the prompt's tokens scored
+default); ``echo`` (completions, whole or streamed; with ``logprobs`` the prompt's tokens scored
 too, what lm-eval's loglikelihood asks); presence/frequency/repetition penalties,
 ``logit_bias``, ``min_tokens`` and ``stop_token_ids`` (``compress.runtime.sampling.adjust_logits``),
 ``min_p``. Not supported (400): ``best_of``, ``suffix``, tools, a ``response_format`` other than
@@ -389,8 +389,8 @@ class Server:
                   sample: int = 0) -> tuple[int, dict[str, Any]]:
         """The token limit and sampling settings of choice ``sample`` of ``prompt`` (with a
         seed, choice j samples with seed + j: the n choices differ and each is reproducible)."""
-        if body.echo and (isinstance(body, ChatRequest) or body.stream):
-            raise RequestError("echo is served for /v1/completions without stream only", "echo")
+        if body.echo and isinstance(body, ChatRequest):
+            raise RequestError("echo is served for /v1/completions only", "echo")
         unsupported = {
             "best_of": body.best_of not in (None, 1),
             "suffix": body.suffix is not None,
@@ -458,7 +458,7 @@ class Server:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             events = self._stream(rid, opened, usage, chat=chat, include_usage=include_usage,
-                                  logprobs=_logprobs_asked(body) is not None)
+                                  logprobs=_logprobs_asked(body) is not None, echoed=echoed)
             return StreamingResponse(events, media_type="text/event-stream")
         texts = [self.tokenizer.decode(p, skip_special_tokens=True) for p in echoed] or [
             "" for _ in opened]
@@ -513,21 +513,32 @@ class Server:
                 task.cancel()
 
     async def _stream(self, rid, opened, usage, *, chat: bool, include_usage: bool,
-                      logprobs: bool = False):
-        """Server-sent events; a disconnect cancels this generator, whose finally aborts."""
+                      logprobs: bool = False, echoed: list[list[int]] | None = None):
+        """Server-sent events; a disconnect cancels this generator, whose finally aborts.
+        ``echoed`` (completions' echo): each choice's prompt, whose text (and, with logprobs,
+        scored tokens) its first event carries before its first token, as in the whole
+        answer."""
         offsets = [0] * len(opened)  # completions' text_offset of each choice's next token
+        unechoed = set(range(len(opened))) if echoed else set()
         try:
             if chat:
                 yield _sse(self._chunk(rid, 0, None, None, chat=True, role=True))
             async for index, delta, reason, event in self._merge(opened, usage):
                 # one event per token, as OpenAI's and vLLM's servers send, even when its text
                 # waits for the next token (a split character): clients count tokens by events
+                prompt = None
+                if index in unechoed:
+                    unechoed.discard(index)
+                    prompt = echoed[index]
+                    delta = self.tokenizer.decode(prompt, skip_special_tokens=True) + delta
                 chunk = self._chunk(rid, index, delta, reason, chat=chat)
-                if logprobs and event.logprob is not None:
-                    scored = self._logprobs([event], chat=chat, offset=offsets[index])
+                if logprobs and (event.logprob is not None or prompt is not None):
+                    scored = self._logprobs([event] if event.logprob is not None else [],
+                                            chat=chat, offset=offsets[index], prompt=prompt,
+                                            prompt_event=event)
                     chunk["choices"][0]["logprobs"] = scored
                     if not chat:
-                        offsets[index] += len(scored["tokens"][0])
+                        offsets[index] += sum(len(t) for t in scored["tokens"])
                 yield _sse(chunk)
             if include_usage:
                 chunk = self._chunk(rid, 0, None, None, chat=chat)
@@ -550,12 +561,12 @@ class Server:
         return self._response(rid, "text_completion", [_text_choice(index, delta or "", reason)])
 
     def _logprobs(self, events: list[Event], *, chat: bool, offset: int = 0,
-                  prompt: list[int] | None = None) -> dict:
+                  prompt: list[int] | None = None, prompt_event: Event | None = None) -> dict:
         """OpenAI's ``logprobs`` object for ``events``' tokens: completions' parallel lists
         (``top_logprobs`` a token -> log-prob map each, None without alternatives), chat's
         ``content`` entries with the tokens' UTF-8 bytes. ``prompt`` (echo): its tokens come
         first, the first one without a log-prob (nothing predicts it), the others scored by the
-        first event's ``prompt_logprobs``."""
+        ``prompt_logprobs`` of ``prompt_event`` (default: the first event)."""
         def text(token: int) -> str:
             return self.tokenizer.decode([token])
 
@@ -572,8 +583,10 @@ class Server:
         ids = [e.token for e in events]
         scores = [(e.logprob, e.top_logprobs) for e in events]
         if prompt is not None:
+            prompt_event = prompt_event or (events[0] if events else None)
+            scored_prompt = (prompt_event.prompt_logprobs if prompt_event else None) or ()
             ids = list(prompt) + ids
-            scores = [(None, None), *(events[0].prompt_logprobs if events else ()), *scores]
+            scores = [(None, None), *scored_prompt, *scores]
         tokens = [text(t) for t in ids]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {

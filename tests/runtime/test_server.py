@@ -283,10 +283,39 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(served):
         prompt + runtime.generate([prompt], 3)[0], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_streamed_echo_sends_what_the_whole_answer_holds(served, logprobs):
+    """echo with stream: each choice's first event carries its prompt's text (and, with
+    logprobs, its scored tokens) before the first token; the events put together equal the
+    whole answer, text offsets included, for every choice of n = 2."""
+    running, _, _ = served
+    body = {"prompt": [1, 40, 50, 60, 41, 42], "max_tokens": 3, "temperature": 0, "n": 2,
+            "echo": True, "ignore_eos": True, "logprobs": logprobs}  # fmt: skip
+    whole = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    texts, scored = ["", ""], [[], []]
+    with httpx.stream("POST", running.url + "/v1/completions",
+                      json={**body, "stream": True}, timeout=60) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                texts[choice["index"]] += choice["text"]
+                scored[choice["index"]].append(choice["logprobs"])
+    for i, want in enumerate(whole["choices"]):
+        assert texts[i] == want["text"] and texts[i].startswith("CMWDE")  # the prompt's text
+        if logprobs is None:
+            assert scored[i] == [None] * 3 and want["logprobs"] is None  # an event a token
+            continue
+        got = {key: sum((part[key] for part in scored[i]), []) for key in want["logprobs"]}
+        assert got["tokens"] == want["logprobs"]["tokens"]  # 6 prompt tokens, then 3 new
+        assert len(scored[i][0]["tokens"]) == 7 and got["token_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:],
+                                                          abs=1e-5)
+        assert got["text_offset"] == want["logprobs"]["text_offset"]
+
+
 @pytest.mark.parametrize(
     "path, body, fragment",
     [
-        ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "without stream"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
          "echo is served for /v1/completions"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be in 0..20"),
