@@ -7,9 +7,9 @@ windows, Granite's multipliers); ``make_char_tokenizer`` builds a character-leve
 code. All are public so that downstream tests and the docs can use them.
 
 ``make_synthetic_llama`` and ``write_synthetic_llama`` build Llamas of public models' shapes
-(``LLAMA_SHAPES``: TinyLlama-1.1B, Llama-2-7B and 13B) with random weights for the benchmark
-scripts: speed and memory do not depend on the weights' values; quality does, so these measure
-no quality.
+(``LLAMA_SHAPES``: TinyLlama-1.1B, Llama-2-7B and 13B, Llama-3.1-70B) with random weights for
+the benchmark scripts: speed and memory do not depend on the weights' values; quality does, so
+these measure no quality.
 """
 
 from __future__ import annotations
@@ -169,6 +169,10 @@ LLAMA_SHAPES = {
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                 num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),  # Llama-2-13B
+    # Llama-3.1-70B: 141 GB in bf16, more than this machine's disk; the benchmarks write a
+    # few of its layers (``num_hidden_layers``), each as wide as the real one's
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
 }  # fmt: skip
 
 

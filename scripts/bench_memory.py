@@ -12,6 +12,12 @@ vocabulary): the hidden states are as large as with any tokenizer.
     python scripts/bench_memory.py --shapes 7b --gptq --out out/bench_memory_gptq
     python scripts/bench_memory.py --shapes 7b,13b --gptq --first-layers 2 --out out/gptq_first2
     python scripts/bench_memory.py --load out/w4-7b --out out/load_w4_7b   # loading an export
+    python scripts/bench_memory.py --shapes 70b --layers 4 --in-memory '' --out out/bench_memory_70b
+
+``--layers N`` writes only the first N decoder layers of each shape, each as wide as the real
+model's (with its embedding and head): a 70B checkpoint (141 GB) does not fit this disk. A
+streamed pass holds one layer at a time, so its peak does not depend on the depth; compare two
+depths to see it.
 
 Checkpoints are written once under --models (default .cache/compress/synthetic) and reused;
 each shape's free disk is checked first (bf16 size plus its W4 export), and a shape that does
@@ -238,6 +244,8 @@ def main() -> None:
     p.add_argument("--load", default="",
                    help="comma-separated compressed checkpoint folders: measure loading them "
                    "(module by module vs whole in float32) and `compress generate`, then exit")
+    p.add_argument("--layers", type=int, default=0,
+                   help="write only this many decoder layers of each shape (0: all of them)")
     p.add_argument("--first-layers", type=int, default=0,
                    help="stop each run once this many decoder layers are done and report the "
                    "peak so far (runs too long for one session; no --in-memory rows)")
@@ -263,8 +271,10 @@ def main() -> None:
     rows = []
     env = environment()
     for shape in args.shapes.split(","):
-        model_dir = Path(args.models) / f"llama-{shape}-bf16"
-        params = sum(_numel(LLAMA_SHAPES[shape]))
+        depth = {"num_hidden_layers": args.layers} if args.layers else {}
+        model_dir = Path(args.models) / (f"llama-{shape}-{args.layers}layers-bf16" if depth
+                                         else f"llama-{shape}-bf16")
+        params = sum(_numel({**LLAMA_SHAPES[shape], **depth}))
         need = params * 2 * (0 if (model_dir / "config.json").is_file() else 1) + params * 0.6
         free = shutil.disk_usage(Path(args.models).parent if not Path(args.models).exists()
                                  else args.models).free
@@ -274,8 +284,11 @@ def main() -> None:
             continue
         Path(args.models).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        write_synthetic_llama(model_dir, shape, max_position_embeddings=4096, shard_size="2GB")
+        write_synthetic_llama(model_dir, shape, max_position_embeddings=4096, shard_size="2GB",
+                              **depth)
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
+        if depth:  # the shape column says how much of the model was written
+            shape = f"{shape} ({args.layers} of {LLAMA_SHAPES[shape]['num_hidden_layers']} layers)"
         if args.first_layers:
             row = run_first_layers(shape, algorithm, model_dir, out_root, args.first_layers)
             print(json.dumps(row), flush=True)
