@@ -276,8 +276,10 @@ def main() -> None:
                                          else f"llama-{shape}-bf16")
         params = sum(_numel({**LLAMA_SHAPES[shape], **depth}))
         need = params * 2 * (0 if (model_dir / "config.json").is_file() else 1) + params * 0.6
-        free = shutil.disk_usage(Path(args.models).parent if not Path(args.models).exists()
-                                 else args.models).free
+        existing = Path(args.models).resolve()
+        while not existing.exists():  # the disk the folder will be made on
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
         if need > free:
             rows.append({"shape": shape, "algorithm": algorithm, "returncode": None,
                          "skipped": f"needs {need / 1e9:.0f} GB of disk, {free / 1e9:.0f} free"})
