@@ -289,10 +289,13 @@ def main() -> None:
         write_synthetic_llama(model_dir, shape, max_position_embeddings=4096, shard_size="2GB",
                               **depth)
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
-        if depth:  # the shape column says how much of the model was written
-            shape = f"{shape} ({args.layers} of {LLAMA_SHAPES[shape]['num_hidden_layers']} layers)"
+        # the row says how much of the model was written; file names keep a plain form
+        label = (f"{shape} ({args.layers} of {LLAMA_SHAPES[shape]['num_hidden_layers']} layers)"
+                 if depth else shape)
+        shape = f"{shape}-{args.layers}layers" if depth else shape
         if args.first_layers:
             row = run_first_layers(shape, algorithm, model_dir, out_root, args.first_layers)
+            row["shape"] = label
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.delete_models:
@@ -301,6 +304,7 @@ def main() -> None:
         modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
         for stream in modes:
             row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows)
+            row["shape"] = label
             print(json.dumps(row), flush=True)
             rows.append(row)
         if args.delete_models:
