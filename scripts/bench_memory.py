@@ -292,6 +292,7 @@ def main() -> None:
         # the row says how much of the model was written; file names keep a plain form
         label = (f"{shape} ({args.layers} of {LLAMA_SHAPES[shape]['num_hidden_layers']} layers)"
                  if depth else shape)
+        whole = shape in args.in_memory.split(",")
         shape = f"{shape}-{args.layers}layers" if depth else shape
         if args.first_layers:
             row = run_first_layers(shape, algorithm, model_dir, out_root, args.first_layers)
@@ -301,7 +302,7 @@ def main() -> None:
             if args.delete_models:
                 shutil.rmtree(model_dir)
             continue
-        modes = ["auto"] + (["off"] if shape in args.in_memory.split(",") else [])
+        modes = ["auto"] + (["off"] if whole else [])
         for stream in modes:
             row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows)
             row["shape"] = label
