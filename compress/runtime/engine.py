@@ -321,13 +321,15 @@ class Runtime:
         self._decode_fn = self._prefill_fn = _call_layer
         self._step = _decode_step
         self._compiled = bool(compile)
-        if not compile and device.type == "cpu":  # eager only: see _FloatLinear.pack
-            # Fused elementwise ops (and greedy sampling in one pass, Scheduler._emit):
-            # measured on a Xeon (2 threads, scripts/profile_serving_step.py, three interleaved
-            # runs each), a 32-row SmolLM2-135M decode step 55.7-57.2 -> 46.5-48.1 ms in bf16,
-            # 51.9-60.7 -> 42.5-45.3 ms for W4; a 28-row 1.1B-shape W4 step 145 -> 135 ms
-            # (one run each)
-            fused = cpu_elementwise.unavailable_reason(device) is None
+        if device.type == "cpu":
+            # Float weights packed (_FloatLinear.pack; a compiled step calls oneDNN's through
+            # an op of ours, measured on an AMD EPYC without AMX: the 1.1B shape in bf16
+            # decoded 9.3 tok/s compiled unpacked, 27.5 eager packed). Fused elementwise ops
+            # (and greedy sampling in one pass, Scheduler._emit), eager only: measured on a
+            # Xeon (2 threads, scripts/profile_serving_step.py, three interleaved runs each), a
+            # 32-row SmolLM2-135M decode step 55.7-57.2 -> 46.5-48.1 ms in bf16, 51.9-60.7 ->
+            # 42.5-45.3 ms for W4; a 28-row 1.1B-shape W4 step 145 -> 135 ms (one run each)
+            fused = not compile and cpu_elementwise.unavailable_reason(device) is None
             for layer in self.layers:
                 layer.pack_float()
                 layer.fused = fused

@@ -22,6 +22,8 @@ attends over them; it holds no cache of its own, so the contiguous runtime and t
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -64,6 +66,27 @@ FP32_PACKED_MIN_ROWS = 4
 
 
 # ---- linear layers, re-held per phase --------------------------------------------------
+# oneDNN's packed weights under a compiled step. Dynamo cannot trace the opaque tensor, so a
+# compiled graph calls this op with the holder's key instead; the tensor stays out of the
+# graph. Keys come from a counter (never reused) and the map holds the holders weakly: a
+# runtime keeps its holders, and with them its compiled graphs' keys, alive.
+_PACKED_HOLDERS: weakref.WeakValueDictionary[int, _FloatLinear] = weakref.WeakValueDictionary()
+_PACKED_KEYS = itertools.count()
+
+
+@torch.library.custom_op("compress_runtime::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
+    holder = _PACKED_HOLDERS[key]
+    x = x.to(holder.packed_dtype).contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, holder.packed, None, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    holder = _PACKED_HOLDERS[key]
+    return x.new_empty((*x.shape[:-1], holder.n), dtype=holder.packed_dtype)
+
+
 class _FloatLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prefill, decode) -> None:
         super().__init__()
@@ -80,9 +103,10 @@ class _FloatLinear(nn.Module):
         self.amx_op = None  # with ``packed`` in our tile order: ``bf16_linear_tiles_amx``
 
     def pack(self) -> bool:
-        """Hold a weight that both phases use in oneDNN's blocked layout instead, for eager
-        callers on a CPU (dynamo cannot trace the opaque tensor): bf16 weights on a CPU with
-        bf16 matmuls, and fp32 weights of at least ``FP32_PACK_MIN_ELEMENTS``.
+        """Hold a weight that both phases use in oneDNN's blocked layout instead, on a CPU (a
+        compiled step calls it through ``compress_runtime::packed_linear``: dynamo cannot trace
+        the opaque tensor): bf16 weights on a CPU with bf16 matmuls, and fp32 weights of at
+        least ``FP32_PACK_MIN_ELEMENTS``.
 
         bf16: plain ``F.linear`` reorders the weight on every call. Measured on a Xeon (AMX), 2
         threads, SmolLM2's shapes at 1-32 rows: 37-76 us a call against 24-40 packed, and
@@ -125,6 +149,8 @@ class _FloatLinear(nn.Module):
         rows_hint = FP32_PACK_ROWS if w.dtype == torch.float32 else 1
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
         self.packed_dtype = w.dtype
+        self.packed_key = next(_PACKED_KEYS)
+        _PACKED_HOLDERS[self.packed_key] = self
         if w.dtype != torch.float32 or w.numel() >= FP32_PACK_MIN_ELEMENTS:
             self.w_prefill = self.w_decode = None
         return True
@@ -170,6 +196,8 @@ class _FloatLinear(nn.Module):
         w = self.w_decode if decode else self.w_prefill
         rows = x.numel() // x.shape[-1]
         if self.packed is not None and (w is None or rows >= FP32_PACKED_MIN_ROWS):
+            if torch.compiler.is_compiling():  # the opaque tensor stays out of the graph
+                return torch.ops.compress_runtime.packed_linear(x, self.packed_key)
             x = x.to(self.packed_dtype).contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x.to(w.dtype), w)
@@ -580,7 +608,7 @@ class _Layer(nn.Module):
         return stacked
 
     def pack_float(self) -> None:
-        """For eager runtimes on a CPU: bf16 float projections held packed for oneDNN
+        """For runtimes on a CPU: bf16 float projections held packed for oneDNN
         (``_FloatLinear.pack``), q/k/v and gate/up as one packed call each where every part
         packs (then the parts are None, as with stacked int holders)."""
         for attr, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):

@@ -405,6 +405,31 @@ def test_compiled_decode_step_equals_transformers(model):
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+def test_compiled_step_calls_packed_bf16_weights_without_a_graph_break(model):
+    """A bf16 model's float weights are packed for a compiled step too (oneDNN's layout, called
+    through compress_runtime::packed_linear so the opaque tensor stays out of the graph, or our
+    AMX tiles): one graph, no break, the eager runtime's tokens."""
+    from torch._dynamo.utils import counters
+
+    from compress.runtime.layers import _FloatLinear
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 matmuls for oneDNN: nothing packs")
+    torch._dynamo.reset()
+    counters.clear()
+    model = model.to(torch.bfloat16)
+    eager = Runtime(model, max_seq_len=32, compile=False, keep_model_weights=True)
+    want = eager.generate([PROMPTS[0]], 6)
+    rt = Runtime(model, max_seq_len=32, compile=True, keep_model_weights=True)
+    holders = [m for m in [*rt.layers.modules(), *rt.head.modules()]
+               if isinstance(m, _FloatLinear)]
+    assert holders and all(h.packed is not None for h in holders)
+    assert rt.generate([PROMPTS[0]], 6) == want
+    assert rt._step is not _decode_step  # compiled, not the eager fallback after a failure
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_compiled_step_with_cpp_host_code_gives_the_same_tokens(model):
     """compile="step-cpp" (inductor's C++ wrapper; 17 s here from an empty inductor cache): the
     same graph with its host code in C++, our integer-dot kernels called from it, the same
