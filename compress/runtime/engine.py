@@ -323,19 +323,20 @@ class Runtime:
         self._compiled = bool(compile)
         if device.type == "cpu":
             # Float weights packed (_FloatLinear.pack; a compiled step calls oneDNN's through
-            # an op of ours, measured on an AMD EPYC without AMX: the 1.1B shape in bf16
-            # decoded 9.3 tok/s compiled unpacked, 27.5 eager packed). Fused elementwise ops
+            # an op of ours, bf16 only: measured on an AMD EPYC without AMX, 2 threads, the
+            # 1.1B shape in bf16 decoded 9.1 tok/s compiled unpacked, 18.9 packed, 26.2 eager
+            # packed, in one process). Fused elementwise ops
             # (and greedy sampling in one pass, Scheduler._emit), eager only: measured on a
             # Xeon (2 threads, scripts/profile_serving_step.py, three interleaved runs each), a
             # 32-row SmolLM2-135M decode step 55.7-57.2 -> 46.5-48.1 ms in bf16, 51.9-60.7 ->
             # 42.5-45.3 ms for W4; a 28-row 1.1B-shape W4 step 145 -> 135 ms (one run each)
             fused = not compile and cpu_elementwise.unavailable_reason(device) is None
             for layer in self.layers:
-                layer.pack_float()
+                layer.pack_float(fp32=not compile)
                 layer.fused = fused
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
-                    module.pack()
+                    module.pack(fp32=not compile)
         if compile:
             options = _compile_options() if device.type == "cpu" else {}
             if compile == "step-cpp":

@@ -102,7 +102,7 @@ class _FloatLinear(nn.Module):
         self.packed_dtype = weight.dtype
         self.amx_op = None  # with ``packed`` in our tile order: ``bf16_linear_tiles_amx``
 
-    def pack(self) -> bool:
+    def pack(self, fp32: bool = True) -> bool:
         """Hold a weight that both phases use in oneDNN's blocked layout instead, on a CPU (a
         compiled step calls it through ``compress_runtime::packed_linear``: dynamo cannot trace
         the opaque tensor): bf16 weights on a CPU with bf16 matmuls, and fp32 weights of at
@@ -126,8 +126,9 @@ class _FloatLinear(nn.Module):
         4.5-4.9 / 7.1-7.5, 64 rows 6.37 / 8.55, 256 rows 16.9 / 18.2
         (docs/notes/2026-12-04-bf16-amx-prefill.md).
 
-        Returns whether it packed; the plain weight is then released, but for fp32 weights
-        under ``FP32_PACK_MIN_ELEMENTS``."""
+        ``fp32=False`` leaves fp32 weights plain (a compiled step: its plain fp32 GEMMs are
+        what it was measured with). Returns whether it packed; the plain weight is then
+        released, but for fp32 weights under ``FP32_PACK_MIN_ELEMENTS``."""
         if self.packed is not None:
             return True
         w = self.w_decode
@@ -141,7 +142,7 @@ class _FloatLinear(nn.Module):
         if w.dtype == torch.bfloat16:
             if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 return False
-        elif w.dtype != torch.float32:
+        elif w.dtype != torch.float32 or not fp32:
             return False
         if not torch.backends.mkldnn.is_available():
             return False
@@ -156,7 +157,7 @@ class _FloatLinear(nn.Module):
         return True
 
     @classmethod
-    def stacked_packed(cls, parts: list[nn.Module]) -> _FloatLinear | None:
+    def stacked_packed(cls, parts: list[nn.Module], fp32: bool = True) -> _FloatLinear | None:
         """One packed holder computing ``parts`` (float linears of one input: q/k/v, gate/up)
         as one oneDNN call, their outputs side by side; None where a part is another holder or
         would not pack. One call instead of three saves oneDNN's fixed cost per call (about
@@ -168,6 +169,8 @@ class _FloatLinear(nn.Module):
         2026-12-04-attention-and-folded-scales.md)."""
         if not all(type(p) is cls and p.packed is None and p.w_decode is not None for p in parts):
             return None
+        if not fp32 and any(p.w_decode.dtype == torch.float32 for p in parts):
+            return None
         weights = [p.w_decode for p in parts]
         if any(p.w_prefill is not w for p, w in zip(parts, weights, strict=True)):
             return None
@@ -178,7 +181,7 @@ class _FloatLinear(nn.Module):
             pairs = zip(weights, biases, strict=True)
             bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in pairs])
         holder = cls(weight, bias, weight.dtype, weight.dtype)
-        if holder.pack():
+        if holder.pack(fp32):
             return holder
         return holder if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
 
@@ -607,22 +610,23 @@ class _Layer(nn.Module):
                 setattr(self, name, None)
         return stacked
 
-    def pack_float(self) -> None:
+    def pack_float(self, fp32: bool = True) -> None:
         """For runtimes on a CPU: bf16 float projections held packed for oneDNN
         (``_FloatLinear.pack``), q/k/v and gate/up as one packed call each where every part
-        packs (then the parts are None, as with stacked int holders)."""
+        packs (then the parts are None, as with stacked int holders). ``fp32=False``: fp32
+        projections stay as they are (``_FloatLinear.pack``)."""
         for attr, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
             parts = [getattr(self, name, None) for name in names]
             if getattr(self, attr) is not None or any(p is None for p in parts):
                 continue
-            stacked = _FloatLinear.stacked_packed(parts)
+            stacked = _FloatLinear.stacked_packed(parts, fp32)
             if stacked is not None:
                 setattr(self, attr, stacked)
                 for name in names:
                     setattr(self, name, None)
         for module in self.modules():
             if isinstance(module, _FloatLinear):
-                module.pack()
+                module.pack(fp32)
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool, length: int):
         """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill) or [B, 1, 1, L]

@@ -408,7 +408,8 @@ def test_compiled_decode_step_equals_transformers(model):
 def test_compiled_step_calls_packed_bf16_weights_without_a_graph_break(model):
     """A bf16 model's float weights are packed for a compiled step too (oneDNN's layout, called
     through compress_runtime::packed_linear so the opaque tensor stays out of the graph, or our
-    AMX tiles): one graph, no break, the eager runtime's tokens."""
+    AMX tiles): one graph, no break, the eager runtime's tokens. fp32 weights are not packed
+    there (their compiled steps are unchanged)."""
     from torch._dynamo.utils import counters
 
     from compress.runtime.layers import _FloatLinear
@@ -417,6 +418,10 @@ def test_compiled_step_calls_packed_bf16_weights_without_a_graph_break(model):
         pytest.skip("this CPU has no bf16 matmuls for oneDNN: nothing packs")
     torch._dynamo.reset()
     counters.clear()
+    fp32 = Runtime(model, max_seq_len=32, compile=True, keep_model_weights=True)
+    held = [m for m in [*fp32.layers.modules(), *fp32.head.modules()]
+            if isinstance(m, _FloatLinear)]
+    assert held and all(h.packed is None for h in held)  # fp32 compiled steps stay as they were
     model = model.to(torch.bfloat16)
     eager = Runtime(model, max_seq_len=32, compile=False, keep_model_weights=True)
     want = eager.generate([PROMPTS[0]], 6)
