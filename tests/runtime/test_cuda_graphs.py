@@ -72,7 +72,7 @@ def _no_cpu_weight_layouts(monkeypatch):
     False off the CPU, but the emulation runs on the CPU, where it would put a bf16 head into
     oneDNN's blocked layout on a CPU with AVX512-BF16 and no AMX: an opaque tensor whose
     storage no capture (and no check here) can read."""
-    monkeypatch.setattr(_FloatLinear, "pack", lambda self: False)
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self, fp32=True: False)
 
 
 def _checked_capture(calls: list[str]):

@@ -618,7 +618,7 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
     assert layer.q is None and layer.gate is None
     assert layer.qkv.packed is not None and layer.gate_up.packed is not None
     assert layer.o.packed is not None and packed.head.lm_head.packed is not None
-    monkeypatch.setattr(_FloatLinear, "pack", lambda self: False)
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self, fp32=True: False)
     plain = Runtime(model, max_seq_len=64, **bf16)
     assert plain.layers[0].qkv is None and plain.layers[0].q.packed is None
     amx = layer.qkv.amx_op is not None  # our AMX-BF16 tiles: fp32 outputs, not bf16-rounded
