@@ -76,9 +76,7 @@ _PACKED_KEYS = itertools.count()
 
 @torch.library.custom_op("compress_runtime::packed_linear", mutates_args=())
 def _packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
-    holder = _PACKED_HOLDERS[key]
-    x = x.to(holder.packed_dtype).contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, holder.packed, None, "none", [], "")
+    return _PACKED_HOLDERS[key].onednn(x)
 
 
 @_packed_linear.register_fake
@@ -201,9 +199,13 @@ class _FloatLinear(nn.Module):
         if self.packed is not None and (w is None or rows >= FP32_PACKED_MIN_ROWS):
             if torch.compiler.is_compiling():  # the opaque tensor stays out of the graph
                 return torch.ops.compress_runtime.packed_linear(x, self.packed_key)
-            x = x.to(self.packed_dtype).contiguous()
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return self.onednn(x)
         return F.linear(x.to(w.dtype), w)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through oneDNN's packed weight (eager, or inside ``packed_linear``)."""
+        x = x.to(self.packed_dtype).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 class _IntKernels(NamedTuple):
