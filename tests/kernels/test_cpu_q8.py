@@ -246,16 +246,17 @@ def test_column_tiles_are_refused_where_they_do_not_apply():
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
-@pytest.mark.parametrize("m", [1, 3, 8, 13, 40])  # rows go through in steps of up to 8
-def test_column_tile_kernel_equals_float64_reference(group, symmetric, m):
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 13, 40])  # rows go through in steps of up to 4
+@pytest.mark.parametrize("n", [48, 64])  # tiles go in pairs; 48 leaves the last one alone
+def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n):
     if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
         pytest.skip(f"the column-tile op needs the {cpu_q8.TILES_ISA} level, not built here")
-    w = q8_weight(quant_layer(4, 64, 512, group, symmetric, seed=m))
+    w = q8_weight(quant_layer(4, n, 512, group, symmetric, seed=m))
     x = torch.randn(m, 512) * torch.linspace(0.1, 4.0, 512)
     x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
     y = cpu_q8.linear_q8(x, cpu_q8.to_tiles(w), cpu_q8.TILES_ISA)
     ref = cpu_q8.linear_q8_reference(x, w)
-    assert y.shape == (m, 64)
+    assert y.shape == (m, n)
     assert torch.allclose(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
     rows = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA)  # the row layout: the same integers
     assert torch.allclose(y, rows, atol=1e-5 * rows.abs().max().item(), rtol=0)

@@ -16,6 +16,7 @@
 #include "q8_common.h"
 
 #include <cstring>
+#include <utility>
 
 namespace compress_q8 {
 
@@ -24,49 +25,102 @@ constexpr int64_t TILE = 16;           // output columns per tile
 constexpr int64_t TILE_BLOCK = 256;    // bytes of one tile per block of 32 (16 x 32 / 2)
 constexpr int64_t TILES_AHEAD = 4096;  // prefetch distance in the tile stream, bytes
 
-// R rows (m0 .. m0 + R - 1) of one tile: out[m, t * 16 + c].
-template <int R>
-inline void tile_rows(const RoundedX& x, int64_t m0, const uint8_t* tile, const float* ws,
-                      int64_t group, float* y, int64_t N, int64_t col0, bool prefetch) {
+// R rows (m0 .. m0 + R - 1) of NT adjacent tiles (the first at `tile`, each `tile_bytes` long):
+// y[m, col0 + 16 t + c]. Each activation broadcast feeds NT tiles' vpdpbusd. With SUMS_IN_Y the
+// running sum over groups lives in y (loaded and stored once per group), which leaves the
+// registers to 2 NT R block accumulators and NT R group sums (16 + 8 at NT = 2, R = 4); without,
+// it stays in registers (faster from DRAM at up to 8 rows of one tile, measured, though it
+// spills at 8). Either way the same integer dots and float operations in the same order: the
+// outputs are the same bit for bit.
+template <int NT, int R, bool SUMS_IN_Y>
+inline void tile_rows(const RoundedX& x, int64_t m0, const uint8_t* tile, int64_t tile_bytes,
+                      const float* ws, int64_t group, float* y, int64_t N, int64_t col0,
+                      bool prefetch) {
   const int64_t G = x.G, per_group = group / BLOCK;
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[NT][R];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      acc[t][r] = _mm512_setzero_ps();
+      if constexpr (SUMS_IN_Y) _mm512_storeu_ps(y + (m0 + r) * N + col0 + t * TILE, acc[t][r]);
+    }
+  }
   for (int64_t j = 0; j < G; ++j) {
-    __m512 inner[R];
-    for (int r = 0; r < R; ++r) inner[r] = _mm512_setzero_ps();
+    __m512 inner[NT][R];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < R; ++r) inner[t][r] = _mm512_setzero_ps();
     for (int64_t b = j * per_group; b < (j + 1) * per_group; ++b) {
-      const uint8_t* wb = tile + b * TILE_BLOCK;
       if (prefetch)
-        for (int64_t l = 0; l < TILE_BLOCK; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + TILES_AHEAD + l), _MM_HINT_T1);
-      __m512i low[R], high[R];
+        for (int t = 0; t < NT; ++t)
+          for (int64_t l = 0; l < TILE_BLOCK; l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(tile + t * tile_bytes + b * TILE_BLOCK +
+                                                       TILES_AHEAD + l),
+                         _MM_HINT_T1);
+      __m512i low[NT][R], high[NT][R];
       for (int r = 0; r < R; ++r) {
-        low[r] = _mm512_set1_epi32(x.corr[(m0 + r) * x.B + b]);  // -8 x the block's code sum
-        high[r] = _mm512_setzero_si512();
+        const __m512i corr = _mm512_set1_epi32(x.corr[(m0 + r) * x.B + b]);  // -8 x code sum
+        for (int t = 0; t < NT; ++t) {
+          low[t][r] = corr;
+          high[t][r] = _mm512_setzero_si512();
+        }
       }
       for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(wb + q * 64);
-        const __m512i wl = _mm512_and_si512(v, low4), wh = _mm512_and_si512(v, high4);
+        __m512i wl[NT], wh[NT];
+        for (int t = 0; t < NT; ++t) {
+          const __m512i v = _mm512_loadu_si512(tile + t * tile_bytes + b * TILE_BLOCK + q * 64);
+          wl[t] = _mm512_and_si512(v, low4);
+          wh[t] = _mm512_and_si512(v, high4);
+        }
         for (int r = 0; r < R; ++r) {
           int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
           const int8_t* xb = x.q.data() + (m0 + r) * x.K + b * BLOCK + q * 8;
           std::memcpy(&x0, xb, 4);
           std::memcpy(&x1, xb + 4, 4);
-          low[r] = _mm512_dpbusd_epi32(low[r], wl, _mm512_set1_epi32(x0));
-          high[r] = _mm512_dpbusd_epi32(high[r], wh, _mm512_set1_epi32(x1));
+          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+          for (int t = 0; t < NT; ++t) {
+            low[t][r] = _mm512_dpbusd_epi32(low[t][r], wl[t], b0);
+            high[t][r] = _mm512_dpbusd_epi32(high[t][r], wh[t], b1);
+          }
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_add_epi32(low[r], _mm512_srai_epi32(high[r], 4));
-        inner[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                   _mm512_set1_ps(x.scale[(m0 + r) * x.B + b]), inner[r]);
+        const __m512 xs = _mm512_set1_ps(x.scale[(m0 + r) * x.B + b]);
+        for (int t = 0; t < NT; ++t) {
+          const __m512i dot = _mm512_add_epi32(low[t][r], _mm512_srai_epi32(high[t][r], 4));
+          inner[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xs, inner[t][r]);
+        }
       }
     }
-    const __m512 sw = _mm512_loadu_ps(ws + j * TILE);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(inner[r], sw, acc[r]);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 sw = _mm512_loadu_ps(ws + t * G * TILE + j * TILE);
+      for (int r = 0; r < R; ++r) {
+        float* out = y + (m0 + r) * N + col0 + t * TILE;
+        if constexpr (SUMS_IN_Y)
+          _mm512_storeu_ps(out, _mm512_fmadd_ps(inner[t][r], sw, _mm512_loadu_ps(out)));
+        else
+          acc[t][r] = _mm512_fmadd_ps(inner[t][r], sw, acc[t][r]);
+      }
+    }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + col0, acc[r]);
+  if constexpr (!SUMS_IN_Y)
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + col0 + t * TILE, acc[t][r]);
+}
+
+// Every row of NT adjacent tiles in steps of up to STEP rows; the tiles' bytes are in L1/L2
+// after the first step, which alone prefetches.
+template <int NT, int STEP, bool SUMS_IN_Y>
+inline void tile_all_rows(const RoundedX& x, int64_t M, const uint8_t* tile, int64_t tile_bytes,
+                          const float* ws, int64_t group, float* y, int64_t N, int64_t col0) {
+  for (int64_t m0 = 0; m0 < M; m0 += STEP) {
+    const bool first = m0 == 0;
+    [&]<int... R>(std::integer_sequence<int, R...>) {  // tile_rows<NT, min(STEP, M - m0)>
+      const int64_t rows = std::min<int64_t>(STEP, M - m0);
+      ((rows == R + 1 ? tile_rows<NT, R + 1, SUMS_IN_Y>(x, m0, tile, tile_bytes, ws, group, y, N, col0, first)
+                      : void()),
+       ...);
+    }(std::make_integer_sequence<int, STEP>{});
+  }
 }
 #endif
 
@@ -84,28 +138,30 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = K * TILE / 2;
-  // as q8_dot.cpp's decode: tiles under ~128K weights a thread stay on the calling thread
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
-  parallel_claims(T, grain, [&](Claims& claims) {
-    for (int64_t t0, t1; claims.take(t0, t1);)
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = cp + t * tile_bytes;
-      const float* ws = sp + t * G * TILE;
-      // rows in steps of up to 8; the tile's bytes are in L1/L2 after the first step
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const bool first = m0 == 0;
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 1: tile_rows<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 2: tile_rows<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 3: tile_rows<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 4: tile_rows<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 5: tile_rows<5>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 6: tile_rows<6>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          case 7: tile_rows<7>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-          default: tile_rows<8>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-        }
+  // Up to 8 rows (decode), one tile at a time and all rows in one pass: each weight byte comes
+  // from DRAM once, while the arithmetic runs. From 9 rows, pairs of tiles, 4 rows a pass, an
+  // odd last tile alone: half the activation broadcasts per vpdpbusd. Measured on a Zen 5 EPYC
+  // (docs/notes/2026-12-05-tile-pairs.md), L2-resident weights, one thread: 6.1 G vpdpbusd/s for
+  // pairs of 4 rows against 4.8 for one tile of 8 rows (peak 8.8); from DRAM, pairs ran 128 rows
+  // 1.3x faster but 8 rows 0.96x (two passes, the second one's arithmetic not overlapping the
+  // first one's reads).
+  const bool pairs = M > 8;
+  const int64_t units = pairs ? (T + 1) / 2 : T, per_unit = pairs ? 2 : 1;
+  // as q8_dot.cpp's decode: units under ~128K weights a thread stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * per_unit * TILE));
+  parallel_claims(units, grain, [&](Claims& claims) {
+    for (int64_t u0, u1; claims.take(u0, u1);)
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t t = u * per_unit;
+        const uint8_t* tile = cp + t * tile_bytes;
+        const float* ws = sp + t * G * TILE;
+        if (!pairs)
+          tile_all_rows<1, 8, false>(rx, M, tile, tile_bytes, ws, group, yp, N, t * TILE);
+        else if (t + 1 < T)
+          tile_all_rows<2, 4, true>(rx, M, tile, tile_bytes, ws, group, yp, N, t * TILE);
+        else
+          tile_all_rows<1, 4, true>(rx, M, tile, tile_bytes, ws, group, yp, N, t * TILE);
       }
-    }
   });
   if (with_offsets) {
     const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
