@@ -64,6 +64,7 @@ from compress.runtime.layers import (
     _IntKernels,
     _Layer,
     _Q8Kernel,
+    hold_in_huge_pages,
 )
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
 
@@ -321,6 +322,7 @@ class Runtime:
         self._decode_fn = self._prefill_fn = _call_layer
         self._step = _decode_step
         self._compiled = bool(compile)
+        self.huge_pages: dict[str, int | bool] | None = None  # hold_in_huge_pages' counts
         if device.type == "cpu":
             # Float weights packed (_FloatLinear.pack; a compiled step calls oneDNN's through
             # an op of ours, bf16 only: measured on an AMD EPYC without AMX, 2 threads, the
@@ -337,6 +339,11 @@ class Runtime:
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
                     module.pack(fp32=not compile)
+            # the weights every decode step streams, on 2 MB pages where the kernel grants them
+            # (memory.HugePageArena says why and what it measured)
+            self.huge_pages = hold_in_huge_pages(
+                list(self.layers.modules()) + list(self.head.modules())
+            )
         if compile:
             options = _compile_options() if device.type == "cpu" else {}
             if compile == "step-cpp":
