@@ -167,9 +167,10 @@ class HugePageArena:
     moving tensors in one at a time, each freed after its copy, adds one tensor to the peak.
 
     Why: decode streams every weight byte once per token, and with 4 KB pages every 4 KB is a
-    TLB miss and a stop for the hardware prefetchers. Measured on a Zen 5 EPYC (2 threads, one
-    1.1B-shaped decode pass of our int4/int8 ops, 4 KB against 2 MB pages in one process):
-    int4 1.18-1.29x, int8 1.09-1.10x (docs/notes/2026-12-05-huge-pages.md)."""
+    TLB miss and a stop for the hardware prefetchers. Measured on a Zen 5 EPYC (2 threads,
+    4 KB against 2 MB pages in one process, scripts/bench_huge_pages.py): a 1.1B-shaped decode
+    pass of our int4 op 1.10-1.29x (avx2 level 1.18-1.22x), int8 1.04-1.10x; a served 1.1B W4
+    decode step 1.04-1.09x, SmolLM2's 1.00x (docs/notes/2026-12-05-huge-pages.md)."""
 
     def __init__(self, nbytes: int) -> None:
         # an untouched allocation: no page is committed (or made 4 KB) before the advice
