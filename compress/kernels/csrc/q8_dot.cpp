@@ -59,7 +59,14 @@ inline void prefetch_pair(const uint8_t* ahead, int64_t row_bytes, int64_t p) {
                  _MM_HINT_T1);
 }
 
-constexpr int COLUMNS = 4;  // output columns per step of the one-row (decode) loop
+// Output columns per step of the one-row (decode) loop. int4: four, sharing the activation loads
+// with four independent FMA chains (Xeon, avx512vnni, 2 threads: 576x576 23 -> 13 us). int8:
+// one, a single stream of weight rows per thread: measured on a Zen 5 EPYC (2 threads, a
+// 1.1B-shaped decode pass on 2 MB pages, four against one column, rounds alternated) one column
+// ran 1.25-1.26x faster at the avx2 level and 1.09x at avx512vnni, SmolLM2's shapes at parity;
+// int4 lost 16% with one column (docs/notes/2026-12-05-huge-pages.md). Not measured on a Xeon.
+template <bool Q4>
+constexpr int COLUMNS = Q4 ? 4 : 1;
 
 // ---- the two blocks of one pair, as unsigned bytes ----------------------------------------
 #if defined(COMPRESS_AVX512VNNI)
@@ -345,14 +352,15 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t grain = std::max<int64_t>(16, ((int64_t{1} << 17) + K - 1) / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (M == 1) {  // decode: COLUMNS output columns at a time
+      constexpr int64_t cols = COLUMNS<Q4>;
       int64_t n = n0;
-      for (; n + COLUMNS <= n1; n += COLUMNS) {
+      for (; n + cols <= n1; n += cols) {
         // the rows ahead: spread over this step, or at once (near the end of the range, or
         // int8 rows under spread_prefetch's length)
-        const bool spread = spread_prefetch(Q4, row_bytes) && n + PREFETCH_ROWS + COLUMNS <= n1;
+        const bool spread = spread_prefetch(Q4, row_bytes) && n + PREFETCH_ROWS + cols <= n1;
         if (!spread)
-          prefetch_rows(cp, row_bytes, n + PREFETCH_ROWS, std::min(n + PREFETCH_ROWS + COLUMNS, n1));
-        row_columns<COLUMNS, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
+          prefetch_rows(cp, row_bytes, n + PREFETCH_ROWS, std::min(n + PREFETCH_ROWS + cols, n1));
+        row_columns<cols, Q4>(rx, cp + n * row_bytes, row_bytes, sp + n * G,
                                  op == nullptr ? nullptr : op + n * G, gidx.data(), yp + n,
                                  spread ? cp + (n + PREFETCH_ROWS) * row_bytes : nullptr);
       }
