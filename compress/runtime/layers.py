@@ -805,8 +805,10 @@ class _Head(nn.Module):
 
 def _unshared(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` alone holds its storage (no view or other tensor on it), so moving it
-    frees the original. The count includes the storage object made here to ask."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
+    frees the original. The count includes the storage object made here to ask. A torch without
+    that (private) count gets False: nothing is moved rather than anything held twice."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(tensor.untyped_storage()._cdata) <= 2
 
 
 def hold_in_huge_pages(modules: list[nn.Module], min_bytes: int = 4096) -> dict[str, int | bool]:
