@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import weakref
 from typing import NamedTuple
 
@@ -43,6 +44,8 @@ from compress.runtime.families import (
     rope_permutation,
     softcapped_attention,
 )
+
+log = logging.getLogger(__name__)
 
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
@@ -834,7 +837,11 @@ def hold_in_huge_pages(modules: list[nn.Module], min_bytes: int = 4096) -> dict[
                     left += 1
     if not todo:
         return {"moved": 0, "moved_bytes": 0, "left": left, "advised": False}
-    arena = memory.HugePageArena(total)
+    try:  # one reservation of every moved byte: a strict-overcommit host may refuse it
+        arena = memory.HugePageArena(total)
+    except RuntimeError as error:
+        log.warning("runtime: weights stay on 4 KB pages (no %d-byte arena: %s)", total, error)
+        return {"moved": 0, "moved_bytes": 0, "left": left + len(todo), "advised": False}
     copies: dict[int, torch.Tensor] = {}  # the same tensor object in two tables: one copy
     moved_bytes = untrimmed = 0
     for table, name, is_param in todo:

@@ -111,3 +111,17 @@ def test_runtime_on_huge_pages_decodes_the_same_tokens(monkeypatch):
     prompts = [[1, 5, 9, 33, 70, 100, 7], [1, 40, 50]]
     for prompt in prompts:
         assert held.generate([prompt], 10) == plain.generate([prompt], 10)
+
+
+def test_hold_leaves_everything_in_place_when_the_arena_cannot_be_reserved(monkeypatch, caplog):
+    def refuse(nbytes):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(memory, "HugePageArena", refuse)
+    m = nn.Module()
+    weight = torch.randn(64, 64)
+    m.register_buffer("w", weight)
+    out = hold_in_huge_pages([m])
+    assert out == {"moved": 0, "moved_bytes": 0, "left": 1, "advised": False}
+    assert m.w is weight
+    assert "4 KB pages" in caplog.text
