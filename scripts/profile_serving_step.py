@@ -9,6 +9,11 @@ CPU time over 5 more steps. ``--no-fp32-pack`` keeps fp32 weights plain (``F.lin
     python scripts/profile_serving_step.py $S/smollm2-base 32 --dtype bfloat16 --profile
     python scripts/profile_serving_step.py $S/synthetic-1b-base 8 --no-fp32-pack
 
+``--burst`` instead times ROWS requests added at once (128-token prompts, 64 new tokens each)
+against one alone, split into the steps that still prefill and the decode-only ones:
+
+    python scripts/profile_serving_step.py $S/synthetic-1b-w4 8 --dtype bfloat16 --burst
+
 ``--dtype bfloat16`` is what ``compress serve`` picks for these bf16 exports (float layers,
 head and KV pages in bf16).
 """
@@ -39,6 +44,7 @@ def main() -> None:
     p.add_argument("--shapes", action="store_true", help="--profile: one row per op and shapes")
     p.add_argument("--rows-shown", type=int, default=20, help="--profile: table rows")
     p.add_argument("--no-fp32-pack", action="store_true")
+    p.add_argument("--burst", action="store_true", help="time ROWS requests at once vs one")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.no_fp32_pack:
@@ -49,6 +55,14 @@ def main() -> None:
                       int8_kernel="q8q8", static_cache=False)  # fmt: skip
     scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=max(32, args.rows))
     generator = torch.Generator().manual_seed(0)
+    if args.burst:
+        env = environment()
+        print(f"{env['cpu']} ({', '.join(env['cpu_flags'])}); torch {env['torch']}; "
+              f"{env['threads']} threads; {env['date']}; {args.export}, {args.dtype}")  # fmt: skip
+        burst(scheduler, generator, 1)  # warm-up
+        for rows in (1, args.rows):
+            burst(scheduler, generator, rows)
+        return
     for _ in range(args.rows):  # token ids every supported vocabulary has
         scheduler.add(torch.randint(100, 30000, (128,), generator=generator).tolist(), 40)
     while scheduler.waiting or any(s.num_computed < len(s.prompt) for s in scheduler.running):
@@ -72,6 +86,28 @@ def main() -> None:
         print("5 steps:")
         averages = prof.key_averages(group_by_input_shape=args.shapes)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows_shown))
+
+
+def burst(scheduler: Scheduler, generator: torch.Generator, rows: int) -> None:
+    """``rows`` requests added at once, run to the end: output tokens/s, and the steps that
+    still prefill against the decode-only ones."""
+    for _ in range(rows):
+        scheduler.add(torch.randint(100, 30000, (128,), generator=generator).tolist(), 64)
+    steps: list[tuple[bool, float]] = []
+    begin = time.perf_counter()
+    while scheduler.waiting or scheduler.running:
+        prefill = bool(scheduler.waiting) or any(
+            s.num_computed < len(s.prompt) for s in scheduler.running
+        )
+        start = time.perf_counter()
+        scheduler.step()
+        steps.append((prefill, time.perf_counter() - start))
+    total = time.perf_counter() - begin
+    pre = [t for p, t in steps if p]
+    dec = [t for p, t in steps if not p]
+    print(f"{rows} requests at once: {total:.2f} s, {rows * 64 / total:.1f} out tok/s; "
+          f"{len(pre)} steps with prefill {sum(pre):.2f} s, {len(dec)} decode-only steps "
+          f"{sum(dec):.2f} s (median {1e3 * statistics.median(dec):.1f} ms)")  # fmt: skip
 
 
 if __name__ == "__main__":
