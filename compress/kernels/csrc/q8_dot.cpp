@@ -63,8 +63,9 @@ inline void prefetch_pair(const uint8_t* ahead, int64_t row_bytes, int64_t p) {
 // with four independent FMA chains (Xeon, avx512vnni, 2 threads: 576x576 23 -> 13 us). int8:
 // one, a single stream of weight rows per thread: measured on a Zen 5 EPYC (2 threads, a
 // 1.1B-shaped decode pass on 2 MB pages, four against one column, rounds alternated) one column
-// ran 1.25-1.26x faster at the avx2 level and 1.09x at avx512vnni, SmolLM2's shapes at parity;
-// int4 lost 16% with one column (docs/notes/2026-12-05-huge-pages.md). Not measured on a Xeon.
+// ran 1.25-1.26x faster at the avx2 level, 1.22x at avxvnni and 1.09x at avx512vnni, SmolLM2's
+// shapes at parity; int4 lost 16% with one column (docs/notes/2026-12-05-huge-pages.md). Not
+// measured on a Xeon.
 template <bool Q4>
 constexpr int COLUMNS = Q4 ? 4 : 1;
 
