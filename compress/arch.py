@@ -348,8 +348,8 @@ EXAONE4 = dataclasses.replace(OLMO2, model_type="exaone4", qk_norm_span="head")
 
 # Llama's module names and data flow: SmolLM3 (some layers without RoPE: ``no_rope_layers``),
 # Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs: its RuntimeSpec),
-# HunYuan dense (q/k norms over one head, named query/key_layernorm, applied after RoPE: the
-# runtime norms before it, so it runs in the transformers fallback).
+# HunYuan dense (q/k norms over one head, named query/key_layernorm, applied after RoPE: its
+# RuntimeSpec).
 SMOLLM3, SEED_OSS, ERNIE4_5 = (
     dataclasses.replace(LLAMA, model_type=t) for t in ("smollm3", "seed_oss", "ernie4_5")
 )
@@ -357,7 +357,6 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     LLAMA,
     model_type="hunyuan_v1_dense",
     qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
-    runtime=False,
 )
 
 # Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
@@ -550,6 +549,7 @@ class RuntimeSpec:
     # with a sliding window set, only the sliding layers rotate q/k (EXAONE 4's global: NoPE)
     rope_only_sliding: bool = False
     rope_interleaved: bool = False  # RoPE pairs are channels (2i, 2i + 1), not (i, i + r/2)
+    qk_norm_after_rope: bool = False  # per-head q/k norms on the rotated q/k (HunYuan), not before
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -571,6 +571,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     ),
     "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
+    "hunyuan_v1_dense": RuntimeSpec(qk_norm_after_rope=True),  # q/k norms after RoPE
     "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
     # the fused qkv_proj / gate_up_proj are the runtime's stacked calls; Phi-4-mini rotates
     # 3/4 of each head (partial_rotary_factor, from the config)

@@ -162,9 +162,10 @@ class HugePageArena:
     """One CPU buffer for many tensors, on 2 MB boundaries and advised ``MADV_HUGEPAGE`` before
     any page of it is touched, so the kernel backs it with 2 MB pages where its mode is "always"
     or "madvise" (``advised`` says whether madvise accepted the advice; the pages stay 4 KB
-    under "never", see ``huge_page_mode``, or where the kernel has no 2 MB page free). ``take`` copies a tensor into the next
-    64-byte-aligned slice and returns the copy; pages are committed as they are written, so
-    moving tensors in one at a time, each freed after its copy, adds one tensor to the peak.
+    under "never", see ``huge_page_mode``, or where the kernel has no 2 MB page free). ``take``
+    copies a tensor into the next 64-byte-aligned slice and returns the copy; pages are
+    committed as they are written, so moving tensors in one at a time, each freed after its
+    copy, adds one tensor to the peak.
 
     Why: decode streams every weight byte once per token, and with 4 KB pages every 4 KB is a
     TLB miss and a stop for the hardware prefetchers. Measured on a Zen 5 EPYC (2 threads,

@@ -563,6 +563,8 @@ class _Layer(nn.Module):
         )
         # q/k norms over all heads at once (OLMo2: weights [H * D] and [KVH * D]), else per head
         self.qk_norm_heads = arch.qk_norm_span == "heads"
+        # per-head q/k norms on the rotated q/k (HunYuan), else before RoPE
+        self.qk_norm_after_rope = spec.qk_norm_after_rope
         # q/k channels reordered so that rotating halves is the family's RoPE (partial or
         # interleaved); None: already so
         perm = rope_permutation(config, spec)
@@ -654,8 +656,10 @@ class _Layer(nn.Module):
         """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
         projected, q/k-normed and rotated (cos/sin [B, T, D])."""
         b, t, _ = x.shape
-        # the fused op norms per head and rotates halves of the projection's own channel order
-        plain_heads = not self.qk_norm_heads and self.rope_perm is None
+        # the fused op norms per head, then rotates halves of the projection's own channel order
+        plain_heads = (
+            not self.qk_norm_heads and not self.qk_norm_after_rope and self.rope_perm is None
+        )
         if self.fused and self.qkv is not None and plain_heads:
             return self._project_qkv_fused(x, cos, sin, decode)
         h = x if self.norm_in is None else _rms_norm(x, self.norm_in, self.eps)
@@ -668,7 +672,8 @@ class _Layer(nn.Module):
             q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
-        if self.norm_q is not None and not self.qk_norm_heads:  # per head, over D, before RoPE
+        per_head = self.norm_q is not None and not self.qk_norm_heads
+        if per_head and not self.qk_norm_after_rope:  # per head, over D, before RoPE
             q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
         if self.rope_perm is not None:
             q, k = q.index_select(-1, self.rope_perm), k.index_select(-1, self.rope_perm)
@@ -676,7 +681,10 @@ class _Layer(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if per_head and self.qk_norm_after_rope:  # per head, over D, after RoPE
+            q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
+        return q, k, v
 
     def _project_qkv_fused(self, x, cos, sin, decode: bool):
         """``project_qkv`` through the fused CPU ops (``kernels.cpu_elementwise``): the norm
