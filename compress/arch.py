@@ -550,6 +550,9 @@ class RuntimeSpec:
     rope_only_sliding: bool = False
     rope_interleaved: bool = False  # RoPE pairs are channels (2i, 2i + 1), not (i, i + r/2)
     qk_norm_after_rope: bool = False  # per-head q/k norms on the rotated q/k (HunYuan), not before
+    # RoPE labelled "dynamic" with an ``alpha`` is NTK-alpha with static tables (HunYuan's
+    # checkpoints; transformers gives it its own type), not length-dependent dynamic NTK
+    dynamic_alpha_is_static: bool = False
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -571,7 +574,8 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     ),
     "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
-    "hunyuan_v1_dense": RuntimeSpec(qk_norm_after_rope=True),  # q/k norms after RoPE
+    # q/k norms after RoPE; NTK-alpha RoPE labelled "dynamic"
+    "hunyuan_v1_dense": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
     "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
     # the fused qkv_proj / gate_up_proj are the runtime's stacked calls; Phi-4-mini rotates
     # 3/4 of each head (partial_rotary_factor, from the config)

@@ -27,8 +27,11 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
     if act not in ACTIVATIONS:
         return f"{spec.activation_key} {act!r} is not one of {tuple(ACTIVATIONS)}"
     for rope in rope_settings(config):
-        if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
-            return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind == "dynamic" and spec.dynamic_alpha_is_static and rope.get("alpha"):
+            continue  # the family's NTK-alpha: tables fixed by alpha (RuntimeSpec says)
+        if kind in ("dynamic", "longrope"):
+            return f"rope_type {kind!r} depends on the sequence length"
     other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
     if other:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"

@@ -56,6 +56,9 @@ FAMILIES = {
                                   "partial_rotary_factor": 0.75}),
     "ernie4_5": dict(use_bias=True),  # interleaved RoPE pairs
     "hunyuan_v1_dense": dict(attention_bias=True),  # per-head q/k norms after RoPE
+    # its checkpoints' RoPE: NTK-alpha labelled "dynamic", static tables (alpha 1000 at 4K)
+    "hunyuan_alpha": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                           "rope_theta": 1e4}),  # fmt: skip
     "glm": dict(),  # interleaved pairs over the first half of each head, fused gate_up_proj
     "glm4": dict(),  # ... and post-norms
     # no pre-norms, post-norms; q/k norms over all heads (OLMo2/3) or one (EXAONE 4)
@@ -78,7 +81,8 @@ FAMILIES = {
 }
 
 
-VARIANTS = {"phi4": "phi3"}  # a FAMILIES key that is a configuration of another model_type
+# a FAMILIES key that is a configuration of another model_type
+VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense"}
 
 
 def arch_of(family: str):
@@ -310,8 +314,14 @@ def test_compiled_decode_step_equals_transformers_gemma3():
             ),
             "rope_type 'dynamic' depends on the sequence length",
         ),
+        (
+            "qwen3",  # an alpha makes "dynamic" static for HunYuan only: Qwen3's stays dynamic
+            dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 2.0,
+                                  "rope_theta": 1e4}),  # fmt: skip
+            "rope_type 'dynamic' depends on the sequence length",
+        ),
     ],
-    ids=["activation", "bidirectional", "dynamic-rope"],
+    ids=["activation", "bidirectional", "dynamic-rope", "dynamic-rope-with-alpha"],
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
