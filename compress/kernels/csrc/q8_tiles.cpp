@@ -116,7 +116,8 @@ inline void tile_all_rows(const RoundedX& x, int64_t M, const uint8_t* tile, int
     const bool first = m0 == 0;
     [&]<int... R>(std::integer_sequence<int, R...>) {  // tile_rows<NT, min(STEP, M - m0)>
       const int64_t rows = std::min<int64_t>(STEP, M - m0);
-      ((rows == R + 1 ? tile_rows<NT, R + 1, SUMS_IN_Y>(x, m0, tile, tile_bytes, ws, group, y, N, col0, first)
+      ((rows == R + 1 ? tile_rows<NT, R + 1, SUMS_IN_Y>(x, m0, tile, tile_bytes, ws, group, y,
+                                                        N, col0, first)
                       : void()),
        ...);
     }(std::make_integer_sequence<int, STEP>{});
