@@ -828,8 +828,9 @@ def hold_in_huge_pages(modules: list[nn.Module], min_bytes: int = 4096) -> dict[
     freed once its copy replaces it: the weights that decode streams every token, on 2 MB pages
     where the kernel grants them (the arena says why, and what it measured). Left in place, and
     counted: tensors whose storage another tensor shares (a view; a tied embedding) and oneDNN's
-    opaque packed weights. Values, dtypes and shapes are unchanged. Returns the tensors moved,
-    their bytes, the ones left and whether the kernel took the advice."""
+    opaque packed weights (and torch's quantized tensors). Values, dtypes and shapes are
+    unchanged. Returns the tensors moved, their bytes, the ones left and whether madvise
+    accepted the advice."""
     todo: list[tuple[dict, str, bool]] = []  # (table, name, is a parameter): no tensor refs
     total = left = 0
     for module in modules:
@@ -838,7 +839,8 @@ def hold_in_huge_pages(modules: list[nn.Module], min_bytes: int = 4096) -> dict[
                 if tensor is None or tensor.numel() * tensor.element_size() < min_bytes:
                     continue
                 plain = tensor.device.type == "cpu" and tensor.layout == torch.strided
-                if plain and not tensor.is_mkldnn and tensor.is_contiguous() and _unshared(tensor):
+                plain = plain and not (tensor.is_mkldnn or tensor.is_quantized)
+                if plain and tensor.is_contiguous() and _unshared(tensor):
                     todo.append((table, name, is_param))
                     total += tensor.numel() * tensor.element_size() + 64
                 else:

@@ -79,14 +79,15 @@ def test_hold_moves_each_plain_weight_once_and_leaves_shared_and_small_ones():
     assert a.big.untyped_storage().data_ptr() == a.twice.untyped_storage().data_ptr()  # one arena
 
 
-def test_hold_leaves_opaque_onednn_tensors():
+def test_hold_leaves_opaque_onednn_and_quantized_tensors():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch was built without oneDNN")
     m = nn.Module()
     m.register_buffer("packed", torch.randn(64, 64).to_mkldnn())
+    m.register_buffer("q", torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 0, torch.qint8))
     out = hold_in_huge_pages([m])
-    assert out == {"moved": 0, "moved_bytes": 0, "left": 1, "advised": False}
-    assert m.packed.is_mkldnn
+    assert out == {"moved": 0, "moved_bytes": 0, "left": 2, "advised": False}
+    assert m.packed.is_mkldnn and m.q.is_quantized
 
 
 def test_runtime_on_huge_pages_decodes_the_same_tokens(monkeypatch):
