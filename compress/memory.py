@@ -3,17 +3,22 @@
 ``peak_memory_bytes()`` is the whole-process view (peak RSS since the process started, from
 ``getrusage``, and the CUDA allocator's peak); ``MemoryMonitor`` measures one ``with`` block (CUDA
 allocator peak, else the process RSS sampled every 10 ms from ``/proc/self/statm``, Linux).
-Nothing here allocates or imports anything beyond torch and the standard library.
+``HugePageArena`` and ``hold_in_huge_pages`` put a module's weights on 2 MB pages (the runtime's).
+Nothing here imports anything beyond torch and the standard library.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 from typing import Any
 
 import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def peak_rss_bytes() -> int | None:
@@ -193,3 +198,62 @@ class HugePageArena:
         view = self.buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
         return view
+
+
+def _unshared(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` alone holds its storage (no view or other tensor on it), so moving it
+    frees the original. The count includes the storage object made here to ask. A torch without
+    that (private) count gets False: nothing is moved rather than anything held twice."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(tensor.untyped_storage()._cdata) <= 2
+
+
+def hold_in_huge_pages(modules: list[nn.Module], min_bytes: int = 4096) -> dict[str, int | bool]:
+    """Move the plain CPU buffers and parameters of ``modules`` (not their submodules') of at
+    least ``min_bytes`` into one ``HugePageArena``, one tensor at a time, each original
+    freed once its copy replaces it: the weights that decode streams every token, on 2 MB pages
+    where the kernel grants them (the arena says why, and what it measured). Left in place, and
+    counted: tensors whose storage another tensor shares (a view; a tied embedding) and oneDNN's
+    opaque packed weights (and torch's quantized tensors). Values, dtypes and shapes are
+    unchanged. Returns the tensors moved, their bytes, the ones left and whether madvise
+    accepted the advice."""
+    todo: list[tuple[dict, str, bool]] = []  # (table, name, is a parameter): no tensor refs
+    total = left = 0
+    for module in modules:
+        for table, is_param in ((module._buffers, False), (module._parameters, True)):
+            for name, tensor in table.items():
+                if tensor is None or tensor.numel() * tensor.element_size() < min_bytes:
+                    continue
+                plain = tensor.device.type == "cpu" and tensor.layout == torch.strided
+                plain = plain and not (tensor.is_mkldnn or tensor.is_quantized)
+                if plain and tensor.is_contiguous() and _unshared(tensor):
+                    todo.append((table, name, is_param))
+                    total += tensor.numel() * tensor.element_size() + 64
+                else:
+                    left += 1
+    if not todo:
+        return {"moved": 0, "moved_bytes": 0, "left": left, "advised": False}
+    try:  # one reservation of every moved byte: a strict-overcommit host may refuse it
+        arena = HugePageArena(total)
+    except RuntimeError as error:
+        log.warning("runtime: weights stay on 4 KB pages (no %d-byte arena: %s)", total, error)
+        return {"moved": 0, "moved_bytes": 0, "left": left + len(todo), "advised": False}
+    copies: dict[int, torch.Tensor] = {}  # the same tensor object in two tables: one copy
+    moved_bytes = untrimmed = 0
+    for table, name, is_param in todo:
+        tensor = table[name]
+        copy = copies.get(id(tensor))
+        if copy is None:
+            copy = copies[id(tensor)] = arena.take(tensor.detach())
+            moved_bytes += copy.numel() * copy.element_size()
+            untrimmed += copy.numel() * copy.element_size()
+        table[name] = nn.Parameter(copy, requires_grad=False) if is_param else copy
+        del tensor  # the original goes once no table holds it
+        # glibc keeps freed heap chunks resident until trimmed: without this the originals
+        # counted until the end (measured: a 1.1B W4 build peaked 2.10 GB against 1.60)
+        if untrimmed >= 64 << 20:
+            return_freed_memory()
+            untrimmed = 0
+    return_freed_memory()
+    return {"moved": len(copies), "moved_bytes": moved_bytes, "left": left,
+            "advised": arena.advised}  # fmt: skip

@@ -47,7 +47,7 @@ from torch import nn
 from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import current_device, float_dtype
 from compress.kernels import cpu_elementwise, cpu_q8, dispatch
-from compress.memory import return_freed_memory
+from compress.memory import hold_in_huge_pages, return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
@@ -64,7 +64,6 @@ from compress.runtime.layers import (
     _IntKernels,
     _Layer,
     _Q8Kernel,
-    hold_in_huge_pages,
 )
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
 
@@ -327,11 +326,11 @@ class Runtime:
             # Float weights packed (_FloatLinear.pack; a compiled step calls oneDNN's through
             # an op of ours, bf16 only: measured on an AMD EPYC without AMX, 2 threads, the
             # 1.1B shape in bf16 decoded 9.1 tok/s compiled unpacked, 18.9 packed, 26.2 eager
-            # packed, in one process). Fused elementwise ops
-            # (and greedy sampling in one pass, Scheduler._emit), eager only: measured on a
-            # Xeon (2 threads, scripts/profile_serving_step.py, three interleaved runs each), a
-            # 32-row SmolLM2-135M decode step 55.7-57.2 -> 46.5-48.1 ms in bf16, 51.9-60.7 ->
-            # 42.5-45.3 ms for W4; a 28-row 1.1B-shape W4 step 145 -> 135 ms (one run each)
+            # packed, in one process). Fused elementwise ops (and greedy sampling in one pass,
+            # Scheduler._emit), eager only: measured on a Xeon (2 threads,
+            # scripts/profile_serving_step.py, three interleaved runs each), a 32-row
+            # SmolLM2-135M decode step 55.7-57.2 -> 46.5-48.1 ms in bf16, 51.9-60.7 -> 42.5-45.3
+            # ms for W4; a 28-row 1.1B-shape W4 step 145 -> 135 ms (one run each)
             fused = not compile and cpu_elementwise.unavailable_reason(device) is None
             for layer in self.layers:
                 layer.pack_float(fp32=not compile)

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from compress import memory
+from compress.memory import hold_in_huge_pages
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime import engine
 from compress.runtime.engine import Runtime
-from compress.runtime.layers import hold_in_huge_pages
 from compress.testing import make_tiny_llama
 
 
