@@ -33,8 +33,12 @@ if [ -d .whl ] && [ "$DRY" -eq 0 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python3 -c "import compress.kernels" 2>/dev/null \
+# The check runs outside the checkout: from its root `python3 -c` imports compress from the
+# working directory even when it is not installed, and `python3 scripts/...` then would not.
+(cd / && python3 -c "import compress.kernels") 2>/dev/null \
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3
+# Without setuptools there the install fails; the checkout on the path serves every section.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .gpu/data ] && export COMPRESS_DATA_DIR="$PWD/.gpu/data"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}" PYTHONUNBUFFERED=1
 timeout 480 python3 scripts/gpu_check.py --out "$OUT" "${ARGS[@]+"${ARGS[@]}"}" 2>&1 \

@@ -39,8 +39,15 @@ def test_gpu_check_dry_run_writes_the_report_and_a_loadable_table(tmp_path):
     assert all("eager_tok_s" in row for row in rows.values()), decode
     assert all(row["cuda_graph"] == "not run: needs CUDA" for row in rows.values())
     assert any(line.startswith("tiny eager: W4") for line in decode["goals"])
-    # 4 and 5 run or say why not (the recipe device key, eval --device); never "failed"
-    assert all(s["status"] in ("ok", "skipped") for s in sections.values()), sections
+    # 4 and 5 run their commands on the CPU: the same recipes and evaluations, tiny
+    assert all(s["status"] == "ok" for s in sections.values()), sections
+    quant = sections["4 calibrated passes"]["result"]
+    for name in ("gptq", "awq", "autoround"):
+        assert quant[name]["returncode"] == 0, quant[name]
+        assert "changed 14 modules, skipped 0" in quant[name]["tail"][-1], quant[name]
+    assert quant["column walk"]["codes_equal_fraction"] > 0.99
+    ppl = sections["5 perplexity gpu vs cpu"]["result"]
+    assert ppl["cuda"]["perplexity"] > 1 and ppl["within_1pct"] is True, ppl
     tables = kernel_table.parse_file(json.loads((out / kernel_table.TABLE_FILE).read_text()))
     table = kernel_table.select_table(tables, tables[0]["gpu"])
     assert table is not None and table.measured["date"]
