@@ -348,10 +348,12 @@ EXAONE4 = dataclasses.replace(OLMO2, model_type="exaone4", qk_norm_span="head")
 
 # Llama's module names and data flow: SmolLM3 (some layers without RoPE: ``no_rope_layers``),
 # Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs: its RuntimeSpec),
+# Helium (interleaved RoPE pairs),
 # HunYuan dense (q/k norms over one head, named query/key_layernorm, applied after RoPE: its
 # RuntimeSpec).
-SMOLLM3, SEED_OSS, ERNIE4_5 = (
-    dataclasses.replace(LLAMA, model_type=t) for t in ("smollm3", "seed_oss", "ernie4_5")
+SMOLLM3, SEED_OSS, ERNIE4_5, HELIUM = (
+    dataclasses.replace(LLAMA, model_type=t)
+    for t in ("smollm3", "seed_oss", "ernie4_5", "helium")
 )
 HUNYUAN_V1_DENSE = dataclasses.replace(
     LLAMA,
@@ -405,6 +407,7 @@ ARCHS: dict[str, Arch] = {
         SEED_OSS,
         ERNIE4_5,
         HUNYUAN_V1_DENSE,
+        HELIUM,
         GEMMA,
         GLM,
         GLM4,
@@ -581,6 +584,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # 3/4 of each head (partial_rotary_factor, from the config)
     "phi3": _LLAMA_RT,
     "ernie4_5": RuntimeSpec(rope_interleaved=True),
+    "helium": RuntimeSpec(rope_interleaved=True),
     # interleaved RoPE over half of each head; GLM-4 adds post-norms (Arch)
     "glm": RuntimeSpec(rope_interleaved=True),
     "glm4": RuntimeSpec(rope_interleaved=True),

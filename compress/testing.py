@@ -93,6 +93,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     ),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "glm": ("GlmConfig", "GlmForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),

@@ -15,6 +15,7 @@ from compress.prune.config import (
 )
 from compress.prune.slicing import (
     calibrate,
+    check_reloadable,
     checked_layers,
     count_params,
     finish_report,
@@ -120,6 +121,16 @@ def prune_attention_heads(
             "query_heads)"
         )
     keep = resolve_keep(cfg, n_heads, allowed, params_after, "prune.attention_heads")
+    kv_after = keep // group if cfg.mode == "kv_groups" else n_kv
+    if keep != n_heads:
+        layer = layers[0]
+        shapes = {p: (keep * head_dim, hidden) for p in arch.heads.rows}
+        shapes |= {p: (kv_after * head_dim, hidden) for p in arch.heads.kv_rows}
+        shapes |= {p: ((keep + 2 * kv_after) * head_dim, hidden) for p in arch.heads.fused}
+        shapes |= {p: (layer.get_submodule(p).out_features, keep * head_dim)
+                   for p in arch.heads.cols}  # fmt: skip
+        changes = dict(head_dim=head_dim, num_attention_heads=keep, num_key_value_heads=kv_after)
+        check_reloadable(model, arch, "prune.attention_heads", changes, shapes)
     report = PassReport(
         "prune.attention_heads", metrics={"importance": cfg.importance, "mode": cfg.mode}
     )
@@ -141,7 +152,7 @@ def prune_attention_heads(
         report.changed.append(f"{arch.layer_prefix}{i}.{arch.attention}")
     config.head_dim = head_dim  # explicit, so hidden_size // num_attention_heads is never used
     config.num_attention_heads = keep
-    config.num_key_value_heads = keep // group if cfg.mode == "kv_groups" else n_kv
+    config.num_key_value_heads = kv_after
     report.metrics.update(
         heads_before=n_heads, heads_after=keep, kv_heads_after=config.num_key_value_heads
     )

@@ -17,6 +17,7 @@ from compress.prune.config import (
 )
 from compress.prune.slicing import (
     calibrate,
+    check_reloadable,
     checked_layers,
     count_params,
     finish_report,
@@ -101,6 +102,13 @@ def prune_hidden_size(
     report = PassReport("prune.hidden_size", metrics={"importance": cfg.importance})
     if keep == current:
         return finish_report(model, report, before)
+    head_dim = layers[0].get_submodule(arch.attention).head_dim
+    shapes = {p: (lin.out_features, keep) for p, lin in
+              zip(arch.hidden_readers, submodules(layers[0], arch.hidden_readers), strict=True)}
+    shapes |= {p: (keep, lin.in_features) for p, lin in
+               zip(arch.hidden_writers, submodules(layers[0], arch.hidden_writers), strict=True)}
+    check_reloadable(model, arch, "prune.hidden_size", dict(hidden_size=keep, head_dim=head_dim),
+                     shapes)  # fmt: skip
     idx = _hidden_scores(model, arch, layers, cfg, state).topk(keep).indices.sort().values
     embed = model.get_input_embeddings()
     embed.weight = nn.Parameter(embed.weight.data[:, idx].contiguous().clone())
@@ -118,8 +126,7 @@ def prune_hidden_size(
             slice_linear(lin, in_idx=idx)
         for lin in submodules(layer, arch.hidden_writers):
             slice_linear(lin, out_idx=idx)
-    # attention width is independent of the residual width now
-    config.head_dim = layers[0].get_submodule(arch.attention).head_dim
+    config.head_dim = head_dim  # attention width is independent of the residual width now
     config.hidden_size = keep
     ratio = set_embedding_scale(model, arch)  # Gemma: sqrt(hidden_size), what a reload builds
     if ratio != 1.0:

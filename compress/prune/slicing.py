@@ -5,6 +5,7 @@ hooks, the number of units to keep, and the report (see the package docstring).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 
@@ -157,6 +158,34 @@ def multiples_of(current: int, multiple_of: int, what: str) -> list[int]:
             f"{what}: multiple_of={multiple_of} leaves nothing to prune below {current}"
         )
     return allowed
+
+
+def check_reloadable(
+    model: nn.Module, arch: Arch, what: str, config_changes: dict, shapes: dict[str, tuple]
+) -> None:
+    """A ConfigError unless the family's own modeling, built (on meta) from the config with
+    ``config_changes``, gives decoder layer 0's linears ``shapes`` ({path: (out, in)}): some
+    families size a projection from a config field the pass does not change (Helium's o_proj is
+    hidden x hidden, not hidden x heads * head_dim), and their pruned checkpoint would not
+    reload. Checked before anything is sliced."""
+    config = copy.deepcopy(model.config)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        fresh = type(model)(config)
+    layer = decoder_layers(fresh, what)[0]
+    wrong = []
+    for path, (out, inp) in shapes.items():
+        linear = layer.get_submodule(path)
+        if (linear.out_features, linear.in_features) != (out, inp):
+            wrong.append(f"{path} is {linear.out_features}x{linear.in_features}, not {out}x{inp}")
+    if wrong:
+        changes = ", ".join(f"{k}={v}" for k, v in config_changes.items())
+        raise ConfigError(
+            f"{what}: model_type {arch.model_type!r} builds its layers from {changes} with other "
+            f"shapes than the pruned ones ({'; '.join(wrong)}): the pruned checkpoint would not "
+            "reload, so this pass refuses the family. Prune MLP channels or layers instead"
+        )
 
 
 def finish_report(model: nn.Module, report: PassReport, params_before: int) -> PassReport:

@@ -44,6 +44,9 @@ from compress.testing import TINY_MODEL_TYPES, make_tiny_model
 from tests.quant.quant_helpers import tiny_state
 
 FAMILIES = list(TINY_MODEL_TYPES)
+# Families whose modeling sizes o_proj from hidden_size (hidden x hidden), not heads x head_dim:
+# neither fewer heads nor a narrower residual reloads, and the two passes refuse them.
+O_FROM_HIDDEN = ("helium",)
 IDS = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(123))
 
 
@@ -296,7 +299,7 @@ def _kept(pruned: torch.Tensor, original: torch.Tensor) -> list[int]:
     ("model_type", "what"),
     # OLMo2/3's q_norm spans all heads: removing heads changes its statistics, so a head-pruned
     # OLMo2 is not the masked one (its structure and reload are checked below).
-    [(t, "heads") for t in FAMILIES if ARCHS[t].qk_norm_span != "heads"]
+    [(t, "heads") for t in FAMILIES if ARCHS[t].qk_norm_span != "heads" and t not in O_FROM_HIDDEN]
     + [(t, "mlp") for t in FAMILIES],
 )
 @torch.no_grad()
@@ -359,8 +362,17 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     if hidden == 64:
         with pytest.raises(ConfigError, match="post-norm"):
             run_passes(copy.deepcopy(model), [HiddenSizeConfig(hidden_size=48)], tiny_state())
+    heads = 4 if model_type in O_FROM_HIDDEN else 2
+    if model_type in O_FROM_HIDDEN:  # refused before anything is sliced
+        untouched = copy.deepcopy(model.state_dict())
+        refusals = [AttentionHeadsConfig(num_attention_heads=2), HiddenSizeConfig(hidden_size=48)]
+        for refused in refusals:
+            with pytest.raises(ConfigError, match=r"o_proj is .*, not .*would not reload"):
+                run_passes(model, [refused], tiny_state())
+        assert all(torch.equal(v, untouched[k]) for k, v in model.state_dict().items())
+        hidden = 64
     passes = [
-        AttentionHeadsConfig(num_attention_heads=2),
+        *([AttentionHeadsConfig(num_attention_heads=2)] if heads == 2 else []),
         MlpChannelsConfig(intermediate_size=96),
         *([HiddenSizeConfig(hidden_size=hidden)] if hidden != 64 else []),
         LayersConfig(num_layers=1),
@@ -370,7 +382,7 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(model)
     config = reloaded.config
-    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, heads // 2)
     sizes = (config.intermediate_size, config.hidden_size, config.num_hidden_layers)
     assert sizes == (96, hidden, 1)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=1e-5, atol=1e-6)

@@ -2,7 +2,7 @@
 norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
-(q/k/v and o biases), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and
+(q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and
 gate_up_proj), OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
 The reference is transformers itself in fp32: greedy tokens and the logits of each prefill and
 decode step, float and int4-RTN quantized.
@@ -55,6 +55,7 @@ FAMILIES = {
     "phi4": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                   "partial_rotary_factor": 0.75}),
     "ernie4_5": dict(use_bias=True),  # interleaved RoPE pairs
+    "helium": dict(),  # interleaved RoPE pairs, Llama's layout
     "hunyuan_v1_dense": dict(attention_bias=True),  # per-head q/k norms after RoPE
     # its checkpoints' RoPE: NTK-alpha labelled "dynamic", static tables (alpha 1000 at 4K)
     "hunyuan_alpha": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
