@@ -361,6 +361,23 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
 )
 
+# Arcee (AFM): Llama's attention, a non-gated MLP down(act(up(x))) (relu2). down's input is a
+# nonlinear function of up's output, so no scale folds from up into down.
+_NOT_GATED = (
+    "the MLP is not gated: down_proj reads act(up_proj(x)), and a per-channel scale does not "
+    "pass through the activation"
+)
+ARCEE = dataclasses.replace(
+    LLAMA,
+    model_type="arcee",
+    gate="",
+    awq_mappings=LLAMA.awq_mappings[:2] + (_mapping("post_attention_layernorm", "mlp.up_proj"),),
+    smoothquant_mappings=LLAMA.smoothquant_mappings[:1]
+    + (_mapping("post_attention_layernorm", "mlp.up_proj"),),
+    mlp_channels=PruneGroup(rows=("mlp.up_proj",), cols=("mlp.down_proj",)),
+    scale_gaps=(ScaleGap(("mlp.down_proj",), _NOT_GATED),),
+)
+
 # Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
 GEMMA = dataclasses.replace(
     GEMMA2,
@@ -408,6 +425,7 @@ ARCHS: dict[str, Arch] = {
         ERNIE4_5,
         HUNYUAN_V1_DENSE,
         HELIUM,
+        ARCEE,
         GEMMA,
         GLM,
         GLM4,
@@ -585,6 +603,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "phi3": _LLAMA_RT,
     "ernie4_5": RuntimeSpec(rope_interleaved=True),
     "helium": RuntimeSpec(rope_interleaved=True),
+    "arcee": _LLAMA_RT,  # the non-gated MLP: Arch.gate is "" (relu2: families.ACTIVATIONS)
     # interleaved RoPE over half of each head; GLM-4 adds post-norms (Arch)
     "glm": RuntimeSpec(rope_interleaved=True),
     "glm4": RuntimeSpec(rope_interleaved=True),

@@ -94,6 +94,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # non-gated relu2 MLP
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "glm": ("GlmConfig", "GlmForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),

@@ -14,9 +14,12 @@ from torch import nn
 from compress.arch import Arch, RuntimeSpec
 
 # MLP activations by the names transformers' configs use (gelu_pytorch_tanh: Gemma's).
-ACTIVATIONS = {
+ACTIVATIONS = {  # transformers' ACT2FN names
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

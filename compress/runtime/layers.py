@@ -578,8 +578,10 @@ class _Layer(nn.Module):
             setattr(self, name, weight)
         # The projections, in the order forward uses them: the runtime's own short names.
         paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
-        if arch.moe is None:
-            paths.update(gate=arch.gate, up=arch.up, down=arch.down)
+        if arch.moe is None:  # a non-gated MLP (Arcee) has no gate path: down(act(up(x)))
+            mlp = {"gate": arch.gate, "up": arch.up, "down": arch.down}
+            paths.update({name: path for name, path in mlp.items() if path})
+            self.gate = None
         # A family whose checkpoint fuses them (Phi-3's qkv_proj [q; k; v], gate_up_proj
         # [gate; up]) names one linear for every part: it is the stacked call itself.
         stacks = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -603,7 +605,7 @@ class _Layer(nn.Module):
         if "qkv" not in paths:
             self.qkv = self._stack("q", "k", "v")
         if "gate_up" not in paths:
-            self.gate_up = self._stack("gate", "up") if arch.moe is None else None
+            self.gate_up = self._stack("gate", "up") if arch.moe is None and arch.gate else None
 
     def _stack(self, *names: str) -> nn.Module | None:
         parts = [getattr(self, name) for name in names]
@@ -729,9 +731,11 @@ class _Layer(nn.Module):
         else:
             if self.gate_up is not None:
                 gate, up = self.gate_up(h, decode).chunk(2, -1)
-            else:
-                gate, up = self.gate(h, decode), self.up(h, decode)
-            y = self.down(self.act(gate) * up, decode)
+                y = self.down(self.act(gate) * up, decode)
+            elif self.gate is not None:
+                y = self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
+            else:  # not gated
+                y = self.down(self.act(self.up(h, decode)), decode)
         return x + self._block_out(y, self.mlp_out_norm)
 
     def _finish_fused(self, x, a, decode: bool) -> torch.Tensor:

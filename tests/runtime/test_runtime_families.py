@@ -2,8 +2,9 @@
 norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
-(q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and
-gate_up_proj), OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
+(q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), Arcee (non-gated relu2
+MLP), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
+OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
 The reference is transformers itself in fp32: greedy tokens and the logits of each prefill and
 decode step, float and int4-RTN quantized.
 
@@ -56,6 +57,7 @@ FAMILIES = {
                                   "partial_rotary_factor": 0.75}),
     "ernie4_5": dict(use_bias=True),  # interleaved RoPE pairs
     "helium": dict(),  # interleaved RoPE pairs, Llama's layout
+    "arcee": dict(),  # non-gated relu2 MLP
     "hunyuan_v1_dense": dict(attention_bias=True),  # per-head q/k norms after RoPE
     # its checkpoints' RoPE: NTK-alpha labelled "dynamic", static tables (alpha 1000 at 4K)
     "hunyuan_alpha": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
@@ -210,7 +212,7 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     stacked = Runtime(model, **settings, keep_model_weights=True)  # a second one follows
     for layer in stacked.layers:
         assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
-        assert (layer.gate_up is None) == (family in MOE)
+        assert (layer.gate_up is None) == (family in MOE or not arch_of(family).gate)
         layer.fused = False  # the fused elementwise ops need stacked calls: compare torch's
     monkeypatch.setattr(layers._IntLinear, "stacked", classmethod(lambda cls, parts: None))
     separate = Runtime(model, **settings)
