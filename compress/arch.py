@@ -58,6 +58,10 @@ from torch import nn
 from compress.core.errors import ConfigError
 
 NormForm = Literal["w", "1+w"]  # y = w * n(x) (Llama RMSNorm), or y = (1 + w) * n(x) (Gemma)
+# "rms": n(x) = x / rms(x) (RMSNorm); "layer": n(x) = (x - mean) / std, plus a bias where the
+# norm has one (LayerNorm: StableLM, Starcoder2). A scale folds into both (weight and bias
+# divided); a rotation commutes with neither mean nor bias (rotate.hadamard refuses them).
+NormKind = Literal["rms", "layer"]
 # Rows of a fused producer that feed a mapping's consumers: "" all of it; "v": the v rows of a
 # fused [q; k; v] linear; "up": the up rows of a fused [gate; up] linear.
 FusedPart = Literal["", "v", "up"]
@@ -153,6 +157,7 @@ class Arch:
     qk_norm_span: Literal["head", "heads"] = "head"
     scale_gaps: tuple[ScaleGap, ...] = ()  # consumers no fold can reach, with the reason
     embed_scaling: Literal["none", "sqrt_hidden"] = "none"  # embedding output x sqrt(hidden)
+    norm_kind: NormKind = "rms"  # every hidden-size norm's (the final one's too)
 
     @property
     def layer_prefix(self) -> str:
@@ -361,22 +366,33 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
 )
 
-# Arcee (AFM): Llama's attention, a non-gated MLP down(act(up(x))) (relu2). down's input is a
-# nonlinear function of up's output, so no scale folds from up into down.
-_NOT_GATED = (
-    "the MLP is not gated: down_proj reads act(up_proj(x)), and a per-channel scale does not "
-    "pass through the activation"
-)
-ARCEE = dataclasses.replace(
-    LLAMA,
-    model_type="arcee",
-    gate="",
-    awq_mappings=LLAMA.awq_mappings[:2] + (_mapping("post_attention_layernorm", "mlp.up_proj"),),
-    smoothquant_mappings=LLAMA.smoothquant_mappings[:1]
-    + (_mapping("post_attention_layernorm", "mlp.up_proj"),),
-    mlp_channels=PruneGroup(rows=("mlp.up_proj",), cols=("mlp.down_proj",)),
-    scale_gaps=(ScaleGap(("mlp.down_proj",), _NOT_GATED),),
-)
+def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Arch:
+    """``base``'s attention with a non-gated MLP ``down(act(up(x)))``: down's input is a
+    nonlinear function of up's output, so no scale folds from up into down (a stated gap)."""
+    reason = (
+        f"the MLP is not gated: {down} reads act({up}(x)), and a per-channel scale does not pass "
+        "through the activation"
+    )
+    return dataclasses.replace(
+        base,
+        model_type=model_type,
+        gate="",
+        up=up,
+        down=down,
+        awq_mappings=base.awq_mappings[:2] + (_mapping(base.mlp_norm, up),),
+        smoothquant_mappings=base.smoothquant_mappings[:1] + (_mapping(base.mlp_norm, up),),
+        mlp_channels=PruneGroup(rows=(up,), cols=(down,)),
+        scale_gaps=(ScaleGap((down,), reason),),
+        **changes,
+    )
+
+
+# Arcee (AFM): Llama's layout, relu2 MLP not gated. Starcoder2: LayerNorms with biases, biases on
+# every linear, a gelu MLP not gated (c_fc -> c_proj). StableLM: LayerNorms, Llama's gated MLP,
+# partial RoPE (its config's partial_rotary_factor).
+ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
+STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
+STABLELM = dataclasses.replace(LLAMA, model_type="stablelm", norm_kind="layer")
 
 # Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
 GEMMA = dataclasses.replace(
@@ -426,6 +442,8 @@ ARCHS: dict[str, Arch] = {
         HUNYUAN_V1_DENSE,
         HELIUM,
         ARCEE,
+        STARCODER2,
+        STABLELM,
         GEMMA,
         GLM,
         GLM4,
@@ -574,6 +592,10 @@ class RuntimeSpec:
     # RoPE labelled "dynamic" with an ``alpha`` is NTK-alpha with static tables (HunYuan's
     # checkpoints; transformers gives it its own type), not length-dependent dynamic NTK
     dynamic_alpha_is_static: bool = False
+    norm_eps_key: str = "rms_norm_eps"  # config attribute: every norm's epsilon
+    # config attributes that, set, describe a variant the runtime does not run (then it falls
+    # back to transformers): StableLM's parallel residual and per-head q/k LayerNorms
+    unsupported_flags: tuple[str, ...] = ()
 
 
 _LLAMA_RT = RuntimeSpec()
@@ -604,6 +626,11 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "ernie4_5": RuntimeSpec(rope_interleaved=True),
     "helium": RuntimeSpec(rope_interleaved=True),
     "arcee": _LLAMA_RT,  # the non-gated MLP: Arch.gate is "" (relu2: families.ACTIVATIONS)
+    # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
+    "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
+    "stablelm": RuntimeSpec(
+        norm_eps_key="layer_norm_eps", unsupported_flags=("use_parallel_residual", "qk_layernorm")
+    ),
     # interleaved RoPE over half of each head; GLM-4 adds post-norms (Arch)
     "glm": RuntimeSpec(rope_interleaved=True),
     "glm4": RuntimeSpec(rope_interleaved=True),

@@ -95,6 +95,9 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # non-gated relu2 MLP
+    # LayerNorms with biases; Starcoder2's gelu MLP not gated, StableLM's partial RoPE
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "glm": ("GlmConfig", "GlmForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),

@@ -81,6 +81,10 @@ def slice_linear(linear: nn.Linear, *, out_idx=None, in_idx=None) -> None:
 
 def slice_norm(norm: nn.Module, idx: torch.Tensor) -> None:
     norm.weight = nn.Parameter(norm.weight.data[idx].clone())
+    if getattr(norm, "bias", None) is not None:  # LayerNorm's
+        norm.bias = nn.Parameter(norm.bias.data[idx].clone())
+    if hasattr(norm, "normalized_shape"):  # nn.LayerNorm normalizes over this, not the weight's
+        norm.normalized_shape = (len(idx),)
 
 
 def fused_rows(parts: list[int], idx: list[torch.Tensor]) -> torch.Tensor:

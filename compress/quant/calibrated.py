@@ -404,5 +404,7 @@ def migrate_scales(
         prev.weight.copy_((prev.weight.float() + 1) / s_prev - 1)
     else:  # RMSNorm-style: y = w * normalize(x)
         prev.weight.div_(s_prev.to(prev.weight.dtype))
+    if not isinstance(prev, nn.Linear) and getattr(prev, "bias", None) is not None:
+        prev.bias.div_(s_prev.to(prev.bias.dtype))  # LayerNorm: y = w * n(x) + b
     for lin in lins:
         lin.weight.mul_(s.to(lin.weight.dtype))

@@ -40,6 +40,10 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention=True (the runtime's attention is causal)"
+    for flag in spec.unsupported_flags:
+        if getattr(config, flag, False):
+            value = getattr(config, flag)
+            return f"{flag}={value!r} (a variant of the family the runtime does not run)"
     return None
 
 

@@ -491,6 +491,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias, centered: bool) -> torch.Tensor:
+    """A hidden-size norm: RMSNorm, or (``centered``) LayerNorm, whose variance is the mean
+    square of the centred values; ``bias`` (or None) added after the weight."""
+    y = _rms_norm(x - x.mean(-1, keepdim=True) if centered else x, weight, eps)
+    return y if bias is None else y + bias
+
+
+def _norm_bias(norm: nn.Module) -> nn.Buffer | None:
+    """The norm's bias in fp32 (LayerNorm's), or None."""
+    bias = getattr(norm, "bias", None)
+    return None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
+
+
 def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
     """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
     w = norm.weight.detach().float()
@@ -540,7 +553,10 @@ class _Layer(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of_config(config)
-        self.eps = float(config.rms_norm_eps)
+        self.eps = float(getattr(config, spec.norm_eps_key))
+        # LayerNorm families (Arch.norm_kind): mean-centred norms with biases, through torch's
+        # ops (the fused CPU ops are RMSNorms)
+        self.centered = arch.norm_kind == "layer"
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
         self.window = layer_window(config, i)
@@ -555,6 +571,10 @@ class _Layer(nn.Module):
         # None: the family has no norm before the block (OLMo2: its norms come after them)
         self.norm_in, self.norm_post = (
             None if path is None else _norm_weight(layer.get_submodule(path), form)
+            for path in (arch.attn_norm, arch.mlp_norm)
+        )
+        self.norm_in_bias, self.norm_post_bias = (
+            None if path is None else _norm_bias(layer.get_submodule(path))
             for path in (arch.attn_norm, arch.mlp_norm)
         )
         # q/k norms over all heads at once (OLMo2: weights [H * D] and [KVH * D]), else per head
@@ -658,9 +678,10 @@ class _Layer(nn.Module):
         plain_heads = (
             not self.qk_norm_heads and not self.qk_norm_after_rope and self.rope_perm is None
         )
-        if self.fused and self.qkv is not None and plain_heads:
+        if self.fused and not self.centered and self.qkv is not None and plain_heads:
             return self._project_qkv_fused(x, cos, sin, decode)
-        h = x if self.norm_in is None else _rms_norm(x, self.norm_in, self.eps)
+        h = x if self.norm_in is None else _norm(
+            x, self.norm_in, self.eps, self.norm_in_bias, self.centered)  # fmt: skip
         if self.qkv is not None:
             kv_width = self.n_kv * self.head_dim
             q, k, v = self.qkv(h, decode).split([self.qkv.n - 2 * kv_width, kv_width, kv_width], -1)
@@ -722,10 +743,11 @@ class _Layer(nn.Module):
     def finish(self, x, a, decode: bool) -> torch.Tensor:
         """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
         residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
-        if self.fused and self.gate_up is not None and self.act is F.silu:
+        if self.fused and not self.centered and self.gate_up is not None and self.act is F.silu:
             return self._finish_fused(x, a, decode)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
-        h = x if self.norm_post is None else _rms_norm(x, self.norm_post, self.eps)
+        h = x if self.norm_post is None else _norm(
+            x, self.norm_post, self.eps, self.norm_post_bias, self.centered)  # fmt: skip
         if self.sparse_mlp is not None:
             y = self._routed(h)
         else:
@@ -788,8 +810,10 @@ class _Head(nn.Module):
         release: bool = False,
     ) -> None:
         super().__init__()
-        self.norm = _norm_weight(model.get_submodule(arch.final_norm), arch.norm_form)
-        self.eps = float(model.config.rms_norm_eps)
+        final_norm = model.get_submodule(arch.final_norm)
+        self.norm = _norm_weight(final_norm, arch.norm_form)
+        self.norm_bias, self.centered = _norm_bias(final_norm), arch.norm_kind == "layer"
+        self.eps = float(getattr(model.config, spec.norm_eps_key))
         self.divisor = config_value(model.config, spec.logits_divisor)
         self.softcap = config_value(model.config, spec.final_softcap)
         head = model.get_submodule(arch.lm_head)
@@ -805,7 +829,8 @@ class _Head(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(_rms_norm(x, self.norm, self.eps), True)  # [B, V] fp32
+        h = _norm(x, self.norm, self.eps, self.norm_bias, self.centered)
+        logits = self.lm_head(h, True)  # [B, V] fp32
         if self.divisor is not None:
             logits = logits / self.divisor
         if self.softcap is not None:

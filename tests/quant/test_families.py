@@ -44,9 +44,10 @@ from compress.testing import TINY_MODEL_TYPES, make_tiny_model
 from tests.quant.quant_helpers import tiny_state
 
 FAMILIES = list(TINY_MODEL_TYPES)
-# Families whose modeling sizes o_proj from hidden_size (hidden x hidden), not heads x head_dim:
-# neither fewer heads nor a narrower residual reloads, and the two passes refuse them.
-O_FROM_HIDDEN = ("helium",)
+# Families whose modeling sizes the attention from hidden_size, not from heads x head_dim
+# (Helium's hidden x hidden o_proj, StableLM's head_dim = hidden / heads): neither fewer heads
+# nor a narrower residual reloads, and the two passes refuse them.
+ATTENTION_FROM_HIDDEN = ("helium", "stablelm")
 IDS = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(123))
 
 
@@ -95,9 +96,13 @@ def test_entry_names_every_linear_and_norm_of_the_layer(model_type):
     arch = arch_for(model, "test")
     layer = decoder_layers(model)[0]
     linears = {n for n, m in layer.named_modules() if type(m) is nn.Linear}
-    norms = {n for n, m in layer.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    kinds = ("RMSNorm", "LayerNorm")
+    norms = {n for n, m in layer.named_modules() if type(m).__name__.endswith(kinds)}
     assert set(arch.linears) == linears
     assert set(arch.layer_norms) | set(arch.qk_norms) == norms
+    for name in arch.layer_norms:  # the declared kind is the modules' (the runtime follows it)
+        centered = type(layer.get_submodule(name)).__name__.endswith("LayerNorm")
+        assert centered == (arch.norm_kind == "layer"), name
     for m in arch.awq_mappings + arch.smoothquant_mappings:
         rows = producer_rows(layer, m)
         width = layer.get_submodule(m.producer).weight[rows or slice(None)].shape[0]
@@ -299,7 +304,8 @@ def _kept(pruned: torch.Tensor, original: torch.Tensor) -> list[int]:
     ("model_type", "what"),
     # OLMo2/3's q_norm spans all heads: removing heads changes its statistics, so a head-pruned
     # OLMo2 is not the masked one (its structure and reload are checked below).
-    [(t, "heads") for t in FAMILIES if ARCHS[t].qk_norm_span != "heads" and t not in O_FROM_HIDDEN]
+    [(t, "heads") for t in FAMILIES
+     if ARCHS[t].qk_norm_span != "heads" and t not in ATTENTION_FROM_HIDDEN]  # fmt: skip
     + [(t, "mlp") for t in FAMILIES],
 )
 @torch.no_grad()
@@ -362,8 +368,8 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     if hidden == 64:
         with pytest.raises(ConfigError, match="post-norm"):
             run_passes(copy.deepcopy(model), [HiddenSizeConfig(hidden_size=48)], tiny_state())
-    heads = 4 if model_type in O_FROM_HIDDEN else 2
-    if model_type in O_FROM_HIDDEN:  # refused before anything is sliced
+    heads = 4 if model_type in ATTENTION_FROM_HIDDEN else 2
+    if model_type in ATTENTION_FROM_HIDDEN:  # refused before anything is sliced
         untouched = copy.deepcopy(model.state_dict())
         refusals = [AttentionHeadsConfig(num_attention_heads=2), HiddenSizeConfig(hidden_size=48)]
         for refused in refusals:

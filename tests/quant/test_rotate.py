@@ -26,7 +26,12 @@ from compress.testing import (
 IDS = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8, 90, 111, 4, 60]])
 # norms after the blocks (Gemma 2/3, OLMo2/3, EXAONE 4, GLM-4)
 REFUSED = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].post_norms)
-ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED] + ["mixtral", "qwen3_moe"]
+# LayerNorms: the mean and the bias do not commute with a rotation (StableLM, Starcoder2)
+LAYER_NORMS = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].norm_kind == "layer")
+ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED + LAYER_NORMS] + [
+    "mixtral",
+    "qwen3_moe",
+]
 
 
 def _model(family: str):
@@ -35,8 +40,11 @@ def _model(family: str):
     with torch.no_grad():  # random norm weights and biases: a fold that dropped one would show
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen) if "norm" in name
-                        else 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(
+                    0.5 + torch.rand(p.shape, generator=gen)
+                    if "norm" in name
+                    else 0.1 * torch.randn(p.shape, generator=gen)
+                )
     return model
 
 
@@ -103,6 +111,15 @@ def test_post_norm_families_are_refused_untouched(family):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("family", LAYER_NORMS)
+def test_layer_norm_families_are_refused_untouched(family):
+    model = _model(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match="input_layernorm is a LayerNorm, not an RMSNorm"):
+        run_passes(model, [RotateConfig()], CompressionState(progress=False))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_later_norm_that_does_not_commute_is_refused_before_any_layer_changes():
     """A LayerNorm in the last layer is found before layer 0 is rotated (a streamed model is
     checked the same way on its meta skeleton, before any layer is read)."""
@@ -139,8 +156,13 @@ def test_rotation_lowers_int4_error_with_outlier_columns():
     base = make_tiny_llama()
     with torch.no_grad():
         for layer in base.model.layers:
-            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                           layer.mlp.gate_proj, layer.mlp.up_proj):
+            for linear in (
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+            ):
                 linear.weight[:, [3, 40]] *= 20
         reference = base(ids).logits.double()
     weight_error, kl = {}, {}
@@ -164,9 +186,11 @@ def test_rotated_quantized_model_runs_on_the_runtime():
 
     torch.set_num_threads(1)
     model = _model("llama")
-    run_passes(model, [RotateConfig(), Int4RtnConfig(group_size=32)],
-               CompressionState(progress=False))
+    run_passes(
+        model, [RotateConfig(), Int4RtnConfig(group_size=32)], CompressionState(progress=False)
+    )
     prompt = IDS[0, :8].tolist()
-    runtime = Runtime(model, max_seq_len=32, decode_dtype=torch.float32, compile=False,
-                      keep_model_weights=True)  # the model runs too, for the reference
+    runtime = Runtime(
+        model, max_seq_len=32, decode_dtype=torch.float32, compile=False, keep_model_weights=True
+    )  # the model runs too, for the reference
     assert runtime.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]
