@@ -158,6 +158,9 @@ class Arch:
     scale_gaps: tuple[ScaleGap, ...] = ()  # consumers no fold can reach, with the reason
     embed_scaling: Literal["none", "sqrt_hidden"] = "none"  # embedding output x sqrt(hidden)
     norm_kind: NormKind = "rms"  # every hidden-size norm's (the final one's too)
+    # attention and MLP both read attn_norm's output and add to the residual together (Phi,
+    # Cohere): mlp_norm is None, and the MLP's input mappings start at attn_norm
+    parallel: bool = False
 
     @property
     def layer_prefix(self) -> str:
@@ -394,6 +397,41 @@ ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
 STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
 STABLELM = dataclasses.replace(LLAMA, model_type="stablelm", norm_kind="layer")
 
+# Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
+# names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
+# and dense with biases, a gelu MLP not gated (fc1 -> fc2), partial RoPE, a head with a bias.
+_PARALLEL_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+COHERE = dataclasses.replace(
+    LLAMA,
+    model_type="cohere",
+    mlp_norm=None,
+    parallel=True,
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+)
+PHI = dataclasses.replace(
+    _not_gated(LLAMA, "phi", "mlp.fc1", "mlp.fc2"),
+    final_norm="model.final_layernorm",
+    o="self_attn.dense",
+    mlp_norm=None,
+    parallel=True,
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),
+        _mapping("self_attn.v_proj", "self_attn.dense"),
+    ),
+    smoothquant_mappings=(_mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),),
+    heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.dense",)),
+)
+
 # Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
 GEMMA = dataclasses.replace(
     GEMMA2,
@@ -444,6 +482,8 @@ ARCHS: dict[str, Arch] = {
         ARCEE,
         STARCODER2,
         STABLELM,
+        COHERE,
+        PHI,
         GEMMA,
         GLM,
         GLM4,
@@ -593,6 +633,10 @@ class RuntimeSpec:
     # checkpoints; transformers gives it its own type), not length-dependent dynamic NTK
     dynamic_alpha_is_static: bool = False
     norm_eps_key: str = "rms_norm_eps"  # config attribute: every norm's epsilon
+    logits_multiplier: str | None = None  # config attribute multiplying the logits
+    # the rotary module's tables repeat each angle twice in a row ([f0, f0, f1, f1, ...],
+    # Cohere) rather than cat(f, f)
+    rope_table_interleaved: bool = False
     # config attributes that, set, describe a variant the runtime does not run (then it falls
     # back to transformers): StableLM's parallel residual and per-head q/k LayerNorms
     unsupported_flags: tuple[str, ...] = ()
@@ -628,6 +672,15 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "arcee": _LLAMA_RT,  # the non-gated MLP: Arch.gate is "" (relu2: families.ACTIVATIONS)
     # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
     "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
+    # parallel blocks (Arch.parallel), LayerNorms; per-head q/k LayerNorms fall back
+    "cohere": RuntimeSpec(
+        norm_eps_key="layer_norm_eps",
+        logits_multiplier="logit_scale",
+        rope_interleaved=True,
+        rope_table_interleaved=True,
+        unsupported_flags=("use_qk_norm",),
+    ),
+    "phi": RuntimeSpec(norm_eps_key="layer_norm_eps", unsupported_flags=("qk_layernorm",)),
     "stablelm": RuntimeSpec(
         norm_eps_key="layer_norm_eps", unsupported_flags=("use_parallel_residual", "qk_layernorm")
     ),

@@ -221,6 +221,16 @@ def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Ten
 def _check_supported(model: nn.Module, arch: Arch) -> None:
     """Every refusal, from module types and shapes only (a streamed model's meta skeleton
     gets the same ones as a model in memory, before any layer is read)."""
+    if arch.norm_kind == "layer":
+        raise ConfigError(
+            f"{NAME}: model_type {arch.model_type!r} uses LayerNorms: a norm that subtracts the "
+            "mean or adds a bias does not commute with a rotation. Remove this pass for this family"
+        )
+    if arch.parallel:
+        raise ConfigError(
+            f"{NAME}: model_type {arch.model_type!r} runs attention and MLP in parallel on one "
+            "norm; rotating such blocks is not implemented. Remove this pass for this family"
+        )
     if arch.post_norms or arch.attn_norm is None or arch.mlp_norm is None:
         raise ConfigError(
             f"{NAME}: model_type {arch.model_type!r} has norms after its attention/MLP blocks "

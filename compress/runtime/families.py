@@ -17,6 +17,7 @@ from compress.arch import Arch, RuntimeSpec
 ACTIVATIONS = {  # transformers' ACT2FN names
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # the same function, an older name
     "gelu": F.gelu,
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),
@@ -159,6 +160,8 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
             continue
         cos, sin = rotary(x, pos) if key is None else rotary(x, pos, key)
         cos, sin = cos[0].float(), sin[0].float()
+        if spec.rope_table_interleaved:  # [f0, f0, f1, f1, ...] -> cat(f, f)
+            cos, sin = (torch.cat([t[:, 0::2]] * 2, 1) for t in (cos, sin))
         if cos.shape[-1] != r:
             raise RuntimeError(
                 f"compress runtime: the rotary module's tables cover {cos.shape[-1]} channels of "

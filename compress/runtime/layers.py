@@ -557,6 +557,8 @@ class _Layer(nn.Module):
         # LayerNorm families (Arch.norm_kind): mean-centred norms with biases, through torch's
         # ops (the fused CPU ops are RMSNorms)
         self.centered = arch.norm_kind == "layer"
+        # Phi, Cohere: attention and MLP read the same normed input, added to x together
+        self.parallel = arch.parallel
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
         self.window = layer_window(config, i)
@@ -743,22 +745,27 @@ class _Layer(nn.Module):
     def finish(self, x, a, decode: bool) -> torch.Tensor:
         """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
         residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
+        if self.parallel:  # the MLP reads the attention's input norm, not the new residual
+            h = _norm(x, self.norm_in, self.eps, self.norm_in_bias, self.centered)
+            return x + self._block_out(self.o(a, decode), None) + self._block_out(
+                self._mlp(h, decode), None)  # fmt: skip
         if self.fused and not self.centered and self.gate_up is not None and self.act is F.silu:
             return self._finish_fused(x, a, decode)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = x if self.norm_post is None else _norm(
             x, self.norm_post, self.eps, self.norm_post_bias, self.centered)  # fmt: skip
+        return x + self._block_out(self._mlp(h, decode), self.mlp_out_norm)
+
+    def _mlp(self, h: torch.Tensor, decode: bool) -> torch.Tensor:
+        """The MLP (or the sparse block) on its normed input ``h``."""
         if self.sparse_mlp is not None:
-            y = self._routed(h)
-        else:
-            if self.gate_up is not None:
-                gate, up = self.gate_up(h, decode).chunk(2, -1)
-                y = self.down(self.act(gate) * up, decode)
-            elif self.gate is not None:
-                y = self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
-            else:  # not gated
-                y = self.down(self.act(self.up(h, decode)), decode)
-        return x + self._block_out(y, self.mlp_out_norm)
+            return self._routed(h)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(h, decode).chunk(2, -1)
+            return self.down(self.act(gate) * up, decode)
+        if self.gate is not None:
+            return self.down(self.act(self.gate(h, decode)) * self.up(h, decode), decode)
+        return self.down(self.act(self.up(h, decode)), decode)  # not gated
 
     def _finish_fused(self, x, a, decode: bool) -> torch.Tensor:
         """``finish`` through the fused CPU ops: the residual add and the MLP norm in one call
@@ -815,6 +822,7 @@ class _Head(nn.Module):
         self.norm_bias, self.centered = _norm_bias(final_norm), arch.norm_kind == "layer"
         self.eps = float(getattr(model.config, spec.norm_eps_key))
         self.divisor = config_value(model.config, spec.logits_divisor)
+        self.multiplier = config_value(model.config, spec.logits_multiplier)
         self.softcap = config_value(model.config, spec.final_softcap)
         head = model.get_submodule(arch.lm_head)
         if bits is not None and not isinstance(head, QuantLinear):
@@ -833,6 +841,8 @@ class _Head(nn.Module):
         logits = self.lm_head(h, True)  # [B, V] fp32
         if self.divisor is not None:
             logits = logits / self.divisor
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

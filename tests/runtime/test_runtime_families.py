@@ -63,6 +63,10 @@ FAMILIES = {
     # StableLM (q/k/v biases, RoPE on a quarter of each head)
     "starcoder2": dict(sliding_window=WINDOW),
     "stablelm": dict(use_qkv_bias=True, tie_word_embeddings=False),
+    # parallel attention and MLP on one LayerNorm: Cohere (interleaved RoPE, logits scaled),
+    # Phi (biases, gelu MLP not gated, RoPE on half of each head, a head with a bias)
+    "cohere": dict(logit_scale=0.5, attention_bias=True),
+    "phi": dict(tie_word_embeddings=False),
     "hunyuan_v1_dense": dict(attention_bias=True),  # per-head q/k norms after RoPE
     # its checkpoints' RoPE: NTK-alpha labelled "dynamic", static tables (alpha 1000 at 4K)
     "hunyuan_alpha": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
