@@ -51,7 +51,11 @@ def _sample(logits: torch.Tensor, s: _Sampling, *, checked: bool = False) -> tor
         raise NumericsError(_NON_FINITE)
     if s.temperature <= 0:
         return tokens
-    logits = logits / s.temperature
+    # Shift by the top logit first (softmax does not change): the top becomes 0 and the rest
+    # <= 0, so a tiny temperature (1e-300) sends them to -inf rather than overflowing to inf;
+    # and divide by no less than the dtype's smallest normal, which 1e-300 would round to 0
+    # (0 / 0). Either made softmax NaN, and multinomial raise in the engine thread.
+    logits = (logits - top[:, None]) / max(s.temperature, torch.finfo(logits.dtype).tiny)
     if s.top_k is not None:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,6 +64,8 @@ def _sample(logits: torch.Tensor, s: _Sampling, *, checked: bool = False) -> tor
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop = probs.cumsum(-1) - probs >= s.top_p
+        # a top_p under float32's smallest (1e-300) compares as 0 and would drop the first too
+        drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if s.min_p is not None:  # after temperature, as vLLM; the likeliest token always stays
         probs = logits.softmax(-1)
@@ -109,8 +115,10 @@ def adjust_logits(row: torch.Tensor, a: Adjustments, prompt: list[int], output: 
     if a.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=row.device)
         values = row[seen]
+        # clamped: a penalty near 0 (1e-308) would make positive logits inf, and softmax NaN
+        big = torch.finfo(row.dtype).max
         row[seen] = torch.where(values > 0, values / a.repetition_penalty,
-                                values * a.repetition_penalty)
+                                values * a.repetition_penalty).clamp(-big, big)
     if output and (a.frequency_penalty or a.presence_penalty):
         counts = torch.bincount(torch.tensor(output, device=row.device),
                                 minlength=row.numel())[: row.numel()]
@@ -118,7 +126,9 @@ def adjust_logits(row: torch.Tensor, a: Adjustments, prompt: list[int], output: 
     for token, bias in a.logit_bias:
         row[token] += bias
     masked = sorted(t for t in stop_tokens if 0 <= t < row.numel())
-    if len(output) < a.min_tokens and masked:
+    # stop tokens naming the whole vocabulary leave nothing to draw (softmax of -inf is NaN):
+    # then min_tokens cannot hold, and the request stops at its first token
+    if len(output) < a.min_tokens and 0 < len(masked) < row.numel():
         row[torch.tensor(masked, device=row.device)] = float("-inf")
     return row
 
@@ -145,14 +155,14 @@ def _make_sampling(
     """Sampling settings; a seed makes a generator on ``device`` (the model's: multinomial on
     CUDA refuses a CPU generator; None: the CPU)."""
     if (
-        temperature < 0
+        not 0 <= temperature < float("inf")
         or (top_k is not None and top_k < 1)
         or not (top_p is None or 0 < top_p <= 1)
         or not (min_p is None or 0 <= min_p <= 1)
     ):
         raise ValueError(
-            f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in "
-            f"(0, 1], min_p={min_p} in [0, 1]"
+            f"temperature={temperature} must be finite and >= 0, top_k={top_k} >= 1, "
+            f"top_p={top_p} in (0, 1], min_p={min_p} in [0, 1]"
         )
     generator = None
     if seed is not None:

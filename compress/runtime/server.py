@@ -39,22 +39,34 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from compress.runtime.sampling import ADJUSTMENT_KEYS, _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
 MAX_LOGPROBS = 20  # top log-probs per token, as vLLM's default limit
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+          "GET /stats")
+# what a field that takes several shapes expects, for its 400 (pydantic would name one shape)
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string, a list of {"type": "text", "text": ...} parts or null',
+}
+_TYPE_TAGS = ("str", "int", "float", "bool", "none")  # pydantic's names of union members
 
 
 class _Request(BaseModel):
-    """The sampling fields both endpoints take (OpenAI's names and defaults)."""
+    """The sampling fields both endpoints take (OpenAI's names and defaults). Strict types, as
+    OpenAI's API: pydantic's lax mode would serve ``max_tokens: true`` as 1 token, ``prompt:
+    [true, false]`` as token ids 1 and 0, and ``stream: "no"`` as a stream."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None)  # -1 or None: off (vLLM's convention)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a torch generator's range
@@ -87,7 +99,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -306,9 +318,18 @@ class Server:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-            return _error(400, f"{param}: {first.get('msg', 'invalid request')}", param)
+            return _error(400, *_validation_message(exc.errors()))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, exc: HTTPException):
+            # FastAPI's own {"detail": ...} (unknown route, wrong method, a body it cannot
+            # parse) in OpenAI's error shape, which clients read
+            message = str(exc.detail)
+            if exc.status_code in (404, 405):
+                message += f": {request.method} {request.url.path}; this server serves {ROUTES}"
+            response = _error(exc.status_code, message, None)
+            response.headers.update(exc.headers or {})  # a 405's Allow
+            return response
 
         @app.get("/health")
         async def health():
@@ -372,15 +393,28 @@ class Server:
                 f"{self.model_name}'s tokenizer has no chat template; use /v1/completions",
                 "messages",
             )
+        from jinja2 import TemplateError, TemplateSyntaxError
+
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):  # content parts: text only
-                if any(part.get("type") != "text" for part in content):
-                    raise RequestError("only text content parts are supported", "messages")
-                content = "".join(part.get("text", "") for part in content)
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise RequestError(
+                            f"messages.{i}.content: only text content parts are supported, "
+                            f'{{"type": "text", "text": "..."}}; got {str(part)[:80]}',
+                            f"messages.{i}.content",
+                        )
+                content = "".join(part["text"] for part in content)
             messages.append({"role": m.role, "content": content or ""})
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: a 500, not the client's fault
+        except TemplateError as exc:  # the template's raise_exception: roles out of order, ...
+            raise RequestError(f"the model's chat template refused the messages: {exc}",
+                               "messages") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns an encoding
             ids = ids["input_ids"]
         return list(ids)
@@ -405,10 +439,19 @@ class Server:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens; this server's max_model_len is "
                 f"{self.max_model_len}",
-                "prompt",
+                "messages" if isinstance(body, ChatRequest) else "prompt",
             )
         if limit is None:
             limit = min(room, 16 if isinstance(body, CompletionRequest) else room)
+        elif limit > room:
+            chat_limit = getattr(body, "max_completion_tokens", None)
+            name = "max_completion_tokens" if chat_limit else "max_tokens"
+            raise RequestError(
+                f"{name}={limit} with the prompt's {len(prompt)} tokens is more than this "
+                f"server's max_model_len {self.max_model_len}: ask for at most {room} tokens or "
+                "shorten the prompt",
+                name,
+            )
         top_k = None if body.top_k in (None, -1, 0) else body.top_k
         if top_k is not None and top_k < 1:
             raise RequestError(f"top_k must be -1 (off) or >= 1, got {top_k}", "top_k")
@@ -440,6 +483,15 @@ class Server:
         stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
         echoed: list[list[int]] = []  # each choice's prompt, when echo is asked
+        if len(prompts) * body.n > self.engine.max_waiting:
+            # never servable, whatever the load: a 400, not a 503 whose "retry later" loops
+            return _error(
+                400,
+                f"{len(prompts)} prompts x n={body.n} are {len(prompts) * body.n} sequences; "
+                f"this server queues at most {self.engine.max_waiting}: send fewer prompts or "
+                "a smaller n per request",
+                "prompt" if len(prompts) > 1 else "n",
+            )
         try:
             for prompt in prompts:  # choice index: prompt * n + sample, as vLLM orders them
                 for sample in range(body.n):
@@ -630,10 +682,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]) as ids -> bias."""
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        # digits only: int() also takes " 5 " and "1_0" (token 10)
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        token = int(key)
         if not -100 <= value <= 100:
             raise RequestError(f"logit_bias[{key}] = {value} is outside [-100, 100]",
                                "logit_bias")
@@ -664,6 +716,29 @@ def _logprobs_asked(body: _Request) -> int | None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise RequestError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}", name)
     return k
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of a request pydantic refused: its first error, with ``param`` the
+    field's path (``messages.0.role``) without pydantic's union-member tags (``prompt.str``)."""
+    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        reason, at = (first.get("ctx") or {}).get("error", "JSON decode error"), first["loc"][-1]
+        return f"the request body is not valid JSON: {reason} at character {at}", None
+    loc = first.get("loc", ())[1:]
+    path = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    if not path:
+        if first.get("type") == "missing":
+            return "the request body is empty: send a JSON object of the request's fields", None
+        return ("the request body must be a JSON object of the request's fields (with "
+                f"content-type application/json): {first.get('msg')}", None)
+    param = ".".join(str(p) for p in path)
+    if len(path) < len(loc) and str(path[-1]) in _EXPECTED:  # a field of several shapes
+        return f"{param}: expected {_EXPECTED[str(path[-1])]}", param
+    got = ""
+    if str(first.get("type", "")).endswith("_type"):  # a wrong type: show what came
+        got = f", got {json.dumps(first.get('input'), default=str)[:60]}"
+    return f"{param}: {first.get('msg', 'invalid')}{got}", param
 
 
 def _text_choice(index: int, text: str, reason: str | None) -> dict:

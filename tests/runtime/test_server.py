@@ -138,7 +138,7 @@ def test_token_id_prompts_several_choices_and_stop_strings(served):
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": [1, 99999], "max_tokens": 2}, "outside the vocabulary"),
         ({"prompt": "x" * 200, "max_tokens": 2}, "max_model_len"),
-        ({"prompt": "hi", "max_tokens": 500}, "max_seq_len"),
+        ({"prompt": "hi", "max_tokens": 500}, "max_tokens=500 with the prompt's 2 tokens"),
         ({"prompt": "hi", "top_k": -5}, "top_k"),
         # sampling controls that would otherwise be ignored: refused, not served as if unset
         ({"prompt": "hi", "min_p": 1.5}, "min_p: Input should be less than or equal to 1"),

@@ -1,0 +1,203 @@
+"""Malformed and edge-case requests to ``compress serve`` (found by fuzzing the endpoints): each
+gets an OpenAI-style 400 naming the field, or a correct answer, and the server keeps serving. One
+server (the tiny random Llama of test_server.py) for every case; the engine thread's health is
+checked after each, since an exception in a step stops it for every client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from compress.runtime.engine import Runtime
+from compress.runtime.sampling import _make_sampling, _sample, adjust_logits, make_adjustments
+from tests.runtime.test_server import CHAT_TEMPLATE, Running, greedy_text, tiny
+
+# a template that refuses some messages, as real models' templates do (raise_exception)
+REFUSING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'developer' %}"
+    "{{ raise_exception('developer messages are not supported') }}{% endif %}" + CHAT_TEMPLATE
+)
+ALL_TOKENS = list(range(320))  # the tiny model's vocabulary
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, tokenizer = tiny()
+    tokenizer.chat_template = REFUSING_TEMPLATE
+    runtime = Runtime(model, max_seq_len=128, compile=False)
+    running = Running(runtime, tokenizer)
+    yield running, runtime, tokenizer
+    running.close()
+
+
+def post(running, path, body, *, stream=False):
+    """(status, JSON body) of a request; ``body`` bytes are sent as they are."""
+    if isinstance(body, bytes):
+        reply = httpx.post(running.url + path, content=body, timeout=30,
+                           headers={"content-type": "application/json"})  # fmt: skip
+    else:
+        reply = httpx.post(running.url + path, json={**body, "stream": stream} if stream
+                           else body, timeout=30)  # fmt: skip
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in reply.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        return reply.status_code, events
+    return reply.status_code, reply.json()
+
+
+def assert_alive_and_correct(running, runtime, tokenizer):
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+    body = {"prompt": [1, 40, 50], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, reply = post(running, "/v1/completions", body)
+    assert status == 200
+    assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 4)
+
+
+# Valid requests whose sampling made NaN probabilities: multinomial raised in the engine thread,
+# the request got a 500 and every later one a 503 (the server was dead).
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 1e-300},  # logits / T overflowed to inf
+        {"temperature": 1e-300, "repetition_penalty": 1e-308},
+        {"temperature": 1, "top_p": 1e-300},  # rounds to 0 in float32: every token dropped
+        {"temperature": 1, "repetition_penalty": 1e-308},  # positive logits / 1e-308 = inf
+        {"temperature": 1, "stop_token_ids": ALL_TOKENS, "min_tokens": 2},  # all masked
+    ],
+    ids=["tiny-temperature", "tiny-temperature-and-penalty", "tiny-top-p",
+         "tiny-repetition-penalty", "min-tokens-with-every-token-a-stop"],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_extreme_sampling_settings_answer_and_keep_the_engine_alive(served, extra, stream):
+    running, runtime, tokenizer = served
+    body = {"prompt": [1, 40, 50], "max_tokens": 3, "ignore_eos": True, **extra}
+    status, reply = post(running, "/v1/completions", body, stream=stream)
+    assert status == 200, reply
+    reasons = [e["choices"][0]["finish_reason"] for e in reply] if stream else [
+        reply["choices"][0]["finish_reason"]]
+    assert reasons[-1] in ("length", "stop") and not any("error" in e for e in reply)
+    assert_alive_and_correct(running, runtime, tokenizer)
+
+
+def test_a_near_zero_temperature_samples_the_greedy_tokens(served):
+    """T -> 0 is greedy: the limit, not an error."""
+    running, runtime, tokenizer = served
+    body = {"prompt": [1, 40, 50], "max_tokens": 6, "temperature": 1e-300, "seed": 3,
+            "ignore_eos": True}  # fmt: skip
+    status, reply = post(running, "/v1/completions", body)
+    assert status == 200
+    assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 6)
+
+
+def test_sampling_extremes_in_the_sampler():
+    """The library's side of the cases above (the scheduler and the runtime share _sample)."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, -1.0]])
+    for temperature, top_p in [(1e-300, None), (1e-45, None), (1.0, 1e-300)]:
+        sampling = _make_sampling(temperature, top_p=top_p, seed=0)
+        assert _sample(logits, sampling).tolist() == [0]
+    with pytest.raises(ValueError, match="temperature=inf must be finite"):
+        _make_sampling(float("inf"))
+    row = adjust_logits(logits[0], make_adjustments(repetition_penalty=1e-308), [0, 2], [],
+                        frozenset())  # fmt: skip
+    assert torch.isfinite(row).all()
+    row = adjust_logits(logits[0], make_adjustments(min_tokens=2), [0], [],
+                        frozenset(range(4)))  # fmt: skip
+    assert torch.isfinite(row).all()  # nothing masked when every token is a stop token
+
+
+# (id, path, body, param, message fragment). Before: served as garbage (a 200), a 500, or a 400
+# whose message or param was pydantic's internals ("prompt.str", "None: Field required",
+# "1: JSON decode error").
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def said(content) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+MALFORMED = [
+    # types pydantic's lax mode converted: max_tokens true was 1 token, [true, false] ids 1, 0
+    ("max-tokens-bool", C, {"prompt": "hi", "max_tokens": True}, "max_tokens", "got true"),
+    ("max-tokens-string", C, {"prompt": "hi", "max_tokens": "5"}, "max_tokens", 'got "5"'),
+    ("n-bool", C, {"prompt": "hi", "n": True}, "n", "valid integer"),
+    ("stream-string", C, {"prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    ("prompt-bools", C, {"prompt": [True, False]}, "prompt", "expected a string, a list of"),
+    ("prompt-int", C, {"prompt": 5}, "prompt", "list of token ids"),
+    ("stop-int", C, {"prompt": "hi", "stop": [5]}, "stop", "a string or a list of strings"),
+    ("temperature-infinity", C, b'{"prompt": "hi", "temperature": Infinity}', "temperature",
+     "finite"),
+    ("logit-bias-key-spaces", C, {"prompt": "hi", "logit_bias": {" 5 ": 1}}, "logit_bias",
+     "' 5 ' is not a token id"),
+    ("logit-bias-key-underscore", C, {"prompt": "hi", "logit_bias": {"1_0": 1}}, "logit_bias",
+     "'1_0' is not a token id"),
+    ("max-tokens-past-max-model-len", C, {"prompt": "hi", "max_tokens": 500}, "max_tokens",
+     "ask for at most 126 tokens"),
+    # a request that can never be queued: was a 503 "retry later", forever
+    ("prompts-over-queue-bound", C, {"prompt": ["hi"] * 65, "max_tokens": 1}, "prompt",
+     "65 prompts x n=1 are 65 sequences; this server queues at most 64"),
+    ("prompts-x-n-over-queue-bound", C, {"prompt": ["a", "b"], "n": 33, "max_tokens": 1},
+     "prompt", "queues at most 64"),
+    # the body itself
+    ("body-not-json", C, b"{not json", None, "the request body is not valid JSON"),
+    ("body-empty", C, b"", None, "the request body is empty"),
+    ("body-a-list", C, b"[1, 2]", None, "must be a JSON object"),
+    ("body-nested-too-deep", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None,
+     "error parsing the body"),
+    # chat: content parts whose text was not a string were a 500 (str.join)
+    ("content-part-text-null", CHAT, said([{"type": "text", "text": None}]),
+     "messages.0.content", "only text content parts"),
+    ("content-part-text-int", CHAT, said([{"type": "text", "text": 5}]), "messages.0.content",
+     "only text content parts"),
+    ("content-int", CHAT, said(5), "messages.0.content", "expected a string, a list of"),
+    # a chat template's raise_exception was a 500
+    ("template-raise-exception", CHAT, {"messages": [{"role": "developer", "content": "x"}]},
+     "messages", "chat template refused the messages: developer messages are not supported"),
+    ("chat-prompt-too-long", CHAT, said("x" * 200), "messages", "max_model_len is 128"),
+]
+
+
+# each case whole and streamed (where the body is JSON that does not set stream itself)
+MALFORMED_CASES = [
+    pytest.param(*case[1:], stream, id=f"{case[0]}-{'stream' if stream else 'whole'}")
+    for case in MALFORMED for stream in (False, True)
+    if not stream or not (isinstance(case[2], bytes) or "stream" in case[2])
+]
+
+
+@pytest.mark.parametrize("path, body, param, fragment, stream", MALFORMED_CASES)
+def test_malformed_requests_get_an_openai_style_400(served, path, body, param, fragment, stream):
+    running, _, _ = served
+    status, reply = post(running, path, body, stream=stream)
+    assert status == 400, reply
+    error = reply["error"]
+    assert fragment in error["message"]
+    assert (error["param"], error["type"], error["code"]) == (param, "invalid_request_error",
+                                                              400)
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405),
+     ("POST", "/v1/models", 405)],
+)  # fmt: skip
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(served, method, path, status):
+    """Were FastAPI's {"detail": "Not Found"}, which OpenAI clients do not read."""
+    running, _, _ = served
+    reply = httpx.request(method, running.url + path, json={})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert f"{method} {path}" in error["message"] and "POST /v1/completions" in error["message"]
+    if status == 405:
+        assert "allow" in reply.headers
+
+
+def test_after_every_malformed_request_the_answers_stay_right(served):
+    running, runtime, tokenizer = served
+    for _, path, body, _, _ in MALFORMED[:6]:
+        post(running, path, body)
+    assert_alive_and_correct(running, runtime, tokenizer)
+    assert running.stats()["running"] == 0 and running.stats()["kv_blocks_in_use"] == 0
