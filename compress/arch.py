@@ -396,6 +396,11 @@ def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Ar
 ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
 STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
 STABLELM = dataclasses.replace(LLAMA, model_type="stablelm", norm_kind="layer")
+# Nemotron: LayerNorms with biases applied as (1 + w) (LayerNorm1P), a relu2 MLP not gated,
+# partial RoPE.
+NEMOTRON = _not_gated(
+    LLAMA, "nemotron", "mlp.up_proj", "mlp.down_proj", norm_kind="layer", norm_form="1+w"
+)
 
 # Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
 # names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
@@ -482,6 +487,7 @@ ARCHS: dict[str, Arch] = {
         ARCEE,
         STARCODER2,
         STABLELM,
+        NEMOTRON,
         COHERE,
         PHI,
         GEMMA,
@@ -681,6 +687,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
         unsupported_flags=("use_qk_norm",),
     ),
     "phi": RuntimeSpec(norm_eps_key="layer_norm_eps", unsupported_flags=("qk_layernorm",)),
+    "nemotron": RuntimeSpec(norm_eps_key="norm_eps"),  # (1 + w) LayerNorms: Arch
     "stablelm": RuntimeSpec(
         norm_eps_key="layer_norm_eps", unsupported_flags=("use_parallel_residual", "qk_layernorm")
     ),

@@ -98,6 +98,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     # LayerNorms with biases; Starcoder2's gelu MLP not gated, StableLM's partial RoPE
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # (1 + w) LayerNorms, relu2
     # parallel attention and MLP on one LayerNorm
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
     "phi": ("PhiConfig", "PhiForCausalLM", {}),

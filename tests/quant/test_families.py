@@ -96,12 +96,12 @@ def test_entry_names_every_linear_and_norm_of_the_layer(model_type):
     arch = arch_for(model, "test")
     layer = decoder_layers(model)[0]
     linears = {n for n, m in layer.named_modules() if type(m) is nn.Linear}
-    kinds = ("RMSNorm", "LayerNorm")
+    kinds = ("RMSNorm", "LayerNorm", "LayerNorm1P")
     norms = {n for n, m in layer.named_modules() if type(m).__name__.endswith(kinds)}
     assert set(arch.linears) == linears
     assert set(arch.layer_norms) | set(arch.qk_norms) == norms
     for name in arch.layer_norms:  # the declared kind is the modules' (the runtime follows it)
-        centered = type(layer.get_submodule(name)).__name__.endswith("LayerNorm")
+        centered = "LayerNorm" in type(layer.get_submodule(name)).__name__
         assert centered == (arch.norm_kind == "layer"), name
     for m in arch.awq_mappings + arch.smoothquant_mappings:
         rows = producer_rows(layer, m)

@@ -63,6 +63,7 @@ FAMILIES = {
     # StableLM (q/k/v biases, RoPE on a quarter of each head)
     "starcoder2": dict(sliding_window=WINDOW),
     "stablelm": dict(use_qkv_bias=True, tie_word_embeddings=False),
+    "nemotron": dict(),  # (1 + w) LayerNorms with biases, relu2 MLP not gated, partial RoPE
     # parallel attention and MLP on one LayerNorm: Cohere (interleaved RoPE, logits scaled),
     # Phi (biases, gelu MLP not gated, RoPE on half of each head, a head with a bias)
     "cohere": dict(logit_scale=0.5, attention_bias=True),
