@@ -21,7 +21,7 @@ from compress.core.errors import RecipeError
 from compress.io.stream import CheckpointReader
 from compress.pipeline.job import run_job
 from compress.recipe import parse_recipe
-from compress.testing import make_char_tokenizer, make_tiny_llama
+from compress.testing import make_char_tokenizer, make_tiny_llama, make_tiny_model
 
 TEXT = "".join(f"Line {i}: the quick brown fox number {i * 7 % 13} jumps over {i % 5} dogs.\n"
                for i in range(80))
@@ -98,6 +98,27 @@ def test_streamed_equals_in_memory_bit_for_bit(name, checkpoint, tmp_path, one_t
     assert config_a == config_b
     reports = [p["changed"] for p in streamed.payload["passes"]]
     assert reports == [p["changed"] for p in memory.payload["passes"]] and all(reports)
+
+
+# One family per layout the Llama checkpoint above lacks: parallel blocks on one LayerNorm with a
+# non-gated MLP and a differently named final norm (Phi), (1 + w) LayerNorms with biases
+# (Nemotron), post-norms (Gemma 2).
+@pytest.mark.parametrize("family", ["phi", "nemotron", "gemma2"])
+def test_streamed_equals_in_memory_for_other_layouts(family, tmp_path, monkeypatch, one_thread):
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model(family, num_hidden_layers=3, tie_word_embeddings=False)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "ck")
+    make_char_tokenizer().save_pretrained(tmp_path / "ck")
+    (tmp_path / "text.txt").write_text(TEXT)
+    recipe = _recipe(tmp_path, PASSES["awq"])
+    runs = {mode: run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / mode,
+                          stream=mode == "stream", progress=False)
+            for mode in ("mem", "stream")}  # fmt: skip
+    assert runs["stream"].payload["memory"]["streamed"]
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and any(k.endswith("weight_packed") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.parametrize(("passes", "reads_source"), [
