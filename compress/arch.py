@@ -120,6 +120,17 @@ class Moe:
     act: str  # the experts module's activation (applied to gate)
     checkpoint_block: str  # the block's name in checkpoints
     checkpoint_projections: tuple[str, str, str]  # (gate, up, down) per-expert Linear names
+    # A shared expert every token takes (Qwen2-MoE): a dense gated MLP of nn.Linears, its output
+    # times sigmoid(shared_scalar_gate(x)), a [1, H] Linear kept in float as the router is
+    shared_gate: str = ""
+    shared_up: str = ""
+    shared_down: str = ""
+    shared_scalar_gate: str = ""
+
+    @property
+    def shared_readers(self) -> tuple[str, ...]:
+        """The shared expert's Linears that read the MLP norm's output (none without one)."""
+        return tuple(p for p in (self.shared_gate, self.shared_up, self.shared_scalar_gate) if p)
 
 
 @dataclass(frozen=True)
@@ -239,15 +250,27 @@ def _moe_arch(model_type: str, moe: Moe) -> Arch:
     slice experts: the experts module stands in the MLP prune group, and the slicing prune
     passes refuse MoE models (prune.layers drops whole layers). The runtime runs the
     attention itself and the family's own sparse block (router + experts) as the MLP."""
+    shared, gaps = (), ()
+    if moe.shared_up:  # up -> down folds inside the shared expert; its inputs cannot be scaled
+        shared = (_mapping(moe.shared_up, moe.shared_down),)
+        reason = (
+            "the MLP norm feeds the router and the routed experts too: a scale folded into it "
+            "would change them, so the shared expert's gate/up inputs are not scaled"
+        )
+        gaps = (ScaleGap((moe.shared_gate, moe.shared_up), reason),)
     return dataclasses.replace(
         LLAMA,
         model_type=model_type,
         gate="",
         up="",
         down="",
-        awq_mappings=LLAMA.awq_mappings[:2],
-        smoothquant_mappings=LLAMA.smoothquant_mappings[:1],
-        mlp_channels=PruneGroup(rows=(moe.fused,), cols=(moe.fused,)),
+        awq_mappings=LLAMA.awq_mappings[:2] + shared,
+        smoothquant_mappings=LLAMA.smoothquant_mappings[:1] + shared,
+        mlp_channels=PruneGroup(
+            rows=(moe.fused, *moe.shared_readers),
+            cols=(moe.fused, *((moe.shared_down,) if moe.shared_down else ())),
+        ),
+        scale_gaps=gaps,
         runtime=True,
         moe=moe,
     )
@@ -273,6 +296,18 @@ MIXTRAL = _moe_arch(
 )
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routed experts without q/k norms, q/k/v
+# biases, and a shared expert.
+QWEN2_MOE = _moe_arch(
+    "qwen2_moe",
+    dataclasses.replace(
+        _MOE,
+        shared_gate="mlp.shared_expert.gate_proj",
+        shared_up="mlp.shared_expert.up_proj",
+        shared_down="mlp.shared_expert.down_proj",
+        shared_scalar_gate="mlp.shared_expert_gate",
+    ),
+)
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
 QWEN2, MISTRAL, GRANITE = (
@@ -495,6 +530,7 @@ ARCHS: dict[str, Arch] = {
         GLM4,
         MIXTRAL,
         QWEN3_MOE,
+        QWEN2_MOE,
     )
 }
 
@@ -520,6 +556,32 @@ def arch_for(model: nn.Module, what: str) -> Arch:
             f"{', '.join(ARCHS)}. A new family is one entry in compress/arch.py (issue 17)"
         )
     return arch
+
+
+def sparse_layers(model: nn.Module, arch: Arch) -> list[int]:
+    """Indices of the decoder layers whose MLP is ``arch.moe``'s sparse block. Qwen2/3-MoE
+    configs can make some layers dense (``mlp_only_layers``, ``decoder_sparse_step``): those
+    hold a plain MLP of Linears, which the passes treat as any dense layer's."""
+    if arch.moe is None:
+        return []
+    found = []
+    for index, layer in enumerate(model.get_submodule(arch.layers)):
+        try:
+            layer.get_submodule(arch.moe.fused)
+        except AttributeError:
+            continue
+        found.append(index)
+    return found
+
+
+def float_only_modules(model: nn.Module) -> set[str]:
+    """Module names no quantization pass targets: the MoE routers and the shared experts' [1, H]
+    scalar gates (they pick and weigh experts; quantizing them changes the routing)."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None:
+        return set()
+    paths = [p for p in (arch.moe.router, arch.moe.shared_scalar_gate) if p]
+    return {f"{arch.layer_prefix}{i}.{p}" for i in sparse_layers(model, arch) for p in paths}
 
 
 def runtime_model_types() -> tuple[str, ...]:
@@ -704,4 +766,5 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block
     "mixtral": _LLAMA_RT,
     "qwen3_moe": _LLAMA_RT,
+    "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
 }

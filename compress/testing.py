@@ -150,20 +150,26 @@ def make_char_tokenizer():
     )
 
 
+TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
-    """A random sparse-MoE causal LM from its transformers 5 config: ``mixtral`` or
-    ``qwen3_moe``; 2 layers, hidden 64, 4 heads (2 KV), 4 experts (intermediate 64), top-2,
-    vocab 320. Experts are the fused 3-D parameters transformers 5 builds."""
+    """A random sparse-MoE causal LM from its transformers 5 config, one of ``TINY_MOE_TYPES``;
+    2 layers, hidden 64, 4 heads (2 KV), 4 experts (intermediate 64), top-2, vocab 320
+    (Qwen2-MoE: a shared expert of intermediate 64 too). Experts are the fused 3-D parameters
+    transformers 5 builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(TINY_SIZES, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=True)
     if model_type == "mixtral":
         settings.update(num_local_experts=4, intermediate_size=64)
-    elif model_type == "qwen3_moe":
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
         settings.update(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         norm_topk_prob=True, decoder_sparse_step=1)
+        if model_type == "qwen2_moe":  # a shared expert every token takes
+            settings.update(shared_expert_intermediate_size=64, mlp_only_layers=[])
     else:
-        raise ValueError(f"make_tiny_moe: model_type {model_type!r} is not mixtral or qwen3_moe")
+        raise ValueError(f"make_tiny_moe: model_type {model_type!r} is not one of {TINY_MOE_TYPES}")
     settings.update(overrides)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **settings)

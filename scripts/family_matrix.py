@@ -33,6 +33,7 @@ from compress.recipe import parse_recipe  # noqa: F401  (registers every pass)
 from compress.runtime.engine import Runtime, unsupported_reason
 from compress.testing import (
     TINY_MODEL_TYPES,
+    TINY_MOE_TYPES,
     hf_greedy,
     make_char_tokenizer,
     make_tiny_model,
@@ -41,7 +42,7 @@ from compress.testing import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = TINY_MOE_TYPES
 PASSES = [  # (column, pass name, settings)
     ("RTN W4", "quantize.int4_rtn", {"group_size": 32}),
     ("RTN W8", "quantize.int8_rtn", {}),

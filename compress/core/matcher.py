@@ -42,9 +42,14 @@ def matches(name: str, module: nn.Module | None, pattern: str) -> bool:
 
 
 def target_modules(model: nn.Module, cfg: PassConfig) -> Iterator[tuple[str, nn.Module]]:
-    """Modules selected by ``cfg.targets`` minus ``cfg.ignore`` (``matches``), in model order."""
+    """Modules selected by ``cfg.targets`` minus ``cfg.ignore`` (``matches``), in model order;
+    never the family's float-only modules (``compress.arch.float_only_modules``: MoE routers and
+    shared-expert gates)."""
+    from compress.arch import float_only_modules
+
+    fixed = float_only_modules(model)
     for name, module in model.named_modules():
-        if not name:
+        if not name or name in fixed:
             continue
         if any(matches(name, module, p) for p in cfg.ignore):
             continue

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.arch import ARCHS, Arch, model_type, output_weight_key
+from compress.arch import ARCHS, Arch, model_type, output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
@@ -162,7 +162,7 @@ def moe_float_linears(model: nn.Module) -> list[str]:
     if arch is None or arch.moe is None:
         return []
     names = []
-    for index in range(len(model.get_submodule(arch.layers))):
+    for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}."
         names.append(prefix + arch.moe.router)
         experts = model.get_submodule(prefix + arch.moe.fused)
@@ -525,7 +525,7 @@ def _load_moe_experts(
     names.update({rename(n): n for n, _ in model.named_modules()})
     tensors = {_module_name(k, names, rename): v for k, v in tensors.items()}
     gate, up, down = moe.checkpoint_projections
-    for index in range(len(model.get_submodule(arch.layers))):
+    for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
         fused = model.get_submodule(prefix)
         count, hidden, inter = getattr(fused, moe.down).shape

@@ -12,7 +12,7 @@ import re
 
 from torch import nn
 
-from compress.arch import ARCHS, Moe, arch_for, model_type
+from compress.arch import ARCHS, Moe, arch_for, model_type, sparse_layers
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches, set_submodule
 from compress.core.registry import PassConfig, PassReport
@@ -29,7 +29,7 @@ def target_experts(model: nn.Module, cfg: PassConfig) -> list[tuple[str, nn.Modu
     if arch is None or arch.moe is None:
         return []
     found = []
-    for index in range(len(model.get_submodule(arch.layers))):
+    for index in sparse_layers(model, arch):
         name = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
         module = model.get_submodule(name)
         if isinstance(module, QuantExperts) or any(matches(name, module, p) for p in cfg.ignore):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.arch import ARCHS
+from compress.arch import float_only_modules
 from compress.core.device import float_dtype
 from compress.kernels import cpu_native, dispatch, reference
 from compress.quant import primitives as quant_primitives
@@ -654,12 +654,8 @@ def weight_matrices(model: nn.Module) -> dict[str, WeightMatrix]:
 
 
 def _router_names(model: nn.Module) -> set[str]:
-    """Module names of the MoE routers of ``model`` (never quantization targets)."""
-    arch = ARCHS.get(getattr(getattr(model, "config", None), "model_type", None))
-    if arch is None or arch.moe is None:
-        return set()
-    layers = model.get_submodule(arch.layers)
-    return {f"{arch.layer_prefix}{i}.{arch.moe.router}" for i in range(len(layers))}
+    """Module names of the MoE routers (and shared-expert gates) of ``model``: never targets."""
+    return float_only_modules(model)
 
 
 def bits_per_weight(model: nn.Module, names: list[str] | None = None) -> float | None:

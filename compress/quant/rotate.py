@@ -201,7 +201,9 @@ def _readers_after(layer: nn.Module, arch: Arch, norm: str) -> list[torch.Tensor
         paths = arch.heads.rows + arch.heads.kv_rows + arch.heads.fused
     elif arch.moe is not None:
         experts = layer.get_submodule(arch.moe.fused)
-        return [layer.get_submodule(arch.moe.router).weight, getattr(experts, arch.moe.gate_up)]
+        shared = [layer.get_submodule(p).weight for p in arch.moe.shared_readers]
+        return [layer.get_submodule(arch.moe.router).weight, getattr(experts, arch.moe.gate_up),
+                *shared]  # fmt: skip
     else:
         paths = arch.mlp_channels.rows + arch.mlp_channels.fused
     return [layer.get_submodule(p).weight for p in dict.fromkeys(paths)]
@@ -215,6 +217,9 @@ def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Ten
         out.append((module.weight, module.bias))
     if arch.moe is not None:
         out.append((getattr(layer.get_submodule(arch.moe.fused), arch.moe.down), None))
+        if arch.moe.shared_down:
+            down = layer.get_submodule(arch.moe.shared_down)
+            out.append((down.weight, down.bias))
     return out
 
 
@@ -248,7 +253,7 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
         )
     paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
     if arch.moe is not None:
-        paths += (arch.moe.router, arch.moe.fused)
+        paths += (arch.moe.router, arch.moe.fused, *arch.moe.shared_readers, arch.moe.shared_down)
     check_paths(model, arch, tuple(p for p in paths if p), NAME)
     for index, layer in enumerate(decoder_layers(model, NAME)):
         for norm_path in (arch.attn_norm, arch.mlp_norm):

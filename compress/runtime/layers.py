@@ -616,6 +616,10 @@ class _Layer(nn.Module):
         # MoE: the family's own sparse block (router + experts, QuantExperts when quantized):
         # routing is data-dependent, so it runs as transformers' module inside our layer
         self.sparse_mlp = None if arch.moe is None else layer.get_submodule(arch.moe.block)
+        # the dtype the model runs it in: its norms' (a dense MLP an MoE config leaves in some
+        # layers, mlp_only_layers, may hold no float parameter once quantized)
+        self.sparse_dtype = None if arch.moe is None else next(
+            p.dtype for p in layer.parameters() if p.is_floating_point())  # fmt: skip
         for name, path in paths.items():
             linear = _convert_linear(
                 layer.get_submodule(path), f"layers.{i}.{path}", prefill, decode, notes, kernels,
@@ -788,9 +792,8 @@ class _Layer(nn.Module):
         return x + self._block_out(self.down(up, decode), self.mlp_out_norm)
 
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
-        """The sparse MoE block on ``h [B, T, H]``, in its router's dtype, back to fp32."""
-        dtype = next(self.sparse_mlp.parameters()).dtype
-        out = self.sparse_mlp(h.to(dtype))
+        """The sparse MoE block on ``h [B, T, H]``, in the model's dtype, back to fp32."""
+        out = self.sparse_mlp(h.to(self.sparse_dtype))
         return (out[0] if isinstance(out, tuple) else out).float()
 
     def _block_out(self, y: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from compress.quant.gptq import GptqConfig
 from compress.runtime.engine import Runtime, unsupported_reason
 from compress.testing import (
     TINY_MODEL_TYPES,
+    TINY_MOE_TYPES,
     hf_greedy,
     make_char_tokenizer,
     make_tiny_model,
@@ -25,7 +26,7 @@ from compress.testing import (
     plain_transformers_logits,
 )
 
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = TINY_MOE_TYPES
 IDS = [[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8]]
 
 

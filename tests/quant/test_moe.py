@@ -24,9 +24,9 @@ from compress.quant.coverage import report_coverage
 from compress.quant.gptq import GptqConfig, gptq
 from compress.quant.linear import QuantExperts, QuantLinear, quantization_coverage, weight_matrices
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, int4_rtn, int8_rtn
-from compress.testing import make_tiny_moe
+from compress.testing import TINY_MOE_TYPES, make_tiny_moe
 
-FAMILIES = ("mixtral", "qwen3_moe")
+FAMILIES = TINY_MOE_TYPES
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -51,14 +51,23 @@ def _router(model, index: int = 0):
 
 
 def _element_counts(model) -> tuple[int, int]:
-    """Independent count: (attention + expert weight elements, router elements)."""
+    """Independent count: (attention + expert weight elements, router elements); a shared
+    expert's three projections are targets, its [1, H] gate counts with the router."""
     cfg = model.config
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    h = cfg.hidden_size
+    per_layer = _attention_elements(model) + experts * 3 * h * inter + 3 * h * shared
+    routers = experts * h + (h if shared else 0)
+    return cfg.num_hidden_layers * per_layer, cfg.num_hidden_layers * routers
+
+
+def _attention_elements(model) -> int:
+    """Weight elements of one layer's q/k/v/o (head_dim 16)."""
+    cfg = model.config
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, 16
-    attention = h * heads * hd * 2 + h * kv * hd * 2
-    per_layer = attention + experts * 3 * h * inter
-    return cfg.num_hidden_layers * per_layer, cfg.num_hidden_layers * experts * h
+    return h * heads * hd * 2 + h * kv * hd * 2
 
 
 @pytest.mark.parametrize(
@@ -95,7 +104,7 @@ def test_rtn_quantizes_every_expert_and_counts_every_weight(moe, bits, group):
 def test_before_the_fix_the_report_would_have_lied(moe):
     """Experts left alone (ignored): the share and bits/weight say so; strict refuses."""
     model = copy.deepcopy(moe)
-    cfg = Int4RtnConfig(group_size=32, ignore=("lm_head", "re:.*experts"))
+    cfg = Int4RtnConfig(group_size=32, ignore=("lm_head", "re:.*experts", "re:.*shared_expert\\."))
     report = int4_rtn(model, cfg, CompressionState())
     targets, routers = _element_counts(model)
     attention = report.metrics["quantized_elements"]
@@ -105,11 +114,13 @@ def test_before_the_fix_the_report_would_have_lied(moe):
     assert report.metrics["unquantized"] == {}  # ignored on purpose: not an error
     # A pass that cannot reach the experts (here: targets only the attention) under strict
     strict = PassConfig(strict=True)
-    with pytest.raises(RecipeError, match=r"quantized 20\.0% .*experts\.gate_up_proj"):
+    share = _attention_elements(model) * model.config.num_hidden_layers / targets
+    with pytest.raises(RecipeError, match=rf"quantized {100 * share:.1f}% .*experts\.gate_up_proj"):
         report_coverage(model, strict, PassReport("quantize.other"))
     loose = PassReport("quantize.other")
     report_coverage(model, PassConfig(), loose)
-    assert len(loose.metrics["unquantized"]) == 2 * model.config.num_hidden_layers
+    shared = 3 if arch_for(model, "test").moe.shared_down else 0
+    assert len(loose.metrics["unquantized"]) == (2 + shared) * model.config.num_hidden_layers
 
 
 def test_strict_rtn_refuses_experts_it_cannot_group(moe):
@@ -119,8 +130,12 @@ def test_strict_rtn_refuses_experts_it_cannot_group(moe):
         int4_rtn(model, cfg, CompressionState())
     assert not any(isinstance(m, QuantExperts) for m in model.modules())  # nothing changed
     report = int4_rtn(model, cfg.model_copy(update={"fallback_group_size": 64}), CompressionState())
-    assert report.metrics["schemes"] == {"W4g64": 24}  # 2 layers x 4 experts x 3 projections
-    assert report.metrics["quantized_share"] == pytest.approx(0.8)  # attention ignored
+    shared = 3 if arch_for(model, "test").moe.shared_down else 0  # a shared expert's Linears
+    # 2 layers x (4 experts x 3 projections + the shared expert's)
+    assert report.metrics["schemes"] == {"W4g64": 2 * (12 + shared)}
+    targets, _ = _element_counts(model)
+    attention = _attention_elements(model) * model.config.num_hidden_layers
+    assert report.metrics["quantized_share"] == pytest.approx(1 - attention / targets)
     assert report.metrics["unquantized"] == {}
 
 
@@ -280,7 +295,10 @@ def _reload_in_plain_transformers(model, path) -> float:
         torch.save((ids, model(ids).logits), path / "ref.pt")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     done = subprocess.run(
-        [sys.executable, "-c", _RELOAD, str(path)], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", _RELOAD, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -392,7 +410,7 @@ def test_autoround_quantizes_every_expert_with_rtn_and_says_so():
     assert all("not tuned" in why for why in metrics["per_expert"].values())
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", TINY_MOE_TYPES)
 def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, tmp_path):
     """prune.layers drops whole decoder layers (experts with them) and plain transformers
     reloads the result with the same logits; passes that would slice the fused experts refuse
@@ -418,3 +436,31 @@ def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, 
         with pytest.raises(ConfigError, match="mixture-of-expert model; slicing"):
             run_passes(make_tiny_moe(model_type), [get_pass(name).config_cls(sparsity=0.5)],
                        _calibration(n=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_dense_layers_of_an_moe_config_are_quantized_as_dense(model_type, tmp_path):
+    """``mlp_only_layers`` leaves layer 0 a plain gated MLP of Linears: GPTQ quantizes it as a
+    dense layer and the experts of layer 1 as experts (it raised AttributeError on the missing
+    experts module); the runtime and a plain transformers reload give the model's tokens."""
+    from compress.runtime.engine import Runtime
+    from compress.testing import hf_greedy, make_char_tokenizer, plain_transformers_logits
+
+    model = make_tiny_moe(model_type, mlp_only_layers=[0])
+    arch = arch_for(model, "test")
+    report = gptq(model, GptqConfig(group_size=32), _calibration())
+    assert report.metrics["quantized_share"] == 1.0 and report.metrics["unquantized"] == {}
+    dense = model.get_submodule(f"{arch.layer_prefix}0.mlp")
+    assert all(
+        isinstance(m, QuantLinear) for m in (dense.gate_proj, dense.up_proj, dense.down_proj)
+    )
+    assert isinstance(_experts(model, 1), QuantExperts)
+    prompt = [1, 5, 9, 33, 70, 100]
+    runtime = Runtime(copy.deepcopy(model), max_seq_len=32, compile=False, keep_model_weights=True)
+    assert runtime.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]
+    if model_type == "qwen2_moe":  # one reload (a subprocess): the export's layer names
+        export_checkpoint(model, make_char_tokenizer(), tmp_path / "export", dtype="float32")
+        [theirs] = plain_transformers_logits([tmp_path / "export"], [prompt], tmp_path)
+        with torch.no_grad():
+            ours = model(torch.tensor([prompt])).logits
+        assert float((theirs - ours).norm() / ours.norm()) < 3e-2

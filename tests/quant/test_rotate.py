@@ -16,6 +16,7 @@ from compress.quant.rotate import RotateConfig, hadamard_matrix, rotation_matrix
 from compress.quant.rtn import Int4RtnConfig
 from compress.testing import (
     TINY_MODEL_TYPES,
+    TINY_MOE_TYPES,
     make_char_tokenizer,
     make_tiny_llama,
     make_tiny_model,
@@ -29,14 +30,11 @@ REFUSED = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].post_norms)
 # LayerNorms: the mean and the bias do not commute with a rotation (StableLM, Starcoder2,
 # Cohere, Phi)
 LAYER_NORMS = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].norm_kind == "layer")
-ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED + LAYER_NORMS] + [
-    "mixtral",
-    "qwen3_moe",
-]
+ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED + LAYER_NORMS] + list(TINY_MOE_TYPES)
 
 
 def _model(family: str):
-    model = make_tiny_moe(family) if family in ("mixtral", "qwen3_moe") else make_tiny_model(family)
+    model = make_tiny_moe(family) if family in TINY_MOE_TYPES else make_tiny_model(family)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # random norm weights and biases: a fold that dropped one would show
         for name, p in model.named_parameters():

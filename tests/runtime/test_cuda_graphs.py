@@ -23,7 +23,13 @@ from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.engine import Runtime
 from compress.runtime.graphs import Captured, CaptureFailed, GraphedSteps
 from compress.runtime.layers import _FloatLinear
-from compress.testing import TINY_MODEL_TYPES, make_tiny_llama, make_tiny_model, make_tiny_moe
+from compress.testing import (
+    TINY_MODEL_TYPES,
+    TINY_MOE_TYPES,
+    make_tiny_llama,
+    make_tiny_model,
+    make_tiny_moe,
+)
 
 if not torch.cuda.is_available():  # the Triton W4 layers run in the interpreter (read at import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -147,7 +153,7 @@ def test_graphed_decode_gives_the_same_tokens_and_reads_only_static_tensors(kind
 
 
 @pytest.mark.parametrize("family", [*(f for f in TINY_MODEL_TYPES if f != "llama"),
-                                    "mixtral", "qwen3_moe"])  # fmt: skip
+                                    *TINY_MOE_TYPES])  # fmt: skip
 def test_every_runtime_family_decodes_the_same_from_graphs(family):
     """Sliding-window masks, q/k norms, multipliers, softcaps, routed experts: each family's
     step keeps to what a graph holds and gives the logits it gives without graphs (a 12-token
@@ -155,7 +161,7 @@ def test_every_runtime_family_decodes_the_same_from_graphs(family):
     8 cut keys)."""
     from compress.runtime.engine import unsupported_reason
 
-    moe = family in ("mixtral", "qwen3_moe")
+    moe = family in TINY_MOE_TYPES
     model = make_tiny_moe(family, seed=2) if moe else make_tiny_model(family, seed=2)
     if unsupported_reason(model) is not None:
         pytest.skip(f"the runtime does not run {family}: {unsupported_reason(model)}")

@@ -20,7 +20,7 @@ import torch
 from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
-from compress.testing import hf_greedy, make_tiny_model, make_tiny_moe
+from compress.testing import TINY_MOE_TYPES, hf_greedy, make_tiny_model, make_tiny_moe
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
@@ -29,7 +29,7 @@ WINDOW = 8
 # max_window_layers on (layer 1), Mistral every layer, Gemma 2/3 layer 0 (layer 1 global).
 # Gemma's head is untied: with embeddings scaled by sqrt(64) a tied random head predicts the
 # last input token forever.
-MOE = ("mixtral", "qwen3_moe")
+MOE = TINY_MOE_TYPES
 FAMILIES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -85,6 +85,7 @@ FAMILIES = {
     # sparse MoE: the runtime's attention around the family's own router + experts block
     "mixtral": dict(),
     "qwen3_moe": dict(),
+    "qwen2_moe": dict(),  # ... with a shared expert (gated by sigmoid)
     "gemma3_text": dict(
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
