@@ -19,6 +19,15 @@ Each ``step``:
 4. each request samples with its own settings and seeded generator; a stop token or its
    length limit retires it, and its full blocks stay in the prefix cache.
 
+A failing step does not stop the others' requests. Where one request's own work raised (its
+sampling, logit adjustments, log-probs or prompt scores) only that request finishes, with
+``finish_reason="error"`` and the message on its event; where the batched forward raised, every
+request of that forward does, their blocks freed (the cache they wrote is never read: nothing
+of that forward is counted as computed or registered in the prefix cache). Either way the
+exception is logged with its traceback and the next step runs as on a fresh scheduler.
+``forward_failures`` counts failed forwards since the last one that ran, for a caller that gives
+up on a broken model (the server does after a few).
+
 A request's cache holds ``num_computed`` of its ``tokens`` (prompt + output); the last output
 token is fed by the next decode step. Prefix caching: on admission the full blocks of its tokens
 (all but the last token, which must be computed for logits) are looked up by content key
@@ -81,7 +90,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: int = -1  # admission order (preemption takes the newest)
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     preemptions: int = 0
     logprobs: int | None = None  # None: none asked; k: each token's log-prob and the top k
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
@@ -103,7 +112,8 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Event:
-    """A token for request ``id``; ``finish_reason`` set on its last event."""
+    """A token for request ``id``; ``finish_reason`` set on its last event (``"error"``: no
+    token, and ``error`` says what failed)."""
 
     id: int
     token: int | None
@@ -115,13 +125,16 @@ class Event:
     # on a request's first event, where it asked (``Scheduler.add(prompt_logprobs=k)``): each
     # prompt token's after the first, (log-prob, top k), in prompt order
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    # with finish_reason "error" (and no token): what failed, for the request's client
+    error: str | None = None
 
 
 def _logprobs(seqs: list[Sequence], logits: torch.Tensor,
               tokens: dict[int, int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
     """Row -> (log-prob of its token, its top-k (token, log-prob)) for the rows whose request
-    asked (``Sequence.logprobs``): one log-softmax over those rows only."""
-    rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    asked (``Sequence.logprobs``) and have a token in ``tokens``: one log-softmax over those
+    rows only."""
+    rows = [i for i, s in enumerate(seqs) if s.logprobs is not None and i in tokens]
     if not rows:
         return {}
     logp = logits[rows].float().log_softmax(-1)
@@ -135,6 +148,10 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor,
     return out
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return _sample(logits, _Sampling())
+
+
 @dataclass
 class SchedulerStats:
     steps: int = 0
@@ -145,6 +162,8 @@ class SchedulerStats:
     preemptions: int = 0
     peak_blocks: int = 0
     mixed_steps: int = 0  # steps whose decode rows and prefill chunks ran as one forward
+    failed_requests: int = 0  # requests finished with an error (``Event.error``)
+    failed_forwards: int = 0  # batched forwards that raised (their requests among the above)
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -259,6 +278,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.forward_failures = 0  # forwards that raised since the last one that ran
         self._ids = itertools.count()
         self._admissions = itertools.count()
 
@@ -381,20 +401,28 @@ class Scheduler:
     def _run(
         self, decode: list[Sequence], chunks: list[tuple[Sequence, int]], kernel: bool
     ) -> list[Event]:
-        """One forward of decode rows and prefill chunks; their events."""
+        """One forward of decode rows and prefill chunks; their events (error events for the
+        requests whose work raised: see the module docstring)."""
         segments = [self._segment(seq, 1) for seq in decode]
         chunk_segments = [self._segment(seq, n) for seq, n in chunks]
         scoring = frozenset(j for j, (seq, _) in enumerate(chunks) if seq.scores_prompt)
-        logits = forward_step(self.runtime, self.cache, segments, chunk_segments, kernel=kernel,
-                              every_row_of=scoring)
+        try:
+            logits = forward_step(self.runtime, self.cache, segments, chunk_segments,
+                                  kernel=kernel, every_row_of=scoring)
+        except Exception as exc:  # one call for every row: no one request to blame
+            return self._fail_forward([*decode, *(seq for seq, _ in chunks)], exc)
+        self.forward_failures = 0
+        failed = None  # error events of requests whose prompt scoring raised
         if scoring:  # keep the prompt scores; each chunk's last row stays for sampling
-            logits = self._score_prompts(chunks, scoring, logits, len(decode))
+            logits, failed = self._score_prompts(chunks, scoring, logits, len(decode))
         self.stats.decode_rows += len(decode)
         for seq in decode:
             seq.num_computed += 1
             self._register_full_blocks(seq)
         done, rows = list(decode), list(range(len(decode)))
         for row, (seq, n) in enumerate(chunks, len(decode)):
+            if seq.finish_reason is not None:  # failed in _score_prompts, its blocks freed
+                continue
             seq.num_computed += n
             self.stats.prefill_tokens += n
             self._register_full_blocks(seq)
@@ -402,33 +430,72 @@ class Scheduler:
                 done.append(seq)
                 rows.append(row)
         if not done:
-            return []
+            return failed or []
         # every row sampled (a decode-only step): the logits as they are, no indexed copy of
         # [B, V] (0.67 ms a step at 32 x 49152, Xeon)
-        return self._emit(done, logits if len(rows) == logits.shape[0] else logits[rows])
+        events = self._emit(done, logits if len(rows) == logits.shape[0] else logits[rows])
+        return failed + events if failed else events
 
-    def _score_prompts(self, chunks: list[tuple[Sequence, int]], scoring: frozenset[int],
-                       logits: torch.Tensor, b: int) -> torch.Tensor:
+    def _score_prompts(
+        self, chunks: list[tuple[Sequence, int]], scoring: frozenset[int], logits: torch.Tensor,
+        b: int,
+    ) -> tuple[torch.Tensor, list[Event] | None]:
         """Store the prompt scores of the ``scoring`` chunks from their every-row ``logits``
-        (``forward_step(every_row_of=...)``) -> the logits with one row per chunk (its last)."""
+        (``forward_step(every_row_of=...)``) -> the logits with one row per chunk (its last),
+        and the error events of the requests whose scoring raised (None: none did)."""
         rows, at = list(range(b)), b
+        failed = None
         for j, (seq, n) in enumerate(chunks):
             if j not in scoring:
                 rows.append(at)
                 at += 1
                 continue
-            start, k = seq.num_computed, seq.prompt_logprobs
-            logp = logits[at : at + n].float().log_softmax(-1)
-            for r in range(n):
-                target = start + r + 1  # the token row r predicts
-                if target < len(seq.prompt):
-                    top = torch.topk(logp[r], k) if k else None
-                    pairs = () if top is None else tuple(zip(
-                        top.indices.tolist(), top.values.tolist(), strict=True))
-                    seq.prompt_scores[target] = (float(logp[r, seq.prompt[target]]), pairs)
+            try:
+                self._score_prompt(seq, logits[at : at + n])
+            except Exception as exc:
+                failed = [*(failed or ()), self._fail(seq, "scoring its prompt", exc)]
             at += n
             rows.append(at - 1)
-        return logits[rows]
+        return logits[rows], failed
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Store the scores of ``seq``'s prompt positions that its chunk's ``logits`` [n, V]
+        (every row) predict."""
+        start, k = seq.num_computed, seq.prompt_logprobs
+        logp = logits.float().log_softmax(-1)
+        for r in range(logits.shape[0]):
+            target = start + r + 1  # the token row r predicts
+            if target < len(seq.prompt):
+                top = torch.topk(logp[r], k) if k else None
+                pairs = () if top is None else tuple(zip(
+                    top.indices.tolist(), top.values.tolist(), strict=True))
+                seq.prompt_scores[target] = (float(logp[r, seq.prompt[target]]), pairs)
+
+    def _fail_forward(self, seqs: list[Sequence], exc: Exception) -> list[Event]:
+        """The batched forward raised: every request in it finishes with the error. Nothing of
+        that forward was counted as computed or registered in the prefix cache, so the slots
+        it may have written are read by no one once the blocks are freed."""
+        self.forward_failures += 1
+        self.stats.failed_forwards += 1
+        log.error("the forward of %d requests failed (%d in a row); they finish with the "
+                  "error, the others go on", len(seqs), self.forward_failures, exc_info=exc)
+        message = (f"the model's forward failed for every request in its step: "
+                   f"{type(exc).__name__}: {exc}")
+        return [self._finish_with_error(seq, message) for seq in seqs]
+
+    def _fail(self, seq: Sequence, what: str, exc: Exception) -> Event:
+        """Finish ``seq`` alone because its own work (``what``) raised ``exc``."""
+        log.error("request %d failed while %s; it finishes with the error, the others go on",
+                  seq.id, what, exc_info=exc)
+        return self._finish_with_error(seq, f"the request failed while {what}: "
+                                            f"{type(exc).__name__}: {exc}")
+
+    def _finish_with_error(self, seq: Sequence, message: str) -> Event:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.finish_reason = "error"
+        self.stats.failed_requests += 1
+        return Event(seq.id, None, "error", error=message)
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's decoding requests and prefill chunks (request, tokens), blocks held."""
@@ -547,30 +614,23 @@ class Scheduler:
         return Segment(start, seq.tokens[start : start + n], slots, list(seq.blocks))
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
-        """Sample each row with its request's settings; retire finished requests."""
-        greedy = [i for i, s in enumerate(seqs)
-                  if s.sampling.temperature <= 0 and not s.adjustments.active]
-        tokens: dict[int, int] = {}
-        if greedy:
-            # every row greedy (the usual case): no copy of the [B, V] logits (an indexed copy
-            # took 0.5 ms a step at 32 x 49152, Xeon)
-            rows = logits if len(greedy) == len(seqs) else logits[greedy]
-            fused = self.runtime.layers[0].fused and rows.dtype == torch.float32
-            picked = _greedy_fused(rows) if fused else _sample(rows, _Sampling())
-            tokens.update(zip(greedy, picked.tolist(), strict=True))
-        for i, seq in enumerate(seqs):
-            if i in tokens:
-                continue
-            if seq.adjustments.active:
-                check_finite(logits[i])  # the model's; the adjusted row may hold -inf
-                row = adjust_logits(logits[i], seq.adjustments, seq.prompt, seq.output,
-                                    seq.stop)
-                tokens[i] = int(_sample(row[None], seq.sampling, checked=True)[0])
-            else:
-                tokens[i] = int(_sample(logits[i : i + 1], seq.sampling)[0])
-        scored = _logprobs(seqs, logits, tokens)
+        """Sample each row with its request's settings; retire finished requests, and finish
+        with an error those whose row raised (the others' tokens are what they would be)."""
+        tokens, errors = self._pick(seqs, logits)
+        try:
+            scored = _logprobs(seqs, logits, tokens)
+        except Exception:  # one call for every row asking: find the rows it fails on
+            scored = {}
+            for i in [i for i in tokens if seqs[i].logprobs is not None]:
+                try:
+                    scored.update(_logprobs(seqs, logits, {i: tokens[i]}))
+                except Exception as exc:
+                    errors = {**(errors or {}), i: ("computing its log-probabilities", exc)}
         events = []
         for i, seq in enumerate(seqs):
+            if errors and i in errors:
+                events.append(self._fail(seq, *errors[i]))
+                continue
             token = tokens[i]
             seq.output.append(token)
             reason = None
@@ -588,3 +648,40 @@ class Scheduler:
             events.append(Event(seq.id, token, reason, *scored.get(i, (None, None)),
                                 prompt_logprobs=prompt_scores))
         return events
+
+    def _pick(self, seqs: list[Sequence], logits: torch.Tensor
+              ) -> tuple[dict[int, int], dict[int, tuple[str, Exception]] | None]:
+        """Each row's next token -> (row -> token, row -> (what failed, the exception) for the
+        rows that raised instead, None when none did)."""
+        greedy = [i for i, s in enumerate(seqs)
+                  if s.sampling.temperature <= 0 and not s.adjustments.active]
+        tokens: dict[int, int] = {}
+        errors = None
+        if greedy:
+            # every row greedy (the usual case): no copy of the [B, V] logits (an indexed copy
+            # took 0.5 ms a step at 32 x 49152, Xeon)
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]
+            fused = self.runtime.layers[0].fused and rows.dtype == torch.float32
+            pick = _greedy_fused if fused else _greedy
+            try:
+                tokens.update(zip(greedy, pick(rows).tolist(), strict=True))
+            except Exception:  # one call for every greedy row: pick them one by one instead
+                for i in greedy:
+                    try:
+                        tokens[i] = int(pick(logits[i : i + 1])[0])
+                    except Exception as exc:
+                        errors = {**(errors or {}), i: ("picking its next token", exc)}
+        for i, seq in enumerate(seqs):
+            if i in tokens or (errors and i in errors):
+                continue
+            try:
+                if seq.adjustments.active:
+                    check_finite(logits[i])  # the model's; the adjusted row may hold -inf
+                    row = adjust_logits(logits[i], seq.adjustments, seq.prompt, seq.output,
+                                        seq.stop)
+                    tokens[i] = int(_sample(row[None], seq.sampling, checked=True)[0])
+                else:
+                    tokens[i] = int(_sample(logits[i : i + 1], seq.sampling)[0])
+            except Exception as exc:  # its settings, adjustments or logits: this request's
+                errors = {**(errors or {}), i: ("sampling its next token", exc)}
+        return tokens, errors

@@ -482,6 +482,107 @@ def test_engine_failure_reaches_the_waiting_client():
         running.close()
 
 
+def post_events(running, body):
+    """(status, the body) of a completion, a stream's as its list of ``data:`` payloads."""
+    reply = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+    if body.get("stream"):
+        return reply.status_code, [line[6:] for line in reply.text.splitlines()
+                                   if line.startswith("data: ")]  # fmt: skip
+    return reply.status_code, reply.json()
+
+
+def test_a_request_whose_sampling_raises_gets_a_500_and_the_others_their_text(served,
+                                                                              monkeypatch):
+    """Its sampling raises for one request (top_k 13 marks it): a 500 naming what failed, or a
+    stream's error event and its end; a long request beside it gets its text, blocks go back."""
+    import compress.runtime.scheduler as scheduler_module
+
+    running, runtime, tokenizer = served
+    sample = scheduler_module._sample
+
+    def failing(logits, s, **kwargs):
+        if s.top_k == 13:
+            raise RuntimeError("injected sampling failure")
+        return sample(logits, s, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "_sample", failing)
+    before = running.stats()["failed_requests"]
+    long = {"prompt": [1, 5, 6, 7], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", running.url + "/v1/completions", json=long, timeout=60) as r:
+        lines = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+        events = [next(lines)]  # the long request is running
+        bad = {"prompt": [1, 9, 9], "max_tokens": 5, "temperature": 1.0, "top_k": 13}
+        status, reply = post_events(running, bad)
+        assert status == 500 and reply["error"]["type"] == "server_error"
+        assert ("failed while sampling its next token: RuntimeError: injected sampling failure"
+                in reply["error"]["message"])
+        status, failed = post_events(running, {**bad, "stream": True})
+        assert status == 200 and "[DONE]" not in failed
+        assert "injected sampling failure" in json.loads(failed[-1])["error"]["message"]
+        events += lines
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == greedy_text(runtime, tokenizer, [1, 5, 6, 7], 100)
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+    stats = running.stats()
+    assert stats["failed_requests"] == before + 2 and stats["kv_blocks_in_use"] == 0
+
+
+def test_a_failed_forward_gets_a_500_and_the_next_request_its_text(served, monkeypatch):
+    """The batched forward raises twice (whole, then streamed): both requests hear why, the
+    engine stays up, and the next request gets the text of a fresh runtime."""
+    import compress.runtime.scheduler as scheduler_module
+
+    running, runtime, tokenizer = served
+    forward, failures = scheduler_module.forward_step, [2]
+
+    def failing(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("injected forward failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "forward_step", failing)
+    body = {"prompt": [1, 40, 50], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    status, reply = post_events(running, body)
+    assert status == 500 and "forward failed" in reply["error"]["message"]
+    assert "injected forward failure" in reply["error"]["message"]
+    status, events = post_events(running, {**body, "stream": True})
+    assert "injected forward failure" in json.loads(events[-1])["error"]["message"]
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+    status, reply = post_events(running, body)
+    assert status == 200
+    assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 40, 50], 6)
+    assert running.stats()["kv_blocks_in_use"] == 0
+
+
+def test_forwards_that_fail_every_time_stop_the_engine_after_three(monkeypatch):
+    """A model whose every forward raises: the first two requests get a 500 and the engine goes
+    on; the third failure in a row stops it (503s from then on)."""
+    import compress.runtime.scheduler as scheduler_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected forward failure")
+
+    model, tokenizer = tiny()
+    running = Running(Runtime(model, max_seq_len=64, compile=False), tokenizer)
+    monkeypatch.setattr(scheduler_module, "forward_step", failing)
+    try:
+        body = {"prompt": [1, 5], "max_tokens": 3}
+        for _ in range(2):
+            status, reply = post_events(running, body)
+            assert status == 500 and "injected forward failure" in reply["error"]["message"]
+            assert httpx.get(running.url + "/health").status_code == 200
+        status, reply = post_events(running, body)
+        assert status == 500 and "injected forward failure" in reply["error"]["message"]
+        health = httpx.get(running.url + "/health")
+        assert health.status_code == 503 and "3 times in a row" in health.text
+        assert post_events(running, body)[0] == 503
+    finally:
+        running.close()
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
