@@ -296,6 +296,8 @@ MIXTRAL = _moe_arch(
 )
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
+# OLMoE: Qwen3-MoE's layout with OLMo2's q/k norms over all heads.
+OLMOE = dataclasses.replace(_moe_arch("olmoe", _MOE), qk_norms=_QK_NORMS, qk_norm_span="heads")
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routed experts without q/k norms, q/k/v
 # biases, and a shared expert.
 QWEN2_MOE = _moe_arch(
@@ -531,6 +533,7 @@ ARCHS: dict[str, Arch] = {
         MIXTRAL,
         QWEN3_MOE,
         QWEN2_MOE,
+        OLMOE,
     )
 }
 
@@ -767,4 +770,5 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "mixtral": _LLAMA_RT,
     "qwen3_moe": _LLAMA_RT,
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
+    "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
 }

@@ -150,19 +150,21 @@ def make_char_tokenizer():
     )
 
 
-TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe")
+TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     """A random sparse-MoE causal LM from its transformers 5 config, one of ``TINY_MOE_TYPES``;
     2 layers, hidden 64, 4 heads (2 KV), 4 experts (intermediate 64), top-2, vocab 320
-    (Qwen2-MoE: a shared expert of intermediate 64 too). Experts are the fused 3-D parameters
-    transformers 5 builds."""
+    (Qwen2-MoE: a shared expert of intermediate 64 too; OLMoE: q/k norms over all heads).
+    Experts are the fused 3-D parameters transformers 5 builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(TINY_SIZES, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=True)
     if model_type == "mixtral":
         settings.update(num_local_experts=4, intermediate_size=64)
+    elif model_type == "olmoe":
+        settings.update(num_experts=4, intermediate_size=64, norm_topk_prob=True)
     elif model_type in ("qwen3_moe", "qwen2_moe"):
         settings.update(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         norm_topk_prob=True, decoder_sparse_step=1)

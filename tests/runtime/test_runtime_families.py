@@ -86,6 +86,7 @@ FAMILIES = {
     "mixtral": dict(),
     "qwen3_moe": dict(),
     "qwen2_moe": dict(),  # ... with a shared expert (gated by sigmoid)
+    "olmoe": dict(),  # ... with q/k norms over all heads
     "gemma3_text": dict(
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
@@ -324,6 +325,7 @@ def test_compiled_decode_step_equals_transformers_gemma3():
         ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional"),
         ("stablelm", dict(use_parallel_residual=True), "use_parallel_residual=True"),
         ("stablelm", dict(qk_layernorm=True), "qk_layernorm=True"),
+        ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
         (
             "gemma3_text",  # a per-layer-type rope: the global layers' type is checked too
             dict(
@@ -341,8 +343,8 @@ def test_compiled_decode_step_equals_transformers_gemma3():
             "rope_type 'dynamic' depends on the sequence length",
         ),
     ],
-    ids=["activation", "bidirectional", "parallel-residual", "qk-layernorm", "dynamic-rope",
-         "dynamic-rope-with-alpha"],  # fmt: skip
+    ids=["activation", "bidirectional", "parallel-residual", "qk-layernorm", "clip-qkv",
+         "dynamic-rope", "dynamic-rope-with-alpha"],  # fmt: skip
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
