@@ -172,6 +172,11 @@ class Arch:
     # attention and MLP both read attn_norm's output and add to the residual together (Phi,
     # Cohere): mlp_norm is None, and the MLP's input mappings start at attn_norm
     parallel: bool = False
+    mlp_width_key: str = "intermediate_size"  # config attribute: the dense MLP's width
+    # (config attribute, value, what it means): a variant whose data flow the mappings and prune
+    # groups do not describe (OPT-350m's norms after the blocks); the passes that fold or slice
+    # along them (check_paths) refuse it
+    variants: tuple[tuple[str, object, str], ...] = ()
 
     @property
     def layer_prefix(self) -> str:
@@ -439,6 +444,35 @@ NEMOTRON = _not_gated(
     LLAMA, "nemotron", "mlp.up_proj", "mlp.down_proj", norm_kind="layer", norm_form="1+w"
 )
 
+# OPT (the GPTQ/SmoothQuant papers' family, vLLM's test model): LayerNorms with biases, learned
+# absolute positions (no rotary module: the runtime falls back to transformers), q/k/v and
+# out_proj, a relu MLP not gated of fc1/fc2 directly in the layer.
+OPT = _not_gated(
+    dataclasses.replace(
+        LLAMA,
+        layers="model.decoder.layers",
+        embed="model.decoder.embed_tokens",
+        final_norm="model.decoder.final_layer_norm",
+        rotary="",
+        o="self_attn.out_proj",
+        attn_norm="self_attn_layer_norm",
+        mlp_norm="final_layer_norm",
+        awq_mappings=(
+            _mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),
+            _mapping("self_attn.v_proj", "self_attn.out_proj"),
+        ),
+        smoothquant_mappings=(_mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),),
+        heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.out_proj",)),
+    ),
+    "opt",
+    "fc1",
+    "fc2",
+    norm_kind="layer",
+    runtime=False,
+    mlp_width_key="ffn_dim",
+    variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),),
+)
+
 # Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
 # names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
 # and dense with biases, a gelu MLP not gated (fc1 -> fc2), partial RoPE, a head with a bias.
@@ -527,6 +561,7 @@ ARCHS: dict[str, Arch] = {
         NEMOTRON,
         COHERE,
         PHI,
+        OPT,
         GEMMA,
         GLM,
         GLM4,
@@ -642,6 +677,13 @@ def producer_rows(layer: nn.Module, mapping: Mapping) -> slice | None:
 def check_paths(model: nn.Module, arch: Arch, paths: tuple[str, ...], what: str) -> None:
     """ConfigError naming ``what``, the model_type and every path of ``paths`` (inside a decoder
     layer) that layer 0 lacks: the entry and the model disagree, found before any work."""
+    for key, value, meaning in arch.variants:
+        if getattr(model.config, key, None) == value:
+            raise ConfigError(
+                f"{what}: model_type {arch.model_type!r} with {key}={value!r}: {meaning}, a "
+                "variant the compress/arch.py entry does not describe, so this pass refuses it "
+                "(quantize.gptq and the RTN passes do not depend on it)"
+            )
     layer = decoder_layers(model, what)[0]
     missing = []
     for path in dict.fromkeys(paths):

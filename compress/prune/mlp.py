@@ -13,6 +13,7 @@ from compress.prune.config import (
 )
 from compress.prune.slicing import (
     calibrate,
+    check_reloadable,
     checked_layers,
     count_params,
     finish_report,
@@ -61,19 +62,33 @@ def prune_mlp_channels(
     model: nn.Module, cfg: MlpChannelsConfig, state: CompressionState
 ) -> PassReport:
     arch, layers = checked_layers(model, "prune.mlp_channels")
-    current, hidden = model.config.intermediate_size, model.config.hidden_size
+    current = getattr(model.config, arch.mlp_width_key)
     before = count_params(model)
+    # parameters of one channel in one layer: a row of each reader (two of a fused [gate; up])
+    # and a column of each writer, with their biases
+    group, first = arch.mlp_channels, layers[0]
+    per_channel = sum(
+        (2 if path in group.fused else 1) * (lin.in_features + (lin.bias is not None))
+        for path, lin in zip(group.rows + group.fused, submodules(first, group.rows + group.fused),
+                             strict=True)  # fmt: skip
+    ) + sum(lin.out_features for lin in submodules(first, group.cols))
     allowed = multiples_of(current, cfg.multiple_of, "prune.mlp_channels")
     keep = resolve_keep(
         cfg,
         current,
         allowed,
-        lambda k: before - (current - k) * 3 * hidden * len(layers),
+        lambda k: before - (current - k) * per_channel * len(layers),
         "prune.mlp_channels",
     )
     report = PassReport("prune.mlp_channels", metrics={"importance": cfg.importance})
     if keep == current:
         return finish_report(model, report, before)
+    shapes = {p: (keep * (2 if p in group.fused else 1), lin.in_features) for p, lin in
+              zip(group.rows + group.fused, submodules(first, group.rows + group.fused),
+                  strict=True)}  # fmt: skip
+    shapes |= {p: (lin.out_features, keep) for p, lin in
+               zip(group.cols, submodules(first, group.cols), strict=True)}  # fmt: skip
+    check_reloadable(model, arch, "prune.mlp_channels", {arch.mlp_width_key: keep}, shapes)
     scores = _channel_scores(model, arch, layers, cfg, state)
     for i, layer in enumerate(layers):
         idx = scores[i].topk(keep).indices.sort().values
@@ -85,6 +100,6 @@ def prune_mlp_channels(
             slice_linear(lin, in_idx=idx)
         mlp = arch.mlp_channels.cols[0].rpartition(".")[0]  # the MLP module holding them
         report.changed.append(f"{arch.layer_prefix}{i}.{mlp}")
-    model.config.intermediate_size = keep
+    setattr(model.config, arch.mlp_width_key, keep)
     report.metrics.update(intermediate_before=current, intermediate_after=keep)
     return finish_report(model, report, before)

@@ -93,7 +93,10 @@ def capture_first_layer_inputs(
     forward stops at the final norm. The layers' weights are not touched (they may be on the
     meta device, ``offload="disk"``)."""
     layers = decoder_layers(model, "sequential calibration")
-    final_norm = model.get_submodule(arch_for(model, "sequential calibration").final_norm)
+    try:
+        final_norm = model.get_submodule(arch_for(model, "sequential calibration").final_norm)
+    except AttributeError:  # a variant without one (OPT-350m's norms follow the blocks): the head
+        final_norm = model.get_output_embeddings()
     captured = LayerInputs(hidden=[], per_layer=[[] for _ in layers])
 
     def identity_for(index: int):

@@ -45,9 +45,9 @@ from tests.quant.quant_helpers import tiny_state
 
 FAMILIES = list(TINY_MODEL_TYPES)
 # Families whose modeling sizes the attention from hidden_size, not from heads x head_dim
-# (Helium's hidden x hidden o_proj, StableLM's head_dim = hidden / heads): neither fewer heads
-# nor a narrower residual reloads, and the two passes refuse them.
-ATTENTION_FROM_HIDDEN = ("helium", "stablelm")
+# (Helium's hidden x hidden o_proj, StableLM's and OPT's head_dim = hidden / heads): neither
+# fewer heads nor a narrower residual reloads, and the two passes refuse them.
+ATTENTION_FROM_HIDDEN = ("helium", "stablelm", "opt")
 IDS = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(123))
 
 
@@ -63,9 +63,11 @@ def _one_thread():
 def _model(model_type: str, seed: int = 0, *, outliers: bool = False, dtype=torch.float64):
     model = make_tiny_model(model_type, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():  # every family's RMSNorm class, whatever its form
-        if type(module).__name__.endswith("RMSNorm"):
+    for module in model.modules():  # every family's norm class, whatever its form, and biases
+        if type(module).__name__.endswith(("RMSNorm", "LayerNorm", "LayerNorm1P")):
             module.weight.add_(0.1 * torch.randn(module.weight.shape, generator=gen))
+            if getattr(module, "bias", None) is not None:  # LayerNorm's: folds divide it too
+                module.bias.add_(0.1 * torch.randn(module.bias.shape, generator=gen))
     if outliers:
         model.get_input_embeddings().weight[:, :4] *= 10
     return model.to(dtype)
@@ -373,7 +375,7 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
         untouched = copy.deepcopy(model.state_dict())
         refusals = [AttentionHeadsConfig(num_attention_heads=2), HiddenSizeConfig(hidden_size=48)]
         for refused in refusals:
-            with pytest.raises(ConfigError, match=r"o_proj is .*, not .*would not reload"):
+            with pytest.raises(ConfigError, match=r"_proj is .*, not .*would not reload"):
                 run_passes(model, [refused], tiny_state())
         assert all(torch.equal(v, untouched[k]) for k, v in model.state_dict().items())
         hidden = 64
@@ -389,7 +391,7 @@ def test_prune_chain_reloads_with_plain_transformers(model_type, tmp_path):
     assert type(reloaded) is type(model)
     config = reloaded.config
     assert (config.num_attention_heads, config.num_key_value_heads) == (heads, heads // 2)
-    sizes = (config.intermediate_size, config.hidden_size, config.num_hidden_layers)
+    sizes = (getattr(config, arch.mlp_width_key), config.hidden_size, config.num_hidden_layers)
     assert sizes == (96, hidden, 1)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=1e-5, atol=1e-6)
 
@@ -426,3 +428,20 @@ def test_a_variant_the_entry_does_not_describe_is_a_config_error(cfg, request):
     name = request.node.callspec.id
     with pytest.raises(ConfigError, match=rf"{name}: model_type 'qwen2'.*has no {arch.up}"):
         run_passes(model, [cfg], tiny_state())
+
+
+def test_a_variant_the_entry_does_not_describe_is_refused_by_the_folding_passes():
+    """OPT-350m's layout (``do_layer_norm_before=False``: LayerNorms after the blocks, no final
+    norm): AWQ, SmoothQuant and the prune passes would fold into or slice along the wrong norms
+    and refuse it untouched; GPTQ runs each layer as it is (calibration stops at the head)."""
+    model = make_tiny_model("opt", do_layer_norm_before=False)
+    before = copy.deepcopy(model.state_dict())
+    refused = [AwqConfig(group_size=32), SmoothquantConfig(),
+               MlpChannelsConfig(intermediate_size=96)]  # fmt: skip
+    for cfg in refused:
+        with pytest.raises(ConfigError, match="do_layer_norm_before=False: its LayerNorms come"):
+            run_passes(model, [cfg], tiny_state())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    state = tiny_state()
+    run_passes(model, [GptqConfig(group_size=32)], state)
+    assert state.reports[-1].metrics["quantized_share"] == 1.0
