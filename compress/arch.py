@@ -177,6 +177,9 @@ class Arch:
     # groups do not describe (OPT-350m's norms after the blocks); the passes that fold or slice
     # along them (check_paths) refuse it
     variants: tuple[tuple[str, object, str], ...] = ()
+    # the fused qkv linear's rows are per head ([q_h; k_h; v_h] for each head h, GPT-NeoX), not
+    # [q; k; v]: no v-rows fold, and prune.attention_heads refuses it
+    qkv_per_head: bool = False
 
     @property
     def layer_prefix(self) -> str:
@@ -473,6 +476,50 @@ OPT = _not_gated(
     variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),),
 )
 
+# GPT-NeoX (Pythia): LayerNorms with biases, a fused query_key_value whose rows are per head,
+# a gelu MLP not gated, partial RoPE, attention and MLP on their own norms (in parallel where
+# use_parallel_residual); its checkpoints name the head embed_out (transformers renames it
+# lm_head on load, so a streamed job refuses them and runs in memory). Passes only: the runtime
+# falls back.
+_PER_HEAD_QKV = (
+    "query_key_value's v rows are interleaved with q and k per head, so no scale folds from "
+    "them into attention.dense"
+)
+GPT_NEOX = dataclasses.replace(
+    LLAMA,
+    model_type="gpt_neox",
+    layers="gpt_neox.layers",
+    embed="gpt_neox.embed_in",
+    final_norm="gpt_neox.final_layer_norm",
+    rotary="gpt_neox.rotary_emb",
+    attention="attention",
+    q="attention.query_key_value",
+    k="attention.query_key_value",
+    v="attention.query_key_value",
+    o="attention.dense",
+    gate="",
+    up="mlp.dense_h_to_4h",
+    down="mlp.dense_4h_to_h",
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", "attention.query_key_value"),
+        _mapping("post_attention_layernorm", "mlp.dense_h_to_4h"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "attention.query_key_value"),
+        _mapping("post_attention_layernorm", "mlp.dense_h_to_4h"),
+    ),
+    heads=PruneGroup(rows=(), cols=("attention.dense",), fused=("attention.query_key_value",)),
+    mlp_channels=PruneGroup(rows=("mlp.dense_h_to_4h",), cols=("mlp.dense_4h_to_h",)),
+    scale_gaps=(
+        ScaleGap(("attention.dense",), _PER_HEAD_QKV),
+        ScaleGap(("mlp.dense_4h_to_h",), "the MLP is not gated: dense_4h_to_h reads "
+                 "act(dense_h_to_4h(x)), and a per-channel scale does not pass the activation"),
+    ),
+    runtime=False,
+    qkv_per_head=True,
+)
+
 # Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
 # names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
 # and dense with biases, a gelu MLP not gated (fc1 -> fc2), partial RoPE, a head with a bias.
@@ -562,6 +609,7 @@ ARCHS: dict[str, Arch] = {
         COHERE,
         PHI,
         OPT,
+        GPT_NEOX,
         GEMMA,
         GLM,
         GLM4,
@@ -642,8 +690,13 @@ def decoder_layers(model: nn.Module, what: str = "compress") -> nn.ModuleList:
 
 
 def head_dim_of(layer: nn.Module) -> int:
-    """``head_dim`` of the attention module inside a decoder layer (0 if none has one)."""
-    return next((int(m.head_dim) for m in layer.modules() if hasattr(m, "head_dim")), 0)
+    """``head_dim`` of the attention module inside a decoder layer (GPT-NeoX: ``head_size``;
+    0 if none has one)."""
+    for module in layer.modules():
+        for name in ("head_dim", "head_size"):
+            if isinstance(getattr(module, name, None), int):
+                return int(getattr(module, name))
+    return 0
 
 
 def output_weight_key(model: nn.Module) -> str | None:

@@ -103,6 +103,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "glm": ("GlmConfig", "GlmForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),

@@ -93,6 +93,12 @@ def prune_attention_heads(
     model: nn.Module, cfg: AttentionHeadsConfig, state: CompressionState
 ) -> PassReport:
     arch, layers = checked_layers(model, "prune.attention_heads")
+    if arch.qkv_per_head:
+        raise ConfigError(
+            f"prune.attention_heads: model_type {arch.model_type!r} fuses q/k/v per head in one "
+            f"linear ({arch.q}); slicing that layout is not implemented. Prune MLP channels or "
+            "layers instead"
+        )
     config = model.config
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = layers[0].get_submodule(arch.attention).head_dim

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from compress.arch import Arch, set_embedding_scale
+from compress.arch import Arch, head_dim_of, set_embedding_scale
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassReport, register_pass
 from compress.prune.config import (
@@ -102,7 +102,7 @@ def prune_hidden_size(
     report = PassReport("prune.hidden_size", metrics={"importance": cfg.importance})
     if keep == current:
         return finish_report(model, report, before)
-    head_dim = layers[0].get_submodule(arch.attention).head_dim
+    head_dim = head_dim_of(layers[0])
     shapes = {p: (lin.out_features, keep) for p, lin in
               zip(arch.hidden_readers, submodules(layers[0], arch.hidden_readers), strict=True)}
     shapes |= {p: (keep, lin.in_features) for p, lin in
