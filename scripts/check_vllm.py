@@ -86,6 +86,9 @@ SHAPE = dict(
 MOE_SHAPE = {
     "mixtral": dict(intermediate_size=128),
     "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=512),
+    "qwen2_moe": dict(moe_intermediate_size=128, intermediate_size=512,
+                      shared_expert_intermediate_size=256),
+    "olmoe": dict(intermediate_size=128),
 }
 
 
@@ -243,6 +246,9 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
                 module.weight.data.fill_(9.0)
     else:
         sliding = {"sliding_window": 128} if family == "mistral" else {}
+        if family == "opt":  # its MLP width is ffn_dim; no projection around the layers
+            sliding = dict(ffn_dim=SHAPE["intermediate_size"],
+                           word_embed_proj_dim=SHAPE["hidden_size"])  # fmt: skip
         model = make_tiny_model(family, **SHAPE, **sliding)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
