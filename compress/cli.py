@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from compress.cli_flags import check_flags, check_generate_length
 from compress.core.errors import (
     DataError,
     KernelConstraintError,
@@ -165,7 +166,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from compress.core.device import place_for_eval
-    from compress.data import resolve_text_path
+    from compress.data import read_text, resolve_text_path
     from compress.eval.lm_eval_tasks import check_tasks, run_tasks, task_folder, task_manager
     from compress.eval.quality import perplexity
     from compress.io.load import load_model
@@ -189,7 +190,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         result = perplexity(
             loaded.model,
             loaded.tokenizer,
-            path.read_text(encoding="utf-8"),
+            read_text(path),
             context_length=args.context_length,
             stride=args.stride,
             limit=args.limit,
@@ -219,12 +220,11 @@ def _eval_layer_by_layer(args: argparse.Namespace, path, tasks: list[str], devic
     compressed) read one decoder layer at a time, for a model bigger than memory; quantized
     layers are scored through their dequantized weights, as ``compress run`` scores them. On a
     GPU each layer runs there in turn, in bf16 as ``compress eval`` of the whole model would."""
-    from transformers import AutoTokenizer
-
     from compress.core.errors import RecipeError
+    from compress.data import read_text
     from compress.eval.quality import layerwise_placement, perplexity
     from compress.io.export import layerwise_model
-    from compress.io.load import resolve_model_path
+    from compress.io.load import check_tokenizer_fits, load_tokenizer, resolve_model_path
 
     where = resolve_model_path(args.model)
     if tasks or path is None or not isinstance(where, Path):
@@ -232,8 +232,10 @@ def _eval_layer_by_layer(args: argparse.Namespace, path, tasks: list[str], devic
             "--layer-by-layer scores perplexity of a local checkpoint: drop --tasks and "
             "--no-perplexity, and give a model folder")
     stream = layerwise_model(where, backend=args.backend)
+    tokenizer = load_tokenizer(where)
+    check_tokenizer_fits(tokenizer, stream.model.get_input_embeddings().num_embeddings, where)
     result = perplexity(
-        stream.model, AutoTokenizer.from_pretrained(where), path.read_text(encoding="utf-8"),
+        stream.model, tokenizer, read_text(path),
         context_length=args.context_length, stride=args.stride, limit=args.limit,
         source=str(path), progress=not args.no_progress, stream=stream, device=device)
     out = result.to_dict()
@@ -260,6 +262,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"loaded {args.model} in {loaded_at - started:.1f} s on {placed['device']}",
           file=sys.stderr)
     ids = loaded.tokenizer(args.prompt)["input_ids"]
+    check_generate_length(loaded, ids, args.max_new_tokens)
     need = len(ids) + args.max_new_tokens
     steps = ["one-time weight repack"]
     if "q8" in (args.int4_kernel + args.int8_kernel):
@@ -301,6 +304,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from compress.io.load import load_model
     from compress.io.stream import parse_size
+    from compress.pipeline.preflight import check_phase
     from compress.runtime.engine import Runtime
     from compress.runtime.scheduler import Scheduler
     from compress.runtime.server import Engine, Server, serve
@@ -309,6 +313,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         kv_memory = parse_size(args.kv_memory)
     except ValueError as exc:
         raise RecipeError(f"--kv-memory: {exc}") from None
+    # the pool is allocated at once: past the free memory it fails, or is killed for memory
+    check_phase("serve's KV cache", kv_memory, "lower --kv-memory")
     # checked before the model loads (the scheduler checks them again, later)
     for flag in ("block_size", "max_batch", "prefill_budget"):
         value = getattr(args, flag)
@@ -777,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
+        check_flags(args)
         return args.func(args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

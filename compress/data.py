@@ -68,6 +68,15 @@ def resolve_text_path(name_or_path: str, data_dir: str | os.PathLike[str] | None
     )
 
 
+def read_text(path: Path) -> str:
+    """The UTF-8 text of the file ``path`` (an evaluation text), or a DataError naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} cannot be read as UTF-8 text ({exc}); give a .txt file") \
+            from exc
+
+
 def _read_jsonl(lines: list[str]) -> list[str]:
     docs = []
     for line in lines:

@@ -567,17 +567,44 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise RecipeError(f"{path}: a recipe file must end in .yaml or .yml")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}. Check the path (ls recipes/).")
-    data = _yaml(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot be read as UTF-8 text ({exc}); save the recipe as "
+                          "a UTF-8 YAML file") from exc
+    data = _yaml(text, str(path))
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping with keys {', '.join(TOP_LEVEL)}")
     return data
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping: PyYAML keeps the last
+    one silently, so a pass with two ``group_size`` lines would run with the second."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, flattened below
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                again = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if again:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found the key {key!r} twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _yaml(text: str, source: str) -> Any:
-    """``text`` parsed, or a RecipeError naming ``source`` (not YAML, or nested so deeply that
-    the parser runs out of stack)."""
+    """``text`` parsed, or a RecipeError naming ``source`` (not YAML, a key given twice, or
+    nested so deeply that the parser runs out of stack)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader: no Python tags
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: not valid YAML: {exc}") from exc
     except RecursionError:
@@ -607,7 +634,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             else:
                 raise RecipeError(f"--set {item!r}: {where} is not a mapping or list")
         last = keys[-1]
-        value = yaml.safe_load(text)
+        value = _yaml(text, f"--set {item!r}")
         if isinstance(target, list):
             if not last.isdigit() or int(last) >= len(target):
                 raise RecipeError(

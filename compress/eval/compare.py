@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from compress.core.device import place_for_eval, resolve_device
 from compress.core.errors import ConfigError, DataError
-from compress.data import resolve_text_path
+from compress.data import read_text, resolve_text_path
 from compress.eval.latency import (
     INT_KERNELS,
     Slo,
@@ -120,9 +121,15 @@ def check_settings(s: CompareSettings) -> None:
         problems.append(f"--batch-sizes {s.batch_sizes} must be >= 1 and only go with "
                         "--workload batch")
     for flag, value in (("--requests", s.requests), ("--max-batch", s.max_batch),
-                        ("--draft-k", s.draft_k), ("--rounds", s.rounds)):
+                        ("--draft-k", s.draft_k), ("--rounds", s.rounds),
+                        ("--prompts", s.prompts)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
+    if s.context_length < 2 or (s.ppl_limit is not None and s.ppl_limit < 1):
+        problems.append(f"--context-length {s.context_length} must be >= 2 and --limit "
+                        f"{s.ppl_limit} >= 1 (leave --limit out to score every window)")
+    if not (math.isfinite(s.usd_per_hour) and s.usd_per_hour >= 0):
+        problems.append(f"--usd-per-hour {s.usd_per_hour} must be a price >= 0")
     if s.draft is not None and not (isinstance(s.output_tokens, int) and s.output_tokens >= 2):
         problems.append("--draft needs a fixed --output-tokens >= 2 (one length for the "
                         "speculative and the plain run)")
@@ -192,7 +199,7 @@ def compare(
     text = source = None
     if settings.dataset is not None:
         path = resolve_text_path(settings.dataset, settings.data_dir)
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        text, source = read_text(path), str(path)
     loaded = [load_model(n, backend=settings.backend) for n in names]
     sizes = [_sizes(lm.model) for lm in loaded]  # as stored, before a GPU's bf16 copy
     placed = [place_for_eval(lm.model, device) for lm in loaded]

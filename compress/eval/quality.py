@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import time
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.core.errors import NumericsError
+from compress.core.errors import DataError, NumericsError, OutputError
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +168,13 @@ def _read_state(path: Path, key: str) -> dict[str, Any]:
         state = json.loads(path.read_text())
         state["window_nll"] = [float(x) for x in state["window_nll"]]
         state["window_tokens"] = [int(x) for x in state["window_tokens"]]
+        for kl in state.get("kl", {}).values():  # saved KL sums: see _attach_kl_base
+            for name in ("window_kl", "window_kl_sq", "window_changed"):
+                kl[name] = [float(x) for x in kl.get(name, [])]
+        _check_state_values(state)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         log.warning("ignoring unreadable perplexity state %s (%s); starting over", path, exc)
         return {}
     if state.get("key") != key or len(state["window_nll"]) != len(state["window_tokens"]):
@@ -177,11 +182,33 @@ def _read_state(path: Path, key: str) -> dict[str, Any]:
     return state
 
 
+def _check_state_values(state: dict[str, Any]) -> None:
+    """ValueError unless the saved numbers are ones a scoring could have written: a NaN, a
+    negative NLL or an empty window (a damaged or hand-edited file) would otherwise be resumed
+    into the reported perplexity."""
+    if not all(math.isfinite(x) and x >= 0 for x in state["window_nll"]):
+        raise ValueError("a window's NLL is NaN, infinite or negative")
+    if not all(n > 0 for n in state["window_tokens"]):
+        raise ValueError("a window scores no tokens")
+    for kl in state.get("kl", {}).values():
+        if not all(math.isfinite(x) for name in ("window_kl", "window_kl_sq", "window_changed")
+                   for x in kl[name]):
+            raise ValueError("a window's KL is NaN or infinite")
+
+
 def _write_state(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record))  # json writes floats with repr: they read back exactly
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record))  # json writes floats with repr: they read back exactly
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache, or something else in the file's place
+        if tmp.is_file():
+            tmp.unlink()
+        raise OutputError(
+            f"cannot save evaluation state {path} ({exc}); make that folder writable, or set "
+            "COMPRESS_CACHE_DIR to a writable one"
+        ) from exc
 
 
 def top_k_log_probs(
@@ -247,11 +274,30 @@ def _save_top_k(folder: Path, index: int, preds: torch.Tensor, k: int, meta: dic
     os.replace(tmp, path)
 
 
-def _load_top_k(folder: Path, index: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    with np.load(_window_file(folder, index)) as f:
-        ids = torch.from_numpy(f["ids"].astype(np.int64))
-        return ids.to(device), torch.from_numpy(f["log_probs"]).to(device), torch.from_numpy(
-            f["log_tail"]).to(device)
+def _load_top_k(folder: Path, index: int, device: torch.device,
+                tokens: int) -> tuple[torch.Tensor, ...]:
+    """Window ``index``'s stored (ids, log-probs, log of the rest) for ``tokens`` scored
+    tokens; a damaged file (a cache on disk: cut short, edited) is a DataError naming it, not
+    a KL computed from garbage."""
+    file = _window_file(folder, index)
+    try:
+        with np.load(file) as f:
+            ids, log_p, log_tail = f["ids"].astype(np.int64), f["log_probs"], f["log_tail"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        problem = str(exc)
+    else:
+        problem = None
+        if ids.ndim != 2 or log_p.shape != ids.shape or log_tail.shape != (ids.shape[0],) \
+                or ids.shape[0] != tokens:
+            problem = f"arrays of shapes {ids.shape}, {log_p.shape}, {log_tail.shape}"
+        # -inf is a log-prob (a token a model rules out; the tail when k = V), NaN and +inf not
+        elif np.isnan(log_p).any() or np.isnan(log_tail).any() or (log_p == np.inf).any():
+            problem = "log-probs that are NaN or +inf"
+    if problem is not None:
+        raise DataError(f"{file}: the baseline's stored top-k log-probs are damaged ({problem}); "
+                        f"delete {folder} and run again (the baseline is scored anew)")
+    return (torch.from_numpy(ids).to(device), torch.from_numpy(log_p).to(device),
+            torch.from_numpy(log_tail).to(device))
 
 
 def _read_kl_base(folder: Path, windows_digest: str, spans: list, first: int) -> dict[str, Any]:
@@ -259,9 +305,13 @@ def _read_kl_base(folder: Path, windows_digest: str, spans: list, first: int) ->
     window from ``first`` on (before any forward)."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"kl_base {folder}: not a baseline top-k folder ({exc}); evaluate the "
-                         "baseline with top_k first") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta.json holds a JSON {type(meta).__name__}")
+    except (OSError, ValueError, RecursionError) as exc:
+        # DataError: the CLI reports it in one line (a damaged cache entry is a user's to clear)
+        raise DataError(f"kl_base {folder}: not a baseline top-k folder ({exc}); evaluate the "
+                        "baseline with top_k first (a damaged cache entry: delete the folder "
+                        "and run again)") from None
     if meta.get("windows_digest") != windows_digest:
         raise ValueError(
             f"kl_base {folder}: the baseline was scored on another text or other windows "
@@ -308,8 +358,7 @@ class _Scores:
             if preds.shape[-1] != self.kl_vocab:
                 raise ValueError(f"kl_base {self.kl_folder}: the baseline's vocabulary has "
                                  f"{self.kl_vocab} tokens, this model's {preds.shape[-1]}")
-            base = _load_top_k(self.kl_folder, index, preds.device)
-            assert base[0].shape[0] == targets.numel(), "same windows, same scored tokens"
+            base = _load_top_k(self.kl_folder, index, preds.device, targets.numel())
             kl, changed = kl_from_top_k(*base, preds)
             self.changed.append(int(changed.sum()))
             self.kl_sq.append(float(kl.square().sum()))
@@ -552,16 +601,19 @@ def perplexity(
     turn; the numbers are the whole-model path's. device: where layer-by-layer scoring runs
     (None: the CPU; the whole-model path runs where ``model`` is).
     """
-    stride = stride or context_length
-    if stride > context_length:
-        raise ValueError(f"stride {stride} > context_length {context_length} would skip tokens")
+    stride = context_length if stride is None else stride
+    if context_length < 2 or not 1 <= stride <= context_length or (limit is not None
+                                                                   and limit < 1):
+        raise ValueError(f"context_length={context_length} must be >= 2, stride={stride} in "
+                         f"1..context_length (more would skip tokens), limit={limit} >= 1")
     if top_k is not None and (top_k < 1 or top_k_dir is None):
         raise ValueError(f"top_k={top_k} must be >= 1 and needs top_k_dir (written to disk)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     all_spans = window_spans(len(ids), context_length, stride)
     spans = all_spans[:limit] if limit is not None else all_spans
     if not spans:
-        raise ValueError(f"{source}: text too short to score ({len(ids)} tokens)")
+        raise DataError(f"{source}: text too short to score ({len(ids)} tokens); give a "
+                        "longer text")
     key = (state_key(model, ids, context_length, stride, stream, device)
            if state_dir or top_k else None)
     path = Path(state_dir) / f"{key}.json" if state_dir is not None else None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from compress.arch import ARCHS, Arch, model_type, output_weight_key, sparse_layers
-from compress.core.errors import ModelLoadError, RecipeError
+from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
 from compress.io.stream import (
@@ -127,7 +127,13 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
     if args.get("type", "int") != "int" or args.get("num_bits") not in (4, 8):
         raise ModelLoadError(f"unsupported weight quantization {args}: compress loads int4/int8")
     group = args.get("group_size") if args.get("strategy") == "group" else None
-    return WeightScheme(args["num_bits"], group, bool(args.get("symmetric", True)), scale_dtype)
+    if group is not None and (type(group) is not int or group <= 0):  # bool is an int
+        raise ModelLoadError(f"unsupported weight quantization {args}: group_size must be a "
+                             "positive integer (or strategy channel); fix config.json")
+    if not isinstance(args.get("symmetric", True), bool):  # bool("false") would be True
+        raise ModelLoadError(f"unsupported weight quantization {args}: symmetric must be true "
+                             "or false; fix config.json")
+    return WeightScheme(args["num_bits"], group, args.get("symmetric", True), scale_dtype)
 
 
 # ---- mixture-of-experts checkpoint names -------------------------------------------------
@@ -311,7 +317,11 @@ def atomic_directory(
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
     old = out_dir.parent / f".{out_dir.name}.old-{tag}"
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:  # check_output_dir's os.access cannot foresee every refusal
+        raise OutputError(f"cannot write into {out_dir.parent} ({exc}); choose another --out") \
+            from exc
     try:
         yield tmp
         write_marker(tmp, kind)
@@ -577,7 +587,7 @@ def swap_quantized_linears(
     empty QuantLinear / W8A8Linear its config group describes, built on the device of the
     linear's weight (meta for a skeleton). ``stored_dtype(name)``: the dtype the checkpoint
     stores tensor ``name`` in, None when it is missing (the scales' dtype is the scheme's)."""
-    ignore = quant.get("ignore", [])  # the groups' form: io.stream.read_config_json
+    ignore = quant.get("ignore") or []  # the groups' form: io.stream.read_config_json
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
             continue
@@ -655,14 +665,32 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     compressed), for reading it one decoder layer at a time and nothing else: a finished layer
     is freed, never saved (layer-by-layer evaluation, ``compress.eval.quality``)."""
     from compress.arch import arch_for, decoder_layers
-    from compress.io.stream import CheckpointReader, StreamedModel, meta_skeleton
+    from compress.io.stream import (
+        CheckpointReader,
+        StreamedModel,
+        expected_tensors,
+        meta_skeleton,
+        verify_checkpoint,
+    )
 
     path = Path(path)
+    verify_checkpoint(path)  # headers, shapes against config.json, scales, as a whole load does
     quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
+    reader = CheckpointReader(path)
+    # what load_model refuses, refused here too: scored layer by layer, a config with fewer
+    # layers than the weights would silently be a smaller model
+    names, stored = set(expected_tensors(skeleton)), set(reader.names())
+    missing = sorted(names - stored - {_tied_head_key(skeleton)})
+    unexpected = sorted(stored - names)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}; re-export it"
+        )
     layers = decoder_layers(skeleton, "layer-by-layer reading")
-    stream = StreamedModel(skeleton, CheckpointReader(path), dtype, layers,
+    stream = StreamedModel(skeleton, reader, dtype, layers,
                            arch_for(skeleton, "layer-by-layer reading").layer_prefix,
                            scratch_dir=path / ".unused-scratch")
     stream.sink = lambda prefix, module: None  # read-only: finished layers are only freed
@@ -705,7 +733,7 @@ def load_compressed(
                 if not (tied and key == head_key):  # tied: the embedding's weight, below
                     missing.append(key)
                 continue
-            tensor = reader.read(key, shape=tuple(current.shape))
+            tensor = reader.read(key, shape=tuple(current.shape), dtype=current.dtype)
             read.add(key)
             if not keeps_stored_dtype(key, tensor.dtype, tensor.numel(), dtype,
                                       quantized=isinstance(owner, (QuantLinear, QuantExperts))):

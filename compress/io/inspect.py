@@ -30,7 +30,7 @@ def natural_key(name: str) -> list[Any]:
 
 def _config_group(module: str, quant: dict[str, Any]) -> dict[str, Any] | None:
     """The compressed-tensors config group that covers ``module`` (exact name or ``Linear``)."""
-    if module in quant.get("ignore", []):
+    if module in (quant.get("ignore") or []):
         return None
     groups = list((quant.get("config_groups") or {}).values())
     for group in groups:
@@ -58,14 +58,14 @@ def _scheme(module: str, shapes: dict[str, list[int]], quant: dict[str, Any]) ->
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
-    from compress.io.stream import read_config_json, verify_checkpoint
+    from compress.io.stream import read_config_json, shard_files, verify_checkpoint
 
     config = read_config_json(path)
     verify_checkpoint(path)  # corrupt shards, shapes against config.json, finite scales
     layers: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"bytes": 0, "tensors": {}, "shapes": {}}
     )
-    for file in sorted(path.glob("*.safetensors")):
+    for file in shard_files(path):  # the files a load reads: not a stray one beside an index
         try:
             with safe_open(file, framework="pt") as handle:
                 for key in handle.keys():

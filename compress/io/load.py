@@ -135,7 +135,7 @@ def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
 def is_compressed_checkpoint(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     return isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
@@ -197,7 +197,7 @@ def load_model(
     backend: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (compressed checkpoints load with our backends)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     where = resolve_model_path(name_or_path, cache)
     if isinstance(where, Path):
@@ -218,18 +218,67 @@ def load_model(
                 f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
                 "offline, pass a local directory."
             ) from exc
+        except (ImportError, ValueError) as exc:  # e.g. a quantization_config it cannot load
+            raise ModelLoadError(
+                f"{where}: transformers cannot load this checkpoint ({_first_line(exc)}); "
+                "compress loads float, compressed-tensors and bitsandbytes checkpoints: fix "
+                "config.json or install what the message names"
+            ) from exc
         _refuse_partial_load(where, info)
+        _refuse_non_finite(model, where)  # our own readers check what they read
     from compress.quant.linear import portable_cpu_layout
 
     portable_cpu_layout(model)  # bitsandbytes layers: same numerics on every CPU class (see there)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where)
-    except (OSError, ValueError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(
-            f"{where}: its tokenizer cannot be loaded ({first}); the folder needs the source "
-            "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json): "
-            "copy them in"
-        ) from exc
+    tokenizer = load_tokenizer(where)
+    check_tokenizer_fits(tokenizer, model.get_input_embeddings().num_embeddings, where)
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _refuse_non_finite(model: nn.Module, where) -> None:
+    """A NaN or Inf weight makes every logit NaN, where nothing can name it any more: eval
+    would report no perplexity and a server would start and answer nothing. Named here: max
+    and min of each float tensor (they propagate NaN and hold Inf; no bool copy of a weight)."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and tensor.numel() and not (
+                bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin()))):
+            raise ModelLoadError(
+                f"{where}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt, "
+                "re-download or re-export it"
+            )
+
+
+def load_tokenizer(where: Path | str) -> Any:
+    """The tokenizer saved in ``where``, or a ModelLoadError saying which files it needs."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    # the tokenizers library raises bare Exceptions for a tokenizer.json it cannot parse, and a
+    # tokenizer_config.json that is not an object fails inside transformers with anything
+    except Exception as exc:  # noqa: BLE001  (reported, not swallowed)
+        raise ModelLoadError(
+            f"{where}: its tokenizer cannot be loaded ({_first_line(exc)}); the folder needs "
+            "the source model's tokenizer files (tokenizer.json or tokenizer.model, "
+            "tokenizer_config.json): copy them in"
+        ) from exc
+
+
+def check_tokenizer_fits(tokenizer: Any, vocab_rows: int, where: Path | str) -> None:
+    """ModelLoadError when the tokenizer's own vocabulary (its added special tokens aside)
+    holds ids the model's embedding (``vocab_rows``) has no row for: text would tokenize into
+    ids that index past it. The usual cause is tokenizer files copied from another model.
+    Added tokens past the embedding are left alone: some checkpoints declare an unused pad
+    token there."""
+    added = set(tokenizer.get_added_vocab())
+    top = max((i for t, i in tokenizer.get_vocab().items() if t not in added), default=-1)
+    if top >= vocab_rows:
+        raise ModelLoadError(
+            f"{where}: the tokenizer has token ids up to {top} but the model's embedding has "
+            f"{vocab_rows} rows (config.json vocab_size); the tokenizer files belong to another "
+            "model: copy in the model's own"
+        )

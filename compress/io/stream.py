@@ -33,6 +33,7 @@ from torch import nn
 
 from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError
+from compress.core.matcher import check_pattern
 from compress.memory import return_freed_memory
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,6 +49,7 @@ _DTYPE_NAMES = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 # tensors that must be finite for the weights to mean anything (quantized layers, fp8 KV scales)
 _MUST_BE_FINITE = ("weight_scale", "weight_zero_point", "input_scale", "k_scale", "v_scale")
+_SCALES = ("weight_scale", "input_scale", "k_scale", "v_scale")
 # scales kept in their stored dtype, never cast to the compute or export dtype (weight scales,
 # fp8 KV-cache scales)
 SCALE_SUFFIXES = ("weight_scale", ".k_scale", ".v_scale")
@@ -78,11 +80,17 @@ def shard_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ModelLoadError(
                 f"{index}: not a readable shard index ({exc}); re-download or re-export the "
                 "checkpoint"
             ) from exc
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(
+                f"{index}: weight_map is not a mapping of tensor names to shard file names; "
+                "re-download or re-export the checkpoint"
+            )
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -117,14 +125,18 @@ def read_header(file: Path) -> tuple[int, dict[str, dict]]:
             if length > min(size - 8, 100 << 20):
                 raise corrupt(f"header of {length} bytes in a file of {size}")
             header = json.loads(handle.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         if isinstance(exc, ModelLoadError):
             raise
         raise corrupt(f"unreadable header: {exc}") from exc
     if not isinstance(header, dict):
         raise corrupt("the header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise corrupt("__metadata__ is not a mapping of strings")  # safetensors refuses it too
     start = 8 + length
+    spans = []
     for name, entry in header.items():
         try:
             dtype = _TORCH_DTYPES[entry["dtype"]]
@@ -134,11 +146,24 @@ def read_header(file: Path) -> tuple[int, dict[str, dict]]:
                 numel *= int(dim)
         except (KeyError, TypeError, ValueError) as exc:
             raise corrupt(f"tensor {name}: bad header entry {entry!r}") from exc
+        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
+            raise corrupt(f"tensor {name}: data offsets {entry['data_offsets']}")
         if stop - begin != numel * torch.empty((), dtype=dtype).element_size():
             raise corrupt(f"tensor {name}: {stop - begin} bytes for shape {entry['shape']}")
         if start + stop > size:
             raise corrupt(f"tensor {name} ends at byte {start + stop} of a {size}-byte file, "
                           "truncated")
+        spans.append((begin, stop, name))
+    # The tensors tile the data exactly, as safetensors (and so transformers) requires: an overlap
+    # or a gap is a file that one reader accepts and another refuses.
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise corrupt(f"tensor {name} starts at data byte {begin}, not {end}: tensors "
+                          "overlap or leave a gap")
+        end = stop
+    if start + end != size:
+        raise corrupt(f"{size - start - end} bytes after the last tensor")
     return start, header
 
 
@@ -158,6 +183,12 @@ class CheckpointReader:
     def _index(self, file: Path) -> None:
         start, header = read_header(file)
         for name, entry in header.items():
+            if name in self._where:  # which copy a loader takes depends on the loader
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} is stored twice, in {self._where[name].name} "
+                    f"and in {file.name}; the folder mixes two checkpoints, remove the stale "
+                    "shard (or re-download / re-export the checkpoint)"
+                )
             self._where[name] = file
             self._entries[name] = (start, entry)
 
@@ -180,8 +211,12 @@ class CheckpointReader:
         begin, stop = self._entries[name][1]["data_offsets"]
         return stop - begin
 
-    def read(self, name: str, *, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The tensor ``name`` as stored; ``shape``: what the model expects (checked first)."""
+    def read(self, name: str, *, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored; ``shape``: what the model expects (checked first).
+        ``dtype``: the dtype of the model's tensor it fills: integer codes must be stored in
+        exactly that dtype (a kernel reads their bits), a float tensor in any float dtype (it is
+        cast). A float tensor holding NaN or Inf is refused, naming it."""
         if name not in self._where:
             raise ModelLoadError(
                 f"{self.path}: tensor {name} is missing from the checkpoint; it does not match "
@@ -193,6 +228,14 @@ class CheckpointReader:
                 f"{file}: tensor {name} has shape {list(self.shape(name))} but config.json "
                 f"implies {list(shape)}; the config does not match the weights, fix config.json "
                 "or re-export the checkpoint"
+            )
+        stored = self.dtype(name)
+        if dtype is not None and (stored.is_floating_point != dtype.is_floating_point
+                                  or (not dtype.is_floating_point and stored != dtype)):
+            raise ModelLoadError(
+                f"{file}: tensor {name} is stored as {stored} but the model holds {dtype} there; "
+                "the checkpoint is corrupt or its config.json (quantization_config) does not "
+                "match it, re-export it"
             )
         start, entry = self._entries[name]
         begin, stop = entry["data_offsets"]
@@ -216,12 +259,15 @@ class CheckpointReader:
                 f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
                 "truncated, re-download or re-export the checkpoint"
             )
-        if name.endswith(_MUST_BE_FINITE) and tensor.is_floating_point():
-            if not torch.isfinite(tensor).all():
-                raise ModelLoadError(
-                    f"{file}: tensor {name} holds NaN or Inf values, so the layer's weights are "
-                    "undefined; the checkpoint is corrupt, re-export it"
-                )
+        # a NaN weight makes every logit NaN downstream, where nothing can name it any more.
+        # max and min propagate NaN and hold any Inf: two reductions, no bool tensor of the
+        # weight's size (a 70B embedding's would be 1 GB more at the streamed peak)
+        if tensor.is_floating_point() and tensor.numel() and not (
+                bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin()))):
+            raise ModelLoadError(
+                f"{file}: tensor {name} holds NaN or Inf values, so the layer's weights are "
+                "undefined; the checkpoint is corrupt, re-download or re-export it"
+            )
         return tensor
 
 
@@ -258,10 +304,11 @@ def no_weight_init() -> contextlib.AbstractContextManager:
 
 def _config_errors() -> tuple[type[BaseException], ...]:
     """What transformers raises for a config.json it cannot take: its own checks raise
-    ValueError/KeyError/TypeError or assert; huggingface_hub's strict dataclass validators
+    ValueError/KeyError/TypeError or assert; a zero head count divides by zero and an unknown
+    ``dtype`` is an AttributeError of ``torch``; huggingface_hub's strict dataclass validators
     (transformers 5 configs: e.g. heads that do not divide the hidden size) their own type."""
     errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError,
-                                               AssertionError)
+                                               AssertionError, ArithmeticError, AttributeError)
     try:
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # older huggingface_hub: no strict dataclasses
@@ -275,7 +322,7 @@ def read_config_json(path: str | os.PathLike[str]) -> dict:
     file = Path(path) / "config.json"
     try:
         config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"{file} cannot be read ({exc}); fix or replace it") from exc
     if not isinstance(config, dict):
         raise ModelLoadError(f"{file} holds a JSON {type(config).__name__}, not an object; "
@@ -291,10 +338,32 @@ def read_config_json(path: str | os.PathLike[str]) -> dict:
                 or not isinstance(group.get("weights"), dict):  # what the loader reads of one
             problem = f"config_groups.{key} needs a targets list and a weights object"
             break
+        problem = _patterns_problem(group["targets"], f"config_groups.{key}.targets")
+        if problem is not None:
+            break
+    if problem is None and quant is not None:
+        # compressed-tensors writes `"ignore": null` when nothing is ignored
+        problem = _patterns_problem(quant.get("ignore") or [], "ignore")
+        kv = quant.get("kv_cache_scheme")
+        if problem is None and kv is not None and not isinstance(kv, dict):
+            problem = f"kv_cache_scheme is a {type(kv).__name__}, not an object or null"
     if problem is not None:
         raise ModelLoadError(f"{file}: quantization_config: {problem}; fix it or re-export the "
                              "checkpoint")
     return config
+
+
+def _patterns_problem(patterns: object, where: str) -> str | None:
+    """What is wrong with a quantization_config ``targets``/``ignore`` list (the loader matches
+    module names against it: ``compress.core.matcher``), or None."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        return f"{where} is not a list of module names or re: patterns"
+    for pattern in patterns:
+        try:
+            check_pattern(pattern)
+        except ValueError as exc:
+            return f"{where}: {exc}"
+    return None
 
 
 def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
@@ -364,6 +433,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
                     f"implies {list(linear.shape)}; the config does not match the weights, fix "
                     "config.json or re-export the checkpoint"
                 )
+        if leaf in _SCALES and not reader.dtype(name).is_floating_point:
+            raise ModelLoadError(  # the kernels would multiply by truncated integer scales
+                f"{reader.file_of(name)}: tensor {name} is stored as {reader.dtype(name)} but "
+                "scales are floating point; the checkpoint is corrupt, re-export it"
+            )
         if leaf in _MUST_BE_FINITE:
             reader.read(name)  # raises on NaN/Inf
 
@@ -406,7 +480,7 @@ def materialize(
     for name, current in expected_tensors(module).items():
         if current.device.type != "meta" or name.startswith(skip):
             continue
-        tensor = reader.read(prefix + name, shape=tuple(current.shape))
+        tensor = reader.read(prefix + name, shape=tuple(current.shape), dtype=current.dtype)
         if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):
             if not (narrow and keeps_stored_dtype(name, tensor.dtype, tensor.numel(), dtype,
                                                   quantized=False)):

@@ -27,7 +27,7 @@ from compress.calibration import calibration_mix
 from compress.core.device import current_device, device_name, on_eval_device, resolve_device
 from compress.core.errors import RecipeError
 from compress.core.registry import PASSES, CompressionState, pass_name_of, run_passes
-from compress.data import resolve_text_path
+from compress.data import read_text, resolve_text_path
 from compress.io.export import export_checkpoint, resolve_export_dtype, write_provenance
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
@@ -343,7 +343,7 @@ def plan_job(
     text, source = None, None
     if recipe.eval.perplexity is not None:
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        text, source = read_text(path), str(path)
     where = resolve_model_path(model or recipe.model)
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
@@ -489,15 +489,14 @@ def _evaluate_layerwise(plan: JobPlan, folder: Path, options: JobOptions, *, lab
                         baseline: Evaluation | None = None) -> Evaluation:
     """``_evaluate`` of the checkpoint at ``folder`` read one decoder layer at a time: the
     same numbers as the model loaded whole (``compress.eval.quality``)."""
-    from transformers import AutoTokenizer
-
     from compress.io.export import layerwise_model
+    from compress.io.load import load_tokenizer
     from compress.quant.linear import bits_per_weight
 
     stream = layerwise_model(folder)
     kl_base = baseline.perplexity.top_k_path if baseline and baseline.perplexity else None
     result = evaluate_perplexity(
-        stream.model, AutoTokenizer.from_pretrained(folder), plan.recipe, plan.text,
+        stream.model, load_tokenizer(folder), plan.recipe, plan.text,
         plan.text_source, options.progress, label=label, resume=options.resume, top_k=top_k,
         kl_base=kl_base, stream=stream,
     )
@@ -690,12 +689,12 @@ def _run_streamed(plan, out, options, *, export, baseline, report, label) -> Job
     one at a time."""
     import gc
 
-    from transformers import AutoTokenizer
-
     from compress.io.export import atomic_directory
+    from compress.io.load import check_tokenizer_fits, load_tokenizer
 
     recipe, skeleton = plan.recipe, plan.skeleton
-    tokenizer = AutoTokenizer.from_pretrained(plan.where)
+    tokenizer = load_tokenizer(plan.where)  # the checks load_model makes
+    check_tokenizer_fits(tokenizer, skeleton.get_input_embeddings().num_embeddings, plan.where)
     state = recipe_state(recipe, tokenizer, progress=options.progress, data_dir=options.data_dir)
     wants_eval = _wants_eval(recipe, plan.text)
     if baseline is None and recipe.eval.baseline:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +76,15 @@ def _load_previous(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, 
     """Rows of an earlier run with the same settings, by recipe name (empty when none)."""
     try:
         previous = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
-    if previous.get("settings") != settings:
+    if not isinstance(previous, dict) or previous.get("settings") != settings \
+            or not isinstance(previous.get("rows", []), list):
         return {}
-    return {row["recipe"]: row for row in previous.get("rows", []) if "recipe" in row}
+    # a damaged or hand-edited row (not an object, a NaN perplexity) is run again, not reported
+    return {row["recipe"]: row for row in previous.get("rows", [])
+            if isinstance(row, dict) and isinstance(row.get("recipe"), str) and all(
+                math.isfinite(v) for v in row.values() if isinstance(v, float))}
 
 
 def _row(variant: str, measured: Evaluation, baseline: Evaluation | None) -> dict[str, Any]:

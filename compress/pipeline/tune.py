@@ -441,6 +441,25 @@ def sensitivity_cache(key: str) -> Path:
     return root / "tune" / f"{key}.json"
 
 
+def read_sensitivities(cache: Path, names: list[str]) -> tuple[dict, dict] | None:
+    """``measure_sensitivity``'s (scores, sizes) stored in ``cache`` for layers ``names``, or
+    None when there is none or it is damaged (cut short, edited, a NaN score): measured again
+    rather than planned from, since a NaN compares false with every budget."""
+    if not cache.is_file():
+        return None
+    try:
+        stored = json.loads(cache.read_text())
+        scores, sizes = stored["scores"], stored["sizes"]
+        values = [v for table in (scores, sizes) for n in names for v in table[n].values()]
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+            raise ValueError("a score or size is not a finite number")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        log.warning("tune: ignoring the damaged sensitivity cache %s (%s); measuring again",
+                    cache, exc)
+        return None
+    return scores, sizes
+
+
 def decoder_linears(model: nn.Module) -> list[str]:
     """Every ``nn.Linear`` of the model except the default-ignored output head."""
     return [
@@ -606,9 +625,9 @@ def run_tune(
     key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
                      layers=names, version=1, **grid_key)  # fmt: skip
     cache = sensitivity_cache(key)
-    if cache.is_file():
-        stored = json.loads(cache.read_text())
-        scores, sizes = stored["scores"], stored["sizes"]
+    stored = read_sensitivities(cache, names)
+    if stored is not None:
+        scores, sizes = stored
         log.info("tune: sensitivities read back from %s", cache)
     else:
         ids = draw_calibration(mix, loaded.tokenizer, num_samples=num_samples, seq_len=seq_len,

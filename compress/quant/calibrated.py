@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from compress.arch import Arch, NormForm, arch_for, decoder_layers
 from compress.core.device import model_device, move_tensor, on_device
-from compress.core.errors import DataError
+from compress.core.errors import DataError, NumericsError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
 from compress.memory import MemoryMonitor
@@ -104,8 +104,9 @@ def capture_first_layer_inputs(
             hidden = args[0] if args else kwargs.pop("hidden_states")
             if index == 0:
                 if not _all_finite(hidden):
-                    raise ValueError(
-                        "calibration activations contain NaN/Inf before decoder layer 0"
+                    raise NumericsError(
+                        "activations are NaN/Inf before decoder layer 0 (the embedding's "
+                        "output); check the model's weights and config.json in float32"
                     )
                 captured.hidden.append(hidden.detach())
             captured.per_layer[index].append(_layer_kwargs(kwargs))
@@ -147,8 +148,8 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "",
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
         out = layer(hidden, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        if check and not _all_finite(out):
-            raise ValueError(
+        if check and not _all_finite(out):  # NumericsError: the CLI reports it in one line
+            raise NumericsError(
                 f"{check}: activations became NaN/Inf; lower the damping/alpha settings or check "
                 "the model in float32"
             )

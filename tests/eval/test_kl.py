@@ -222,3 +222,43 @@ def test_other_windows_or_more_windows_than_the_baseline_are_refused(tiny_model,
     assert fewer.kl.kl_mean == 0.0
     with pytest.raises(ValueError, match="needs top_k_dir"):
         perplexity(tiny_model, tiny_tokenizer, TEXT, progress=False, top_k=4)
+
+
+def _damage_window_0(folder: Path, how: str) -> None:
+    file = folder / "00000.npz"
+    if how == "garbage":
+        file.write_bytes(b"garbage")
+        return
+    with np.load(file) as f:
+        arrays = dict(f)
+    if how == "nan":
+        arrays["log_probs"] = arrays["log_probs"] * np.nan
+    else:  # another window's length
+        arrays = {k: v[:3] for k, v in arrays.items()}
+    with file.open("wb") as f:
+        np.savez(f, **arrays)
+
+
+@pytest.mark.parametrize("how", ["garbage", "nan", "short"])
+def test_a_damaged_baseline_window_is_named_not_compared_with(how, tiny_tokenizer, tmp_path):
+    # was a pickle ValueError, a silently wrong KL, an AssertionError
+    from compress.core.errors import DataError
+
+    base = perplexity(make_tiny_llama(seed=0), tiny_tokenizer, TEXT, context_length=CONTEXT,
+                      progress=False, top_k=8, top_k_dir=tmp_path / "top-k")
+    _damage_window_0(Path(base.top_k_path), how)
+    with pytest.raises(DataError, match=r"00000.npz: the baseline's stored top-k log-probs are "
+                                        r"damaged .* delete .* and run again"):
+        perplexity(_perturbed(0.05), tiny_tokenizer, TEXT, context_length=CONTEXT,
+                   progress=False, kl_base=base.top_k_path)
+
+
+def test_a_baseline_meta_that_is_not_an_object_is_a_data_error(tiny_tokenizer, tmp_path):
+    from compress.core.errors import DataError
+
+    base = perplexity(make_tiny_llama(seed=0), tiny_tokenizer, TEXT, context_length=CONTEXT,
+                      progress=False, top_k=8, top_k_dir=tmp_path / "top-k")
+    (Path(base.top_k_path) / "meta.json").write_text("[]")  # was an AttributeError
+    with pytest.raises(DataError, match="not a baseline top-k folder .*holds a JSON list"):
+        perplexity(_perturbed(0.05), tiny_tokenizer, TEXT, context_length=CONTEXT,
+                   progress=False, kl_base=base.top_k_path)

@@ -75,3 +75,32 @@ def test_unreadable_state_is_ignored(tiny_model, tiny_tokenizer, tmp_path):
     result = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
     assert result.reused_windows == 0
     assert json.loads(state_file.read_text())["window_nll"]  # rewritten
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(window_nll=[float("nan")] * len(s["window_nll"])),
+    lambda s: s.update(window_nll=[-1.0] * len(s["window_nll"])),
+    lambda s: s.update(window_tokens=[0] * len(s["window_tokens"])),
+    lambda s: s.update(kl={"base": {"window_kl": [float("inf")], "window_kl_sq": [0.0],
+                                    "window_changed": [0]}}),
+], ids=["nan_nll", "negative_nll", "empty_window", "infinite_kl"])
+def test_a_damaged_state_is_scored_again_not_reported(edit, tiny_model, tiny_tokenizer,
+                                                      tmp_path):
+    # these were resumed as they were: a NaN or negative perplexity, a ZeroDivisionError
+    fresh = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    (state_file,) = tmp_path.glob("*.json")
+    state = json.loads(state_file.read_text())
+    edit(state)
+    state_file.write_text(json.dumps(state))
+    result = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert result.reused_windows == 0 and result.perplexity == fresh.perplexity
+
+
+def test_a_state_that_cannot_be_saved_is_an_output_error(tiny_model, tiny_tokenizer, tmp_path):
+    from compress.core.errors import OutputError
+    from compress.eval.quality import state_key
+
+    ids = torch.tensor(tiny_tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    (tmp_path / f"{state_key(tiny_model, ids, 64, 64)}.json").mkdir()  # in the file's place
+    with pytest.raises(OutputError, match="cannot save evaluation state .* COMPRESS_CACHE_DIR"):
+        perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)

@@ -257,3 +257,31 @@ def test_yaml_nested_past_the_parser_stack_is_a_recipe_error(tmp_path):
         load_recipe(deep)
     with pytest.raises(RecipeError, match="nested too deeply"):
         parse_recipe(deep.read_text())
+
+
+def test_a_recipe_that_is_not_utf8_is_a_recipe_error(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: caf\xe9\npasses:\n  - pass: quantize.int8_rtn\n".encode("latin1"))
+    with pytest.raises(RecipeError, match="latin1.yaml: cannot be read as UTF-8 text"):
+        load_recipe(latin1)  # was a UnicodeDecodeError traceback
+
+
+@pytest.mark.parametrize("text", [
+    "name: r\nname: s\npasses: []\n",
+    "name: r\npasses:\n  - pass: quantize.int4_rtn\n    group_size: 32\n    group_size: 64\n",
+], ids=["top_level", "in_a_pass"])
+def test_a_key_given_twice_is_refused_not_the_last_one_kept(text):
+    with pytest.raises(RecipeError, match="found the key '(name|group_size)' twice"):
+        parse_recipe(text, source="r.yaml")
+
+
+def test_a_merge_key_is_not_a_duplicate():
+    text = "passes:\n  - <<: {pass: quantize.int4_rtn}\n    group_size: 32\nname: r\n"
+    assert parse_recipe(text, source="r.yaml").passes[0].group_size == 32
+
+
+def test_set_with_a_value_that_is_not_yaml_is_a_recipe_error(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(BASE))
+    assert main(["validate", str(recipe), "--set", "calibration=[1"]) == 2  # was a traceback
+    assert "--set 'calibration=[1': not valid YAML" in capsys.readouterr().err

@@ -264,3 +264,19 @@ def test_preflight_refuses_an_impossible_sweep_before_any_work(inputs, monkeypat
                                                       r"available; nothing was written"):
         run_sweep([load_recipe(p) for p in paths], out_dir=tmp_path / "sweep", progress=False)
     assert not (tmp_path / "sweep").exists() and not list(tmp_path.glob(".sweep*"))
+
+
+@pytest.mark.parametrize("document", [
+    [{"settings": {"k": 1}, "rows": []}],
+    {"settings": {"k": 1}, "rows": [5, "x"]},
+    {"settings": {"k": 1}, "rows": [{"recipe": "r", "perplexity": float("nan")}]},
+], ids=["not_an_object", "rows_not_objects", "nan_perplexity"])
+def test_a_damaged_sweep_json_is_run_again_not_reported(document, tmp_path):
+    # were an AttributeError, a TypeError, and a NaN row reported as measured
+    from compress.pipeline.sweep import _load_previous
+
+    (tmp_path / "sweep.json").write_text(json.dumps(document))
+    assert _load_previous(tmp_path / "sweep.json", {"k": 1}) == {}
+    good = {"settings": {"k": 1}, "rows": [{"recipe": "r", "perplexity": 3.5, "kl": None}]}
+    (tmp_path / "sweep.json").write_text(json.dumps(good))
+    assert _load_previous(tmp_path / "sweep.json", {"k": 1}) == {"r": good["rows"][0]}

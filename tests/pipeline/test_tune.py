@@ -309,3 +309,20 @@ def test_tune_frees_its_model_before_the_job_and_reports_what_run_gives(
     keys = ("perplexity", "ppl_delta_pct", "kl", "top1_changed_pct", "linear_weight_mb")
     assert [{k: r.get(k) for k in keys} for r in report["rows"]] == [
         {k: r.get(k) for k in keys} for r in alone.rows]
+
+
+@pytest.mark.parametrize("text", [
+    '{"scores": {"a": {"int4": 0.5}}',  # cut short
+    '{"scores": {"a": {"int4": NaN}}, "sizes": {"a": {"int4": 10}}}',
+    '{"scores": {"b": {"int4": 0.5}}, "sizes": {"b": {"int4": 10}}}',  # other layers
+    '[]',
+], ids=["cut_short", "nan_score", "other_layers", "not_an_object"])
+def test_a_damaged_sensitivity_cache_is_measured_again(text, tmp_path):
+    # was a JSONDecodeError / KeyError traceback, or a plan made from NaN scores
+    from compress.pipeline.tune import read_sensitivities
+
+    cache = tmp_path / "key.json"
+    cache.write_text(text)
+    assert read_sensitivities(cache, ["a"]) is None
+    cache.write_text('{"scores": {"a": {"int4": 0.5}}, "sizes": {"a": {"int4": 10}}}')
+    assert read_sensitivities(cache, ["a"]) == ({"a": {"int4": 0.5}}, {"a": {"int4": 10}})

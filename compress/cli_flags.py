@@ -1,0 +1,55 @@
+"""Bounds of the console script's flags, checked before any model work so that a bad value is
+one line (``RecipeError``, exit status 2) naming the flag, not a traceback from deep in the
+runtime, a silently different evaluation or an allocation killed for memory. Only
+``compress.cli`` imports this module; the library functions check their own arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from compress.core.errors import RecipeError
+
+# Numeric flags, by argparse dest, whatever the command: what each must be. Checked before any
+# model loads; past these bounds the runtime or a window loop failed with a traceback, scored
+# a silently shortened text (--limit -2) or allocated until killed (--max-new-tokens 10**8).
+FLAG_BOUNDS = {
+    "context_length": (lambda v: v >= 2, ">= 2"),
+    "stride": (lambda v: v >= 1, ">= 1"),
+    "limit": (lambda v: v >= 1, ">= 1 (leave it out for every window)"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"),  # NaN fails too
+    "top_k": (lambda v: v >= 1, ">= 1"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "seed": (lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),  # torch.manual_seed's range
+    "max_model_len": (lambda v: v >= 2, ">= 2"),
+    "max_waiting": (lambda v: v >= 0, ">= 0"),
+    "threads": (lambda v: v >= 1, ">= 1"),
+    "port": (lambda v: 0 <= v <= 65535, "in 0..65535"),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """RecipeError listing every flag of ``args`` outside ``FLAG_BOUNDS``."""
+    bad = [f"--{dest.replace('_', '-')} {value} must be {what}"
+           for dest, (ok, what) in FLAG_BOUNDS.items()
+           if (value := getattr(args, dest, None)) is not None and not ok(value)]
+    stride = getattr(args, "stride", None)
+    if stride is not None and stride > args.context_length:
+        bad.append(f"--stride {args.stride} must be <= --context-length (or it skips tokens)")
+    if bad:
+        raise RecipeError(f"{args.command}: " + "; ".join(bad))
+
+
+def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> None:
+    """The static cache holds prompt + new tokens: refuse an empty prompt, and a length past the
+    model's positions, whose cache could take all memory (--max-new-tokens 100000000 was
+    killed for memory)."""
+    if not ids:
+        raise RecipeError("generate: the prompt tokenizes to no tokens; give a prompt text")
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and len(ids) + max_new_tokens > limit:
+        raise RecipeError(
+            f"generate: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
+            f"exceeds the {limit} positions of {loaded.source} (config.json "
+            "max_position_embeddings); lower --max-new-tokens")

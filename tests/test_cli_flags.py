@@ -1,0 +1,83 @@
+"""Flags outside their bounds are one ``error:`` line and exit status 2, before any model loads
+(compress.cli_flags); they were tracebacks from the runtime, a silently shortened evaluation
+(--limit -2) or a static cache allocated until the process was killed (--max-new-tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compress.cli import main
+
+MISSING = "no-such-model"  # the flag check comes first: the model is never looked up
+
+BAD_FLAGS = {
+    "eval_context_length": (["eval", MISSING, "--context-length", "0"], "--context-length 0"),
+    "eval_stride_zero": (["eval", MISSING, "--stride", "0"], "--stride 0 must be >= 1"),
+    "eval_stride_past_context": (["eval", MISSING, "--context-length", "32", "--stride", "64"],
+                                 "--stride 64 must be <= --context-length"),
+    "eval_negative_limit": (["eval", MISSING, "--limit", "-2"], "--limit -2 must be >= 1"),
+    "compare_limit": (["compare", MISSING, MISSING, "--limit", "0"], "--limit 0 must be >= 1"),
+    "generate_no_tokens": (["generate", "hi", "--model", MISSING, "--max-new-tokens", "0"],
+                           "--max-new-tokens 0 must be >= 1"),
+    "generate_nan_temperature": (["generate", "hi", "--model", MISSING, "--temperature", "nan"],
+                                 "--temperature nan must be >= 0"),
+    "generate_top_p": (["generate", "hi", "--model", MISSING, "--top-p", "2"],
+                       "--top-p 2.0 must be in (0, 1]"),
+    "generate_top_k": (["generate", "hi", "--model", MISSING, "--top-k", "0"],
+                       "--top-k 0 must be >= 1"),
+    "generate_seed": (["generate", "hi", "--model", MISSING, "--seed", str(2**70)],
+                      "must be a 64-bit integer"),
+    "serve_model_len": (["serve", MISSING, "--max-model-len", "0"], "--max-model-len 0"),
+    "serve_threads": (["serve", MISSING, "--threads", "-2"], "--threads -2 must be >= 1"),
+    "serve_port": (["serve", MISSING, "--port", "-1"], "--port -1 must be in 0..65535"),
+    "serve_kv_memory": (["serve", MISSING, "--kv-memory", "100000000GB"],
+                        "phase 'serve's KV cache'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_a_flag_out_of_bounds_is_one_line_before_any_work(case, capsys, monkeypatch):
+    from compress.memory import available_memory_bytes
+
+    if case == "serve_kv_memory" and available_memory_bytes() is None:
+        pytest.skip("free memory is not readable here: the KV cache is not checked")
+    monkeypatch.delenv("COMPRESS_SKIP_MEMORY_CHECK", raising=False)
+    argv, message = BAD_FLAGS[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "not found" not in err
+
+
+def test_compare_settings_refuse_zero_prompts_and_a_nan_price(capsys):
+    assert main(["compare", MISSING, MISSING, "--prompts", "0", "--usd-per-hour", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompts must be >= 1, got 0" in err and "--usd-per-hour nan" in err
+
+
+@pytest.fixture
+def plain(tiny_model, tiny_tokenizer, tmp_path):
+    folder = tmp_path / "plain"
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("prompt,new,message", [
+    ("", "2", "the prompt tokenizes to no tokens"),
+    ("hi", "100000000", "exceeds the 256 positions"),  # was killed for memory
+], ids=["empty_prompt", "past_the_positions"])
+def test_generate_refuses_a_length_the_cache_cannot_hold(prompt, new, message, plain, capsys):
+    assert main(["generate", prompt, "--model", str(plain), "--max-new-tokens", new]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x00\x86\xff not text", "cannot be read as UTF-8 text"),
+    (b"", "text too short to score (0 tokens)"),
+], ids=["binary", "empty"])
+def test_eval_of_a_text_it_cannot_score_is_a_data_error(content, message, plain, tmp_path,
+                                                         capsys):
+    text = tmp_path / "text.txt"
+    text.write_bytes(content)
+    assert main(["eval", str(plain), "--dataset", str(text), "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
