@@ -128,7 +128,7 @@ def _digest_files(folder: Path, digest: Any) -> None:
     """Feed a checkpoint folder's safetensors files into ``digest`` without reading their
     weights (a 13B model is 26 GB): each shard's name, size, modification time and header (every
     tensor's name, dtype, shape and offsets). A rewritten shard changes its time."""
-    from compress.io.stream import read_header, shard_files
+    from compress.io.checkpoint import read_header, shard_files
 
     for file in shard_files(folder):
         stat = file.stat()

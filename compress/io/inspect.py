@@ -58,7 +58,8 @@ def _scheme(module: str, shapes: dict[str, list[int]], quant: dict[str, Any]) ->
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
-    from compress.io.stream import read_config_json, shard_files, verify_checkpoint
+    from compress.io.checkpoint import read_config_json, shard_files
+    from compress.io.stream import verify_checkpoint
 
     config = read_config_json(path)
     verify_checkpoint(path)  # corrupt shards, shapes against config.json, finite scales

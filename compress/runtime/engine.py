@@ -57,10 +57,10 @@ from compress.runtime.families import (
     window_mask,
 )
 from compress.runtime.graphs import CaptureFailed, GraphedSteps
+from compress.runtime.head import _Head
 from compress.runtime.layers import (
     LM_HEAD_SCHEMES,
     _FloatLinear,
-    _Head,
     _IntKernels,
     _Layer,
     _Q8Kernel,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch import Arch, NormForm, RuntimeSpec
+from compress.arch import Arch, RuntimeSpec
 from compress.kernels import cpu_elementwise, cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
@@ -42,6 +42,7 @@ from compress.runtime.families import (
     rope_permutation,
     softcapped_attention,
 )
+from compress.runtime.norms import _norm, _norm_bias, _norm_weight, _rms_norm
 
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
@@ -487,29 +488,6 @@ def _refuse_released(name: str, module: nn.Module, args) -> None:
 
 
 # ---- decoder layer ---------------------------------------------------------------------
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias, centered: bool) -> torch.Tensor:
-    """A hidden-size norm: RMSNorm, or (``centered``) LayerNorm, whose variance is the mean
-    square of the centred values; ``bias`` (or None) added after the weight."""
-    y = _rms_norm(x - x.mean(-1, keepdim=True) if centered else x, weight, eps)
-    return y if bias is None else y + bias
-
-
-def _norm_bias(norm: nn.Module) -> nn.Buffer | None:
-    """The norm's bias in fp32 (LayerNorm's), or None."""
-    bias = getattr(norm, "bias", None)
-    return None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
-
-
-def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
-    """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
-    w = norm.weight.detach().float()
-    return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
-
-
 def _input_dtype(holder: nn.Module, decode: bool) -> torch.dtype:
     """The dtype a linear holder casts its input to: a float layer's weight dtype (a norm may
     write it directly, sparing the cast); fp32 for the others (int kernels quantize or cast
@@ -804,48 +782,3 @@ class _Layer(nn.Module):
         if self.residual_multiplier is not None:
             y = y * self.residual_multiplier
         return y
-
-
-class _Head(nn.Module):
-    def __init__(
-        self,
-        model: nn.Module,
-        decode,
-        notes: list[str],
-        kernels: _IntKernels,
-        bits: int | None,
-        arch: Arch,
-        *,
-        spec: RuntimeSpec,
-        release: bool = False,
-    ) -> None:
-        super().__init__()
-        final_norm = model.get_submodule(arch.final_norm)
-        self.norm = _norm_weight(final_norm, arch.norm_form)
-        self.norm_bias, self.centered = _norm_bias(final_norm), arch.norm_kind == "layer"
-        self.eps = float(getattr(model.config, spec.norm_eps_key))
-        self.divisor = config_value(model.config, spec.logits_divisor)
-        self.multiplier = config_value(model.config, spec.logits_multiplier)
-        self.softcap = config_value(model.config, spec.final_softcap)
-        head = model.get_submodule(arch.lm_head)
-        if bits is not None and not isinstance(head, QuantLinear):
-            # A quantized copy for the head only: tied input embeddings stay as they are.
-            head = QuantLinear.from_linear(head, LM_HEAD_SCHEMES[bits])
-        # Only the last position's logits are needed, so both phases use the decode weights.
-        # Named lm_head whatever the family calls it: the runtime's own name for its head.
-        # ``release`` touches only a quantized head of the model's own (a float head may be
-        # tied to the embedding, which the runtime reads).
-        self.lm_head = _convert_linear(
-            head, arch.lm_head, decode, decode, notes, kernels, release=release
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _norm(x, self.norm, self.eps, self.norm_bias, self.centered)
-        logits = self.lm_head(h, True)  # [B, V] fp32
-        if self.divisor is not None:
-            logits = logits / self.divisor
-        if self.multiplier is not None:
-            logits = logits * self.multiplier
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits

@@ -355,7 +355,7 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
 
 
 def test_a_family_without_runtime_facts_falls_back_by_model_type(monkeypatch):
-    # a family whose Arch lacks runtime=True (every one in arch.py has it today): Qwen3 made so
+    # a family whose Arch lacks runtime=True (OPT and GPT-NeoX today): Qwen3 made so
     from compress.runtime import engine
 
     supported = tuple(t for t in engine.SUPPORTED_MODEL_TYPES if t != "qwen3")
@@ -369,5 +369,5 @@ def test_a_family_without_runtime_facts_falls_back_by_model_type(monkeypatch):
 
 def test_runtime_families_have_runtime_facts():
     # A family flagged runtime=True needs its RuntimeSpec, and a spec is only worth having
-    # for a family the runtime runs (catches an arch.py merge that loses either side).
+    # for a family the runtime runs (catches an arch/families.py merge that loses either side).
     assert set(runtime_model_types()) == set(RUNTIME_SPECS)

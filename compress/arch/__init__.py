@@ -1,0 +1,224 @@
+"""Where the architecture of a transformers causal LM is, per ``model_type``: the one place that
+knows module names.
+
+An ``Arch`` entry says where the decoder layers, embedding, final norm, lm_head and rotary tables
+are; the names of the attention and MLP projections inside a decoder layer; which producer feeds
+which linears (the AWQ and SmoothQuant scale-folding mappings) and the form of its norms; which
+linears prune together; and whether the runtime runs it. Passes and the runtime take every name
+from here (a test fails on an architecture name anywhere else), so a new family is one entry.
+
+How each family's peculiarities are handled (scale folds:
+``compress.quant.calibrated.migrate_scales``; pruning: ``compress.prune``):
+
+* Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Granite (embedding, attention,
+  residual and logit multipliers: constants no fold or slice touches), Qwen3 (q_norm/k_norm over
+  one head's ``head_dim``: after the projections, shared by all heads, so neither the folds nor
+  head pruning touch them).
+* Gemma2/Gemma3 text: ``(1 + w)`` RMSNorms (``norm_form="1+w"``): dividing the effective weight
+  by s gives ``w' = (1 + w) / s - 1``. The MLP reads ``pre_feedforward_layernorm``; the
+  ``post_*`` norms sit on a block's output before the residual add (``post_norms``), feed no
+  linear, and are sliced with the hidden size. The embedding is multiplied by
+  ``sqrt(hidden_size)`` (``embed_scaling``): hidden-size pruning sets the new factor and
+  multiplies every post-norm by the same ratio, which scales the whole residual stream, to which
+  the pre-norms and the final norm are invariant. Soft-capping and sliding windows are config
+  constants.
+* Phi-3: fused ``qkv_proj`` (rows ``[q; k; v]``) and ``gate_up_proj`` (rows ``[gate; up]``). The
+  entry's q/k/v (gate/up) name the fused linear; ``Mapping.part`` selects the rows that feed a
+  consumer (v -> o uses the v rows, up -> down the up half; ``producer_rows``), and
+  ``PruneGroup.fused`` slices heads/channels in every part consistently.
+* OLMo2: norms *after* attention and MLP (``post_norms``), none before: q/k/v and gate/up read
+  the residual stream itself, so no operation can absorb a scale for them. Those mappings are
+  absent and listed in ``scale_gaps``; AWQ and SmoothQuant report them (the linears are still
+  quantized, unscaled). q_norm/k_norm span all heads (``qk_norm_span="heads"``): head pruning
+  slices them with the q/k rows.
+* OLMo3 (OLMo2's layout) and EXAONE 4 (the same post-norms, q/k norms over one head).
+* Gemma (1): Gemma's ``(1 + w)`` norms and scaled embedding in Llama's layout. Hidden-size
+  pruning refuses it: no post-norm can compensate the new embedding factor.
+* SmolLM3 (layers without RoPE: ``no_rope_layers``, kept per layer when layers are dropped,
+  ``PER_LAYER_CONFIG_KEYS``), Seed-OSS, ERNIE 4.5 and HunYuan dense: Llama's names and data
+  flow (biases and q/k norms where the config has them).
+* GLM and GLM-4: separate q/k/v, Phi-3's fused ``gate_up_proj``; GLM-4 adds post-norms.
+* Mixtral and Qwen3-MoE (``Arch.moe``): quantized and exported with every expert
+  (tests/quant/test_moe.py); prune.layers drops their layers, the passes that would slice
+  the fused experts refuse them; the runtime runs its attention around the family's own sparse
+  block (Qwen3-MoE with its q/k norms).
+
+Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compress.arch.families import (
+    ARCHS,
+    DEFAULT_IGNORE,
+    LLAMA,
+    PER_LAYER_CONFIG_KEYS,
+    PHI3,
+    RUNTIME_SPECS,
+)
+from compress.arch.layout import (
+    Arch,
+    FusedPart,
+    Mapping,
+    Moe,
+    NormForm,
+    NormKind,
+    PruneGroup,
+    RuntimeSpec,
+    ScaleGap,
+)
+from compress.core.errors import ConfigError
+
+__all__ = [
+    "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS", "Arch",
+    "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
+    "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
+    "mapping_paths", "model_type", "output_weight_key", "producer_rows", "runtime_model_types",
+    "set_embedding_scale", "sparse_layers",
+]  # fmt: skip
+
+
+def model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def arch_for(model: nn.Module, what: str) -> Arch:
+    """The entry for ``model``'s ``model_type``, or a ConfigError naming ``what`` (the pass)."""
+    kind = model_type(model)
+    arch = ARCHS.get(kind)
+    if arch is None:
+        raise ConfigError(
+            f"{what}: model_type {kind!r} ({type(model).__name__}) is not supported; supported: "
+            f"{', '.join(ARCHS)}. A new family is one entry in compress/arch/families.py (issue 17)"
+        )
+    return arch
+
+
+def sparse_layers(model: nn.Module, arch: Arch) -> list[int]:
+    """Indices of the decoder layers whose MLP is ``arch.moe``'s sparse block. Qwen2/3-MoE
+    configs can make some layers dense (``mlp_only_layers``, ``decoder_sparse_step``): those
+    hold a plain MLP of Linears, which the passes treat as any dense layer's."""
+    if arch.moe is None:
+        return []
+    found = []
+    for index, layer in enumerate(model.get_submodule(arch.layers)):
+        try:
+            layer.get_submodule(arch.moe.fused)
+        except AttributeError:
+            continue
+        found.append(index)
+    return found
+
+
+def float_only_modules(model: nn.Module) -> set[str]:
+    """Module names no quantization pass targets: the MoE routers and the shared experts' [1, H]
+    scalar gates (they pick and weigh experts; quantizing them changes the routing)."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None:
+        return set()
+    paths = [p for p in (arch.moe.router, arch.moe.shared_scalar_gate) if p]
+    return {f"{arch.layer_prefix}{i}.{p}" for i in sparse_layers(model, arch) for p in paths}
+
+
+def runtime_model_types() -> tuple[str, ...]:
+    return tuple(t for t, a in ARCHS.items() if a.runtime)
+
+
+def decoder_layers(model: nn.Module, what: str = "compress") -> nn.ModuleList:
+    """The decoder stack (non-empty) of ``model``, or a ConfigError naming ``what``."""
+    arch = arch_for(model, what)
+    try:
+        layers = model.get_submodule(arch.layers)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ConfigError(
+            f"{what}: {type(model).__name__} (model_type {arch.model_type!r}) has no non-empty "
+            f"{arch.layers} decoder stack"
+        )
+    return layers
+
+
+def head_dim_of(layer: nn.Module) -> int:
+    """``head_dim`` of the attention module inside a decoder layer (GPT-NeoX: ``head_size``;
+    0 if none has one)."""
+    for module in layer.modules():
+        for name in ("head_dim", "head_size"):
+            if isinstance(getattr(module, name, None), int):
+                return int(getattr(module, name))
+    return 0
+
+
+def output_weight_key(model: nn.Module) -> str | None:
+    """State-dict key of the output head's weight (transformers' ``get_output_embeddings``, so
+    it holds for any family), or None without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None
+    return next((f"{n}.weight" for n, m in model.named_modules() if m is head), None)
+
+
+def producer_rows(layer: nn.Module, mapping: Mapping) -> slice | None:
+    """Rows of ``mapping.producer`` that feed its consumers (None: all of them), from the shapes
+    of one decoder layer: a fused ``[q; k; v]`` has ``o.in_features`` q rows and equal k and v
+    parts; a fused ``[gate; up]`` has two halves of ``down.in_features`` rows."""
+    if not mapping.part:
+        return None
+    n_out = layer.get_submodule(mapping.producer).weight.shape[0]
+    n_in = layer.get_submodule(mapping.consumers[0]).weight.shape[1]
+    width = (n_out - n_in) // 2 if mapping.part == "v" else n_in  # kv rows, or I
+    if width <= 0 or (mapping.part == "up" and n_out != 2 * n_in):
+        raise ConfigError(
+            f"{mapping.producer} has {n_out} rows, which do not split into a {mapping.part!r} "
+            f"part feeding {mapping.consumers[0]} ({n_in} inputs): the compress.arch entry "
+            "does not match this model"
+        )
+    return slice(n_out - width, n_out)
+
+
+def check_paths(model: nn.Module, arch: Arch, paths: tuple[str, ...], what: str) -> None:
+    """ConfigError naming ``what``, the model_type and every path of ``paths`` (inside a decoder
+    layer) that layer 0 lacks: the entry and the model disagree, found before any work."""
+    for key, value, meaning in arch.variants:
+        if getattr(model.config, key, None) == value:
+            raise ConfigError(
+                f"{what}: model_type {arch.model_type!r} with {key}={value!r}: {meaning}, a "
+                "variant the compress.arch entry does not describe, so this pass refuses it "
+                "(quantize.gptq and the RTN passes do not depend on it)"
+            )
+    layer = decoder_layers(model, what)[0]
+    missing = []
+    for path in dict.fromkeys(paths):
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            missing.append(path)
+    if missing:
+        raise ConfigError(
+            f"{what}: model_type {arch.model_type!r} ({type(model).__name__}): the decoder layer "
+            f"has no {', '.join(missing)}, which the compress.arch entry names; the checkpoint "
+            "is a variant the entry does not describe (fix the entry or the model)"
+        )
+
+
+def mapping_paths(mappings: tuple[Mapping, ...]) -> tuple[str, ...]:
+    return tuple(p for m in mappings for p in (m.producer, *m.consumers))
+
+
+@torch.no_grad()
+def set_embedding_scale(model: nn.Module, arch: Arch) -> float:
+    """For ``embed_scaling="sqrt_hidden"`` (Gemma): set the embedding's factor to
+    ``sqrt(config.hidden_size)``, what ``from_pretrained`` builds from the config, and return
+    new / old factor (1.0 for other families). The factor is a non-persistent buffer, so a
+    changed hidden size must update it here or the in-memory model and its reload disagree."""
+    if arch.embed_scaling == "none":
+        return 1.0
+    embed = model.get_submodule(arch.embed)
+    old, new = float(embed.embed_scale), float(model.config.hidden_size) ** 0.5
+    embed.embed_scale.fill_(new)
+    embed.scalar_embed_scale = new
+    return new / old

@@ -1,0 +1,490 @@
+"""Every family's entry (``Arch``) and runtime facts (``RuntimeSpec``), by ``model_type``: the one
+place that names a family's modules (a test fails on an architecture name anywhere else in the
+package). How each family's peculiarities are handled is in ``compress.arch``'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from compress.arch.layout import Arch, FusedPart, Mapping, Moe, PruneGroup, RuntimeSpec, ScaleGap
+
+
+def _mapping(producer: str, *consumers: str, part: FusedPart = "") -> Mapping:
+    return Mapping(producer, consumers, part)
+
+
+LLAMA = Arch(
+    model_type="llama",
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    rotary="model.rotary_emb",
+    attention="self_attn",
+    q="self_attn.q_proj",
+    k="self_attn.k_proj",
+    v="self_attn.v_proj",
+    o="self_attn.o_proj",
+    gate="mlp.gate_proj",
+    up="mlp.up_proj",
+    down="mlp.down_proj",
+    attn_norm="input_layernorm",
+    mlp_norm="post_attention_layernorm",
+    norm_form="w",
+    awq_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    heads=PruneGroup(
+        rows=("self_attn.q_proj",),
+        kv_rows=("self_attn.k_proj", "self_attn.v_proj"),
+        cols=("self_attn.o_proj",),
+    ),
+    mlp_channels=PruneGroup(rows=("mlp.gate_proj", "mlp.up_proj"), cols=("mlp.down_proj",)),
+    runtime=True,
+)
+
+
+def _moe_arch(model_type: str, moe: Moe) -> Arch:
+    """Llama attention (same names) with ``moe`` as the MLP: the MLP has no dense projections,
+    so no MLP mappings (AWQ/SmoothQuant smooth the attention inputs only). Pruning does not
+    slice experts: the experts module stands in the MLP prune group, and the slicing prune
+    passes refuse MoE models (prune.layers drops whole layers). The runtime runs the
+    attention itself and the family's own sparse block (router + experts) as the MLP."""
+    shared, gaps = (), ()
+    if moe.shared_up:  # up -> down folds inside the shared expert; its inputs cannot be scaled
+        shared = (_mapping(moe.shared_up, moe.shared_down),)
+        reason = (
+            "the MLP norm feeds the router and the routed experts too: a scale folded into it "
+            "would change them, so the shared expert's gate/up inputs are not scaled"
+        )
+        gaps = (ScaleGap((moe.shared_gate, moe.shared_up), reason),)
+    return dataclasses.replace(
+        LLAMA,
+        model_type=model_type,
+        gate="",
+        up="",
+        down="",
+        awq_mappings=LLAMA.awq_mappings[:2] + shared,
+        smoothquant_mappings=LLAMA.smoothquant_mappings[:1] + shared,
+        mlp_channels=PruneGroup(
+            rows=(moe.fused, *moe.shared_readers),
+            cols=(moe.fused, *((moe.shared_down,) if moe.shared_down else ())),
+        ),
+        scale_gaps=gaps,
+        runtime=True,
+        moe=moe,
+    )
+
+
+# transformers 5 names both families' MoE modules alike; their checkpoints differ (Mixtral's
+# w1/w2/w3 under block_sparse_moe, which transformers renames and fuses on load).
+_MOE = Moe(
+    block="mlp",
+    fused="mlp.experts",
+    router="mlp.gate",
+    gate_up="gate_up_proj",
+    down="down_proj",
+    act="act_fn",
+    checkpoint_block="mlp",
+    checkpoint_projections=("gate_proj", "up_proj", "down_proj"),
+)
+MIXTRAL = _moe_arch(
+    "mixtral",
+    dataclasses.replace(
+        _MOE, checkpoint_block="block_sparse_moe", checkpoint_projections=("w1", "w3", "w2")
+    ),
+)
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
+# OLMoE: Qwen3-MoE's layout with OLMo2's q/k norms over all heads.
+OLMOE = dataclasses.replace(_moe_arch("olmoe", _MOE), qk_norms=_QK_NORMS, qk_norm_span="heads")
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routed experts without q/k norms, q/k/v
+# biases, and a shared expert.
+QWEN2_MOE = _moe_arch(
+    "qwen2_moe",
+    dataclasses.replace(
+        _MOE,
+        shared_gate="mlp.shared_expert.gate_proj",
+        shared_up="mlp.shared_expert.up_proj",
+        shared_down="mlp.shared_expert.down_proj",
+        shared_scalar_gate="mlp.shared_expert_gate",
+    ),
+)
+
+# Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
+QWEN2, MISTRAL, GRANITE = (
+    dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
+)
+QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", qk_norms=_QK_NORMS)
+
+# Gemma2: (1 + w) norms; attention -> post_attention_layernorm -> residual,
+# pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> residual.
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    model_type="gemma2",
+    mlp_norm="pre_feedforward_layernorm",
+    norm_form="1+w",
+    awq_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    embed_scaling="sqrt_hidden",
+)
+GEMMA3_TEXT = dataclasses.replace(GEMMA2, model_type="gemma3_text", qk_norms=_QK_NORMS)
+
+PHI3 = dataclasses.replace(
+    LLAMA,
+    model_type="phi3",
+    q="self_attn.qkv_proj",
+    k="self_attn.qkv_proj",
+    v="self_attn.qkv_proj",
+    gate="mlp.gate_up_proj",
+    up="mlp.gate_up_proj",
+    awq_mappings=(
+        _mapping("input_layernorm", "self_attn.qkv_proj"),
+        _mapping("self_attn.qkv_proj", "self_attn.o_proj", part="v"),
+        _mapping("post_attention_layernorm", "mlp.gate_up_proj"),
+        _mapping("mlp.gate_up_proj", "mlp.down_proj", part="up"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "self_attn.qkv_proj"),
+        _mapping("post_attention_layernorm", "mlp.gate_up_proj"),
+        _mapping("mlp.gate_up_proj", "mlp.down_proj", part="up"),
+    ),
+    heads=PruneGroup(rows=(), cols=("self_attn.o_proj",), fused=("self_attn.qkv_proj",)),
+    mlp_channels=PruneGroup(rows=(), cols=("mlp.down_proj",), fused=("mlp.gate_up_proj",)),
+)
+
+_RESIDUAL_INPUT = (
+    "the family has no norm before attention/MLP (its norms come after them), so these read the "
+    "residual stream directly and no operation can absorb a per-channel scale"
+)
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    model_type="olmo2",
+    attn_norm=None,
+    mlp_norm=None,
+    awq_mappings=(
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(_mapping("mlp.up_proj", "mlp.down_proj"),),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    qk_norms=_QK_NORMS,
+    qk_norm_span="heads",
+    scale_gaps=(
+        ScaleGap(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _RESIDUAL_INPUT),
+        ScaleGap(("mlp.gate_proj", "mlp.up_proj"), _RESIDUAL_INPUT),
+    ),
+)
+
+# OLMo3: OLMo2's layout and norms (its sliding windows are config constants). EXAONE 4: the
+# same post-norm layout, with q/k norms over one head's head_dim.
+OLMO3 = dataclasses.replace(OLMO2, model_type="olmo3")
+EXAONE4 = dataclasses.replace(OLMO2, model_type="exaone4", qk_norm_span="head")
+
+# Llama's module names and data flow: SmolLM3 (some layers without RoPE: ``no_rope_layers``),
+# Seed-OSS (q/k/v and o biases), ERNIE 4.5 (biases; interleaved RoPE pairs: its RuntimeSpec),
+# Helium (interleaved RoPE pairs),
+# HunYuan dense (q/k norms over one head, named query/key_layernorm, applied after RoPE: its
+# RuntimeSpec).
+SMOLLM3, SEED_OSS, ERNIE4_5, HELIUM = (
+    dataclasses.replace(LLAMA, model_type=t)
+    for t in ("smollm3", "seed_oss", "ernie4_5", "helium")
+)
+HUNYUAN_V1_DENSE = dataclasses.replace(
+    LLAMA,
+    model_type="hunyuan_v1_dense",
+    qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
+)
+
+def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Arch:
+    """``base``'s attention with a non-gated MLP ``down(act(up(x)))``: down's input is a
+    nonlinear function of up's output, so no scale folds from up into down (a stated gap)."""
+    reason = (
+        f"the MLP is not gated: {down} reads act({up}(x)), and a per-channel scale does not pass "
+        "through the activation"
+    )
+    return dataclasses.replace(
+        base,
+        model_type=model_type,
+        gate="",
+        up=up,
+        down=down,
+        awq_mappings=base.awq_mappings[:2] + (_mapping(base.mlp_norm, up),),
+        smoothquant_mappings=base.smoothquant_mappings[:1] + (_mapping(base.mlp_norm, up),),
+        mlp_channels=PruneGroup(rows=(up,), cols=(down,)),
+        scale_gaps=(ScaleGap((down,), reason),),
+        **changes,
+    )
+
+
+# Arcee (AFM): Llama's layout, relu2 MLP not gated. Starcoder2: LayerNorms with biases, biases on
+# every linear, a gelu MLP not gated (c_fc -> c_proj). StableLM: LayerNorms, Llama's gated MLP,
+# partial RoPE (its config's partial_rotary_factor).
+ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
+STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
+STABLELM = dataclasses.replace(LLAMA, model_type="stablelm", norm_kind="layer")
+# Nemotron: LayerNorms with biases applied as (1 + w) (LayerNorm1P), a relu2 MLP not gated,
+# partial RoPE.
+NEMOTRON = _not_gated(
+    LLAMA, "nemotron", "mlp.up_proj", "mlp.down_proj", norm_kind="layer", norm_form="1+w"
+)
+
+# OPT (the GPTQ/SmoothQuant papers' family, vLLM's test model): LayerNorms with biases, learned
+# absolute positions (no rotary module: the runtime falls back to transformers), q/k/v and
+# out_proj, a relu MLP not gated of fc1/fc2 directly in the layer.
+OPT = _not_gated(
+    dataclasses.replace(
+        LLAMA,
+        layers="model.decoder.layers",
+        embed="model.decoder.embed_tokens",
+        final_norm="model.decoder.final_layer_norm",
+        rotary="",
+        o="self_attn.out_proj",
+        attn_norm="self_attn_layer_norm",
+        mlp_norm="final_layer_norm",
+        awq_mappings=(
+            _mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),
+            _mapping("self_attn.v_proj", "self_attn.out_proj"),
+        ),
+        smoothquant_mappings=(_mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),),
+        heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.out_proj",)),
+    ),
+    "opt",
+    "fc1",
+    "fc2",
+    norm_kind="layer",
+    runtime=False,
+    mlp_width_key="ffn_dim",
+    variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),),
+)
+
+# GPT-NeoX (Pythia): LayerNorms with biases, a fused query_key_value whose rows are per head,
+# a gelu MLP not gated, partial RoPE, attention and MLP on their own norms (in parallel where
+# use_parallel_residual); its checkpoints name the head embed_out (transformers renames it
+# lm_head on load, so a streamed job refuses them and runs in memory). Passes only: the runtime
+# falls back.
+_PER_HEAD_QKV = (
+    "query_key_value's v rows are interleaved with q and k per head, so no scale folds from "
+    "them into attention.dense"
+)
+GPT_NEOX = dataclasses.replace(
+    LLAMA,
+    model_type="gpt_neox",
+    layers="gpt_neox.layers",
+    embed="gpt_neox.embed_in",
+    final_norm="gpt_neox.final_layer_norm",
+    rotary="gpt_neox.rotary_emb",
+    attention="attention",
+    q="attention.query_key_value",
+    k="attention.query_key_value",
+    v="attention.query_key_value",
+    o="attention.dense",
+    gate="",
+    up="mlp.dense_h_to_4h",
+    down="mlp.dense_4h_to_h",
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", "attention.query_key_value"),
+        _mapping("post_attention_layernorm", "mlp.dense_h_to_4h"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", "attention.query_key_value"),
+        _mapping("post_attention_layernorm", "mlp.dense_h_to_4h"),
+    ),
+    heads=PruneGroup(rows=(), cols=("attention.dense",), fused=("attention.query_key_value",)),
+    mlp_channels=PruneGroup(rows=("mlp.dense_h_to_4h",), cols=("mlp.dense_4h_to_h",)),
+    scale_gaps=(
+        ScaleGap(("attention.dense",), _PER_HEAD_QKV),
+        ScaleGap(("mlp.dense_4h_to_h",), "the MLP is not gated: dense_4h_to_h reads "
+                 "act(dense_h_to_4h(x)), and a per-channel scale does not pass the activation"),
+    ),
+    runtime=False,
+    qkv_per_head=True,
+)
+
+# Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
+# names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
+# and dense with biases, a gelu MLP not gated (fc1 -> fc2), partial RoPE, a head with a bias.
+_PARALLEL_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+COHERE = dataclasses.replace(
+    LLAMA,
+    model_type="cohere",
+    mlp_norm=None,
+    parallel=True,
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("self_attn.v_proj", "self_attn.o_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+    smoothquant_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("mlp.up_proj", "mlp.down_proj"),
+    ),
+)
+PHI = dataclasses.replace(
+    _not_gated(LLAMA, "phi", "mlp.fc1", "mlp.fc2"),
+    final_norm="model.final_layernorm",
+    o="self_attn.dense",
+    mlp_norm=None,
+    parallel=True,
+    norm_kind="layer",
+    awq_mappings=(
+        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),
+        _mapping("self_attn.v_proj", "self_attn.dense"),
+    ),
+    smoothquant_mappings=(_mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),),
+    heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.dense",)),
+)
+
+# Gemma (1): Gemma2's (1 + w) norms and scaled embedding, Llama's layout (no post-norms).
+GEMMA = dataclasses.replace(
+    GEMMA2,
+    model_type="gemma",
+    mlp_norm=LLAMA.mlp_norm,
+    awq_mappings=LLAMA.awq_mappings,
+    smoothquant_mappings=LLAMA.smoothquant_mappings,
+    post_norms=(),
+)
+
+# GLM (glm-4-9b) and GLM-4: separate q/k/v (biases), a fused gate_up_proj (rows [gate; up]) as
+# Phi-3's; GLM-4 adds post-norms on both blocks' outputs (post_self_attn/post_mlp_layernorm)
+# before the residual add. Partial, interleaved RoPE (their RuntimeSpecs).
+GLM = dataclasses.replace(
+    LLAMA,
+    model_type="glm",
+    gate=PHI3.gate,
+    up=PHI3.up,
+    awq_mappings=LLAMA.awq_mappings[:2] + PHI3.awq_mappings[2:],
+    smoothquant_mappings=LLAMA.smoothquant_mappings[:1] + PHI3.smoothquant_mappings[1:],
+    mlp_channels=PHI3.mlp_channels,
+)
+GLM4 = dataclasses.replace(
+    GLM,
+    model_type="glm4",
+    post_norms=("post_self_attn_layernorm", "post_mlp_layernorm"),
+)
+
+ARCHS: dict[str, Arch] = {
+    a.model_type: a
+    for a in (
+        LLAMA,
+        QWEN2,
+        QWEN3,
+        MISTRAL,
+        GRANITE,
+        GEMMA2,
+        GEMMA3_TEXT,
+        PHI3,
+        OLMO2,
+        OLMO3,
+        EXAONE4,
+        SMOLLM3,
+        SEED_OSS,
+        ERNIE4_5,
+        HUNYUAN_V1_DENSE,
+        HELIUM,
+        ARCEE,
+        STARCODER2,
+        STABLELM,
+        NEMOTRON,
+        COHERE,
+        PHI,
+        OPT,
+        GPT_NEOX,
+        GEMMA,
+        GLM,
+        GLM4,
+        MIXTRAL,
+        QWEN3_MOE,
+        QWEN2_MOE,
+        OLMOE,
+    )
+}
+
+# Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
+# kept layers' entries (else a reload would give a kept layer a dropped one's type).
+PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers")
+
+# The default ``ignore`` of every pass config: the output head is never compressed by default.
+DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
+
+
+_LLAMA_RT = RuntimeSpec()
+_GEMMA2_RT = RuntimeSpec(
+    activation_key="hidden_activation",
+    attn_softcap="attn_logit_softcapping",
+    final_softcap="final_logit_softcapping",
+)
+RUNTIME_SPECS: dict[str, RuntimeSpec] = {
+    "llama": _LLAMA_RT,
+    "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
+    "mistral": _LLAMA_RT,  # sliding window from the config
+    "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
+    # attention_multiplier is the attention module's own scaling
+    "granite": RuntimeSpec(
+        embed_multiplier="embedding_multiplier",
+        residual_multiplier="residual_multiplier",
+        logits_divisor="logits_scaling",
+    ),
+    "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
+    "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
+    # q/k norms after RoPE; NTK-alpha RoPE labelled "dynamic"
+    "hunyuan_v1_dense": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
+    "gemma": RuntimeSpec(activation_key="hidden_act"),  # (1 + w) norms, scaled embedding
+    # the fused qkv_proj / gate_up_proj are the runtime's stacked calls; Phi-4-mini rotates
+    # 3/4 of each head (partial_rotary_factor, from the config)
+    "phi3": _LLAMA_RT,
+    "ernie4_5": RuntimeSpec(rope_interleaved=True),
+    "helium": RuntimeSpec(rope_interleaved=True),
+    "arcee": _LLAMA_RT,  # the non-gated MLP: Arch.gate is "" (relu2: families.ACTIVATIONS)
+    # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
+    "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
+    # parallel blocks (Arch.parallel), LayerNorms; per-head q/k LayerNorms fall back
+    "cohere": RuntimeSpec(
+        norm_eps_key="layer_norm_eps",
+        logits_multiplier="logit_scale",
+        rope_interleaved=True,
+        rope_table_interleaved=True,
+        unsupported_flags=("use_qk_norm",),
+    ),
+    "phi": RuntimeSpec(norm_eps_key="layer_norm_eps", unsupported_flags=("qk_layernorm",)),
+    "nemotron": RuntimeSpec(norm_eps_key="norm_eps"),  # (1 + w) LayerNorms: Arch
+    "stablelm": RuntimeSpec(
+        norm_eps_key="layer_norm_eps", unsupported_flags=("use_parallel_residual", "qk_layernorm")
+    ),
+    # interleaved RoPE over half of each head; GLM-4 adds post-norms (Arch)
+    "glm": RuntimeSpec(rope_interleaved=True),
+    "glm4": RuntimeSpec(rope_interleaved=True),
+    # no norms before the blocks, post-norms after them (Arch); OLMo2/3's q/k norms over all
+    # heads, EXAONE 4's over one
+    "olmo2": _LLAMA_RT,
+    "olmo3": RuntimeSpec(rope_per_layer_type=True),
+    "exaone4": RuntimeSpec(rope_only_sliding=True),
+    "gemma2": _GEMMA2_RT,
+    "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
+    # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block
+    "mixtral": _LLAMA_RT,
+    "qwen3_moe": _LLAMA_RT,
+    "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
+    "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
+}

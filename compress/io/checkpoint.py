@@ -1,0 +1,331 @@
+"""Reading safetensors checkpoint folders (``compress.io`` imports no pass): the shard files of a
+folder (its index, else every ``*.safetensors``), each shard's header checked against the rules
+safetensors itself enforces (offsets that tile the data exactly, known dtypes, sizes that match
+shapes), ``CheckpointReader`` reading one tensor at a time in its stored dtype (checked against
+the shape and dtype the model expects; NaN or Inf refused, named), and ``read_config_json``
+(config.json and its quantization_config checked before transformers sees them). Every problem
+is a ``ModelLoadError`` of one line naming the file, the tensor and the fix. Streaming
+(``compress.io.stream``) and loading (``compress.io.load``) read through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from compress.core.errors import ModelLoadError
+from compress.core.matcher import check_pattern
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names <-> torch
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those its index names, else every
+    ``*.safetensors`` file; ModelLoadError when there are none or the index names a missing one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ModelLoadError(
+                f"{index}: not a readable shard index ({exc}); re-download or re-export the "
+                "checkpoint"
+            ) from exc
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(
+                f"{index}: weight_map is not a mapping of tensor names to shard file names; "
+                "re-download or re-export the checkpoint"
+            )
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} names shards that are missing: {', '.join(missing[:5])}; the "
+                "download or export is incomplete, fetch or write it again"
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors file")
+    return files
+
+
+def read_header(file: Path) -> tuple[int, dict[str, dict]]:
+    """(offset of the data, {name: {dtype, shape, data_offsets}}) of a safetensors file, with
+    the checks safetensors makes: a readable header, known dtypes, sizes that match shapes and
+    data inside the file. Anything else is a ``ModelLoadError`` naming the file."""
+
+    def corrupt(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{file}: corrupt or partially written safetensors file ({why}); re-download or "
+            "re-export the checkpoint"
+        )
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise corrupt("shorter than its 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, 100 << 20):
+                raise corrupt(f"header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise corrupt(f"unreadable header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise corrupt("__metadata__ is not a mapping of strings")  # safetensors refuses it too
+    start = 8 + length
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype = _TORCH_DTYPES[entry["dtype"]]
+            begin, stop = entry["data_offsets"]
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= int(dim)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"tensor {name}: bad header entry {entry!r}") from exc
+        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
+            raise corrupt(f"tensor {name}: data offsets {entry['data_offsets']}")
+        if stop - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise corrupt(f"tensor {name}: {stop - begin} bytes for shape {entry['shape']}")
+        if start + stop > size:
+            raise corrupt(
+                f"tensor {name} ends at byte {start + stop} of a {size}-byte file, truncated"
+            )
+        spans.append((begin, stop, name))
+    # The tensors tile the data exactly, as safetensors (and so transformers) requires: an overlap
+    # or a gap is a file that one reader accepts and another refuses.
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise corrupt(
+                f"tensor {name} starts at data byte {begin}, not {end}: tensors "
+                "overlap or leave a gap"
+            )
+        end = stop
+    if start + end != size:
+        raise corrupt(f"{size - start - end} bytes after the last tensor")
+    return start, header
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint folder (all its shards). Only the headers are
+    read up front; a tensor is read from its file when asked for, with plain reads into a new
+    tensor, not through a memory map (a mapped file's touched pages count as the process's
+    resident memory until it is closed: 13.5 GB for a 7B checkpoint read through once)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._where: dict[str, Path] = {}
+        self._entries: dict[str, tuple[int, dict]] = {}
+        for file in shard_files(self.path):
+            self._index(file)
+
+    def _index(self, file: Path) -> None:
+        start, header = read_header(file)
+        for name, entry in header.items():
+            if name in self._where:  # which copy a loader takes depends on the loader
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} is stored twice, in {self._where[name].name} "
+                    f"and in {file.name}; the folder mixes two checkpoints, remove the stale "
+                    "shard (or re-download / re-export the checkpoint)"
+                )
+            self._where[name] = file
+            self._entries[name] = (start, entry)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._entries[name][1]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _TORCH_DTYPES[self._entries[name][1]["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, stop = self._entries[name][1]["data_offsets"]
+        return stop - begin
+
+    def read(
+        self, name: str, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The tensor ``name`` as stored; ``shape``: what the model expects (checked first).
+        ``dtype``: the dtype of the model's tensor it fills: integer codes must be stored in
+        exactly that dtype (a kernel reads their bits), a float tensor in any float dtype (it is
+        cast). A float tensor holding NaN or Inf is refused, naming it."""
+        if name not in self._where:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name} is missing from the checkpoint; it does not match "
+                "its config.json, re-download or re-export it"
+            )
+        file = self._where[name]
+        if shape is not None and self.shape(name) != tuple(shape):
+            raise ModelLoadError(
+                f"{file}: tensor {name} has shape {list(self.shape(name))} but config.json "
+                f"implies {list(shape)}; the config does not match the weights, fix config.json "
+                "or re-export the checkpoint"
+            )
+        stored = self.dtype(name)
+        if dtype is not None and (
+            stored.is_floating_point != dtype.is_floating_point
+            or (not dtype.is_floating_point and stored != dtype)
+        ):
+            raise ModelLoadError(
+                f"{file}: tensor {name} is stored as {stored} but the model holds {dtype} there; "
+                "the checkpoint is corrupt or its config.json (quantization_config) does not "
+                "match it, re-export it"
+            )
+        start, entry = self._entries[name]
+        begin, stop = entry["data_offsets"]
+        tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
+        try:
+            with open(file, "rb", buffering=0) as handle:
+                handle.seek(start + begin)
+                view = (
+                    memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                    if tensor.numel()
+                    else memoryview(bytearray())
+                )
+                got = handle.readinto(view) if tensor.numel() else 0
+                while got < stop - begin:  # readinto may return less for large reads
+                    more = handle.readinto(view[got:])
+                    if not more:
+                        break
+                    got += more
+        except OSError as exc:
+            raise ModelLoadError(
+                f"{file}: tensor {name} cannot be read ({exc}); re-download "
+                "or re-export the checkpoint"
+            ) from exc
+        if got != stop - begin:
+            raise ModelLoadError(
+                f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
+                "truncated, re-download or re-export the checkpoint"
+            )
+        # a NaN weight makes every logit NaN downstream, where nothing can name it any more.
+        # max and min propagate NaN and hold any Inf: two reductions, no bool tensor of the
+        # weight's size (a 70B embedding's would be 1 GB more at the streamed peak)
+        if (
+            tensor.is_floating_point()
+            and tensor.numel()
+            and not (bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin())))
+        ):
+            raise ModelLoadError(
+                f"{file}: tensor {name} holds NaN or Inf values, so the layer's weights are "
+                "undefined; the checkpoint is corrupt, re-download or re-export it"
+            )
+        return tensor
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config.json it cannot take: its own checks raise
+    ValueError/KeyError/TypeError or assert; a zero head count divides by zero and an unknown
+    ``dtype`` is an AttributeError of ``torch``; huggingface_hub's strict dataclass validators
+    (transformers 5 configs: e.g. heads that do not divide the hidden size) their own type."""
+    errors: tuple[type[BaseException], ...] = (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AssertionError,
+        ArithmeticError,
+        AttributeError,
+    )
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict dataclasses
+        return errors
+    return (*errors, StrictDataclassError)
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict:
+    """``path``/config.json as a mapping, or a ModelLoadError naming what is wrong with it (not
+    JSON, not an object, a ``quantization_config`` that is not an object)."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{file} cannot be read ({exc}); fix or replace it") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(
+            f"{file} holds a JSON {type(config).__name__}, not an object; fix or replace it"
+        )
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ModelLoadError(
+            f"{file}: quantization_config is a {type(quant).__name__}, not an "
+            "object; fix it or remove it (a float checkpoint has none)"
+        )
+    groups = (quant or {}).get("config_groups", {})
+    problem = None if isinstance(groups, dict) else "config_groups is not an object"
+    for key, group in groups.items() if problem is None else ():
+        if (
+            not isinstance(group, dict)
+            or not isinstance(group.get("targets"), list)
+            or not isinstance(group.get("weights"), dict)
+        ):  # what the loader reads of one
+            problem = f"config_groups.{key} needs a targets list and a weights object"
+            break
+        problem = _patterns_problem(group["targets"], f"config_groups.{key}.targets")
+        if problem is not None:
+            break
+    if problem is None and quant is not None:
+        # compressed-tensors writes `"ignore": null` when nothing is ignored
+        problem = _patterns_problem(quant.get("ignore") or [], "ignore")
+        kv = quant.get("kv_cache_scheme")
+        if problem is None and kv is not None and not isinstance(kv, dict):
+            problem = f"kv_cache_scheme is a {type(kv).__name__}, not an object or null"
+    if problem is not None:
+        raise ModelLoadError(
+            f"{file}: quantization_config: {problem}; fix it or re-export the checkpoint"
+        )
+    return config
+
+
+def _patterns_problem(patterns: object, where: str) -> str | None:
+    """What is wrong with a quantization_config ``targets``/``ignore`` list (the loader matches
+    module names against it: ``compress.core.matcher``), or None."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        return f"{where} is not a list of module names or re: patterns"
+    for pattern in patterns:
+        try:
+            check_pattern(pattern)
+        except ValueError as exc:
+            return f"{where}: {exc}"
+    return None

@@ -1,0 +1,35 @@
+"""The runtime's hidden-size and q/k norms in fp32 (``compress.runtime.layers`` and the head):
+RMSNorm, LayerNorm (mean-centred, with a bias: StableLM, Starcoder2, Phi, Cohere, OPT), and the
+weights they take from a family's norm modules (``w``, or Gemma's ``1 + w``). The eager CPU
+path's fused RMSNorm ops (``kernels.cpu_elementwise``) compute the same RMSNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compress.arch import NormForm
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias, centered: bool) -> torch.Tensor:
+    """A hidden-size norm: RMSNorm, or (``centered``) LayerNorm, whose variance is the mean
+    square of the centred values; ``bias`` (or None) added after the weight."""
+    y = _rms_norm(x - x.mean(-1, keepdim=True) if centered else x, weight, eps)
+    return y if bias is None else y + bias
+
+
+def _norm_bias(norm: nn.Module) -> nn.Buffer | None:
+    """The norm's bias in fp32 (LayerNorm's), or None."""
+    bias = getattr(norm, "bias", None)
+    return None if bias is None else nn.Buffer(bias.detach().float(), persistent=False)
+
+
+def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
+    """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
+    w = norm.weight.detach().float()
+    return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
