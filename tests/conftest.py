@@ -57,6 +57,15 @@ def tiny_tokenizer():
     return make_char_tokenizer()
 
 
+@pytest.fixture
+def plain(tiny_model, tiny_tokenizer, tmp_path):
+    """A float tiny Llama saved with its tokenizer: a checkpoint folder to corrupt."""
+    folder = tmp_path / "plain"
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     from compress.data import resolve_data_dir

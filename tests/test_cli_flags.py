@@ -54,14 +54,6 @@ def test_compare_settings_refuse_zero_prompts_and_a_nan_price(capsys):
     assert "--prompts must be >= 1, got 0" in err and "--usd-per-hour nan" in err
 
 
-@pytest.fixture
-def plain(tiny_model, tiny_tokenizer, tmp_path):
-    folder = tmp_path / "plain"
-    tiny_model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("prompt,new,message", [
     ("", "2", "the prompt tokenizes to no tokens"),
     ("hi", "100000000", "exceeds the 256 positions"),  # was killed for memory

@@ -24,14 +24,6 @@ from compress.testing import make_tiny_llama
 DOWN = "model.layers.0.mlp.down_proj"
 
 
-@pytest.fixture
-def plain(tiny_model, tiny_tokenizer, tmp_path):
-    folder = tmp_path / "plain"
-    tiny_model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def _exported(model, tokenizer, folder, config):
     run_passes(model, [config], CompressionState(progress=False))
     return export_checkpoint(model, tokenizer, folder)
