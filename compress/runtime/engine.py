@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from compress.arch import RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
+from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import current_device, float_dtype
 from compress.kernels import cpu_elementwise, cpu_q8, dispatch
 from compress.memory import hold_in_huge_pages, return_freed_memory
@@ -78,6 +78,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     """Why the runtime cannot run ``model`` itself (then it falls back), or None."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    arch = ARCHS.get(model_type)
+    if arch is not None and not arch.runtime:  # compressed by the passes, run by transformers
+        return (f"model_type {model_type!r} is not implemented by this runtime (its compress.arch "
+                "entry has runtime=False)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     return config_unsupported_reason(config, RUNTIME_SPECS[model_type])

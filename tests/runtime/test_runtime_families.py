@@ -354,6 +354,17 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
     assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
 
 
+@pytest.mark.parametrize("family", [t for t, a in ARCHS.items() if not a.runtime])
+def test_a_family_the_runtime_does_not_implement_falls_back_saying_so(family):
+    # OPT (learned positions) and GPT-NeoX (q/k/v fused per head): passes only
+    model = make_tiny_model(family)
+    model.config._attn_implementation = "eager"
+    assert "is not implemented by this runtime" in unsupported_reason(model)
+    with pytest.warns(RuntimeWarning, match=f"model_type '{family}' is not implemented"):
+        rt = Runtime(model, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
+
+
 def test_a_family_without_runtime_facts_falls_back_by_model_type(monkeypatch):
     # a family whose Arch lacks runtime=True (OPT and GPT-NeoX today): Qwen3 made so
     from compress.runtime import engine
