@@ -51,6 +51,7 @@ LLAMA = Arch(
     mlp_channels=PruneGroup(rows=("mlp.gate_proj", "mlp.up_proj"), cols=("mlp.down_proj",)),
     runtime=True,
 )
+_QKV = LLAMA.awq_mappings[0].consumers  # q, k and v, which read the attention norm
 
 
 def _moe_arch(model_type: str, moe: Moe) -> Arch:
@@ -262,10 +263,10 @@ OPT = _not_gated(
         attn_norm="self_attn_layer_norm",
         mlp_norm="final_layer_norm",
         awq_mappings=(
-            _mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),
+            _mapping("self_attn_layer_norm", *_QKV),
             _mapping("self_attn.v_proj", "self_attn.out_proj"),
         ),
-        smoothquant_mappings=(_mapping("self_attn_layer_norm", *LLAMA.awq_mappings[0].consumers),),
+        smoothquant_mappings=(_mapping("self_attn_layer_norm", *_QKV),),
         heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.out_proj",)),
     ),
     "opt",
@@ -324,7 +325,6 @@ GPT_NEOX = dataclasses.replace(
 # Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
 # names, a LayerNorm without bias, interleaved RoPE, logits scaled. Phi (phi-1/1.5/2): q/k/v
 # and dense with biases, a gelu MLP not gated (fc1 -> fc2), partial RoPE, a head with a bias.
-_PARALLEL_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 COHERE = dataclasses.replace(
     LLAMA,
     model_type="cohere",
@@ -332,12 +332,12 @@ COHERE = dataclasses.replace(
     parallel=True,
     norm_kind="layer",
     awq_mappings=(
-        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("input_layernorm", *_QKV, "mlp.gate_proj", "mlp.up_proj"),
         _mapping("self_attn.v_proj", "self_attn.o_proj"),
         _mapping("mlp.up_proj", "mlp.down_proj"),
     ),
     smoothquant_mappings=(
-        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.gate_proj", "mlp.up_proj"),
+        _mapping("input_layernorm", *_QKV, "mlp.gate_proj", "mlp.up_proj"),
         _mapping("mlp.up_proj", "mlp.down_proj"),
     ),
 )
@@ -349,10 +349,10 @@ PHI = dataclasses.replace(
     parallel=True,
     norm_kind="layer",
     awq_mappings=(
-        _mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),
+        _mapping("input_layernorm", *_QKV, "mlp.fc1"),
         _mapping("self_attn.v_proj", "self_attn.dense"),
     ),
-    smoothquant_mappings=(_mapping("input_layernorm", *_PARALLEL_QKV, "mlp.fc1"),),
+    smoothquant_mappings=(_mapping("input_layernorm", *_QKV, "mlp.fc1"),),
     heads=dataclasses.replace(LLAMA.heads, cols=("self_attn.dense",)),
 )
 

@@ -22,6 +22,15 @@ from compress.core.matcher import check_pattern
 
 INDEX_FILE = "model.safetensors.index.json"
 
+
+def holds_non_finite(tensor: torch.Tensor) -> bool:
+    """Whether a float ``tensor`` holds NaN or Inf. max and min propagate NaN and hold any Inf:
+    two reductions, no bool tensor of the weight's size (a 70B embedding's would be 1 GB more
+    at the streamed peak)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    return not (bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin())))
+
 # safetensors dtype names <-> torch
 _DTYPE_NAMES = {
     torch.float64: "F64",
@@ -238,14 +247,8 @@ class CheckpointReader:
                 f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
                 "truncated, re-download or re-export the checkpoint"
             )
-        # a NaN weight makes every logit NaN downstream, where nothing can name it any more.
-        # max and min propagate NaN and hold any Inf: two reductions, no bool tensor of the
-        # weight's size (a 70B embedding's would be 1 GB more at the streamed peak)
-        if (
-            tensor.is_floating_point()
-            and tensor.numel()
-            and not (bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin())))
-        ):
+        # a NaN weight makes every logit NaN downstream, where nothing can name it any more
+        if holds_non_finite(tensor):
             raise ModelLoadError(
                 f"{file}: tensor {name} holds NaN or Inf values, so the layer's weights are "
                 "undefined; the checkpoint is corrupt, re-download or re-export it"

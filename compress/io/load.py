@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import ModelLoadError
+from compress.io.checkpoint import holds_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +242,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _refuse_non_finite(model: nn.Module, where) -> None:
     """A NaN or Inf weight makes every logit NaN, where nothing can name it any more: eval
-    would report no perplexity and a server would start and answer nothing. Named here: max
-    and min of each float tensor (they propagate NaN and hold Inf; no bool copy of a weight)."""
+    would report no perplexity and a server would start and answer nothing. Named here."""
     for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and tensor.numel() and not (
-                bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin()))):
+        if holds_non_finite(tensor):
             raise ModelLoadError(
                 f"{where}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt, "
                 "re-download or re-export it"

@@ -13,11 +13,16 @@ from torch import nn
 
 from compress.arch import Arch, RuntimeSpec
 
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 # MLP activations by the names transformers' configs use (gelu_pytorch_tanh: Gemma's).
 ACTIVATIONS = {  # transformers' ACT2FN names
     "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # the same function, an older name
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,  # the same function, an older name
     "gelu": F.gelu,
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),
