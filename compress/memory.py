@@ -91,9 +91,12 @@ class MemoryMonitor:
         }
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this process may still take: ``MemAvailable`` of ``/proc/meminfo``, lowered to
-    the cgroup's limit minus its usage where one is set (a container); None where unreadable."""
+def available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Memory this process may still take: on a CUDA ``device`` that GPU's free memory; else
+    ``MemAvailable`` of ``/proc/meminfo``, lowered to the cgroup's limit minus its usage where
+    one is set (a container); None where unreadable."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     found: list[int] = []
     try:
         with open("/proc/meminfo") as handle:

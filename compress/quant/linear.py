@@ -44,6 +44,7 @@ from torch import nn
 from compress.arch import float_only_modules
 from compress.core.device import float_dtype
 from compress.kernels import cpu_native, dispatch, reference
+from compress.memory import available_memory_bytes
 from compress.quant import primitives as quant_primitives
 
 log = logging.getLogger(__name__)
@@ -333,7 +334,7 @@ def dequantized_for_scoring(model: nn.Module) -> Iterator[int]:
     element = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
     need = sum(element * m.in_features * m.out_features for m in layers)
     where = layers[0].weight_scale.device if layers else torch.device("cpu")
-    available = _available_memory_bytes(where)
+    available = available_memory_bytes(where)
     if available is not None and need > available // 2:
         log.warning("scoring through the quantized kernels: a dequantized copy needs %.1f GB, "
                     "more than half the %.1f GB available on %s", need / 1e9, available / 1e9,
@@ -356,20 +357,6 @@ def scoring_dtype(device: torch.device, compute: torch.dtype | None) -> torch.dt
     if device.type == "cpu" or compute is None:
         return torch.float32
     return compute
-
-
-def _available_memory_bytes(device: torch.device | None = None) -> int | None:
-    """Bytes free where ``device`` is: the GPU's free memory, or the host's MemAvailable."""
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ---- W8A8 ---------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ from torch import nn
 
 from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import current_device, float_dtype
+from compress.core.errors import ConfigError
 from compress.kernels import cpu_elementwise, cpu_q8, dispatch
-from compress.memory import hold_in_huge_pages, return_freed_memory
+from compress.memory import available_memory_bytes, hold_in_huge_pages, return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
@@ -129,6 +130,26 @@ def _compile_options() -> dict[str, int]:
 
 def _bucket(n: int, cap: int) -> int:
     return min(max(16, 1 << (n - 1).bit_length()), cap)
+
+
+def _check_cache_fits(config, max_batch_size: int, max_seq_len: int, kv_dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """Refuse a static KV cache larger than the free memory where it goes: allocated and
+    zeroed at once, it would fail in the allocator or get the process killed for memory."""
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads if heads else 0)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    need = 2 * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
+    free = available_memory_bytes(device)
+    if free is not None and need > free:  # a ValueError that the CLI prints as a user's error
+        raise ConfigError(
+            f"the static KV cache of max_batch_size={max_batch_size} x max_seq_len={max_seq_len} "
+            f"needs {need / 1e9:.2f} GB ({layers} layers, {kv_heads} KV heads of {head_dim}, "
+            f"{str(kv_dtype).removeprefix('torch.')}), more than the {free / 1e9:.2f} GB free on "
+            f"{device}; lower max_seq_len or max_batch_size"
+        )
 
 
 class Runtime:
@@ -251,6 +272,8 @@ class Runtime:
             fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
             kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
+        if static_cache:  # before the layers take (and release) the model's weights
+            _check_cache_fits(config, max_batch_size, max_seq_len, kv_dtype, device)
         # fp8 KV pages' (k_scale, v_scale) per layer from the checkpoint (quantize.kv_cache_fp8;
         # None: it has none), read by the scheduler's fp8 paged cache
         self.kv_scales = kv_cache_scales(model)

@@ -59,7 +59,7 @@ def test_on_a_gpu_the_dequantized_copy_is_in_the_compute_dtype_and_sized_by_gpu_
     assert linear.scoring_dtype(torch.device("cuda", 0), torch.bfloat16) == torch.bfloat16
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (7, 9))
-    assert linear._available_memory_bytes(torch.device("cuda", 1)) == 7
+    assert linear.available_memory_bytes(torch.device("cuda", 1)) == 7
     assert asked == [torch.device("cuda", 1)]
 
     model = make_tiny_llama()
@@ -67,7 +67,7 @@ def test_on_a_gpu_the_dequantized_copy_is_in_the_compute_dtype_and_sized_by_gpu_
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     weights = sum(m.in_features * m.out_features for m in layers)
     free = {"bytes": 10 * weights}
-    monkeypatch.setattr(linear, "_available_memory_bytes", lambda device: free["bytes"])
+    monkeypatch.setattr(linear, "available_memory_bytes", lambda device: free["bytes"])
     with on_device(model, torch.device("meta"), torch.bfloat16):
         with dequantized_for_scoring(model) as held:
             held_weights = {(m._prepared["scoring_weight"].device.type,

@@ -630,3 +630,28 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
         else:  # within the bf16 roundings the plain path adds (0.8% of the largest, measured)
             torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
             assert packed.generate([prompt], 4) == plain.generate([prompt], 4)
+
+
+def test_a_static_cache_past_the_free_memory_is_refused_before_any_weight_is_taken(
+        monkeypatch):
+    """The cache is allocated and zeroed at once: past the free memory the allocator fails or
+    the kernel kills the process. The refusal comes first, names the sizes and the way out, and
+    leaves the model whole (the layers release its weights as they take them)."""
+    from compress.runtime import engine
+
+    model = make_tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # 2 layers x (k, v) x 4 rows x 2 KV heads x 1024 slots x 16 dims x 4 bytes = 2 MiB
+    need = 2 * 2 * 4 * 2 * 1024 * 16 * 4
+    assert (model.config.num_hidden_layers, model.config.num_key_value_heads,
+            model.config.hidden_size // model.config.num_attention_heads) == (2, 2, 16)
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"max_batch_size=4 x max_seq_len=1024 needs 0\.00 GB "
+                                         r".*lower max_seq_len or max_batch_size"):
+        Runtime(model, max_seq_len=1024, max_batch_size=4, compile=False,
+                kv_dtype=torch.float32)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda device: need)
+    runtime = Runtime(model, max_seq_len=1024, max_batch_size=4, compile=False,
+                      kv_dtype=torch.float32)
+    assert sum(t.numel() * t.element_size() for t in runtime.k_cache + runtime.v_cache) == need
