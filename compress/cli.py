@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.cli_flags import check_flags, check_generate_length
+from compress.cli_flags import check_flags, check_generate_length, reader_left, torch_threads
 from compress.core.errors import (
     DataError,
     KernelConstraintError,
@@ -294,7 +294,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ttft = stamps[0] - prepared_at
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
     print(f"{len(tokens)} tokens: first token {1000 * ttft:.0f} ms, then {rate:.1f} tokens/s "
-          f"(decode, batch 1, {_torch_threads()} threads)", file=sys.stderr)
+          f"(decode, batch 1, {torch_threads()} threads)", file=sys.stderr)
     return 0
 
 
@@ -359,7 +359,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RecipeError(f"serve: {exc}") from None
     name = args.served_model_name or args.model
     cache = scheduler.cache
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({_torch_threads()} threads, "
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({torch_threads()} threads, "
           f"float layers in {dtype}; "
           f"KV cache {cache.num_blocks} blocks of {cache.block_size} tokens, "
           f"{str(cache.dtype).removeprefix('torch.')}, {kv_memory / 1e9:.2f} GB; decode "
@@ -370,12 +370,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(Server(engine, loaded.tokenizer, name, max_model_len=args.max_model_len),
           host=args.host, port=args.port)
     return 0
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _lengths_arg(text: str):
@@ -788,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return reader_left()
     except KeyboardInterrupt:
         if args.command != "run":
             raise

@@ -7,6 +7,8 @@ runtime, a silently different evaluation or an allocation killed for memory. Onl
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from compress.core.errors import RecipeError
 
@@ -53,3 +55,17 @@ def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> None:
             f"generate: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
             f"exceeds the {limit} positions of {loaded.source} (config.json "
             "max_position_embeddings); lower --max-new-tokens")
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def reader_left() -> int:
+    """Exit status after the reader of stdout went away (``compress inspect | head``): the rest
+    of the output goes to /dev/null, so the flush at exit raises no second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a tool killed by the signal reports

@@ -73,3 +73,18 @@ def test_eval_of_a_text_it_cannot_score_is_a_data_error(content, message, plain,
     text.write_bytes(content)
     assert main(["eval", str(plain), "--dataset", str(text), "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(plain):
+    """``compress inspect | head``: the reader closes the pipe before the report is written.
+    The command exits 141 (a tool killed by SIGPIPE) with no traceback, whichever write or the
+    flush at exit meets the closed pipe."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "compress.cli", "inspect", str(plain)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the child has written anything
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
