@@ -191,6 +191,24 @@ class CheckpointReader:
         begin, stop = self._entries[name][1]["data_offsets"]
         return stop - begin
 
+    def same_values(self, first: str, second: str, chunk: int = 64 << 20) -> bool:
+        """Whether two stored tensors hold the same values: compared ``chunk`` bytes at a time
+        when both have one dtype and shape (an embedding and a head, 2 GB each at 70B), else
+        read whole and compared as float32."""
+        if self.shape(first) != self.shape(second):
+            return False
+        if self.dtype(first) != self.dtype(second):
+            return torch.equal(self.read(first).float(), self.read(second).float())
+        (start_a, entry_a), (start_b, entry_b) = self._entries[first], self._entries[second]
+        size = self.nbytes(first)
+        with open(self._where[first], "rb") as a, open(self._where[second], "rb") as b:
+            a.seek(start_a + entry_a["data_offsets"][0])
+            b.seek(start_b + entry_b["data_offsets"][0])
+            for _ in range(0, size, chunk):
+                if a.read(chunk) != b.read(chunk):
+                    return False
+        return True
+
     def read(
         self, name: str, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:

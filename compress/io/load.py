@@ -227,6 +227,12 @@ def load_model(
             ) from exc
         _refuse_partial_load(where, info)
         _refuse_non_finite(model, where)  # our own readers check what they read
+        config, head = model.config, model.get_output_embeddings()
+        if getattr(config, "tie_word_embeddings", False) and head is not None and \
+                head.weight is not model.get_input_embeddings().weight:
+            # transformers 5 kept a stored head whose values differ from the embedding's: say
+            # so in the config, which the export writes and streamed runs read (meta_skeleton)
+            config.tie_word_embeddings = False
     from compress.quant.linear import portable_cpu_layout
 
     portable_cpu_layout(model)  # bitsandbytes layers: same numerics on every CPU class (see there)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.arch import output_weight_key
 from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import (
@@ -39,6 +41,8 @@ from compress.io.checkpoint import (
     read_config_json,
 )
 from compress.memory import return_freed_memory
+
+log = logging.getLogger(__name__)
 
 # transformers 4's save_pretrained default; a 7B bf16 checkpoint is 3 shards
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -118,11 +122,43 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
         del config.quantization_config
     try:
         with no_weight_init(), parameters_on_meta():
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
+            if _unties_on_load(model, path):
+                config.tie_word_embeddings = False
+                model = AutoModelForCausalLM.from_config(config)
+            return model
     except (*_config_errors(), RuntimeError) as exc:
         raise ModelLoadError(
             f"{path}/config.json does not describe a model transformers can build ({exc}); fix it"
         ) from exc
+
+
+def _unties_on_load(model: nn.Module, path: str | os.PathLike[str]) -> bool:
+    """Whether a whole load (``from_pretrained``) leaves this tied model's head untied, so a
+    skeleton must too: transformers 5 keeps a stored head whose values differ from the
+    embedding's (and warns); transformers 4 ties it to the embedding whatever is stored."""
+    import transformers
+
+    if not getattr(model.config, "tie_word_embeddings", False) or \
+            int(transformers.__version__.split(".")[0]) < 5:
+        return False
+    head_key, embed = output_weight_key(model), model.get_input_embeddings()
+    embed_key = next((f"{n}.weight" for n, m in model.named_modules() if m is embed), None)
+    if head_key is None or embed_key is None:
+        return False
+    try:
+        reader = CheckpointReader(path)
+    except ModelLoadError:  # no weights, or broken ones: what reads them says so
+        return False
+    if head_key not in reader or embed_key not in reader:
+        return False
+    differs = not reader.same_values(head_key, embed_key)
+    if differs:
+        log.warning("%s: config.json ties the output head to the embedding, but the checkpoint "
+                    "stores a head with other values; it is used untied, as transformers' "
+                    "from_pretrained does (set tie_word_embeddings to false to silence this)",
+                    path)
+    return differs
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:

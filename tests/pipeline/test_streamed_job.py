@@ -404,3 +404,54 @@ def test_preflight_estimate_tracks_the_measured_peaks_from_7b_to_70b_widths(shap
         peaks.append(estimate(recipe, None, streamed=True, skeleton=skeleton)["peak_bytes"])
     assert peaks[0] == peaks[1]
     assert 0.97 <= peaks[0] / MEASURED_PEAKS[shape, name] <= 1.25, peaks[0]
+
+
+def test_a_tied_config_over_a_head_of_its_own_reads_that_head_everywhere(tmp_path, monkeypatch,
+                                                                         one_thread):
+    """config.json ties the head to the embedding but the checkpoint stores a head with other
+    values: transformers 5's from_pretrained keeps the stored head (4 ties it). The in-memory
+    job, the streamed job and layer-by-layer reading all take the head a whole load takes, and
+    an untied head is exported with ``tie_word_embeddings: false`` (every loader reads it)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from compress.eval.quality import perplexity
+    from compress.io.export import layerwise_model
+    from compress.io.load import load_model
+
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "ck"
+    make_tiny_llama(num_hidden_layers=3).to(torch.bfloat16).save_pretrained(folder)
+    make_char_tokenizer().save_pretrained(folder)
+    (tmp_path / "text.txt").write_text(TEXT)
+    stored = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in stored and json.loads(
+        (folder / "config.json").read_text())["tie_word_embeddings"]
+    head = torch.randn_like(stored["model.embed_tokens.weight"])
+    save_file({**stored, "lm_head.weight": head}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    untied = whole.lm_head.weight is not whole.model.embed_tokens.weight
+    expected = head if untied else stored["model.embed_tokens.weight"]
+    assert torch.equal(whole.lm_head.weight, expected)
+
+    stream = layerwise_model(folder)
+    assert stream.model.config.tie_word_embeddings == (not untied)
+    scores = [perplexity(model, make_char_tokenizer(), TEXT, context_length=32, limit=3,
+                         progress=False, state_dir=tmp_path / name, stream=stream)
+              for name, model, stream in (("whole", load_model(str(folder)).model, None),
+                                          ("layers", stream.model, stream))]
+    assert scores[0].nll_mean == scores[1].nll_mean
+    recipe = _recipe(tmp_path, PASSES["int4_rtn"])
+    for mode in ("mem", "stream"):
+        run_job(recipe, model=str(folder), out_dir=tmp_path / mode, stream=mode == "stream",
+                progress=False)
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and ("lm_head.weight" in a) == untied
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for mode in ("mem", "stream"):
+        config = json.loads((tmp_path / mode / "config.json").read_text())
+        assert config["tie_word_embeddings"] == (not untied), mode
+    if untied:
+        assert torch.equal(a["lm_head.weight"], head)
