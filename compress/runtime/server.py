@@ -317,6 +317,10 @@ class Server:
 
     # ---- serving ---------------------------------------------------------------------------
     async def _serve(self, body: _Request, prompts: list[list[int]], request, *, chat: bool):
+        if body.model is not None and body.model != self.model_name:
+            # as OpenAI and vLLM answer: a client that names another model gets no other's text
+            return _error(404, f"the model {body.model!r} does not exist; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", "model", "NotFoundError")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []

@@ -201,3 +201,22 @@ def test_after_every_malformed_request_the_answers_stay_right(served):
         post(running, path, body)
     assert_alive_and_correct(running, runtime, tokenizer)
     assert running.stats()["running"] == 0 and running.stats()["kv_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    (C, {"prompt": [1, 40, 50], "max_tokens": 4, "temperature": 0, "ignore_eos": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}),
+])
+def test_a_request_for_another_model_is_a_404_naming_the_served_one(served, path, body):
+    """OpenAI and vLLM answer a model name they do not serve with a 404; the served name, or
+    none, is answered."""
+    running, _, _ = served
+    status, reply = post(running, path, {**body, "model": "other-model"})
+    assert status == 404, reply
+    error = reply["error"]
+    assert (error["param"], error["code"]) == ("model", 404)
+    assert "'other-model' does not exist; this server serves 'tiny'" in error["message"]
+    for named in ({"model": "tiny"}, {}):
+        status, reply = post(running, path, {**body, **named})
+        assert status == 200 and reply["choices"][0]["finish_reason"] == "length", reply
