@@ -250,8 +250,8 @@ NEMOTRON = _not_gated(
 )
 
 # OPT (the GPTQ/SmoothQuant papers' family, vLLM's test model): LayerNorms with biases, learned
-# absolute positions (no rotary module: the runtime falls back to transformers), q/k/v and
-# out_proj, a relu MLP not gated of fc1/fc2 directly in the layer.
+# absolute positions added to the embedding (no rotary module), q/k/v and out_proj, a relu MLP
+# not gated of fc1/fc2 directly in the layer, no GQA.
 OPT = _not_gated(
     dataclasses.replace(
         LLAMA,
@@ -273,16 +273,18 @@ OPT = _not_gated(
     "fc1",
     "fc2",
     norm_kind="layer",
-    runtime=False,
+    runtime=True,
     mlp_width_key="ffn_dim",
+    kv_heads_key=None,
+    positions="model.decoder.embed_positions",
     variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),),
 )
 
 # GPT-NeoX (Pythia): LayerNorms with biases, a fused query_key_value whose rows are per head,
 # a gelu MLP not gated, partial RoPE, attention and MLP on their own norms (in parallel where
 # use_parallel_residual); its checkpoints name the head embed_out (transformers renames it
-# lm_head on load, so a streamed job refuses them and runs in memory). Passes only: the runtime
-# falls back.
+# lm_head on load, so a streamed job refuses them and runs in memory). The runtime splits the
+# fused output per head (Arch.qkv_per_head: every head has its own k and v, no GQA).
 _PER_HEAD_QKV = (
     "query_key_value's v rows are interleaved with q and k per head, so no scale folds from "
     "them into attention.dense"
@@ -318,8 +320,9 @@ GPT_NEOX = dataclasses.replace(
         ScaleGap(("mlp.dense_4h_to_h",), "the MLP is not gated: dense_4h_to_h reads "
                  "act(dense_h_to_4h(x)), and a per-channel scale does not pass the activation"),
     ),
-    runtime=False,
+    runtime=True,
     qkv_per_head=True,
+    kv_heads_key=None,
 )
 
 # Parallel blocks (Arch.parallel): x + attn(n(x)) + mlp(n(x)), one LayerNorm. Cohere: Llama's
@@ -487,4 +490,16 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen3_moe": _LLAMA_RT,
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
     "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
+    # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms
+    "gpt_neox": RuntimeSpec(norm_eps_key="layer_norm_eps",
+                            parallel_residual_key="use_parallel_residual"),
+    # learned positions (Arch.positions) from row 2; OPT-350m's norms after the blocks and its
+    # projection in and out of a narrower embedding fall back
+    "opt": RuntimeSpec(
+        activation_key="activation_function",
+        norm_eps_key="layer_norm_eps",
+        position_offset=2,
+        required_flags=("do_layer_norm_before", "layer_norm_elementwise_affine"),
+        hidden_size_keys=("word_embed_proj_dim",),
+    ),
 }

@@ -131,6 +131,12 @@ class Arch:
     # the fused qkv linear's rows are per head ([q_h; k_h; v_h] for each head h, GPT-NeoX), not
     # [q; k; v]: no v-rows fold, and prune.attention_heads refuses it
     qkv_per_head: bool = False
+    # config attribute with the KV heads per layer (GQA); None: every query head has its own
+    # k and v (GPT-NeoX, OPT: a num_key_value_heads in their configs is not read)
+    kv_heads_key: str | None = "num_key_value_heads"
+    # learned absolute position embedding added to the token embedding (OPT), model-level path;
+    # "" for none (then ``rotary`` rotates q/k, or nothing does where it is "" too)
+    positions: str = ""
 
     @property
     def layer_prefix(self) -> str:
@@ -192,6 +198,16 @@ class RuntimeSpec:
     # the rotary module's tables repeat each angle twice in a row ([f0, f0, f1, f1, ...],
     # Cohere) rather than cat(f, f)
     rope_table_interleaved: bool = False
+    # config attribute that, true, makes the blocks parallel (GPT-NeoX's use_parallel_residual:
+    # x + attn(n1(x)) + mlp(n2(x)), each block on its own norm of the same x)
+    parallel_residual_key: str | None = None
+    # the learned position embedding's row of position 0 (Arch.positions; OPT's offset 2)
+    position_offset: int = 0
+    # config attributes that must be true (else a variant the runtime does not run: OPT-350m's
+    # norms after the blocks), and ones that must equal hidden_size (OPT's word_embed_proj_dim:
+    # otherwise a projection into and out of the stack)
+    required_flags: tuple[str, ...] = ()
+    hidden_size_keys: tuple[str, ...] = ()
     # config attributes that, set, describe a variant the runtime does not run (then it falls
     # back to transformers): StableLM's parallel residual and per-head q/k LayerNorms
     unsupported_flags: tuple[str, ...] = ()

@@ -412,10 +412,12 @@ def summarize(timings: list[RequestTiming], duration_s: float, slo: Slo) -> dict
 # ---- resources and roofline ---------------------------------------------------------------
 def kv_bytes_per_token(model: nn.Module) -> int:
     """K and V bytes one token adds to the cache: 2 * layers * kv_heads * head_dim * dtype."""
+    from compress.arch import ARCHS
+    from compress.runtime.families import head_dim_of_config, kv_heads_of
+
     cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    arch = ARCHS.get(getattr(cfg, "model_type", None), ARCHS["llama"])
+    kv_heads, head_dim = kv_heads_of(cfg, arch), head_dim_of_config(cfg)
     elem = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
 

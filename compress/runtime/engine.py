@@ -1,6 +1,6 @@
 """Generation runtime for decoder-only models (plain or with our QuantLinear layers): Llama and
-the families whose arithmetic ``compress.arch.RUNTIME_SPECS`` describes (Qwen2/3, Mistral,
-Granite, Gemma 2/3 text: q/k norms, post-norms, multipliers, softcaps, sliding windows).
+the families whose arithmetic ``compress.arch.RUNTIME_SPECS`` describes (q/k norms, post-norms,
+multipliers, softcaps, sliding windows, LayerNorms, parallel blocks, learned positions).
 
 The idea is gpt-fast's: a pre-allocated static KV cache, a decode step whose shapes never
 change (so it compiles once), and a plain Python loop around it instead of ``generate()``.
@@ -54,6 +54,8 @@ from compress.quant.linear import QuantLinear
 from compress.runtime.families import (
     config_unsupported_reason,
     embed_factor,
+    head_dim_of_config,
+    kv_heads_of,
     rope_tables,
     window_mask,
 )
@@ -98,7 +100,8 @@ def _decode_step(runtime: Runtime, tokens, positions, mask, slots, b: int, lengt
     """One whole decode step, token ids [B, 1] to next-token logits [B, V] fp32: embedding, every
     layer (writing its cache slot) and the head. Compiled as one graph (``compile="step"``), a
     token costs one compiled-region entry and one guard check instead of one per layer."""
-    x = runtime._apply(_call_layer, runtime._embed(tokens), positions, mask, slots, b, length, True)
+    x = runtime._embed(tokens, positions)
+    x = runtime._apply(_call_layer, x, positions, mask, slots, b, length, True)
     return runtime.head(x[:, -1])
 
 
@@ -132,15 +135,12 @@ def _bucket(n: int, cap: int) -> int:
     return min(max(16, 1 << (n - 1).bit_length()), cap)
 
 
-def _check_cache_fits(config, max_batch_size: int, max_seq_len: int, kv_dtype: torch.dtype,
-                      device: torch.device) -> None:
+def _check_cache_fits(config, arch, max_batch_size: int, max_seq_len: int,
+                      kv_dtype: torch.dtype, device: torch.device) -> None:
     """Refuse a static KV cache larger than the free memory where it goes: allocated and
     zeroed at once, it would fail in the allocator or get the process killed for memory."""
-    heads = getattr(config, "num_attention_heads", 0) or 0
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (
-        getattr(config, "hidden_size", 0) // heads if heads else 0)
-    layers = getattr(config, "num_hidden_layers", 0) or 0
+    kv_heads, head_dim = kv_heads_of(config, arch), head_dim_of_config(config)
+    layers = config.num_hidden_layers
     need = 2 * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
     free = available_memory_bytes(device)
     if free is not None and need > free:  # a ValueError that the CLI prints as a user's error
@@ -272,8 +272,6 @@ class Runtime:
             fp32_prefill = device.type == "cpu" and prefill_dtype == torch.float32
             kv_dtype = torch.float32 if fp32_prefill else decode_dtype
         self.kv_dtype = kv_dtype
-        if static_cache:  # before the layers take (and release) the model's weights
-            _check_cache_fits(config, max_batch_size, max_seq_len, kv_dtype, device)
         # fp8 KV pages' (k_scale, v_scale) per layer from the checkpoint (quantize.kv_cache_fp8;
         # None: it has none), read by the scheduler's fp8 paged cache
         self.kv_scales = kv_cache_scales(model)
@@ -294,6 +292,15 @@ class Runtime:
         notes: list[str] = []
         arch = arch_for(model, "compress runtime")
         spec = RUNTIME_SPECS[arch.model_type]
+        # learned absolute positions (OPT): a table whose rows from ``offset`` on are positions
+        positions = model.get_submodule(arch.positions).weight if arch.positions else None
+        offset = spec.position_offset
+        if positions is not None and max_seq_len + offset > positions.shape[0]:
+            raise ConfigError(  # before the layers take (and release) the model's weights
+                f"max_seq_len={max_seq_len}: this model has learned positions for "
+                f"{positions.shape[0] - offset} tokens; lower max_seq_len")
+        if static_cache:  # before the layers take (and release) the model's weights
+            _check_cache_fits(config, arch, max_batch_size, max_seq_len, kv_dtype, device)
         with torch.no_grad():
             self.layers = nn.ModuleList()
             for i, layer in enumerate(decoder_layers(model, "compress runtime")):
@@ -321,6 +328,7 @@ class Runtime:
                 release=not keep_model_weights,
             )  # fmt: skip
             self.embed, self.embed_dtype = embed.detach(), w_dtype
+            self.position_table = None if positions is None else positions.detach()[offset:]
             self.embed_factor = embed_factor(config, arch, spec, w_dtype)
             self.rope = rope_tables(model, arch, spec, max_seq_len)
         # layers (lm_head included) that decode through our integer-dot kernels
@@ -530,7 +538,7 @@ class Runtime:
                 self.position = start + t
                 return self._decode(ids, slots[None], mask, 1, length).clone()
             else:  # eager: a k-token decode step is another shape than the compiled one
-                x = self._embed(ids)
+                x = self._embed(ids, slots[None])
                 x = self._apply(_call_layer, x, slots[None], mask, slots, 1, length, True)
         self.position = start + t
         return self.head(x[0])
@@ -659,7 +667,7 @@ class Runtime:
         self, tokens, positions, mask, slots, b: int, length: int, *, decode: bool
     ) -> torch.Tensor:
         fn = self._decode_fn if decode else self._prefill_fn
-        x = self._embed(tokens)  # [B, T, H]
+        x = self._embed(tokens, positions)  # [B, T, H]
         try:
             return self._apply(fn, x, positions, mask, slots, b, length, decode)
         except Exception as exc:  # noqa: BLE001  (any compiler failure: warn once, run eager)
@@ -669,11 +677,15 @@ class Runtime:
             # Re-running is safe: each layer rewrites the same cache slots from the same input.
             return self._apply(_call_layer, x, positions, mask, slots, b, length, decode)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Embeddings [B, T, H] fp32, scaled in the model dtype where the family scales."""
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, T, H] fp32 of tokens [B, T] at positions [B, T], scaled in the model
+        dtype where the family scales, plus the learned position's row where it has them
+        (added in the model dtype, as transformers adds them)."""
         x = self.embed[tokens].to(self.embed_dtype)
         if self.embed_factor is not None:
             x = x * self.embed_factor
+        if self.position_table is not None:
+            x = x + self.position_table[positions].to(self.embed_dtype)
         return x.float()
 
     def _apply(self, fn, x, positions, mask, slots, b: int, length: int, decode: bool):

@@ -46,10 +46,19 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention=True (the runtime's attention is causal)"
+    variant = "(a variant of the family the runtime does not run)"
+    for flag in spec.required_flags:
+        if not getattr(config, flag, True):
+            return f"{flag}={getattr(config, flag)!r} {variant}"
+    for key in spec.hidden_size_keys:
+        value = getattr(config, key, None)
+        if value is not None and value != config.hidden_size:
+            return (f"{key}={value} differs from hidden_size={config.hidden_size} (a projection "
+                    "into and out of the decoder stack, which the runtime does not run)")
     for flag in spec.unsupported_flags:
         if getattr(config, flag, False):
             value = getattr(config, flag)
-            return f"{flag}={value!r} (a variant of the family the runtime does not run)"
+            return f"{flag}={value!r} {variant}"
     return None
 
 
@@ -102,9 +111,12 @@ def embed_factor(
 NO_ROPE = "no_rope"  # the rope key of a layer whose q/k are not rotated (SmolLM3's NoPE)
 
 
-def layer_rope_key(config, spec: RuntimeSpec, i: int) -> str | None:
-    """Which rope table layer ``i`` takes: ``NO_ROPE``, its layer type where each type has its
-    own base (Gemma 3's local vs global), else None (the model's one table)."""
+def layer_rope_key(config, arch: Arch, spec: RuntimeSpec, i: int) -> str | None:
+    """Which rope table layer ``i`` takes: ``NO_ROPE`` (every layer of a family without a
+    rotary module: OPT), its layer type where each type has its own base (Gemma 3's local vs
+    global), else None (the model's one table)."""
+    if not arch.rotary:
+        return NO_ROPE
     if spec.rope_layers is not None and not getattr(config, spec.rope_layers)[i]:
         return NO_ROPE
     sliding = getattr(config, "sliding_window", None) is not None
@@ -115,6 +127,15 @@ def layer_rope_key(config, spec: RuntimeSpec, i: int) -> str | None:
 
 def head_dim_of_config(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads_of(config, arch: Arch) -> int:
+    """Key/value heads per layer: the config's ``Arch.kv_heads_key`` (unset: as many as query
+    heads); every head's own where the family has no GQA (GPT-NeoX, OPT: a
+    ``num_key_value_heads`` in their configs is not read by their modeling)."""
+    heads = config.num_attention_heads
+    key = arch.kv_heads_key
+    return (getattr(config, key, None) if key else None) or heads
 
 
 def rotary_dim(config) -> int:
@@ -150,19 +171,19 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
     ``NO_ROPE``'s table is cos 1, sin 0: rotating by it returns q and k exactly. A module's
     table over ``r < D`` channels (partial RoPE) is laid out for ``rope_permutation``: its
     pair ``i`` at slots ``i`` and ``D/2 + i``, cos 1 and sin 0 on the other slots."""
-    rotary = model.get_submodule(arch.rotary)
     device = model.get_input_embeddings().weight.device
     pos = torch.arange(max_seq_len, device=device)[None]
     x = torch.zeros(1, device=device)
     config = model.config
     d, r = head_dim_of_config(config), rotary_dim(config)
-    keys = {layer_rope_key(config, spec, i) for i in range(config.num_hidden_layers)}
+    keys = {layer_rope_key(config, arch, spec, i) for i in range(config.num_hidden_layers)}
     tables = {}
     for key in keys:
         if key == NO_ROPE:
             ones = torch.ones(max_seq_len, d, device=device)
             tables[key] = (ones, torch.zeros_like(ones))
             continue
+        rotary = model.get_submodule(arch.rotary)
         cos, sin = rotary(x, pos) if key is None else rotary(x, pos, key)
         cos, sin = cos[0].float(), sin[0].float()
         if spec.rope_table_interleaved:  # [f0, f0, f1, f1, ...] -> cat(f, f)

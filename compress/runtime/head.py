@@ -12,7 +12,7 @@ from compress.arch import Arch, RuntimeSpec
 from compress.quant.linear import QuantLinear
 from compress.runtime.families import config_value
 from compress.runtime.layers import LM_HEAD_SCHEMES, _convert_linear, _IntKernels
-from compress.runtime.norms import _norm, _norm_bias, _norm_weight
+from compress.runtime.norms import _norm, _norm_bias, _norm_eps, _norm_weight
 
 
 class _Head(nn.Module):
@@ -32,7 +32,7 @@ class _Head(nn.Module):
         final_norm = model.get_submodule(arch.final_norm)
         self.norm = _norm_weight(final_norm, arch.norm_form)
         self.norm_bias, self.centered = _norm_bias(final_norm), arch.norm_kind == "layer"
-        self.eps = float(getattr(model.config, spec.norm_eps_key))
+        self.eps = _norm_eps(model.config, spec.norm_eps_key, final_norm)
         self.divisor = config_value(model.config, spec.logits_divisor)
         self.multiplier = config_value(model.config, spec.logits_multiplier)
         self.softcap = config_value(model.config, spec.final_softcap)

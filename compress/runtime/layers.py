@@ -37,12 +37,13 @@ from compress.runtime.families import (
     ACTIVATIONS,
     config_value,
     head_dim_of_config,
+    kv_heads_of,
     layer_rope_key,
     layer_window,
     rope_permutation,
     softcapped_attention,
 )
-from compress.runtime.norms import _norm, _norm_bias, _norm_weight, _rms_norm
+from compress.runtime.norms import _norm, _norm_bias, _norm_eps, _norm_weight, _rms_norm
 
 LM_HEAD_SCHEMES = {4: WeightScheme(4, 32, True), 8: WeightScheme(8, None, True)}  # RTN
 
@@ -529,18 +530,23 @@ class _Layer(nn.Module):
         release: bool = False,
     ):
         super().__init__()
-        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.n_heads, self.n_kv = config.num_attention_heads, kv_heads_of(config, arch)
+        # the fused qkv output is [q_h; k_h; v_h] per head (GPT-NeoX), not [q; k; v]
+        self.qkv_per_head = arch.qkv_per_head
         self.head_dim = head_dim_of_config(config)
-        self.eps = float(getattr(config, spec.norm_eps_key))
+        self.eps = _norm_eps(config, spec.norm_eps_key, layer.get_submodule(
+            arch.attn_norm or arch.post_norms[0]))
         # LayerNorm families (Arch.norm_kind): mean-centred norms with biases, through torch's
         # ops (the fused CPU ops are RMSNorms)
         self.centered = arch.norm_kind == "layer"
-        # Phi, Cohere: attention and MLP read the same normed input, added to x together
-        self.parallel = arch.parallel
+        # Phi, Cohere: attention and MLP read the same normed input, added to x together;
+        # GPT-NeoX (its config says): each reads its own norm of the same x
+        self.parallel = arch.parallel or bool(
+            spec.parallel_residual_key and getattr(config, spec.parallel_residual_key, False))
         self.scale = float(layer.get_submodule(arch.attention).scaling)
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
         self.window = layer_window(config, i)
-        self.rope_key = layer_rope_key(config, spec, i)
+        self.rope_key = layer_rope_key(config, arch, spec, i)
         self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
         # Eager CPU runtimes set this: norms, RoPE and SiLU x up through the fused ops of
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
@@ -666,7 +672,9 @@ class _Layer(nn.Module):
             return self._project_qkv_fused(x, cos, sin, decode)
         h = x if self.norm_in is None else _norm(
             x, self.norm_in, self.eps, self.norm_in_bias, self.centered)  # fmt: skip
-        if self.qkv is not None:
+        if self.qkv is not None and self.qkv_per_head:  # [B, T, heads, 3, D]: q, k, v per head
+            q, k, v = self.qkv(h, decode).view(b, t, self.n_heads, 3, self.head_dim).unbind(3)
+        elif self.qkv is not None:
             kv_width = self.n_kv * self.head_dim
             q, k, v = self.qkv(h, decode).split([self.qkv.n - 2 * kv_width, kv_width, kv_width], -1)
         else:
@@ -727,8 +735,10 @@ class _Layer(nn.Module):
     def finish(self, x, a, decode: bool) -> torch.Tensor:
         """The rest of the layer after attention ``a`` [B, T, heads * D]: output projection,
         residual, MLP (or the sparse block), residual -> [B, T, H] fp32."""
-        if self.parallel:  # the MLP reads the attention's input norm, not the new residual
-            h = _norm(x, self.norm_in, self.eps, self.norm_in_bias, self.centered)
+        if self.parallel:  # the MLP reads a norm of the block's input, not the new residual
+            own = self.norm_post is not None  # GPT-NeoX: its own norm; Phi, Cohere: attention's
+            h = _norm(x, self.norm_post if own else self.norm_in, self.eps,
+                      self.norm_post_bias if own else self.norm_in_bias, self.centered)
             return x + self._block_out(self.o(a, decode), None) + self._block_out(
                 self._mlp(h, decode), None)  # fmt: skip
         if self.fused and not self.centered and self.gate_up is not None and self.act is F.silu:

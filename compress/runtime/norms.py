@@ -33,3 +33,14 @@ def _norm_weight(norm: nn.Module, form: NormForm) -> nn.Buffer:
     """The norm's multiplier in fp32: ``w``, or ``1 + w`` (Gemma, which adds in fp32 too)."""
     w = norm.weight.detach().float()
     return nn.Buffer(w if form == "w" else 1.0 + w, persistent=False)
+
+
+def _norm_eps(config, key: str, norm: nn.Module | None) -> float:
+    """Every norm's epsilon: the config's ``key``, else the norm module's own (OPT's configs
+    carry none: its LayerNorms keep torch's default)."""
+    value = getattr(config, key, None)
+    if value is None and norm is not None:
+        value = getattr(norm, "eps", None)
+    if value is None:
+        raise ValueError(f"compress runtime: the config has no {key} and the norms no eps")
+    return float(value)

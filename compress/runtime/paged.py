@@ -244,7 +244,7 @@ def forward_step(
             for s, p in zip(chunks, positions[b:].split(sizes), strict=True)]
         for w in windows
     }  # fmt: skip
-    x = runtime._embed(ids[None])  # [1, N, H]
+    x = runtime._embed(ids[None], positions[None])  # [1, N, H]
     for i, layer in enumerate(runtime.layers):
         cos, sin = ropes[layer.rope_key]
         q, k, v = layer.project_qkv(x, cos, sin, bool(decode))  # [1, heads, N, D]

@@ -87,6 +87,14 @@ FAMILIES = {
     "qwen3_moe": dict(),
     "qwen2_moe": dict(),  # ... with a shared expert (gated by sigmoid)
     "olmoe": dict(),  # ... with q/k norms over all heads
+    # GPT-NeoX: q/k/v fused per head, RoPE on a quarter of each head, LayerNorms with biases,
+    # attention and MLP in parallel on norms of their own (or one after the other), no GQA
+    # (a num_key_value_heads in its config is not read)
+    "gpt_neox": dict(tie_word_embeddings=False),
+    "gpt_neox_sequential": dict(use_parallel_residual=False, tie_word_embeddings=False),
+    # OPT: learned absolute positions added to the embedding (from row 2), no RoPE, LayerNorms,
+    # relu MLP not gated, biases everywhere, no GQA
+    "opt": dict(),
     "gemma3_text": dict(
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
@@ -97,7 +105,8 @@ FAMILIES = {
 
 
 # a FAMILIES key that is a configuration of another model_type
-VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense", "qwen2_gelu": "qwen2"}
+VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense", "qwen2_gelu": "qwen2",
+            "gpt_neox_sequential": "gpt_neox"}
 
 
 def arch_of(family: str):
@@ -326,6 +335,9 @@ def test_compiled_decode_step_equals_transformers_gemma3():
         ("stablelm", dict(use_parallel_residual=True), "use_parallel_residual=True"),
         ("stablelm", dict(qk_layernorm=True), "qk_layernorm=True"),
         ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
+        # OPT-350m: norms after the blocks, a 512-wide embedding projected to 1024
+        ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=False"),
+        ("opt", dict(word_embed_proj_dim=32), "word_embed_proj_dim=32 differs from hidden_size"),
         (
             "gemma3_text",  # a per-layer-type rope: the global layers' type is checked too
             dict(
@@ -344,7 +356,8 @@ def test_compiled_decode_step_equals_transformers_gemma3():
         ),
     ],
     ids=["activation", "bidirectional", "parallel-residual", "qk-layernorm", "clip-qkv",
-         "dynamic-rope", "dynamic-rope-with-alpha"],  # fmt: skip
+         "norms-after-blocks", "embedding-projection", "dynamic-rope",
+         "dynamic-rope-with-alpha"],  # fmt: skip
 )
 def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, overrides, match):
     model = make_model(family, **overrides)
@@ -354,19 +367,20 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
     assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
 
 
-@pytest.mark.parametrize("family", [t for t, a in ARCHS.items() if not a.runtime])
-def test_a_family_the_runtime_does_not_implement_falls_back_saying_so(family):
-    # OPT (learned positions) and GPT-NeoX (q/k/v fused per head): passes only
-    model = make_tiny_model(family)
-    model.config._attn_implementation = "eager"
+def test_a_family_the_runtime_does_not_implement_falls_back_saying_so(monkeypatch):
+    # every family compress.arch names runs today: one made passes-only (runtime=False)
+    import dataclasses
+
+    monkeypatch.setitem(ARCHS, "opt", dataclasses.replace(ARCHS["opt"], runtime=False))
+    model = make_model("opt")
     assert "is not implemented by this runtime" in unsupported_reason(model)
-    with pytest.warns(RuntimeWarning, match=f"model_type '{family}' is not implemented"):
+    with pytest.warns(RuntimeWarning, match="model_type 'opt' is not implemented"):
         rt = Runtime(model, max_seq_len=48)
     assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
 
 
 def test_a_family_without_runtime_facts_falls_back_by_model_type(monkeypatch):
-    # a family whose Arch lacks runtime=True (OPT and GPT-NeoX today): Qwen3 made so
+    # a family whose Arch lacks runtime=True (OPT today): Qwen3 made so
     from compress.runtime import engine
 
     supported = tuple(t for t in engine.SUPPORTED_MODEL_TYPES if t != "qwen3")
@@ -382,3 +396,16 @@ def test_runtime_families_have_runtime_facts():
     # A family flagged runtime=True needs its RuntimeSpec, and a spec is only worth having
     # for a family the runtime runs (catches an arch/families.py merge that loses either side).
     assert set(runtime_model_types()) == set(RUNTIME_SPECS)
+
+
+def test_learned_positions_bound_the_cache_length():
+    """OPT's position table has max_position_embeddings rows past its offset of 2: a cache
+    longer than that is refused before any weight is taken, and the last position is read."""
+    model = make_model("opt", max_position_embeddings=24)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="learned positions for 24 tokens; lower max_seq_len"):
+        Runtime(model, max_seq_len=25, compile=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    rt = Runtime(model, max_seq_len=24, compile=False, decode_dtype=torch.float32)
+    prompt = PROMPTS[0] + PROMPTS[2]  # 16 tokens + 8 new: position 23 is the last
+    assert rt.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]
