@@ -10,6 +10,7 @@ is a ``ModelLoadError`` of one line naming the file, the tensor and the fix. Str
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
@@ -174,6 +175,15 @@ class CheckpointReader:
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def renamed(self, aliases: dict[str, str]) -> CheckpointReader:
+        """This reader with the tensors stored as ``aliases``' values read under their keys
+        (a checkpoint's legacy names under the module tree's), the others as they are."""
+        other = copy.copy(self)
+        stored_as = {stored: name for name, stored in aliases.items()}
+        other._where = {stored_as.get(n, n): f for n, f in self._where.items()}
+        other._entries = {stored_as.get(n, n): e for n, e in self._entries.items()}
+        return other
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

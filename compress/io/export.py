@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections import defaultdict
@@ -88,12 +89,18 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
     rename = checkpoint_renamer(model)
     plain_linears = [rename(n) for n in moe_float_linears(model)]  # routers, float experts
+
+    def names(name: str) -> list[str]:
+        # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
+        # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other
+        return [rename(name)] if _moe_arch(model) is not None else sorted({name, rename(name)})
+
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             # W8A8 layers also quantize their inputs: a separate group
-            by_scheme[(module.scheme, hasattr(module, "input_activations"))].append(rename(name))
+            by_scheme[(module.scheme, hasattr(module, "input_activations"))] += names(name)
         elif isinstance(module, nn.Linear):
-            plain_linears.append(rename(name))
+            plain_linears += names(name)
     kv_scheme = dict(KV_CACHE_SCHEME) if has_kv_scales(model) else None
     if not by_scheme and kv_scheme is None:
         return None
@@ -143,11 +150,24 @@ def _moe_arch(model: nn.Module) -> Arch | None:
 
 
 def checkpoint_renamer(model: nn.Module):
-    """``name -> checkpoint name``: the MoE block's name as checkpoints (vLLM, the hub) spell
-    it (Mixtral: ``block_sparse_moe``; transformers 5 renames it back on load); identity for
-    other families."""
+    """``name -> checkpoint name`` (a tensor's or a module's): the MoE block's name as
+    checkpoints (vLLM, the hub) spell it (Mixtral: ``block_sparse_moe``; transformers 5 renames
+    it back on load); for other families the names ``save_pretrained`` writes
+    (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints, which
+    transformers 4 and vLLM read), else the name itself."""
+    from compress.io.stream import transformers_renamings
+
     arch = _moe_arch(model)
-    if arch is None or arch.moe is None or arch.moe.block == arch.moe.checkpoint_block:
+    if arch is None or arch.moe is None:
+        renamings = transformers_renamings(model, to_checkpoint=True)
+
+        def rename_dense(name: str) -> str:
+            for source, target in renamings:  # on name + ".": patterns end in a dot
+                name = re.sub(source, target, name + ".")[:-1]
+            return name
+
+        return rename_dense if renamings else (lambda name: name)
+    if arch.moe.block == arch.moe.checkpoint_block:
         return lambda name: name
     old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
 
@@ -247,12 +267,12 @@ class StreamedExport:
     """The export of a ``compress.io.stream.StreamedModel`` into shards as its layers finish:
     call it with ``(prefix, module)`` for each finished module (the stream's ``sink``), then
     ``finish`` writes every tensor not written yet (from memory, the stream's scratch or the
-    source checkpoint), the shard index and ``config.json``. Families whose checkpoint names
-    differ from the module tree (MoE) are not streamed (``compress.pipeline``), so names are
-    written as they are. A model holding bitsandbytes layers gets the tensors and config
-    ``save_pretrained`` writes in memory (its state_dict's names, layouts and dtypes; ``dtype``
-    must then be its compute dtype, as that export keeps it) and bitsandbytes' own
-    ``quantization_config``."""
+    source checkpoint), the shard index and ``config.json``. MoE families, whose checkpoints
+    regroup the experts, are not streamed (``compress.pipeline``); names are written as
+    ``save_pretrained`` writes them (``checkpoint_renamer``). A model holding bitsandbytes
+    layers gets the tensors and config ``save_pretrained`` writes in memory (its state_dict's
+    names, layouts and dtypes; ``dtype`` must then be its compute dtype, as that export keeps
+    it) and bitsandbytes' own ``quantization_config``."""
 
     def __init__(self, model: nn.Module, directory: Path, dtype: str,
                  max_shard_size: int | str) -> None:
@@ -261,7 +281,8 @@ class StreamedExport:
         self.model, self.directory, self.dtype_name = model, Path(directory), dtype
         self.dtype = DTYPES[dtype]
         self.writer = ShardWriter(self.directory, max_shard_size)
-        self.written: set[str] = set()
+        self.written: set[str] = set()  # module-tree names
+        self.rename = checkpoint_renamer(model)  # -> the names checkpoints of it use
 
     @property
     def head_key(self) -> str | None:
@@ -272,7 +293,7 @@ class StreamedExport:
     def _add(self, name: str, tensor: torch.Tensor) -> None:
         if name == self.head_key or name in self.written:
             return
-        self.writer.add(name, export_tensor(name, tensor, self.dtype))
+        self.writer.add(self.rename(name), export_tensor(name, tensor, self.dtype))
         self.written.add(name)
 
     def __call__(self, prefix: str, module: nn.Module) -> None:
@@ -646,14 +667,14 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype,
               backend: str) -> nn.Module | None:
     """The meta skeleton with the quantized layers swapped in; None for an MoE model (its
     experts are renamed and regrouped, so it is read whole)."""
-    from compress.io.stream import CheckpointReader, meta_skeleton
+    from compress.io.stream import CheckpointReader, meta_skeleton, under_model_names
 
     model = meta_skeleton(path)
     if _moe_arch(model) is not None:
         return None
     if quant.get("kv_cache_scheme"):
         add_kv_scale_buffers(model)  # read below like every other tensor
-    reader = CheckpointReader(path)
+    reader = under_model_names(model, CheckpointReader(path))
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
                            path, dtype, backend)
     return model
@@ -670,6 +691,7 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         StreamedModel,
         expected_tensors,
         meta_skeleton,
+        under_model_names,
         verify_checkpoint,
     )
 
@@ -678,7 +700,7 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
-    reader = CheckpointReader(path)
+    reader = under_model_names(skeleton, CheckpointReader(path))
     # what load_model refuses, refused here too: scored layer by layer, a config with fewer
     # layers than the weights would silently be a smaller model
     names, stored = set(expected_tensors(skeleton)), set(reader.names())
@@ -707,14 +729,14 @@ def load_compressed(
     ``dtype`` (a bf16 embedding or output head) stay so and are widened only while their
     module runs (``compress.core.device.compute_in``), so the model never holds float32
     copies of them. An MoE checkpoint (renamed, regrouped experts) is read whole."""
-    from compress.io.stream import CheckpointReader
+    from compress.io.stream import CheckpointReader, under_model_names
 
     path = Path(path)
     quant = _quantization_config(path)
     model = _skeleton(path, quant, dtype, backend)
     if model is None:
         return _load_whole(path, quant, dtype, backend)
-    reader = CheckpointReader(path)
+    reader = under_model_names(model, CheckpointReader(path))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head_key = output_weight_key(model)
     read: set[str] = set()
@@ -762,6 +784,8 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     reference the module-by-module ``load_compressed`` is tested against."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from compress.io.stream import model_name_aliases
+
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -770,6 +794,8 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
     tensors = _load_moe_experts(model, read_tensors(path, dtype), quant, dtype, backend)
+    for name, stored in model_name_aliases(model, tensors).items():  # GPT-NeoX's embed_out
+        tensors[name] = tensors.pop(stored)
     if quant.get("kv_cache_scheme"):
         add_kv_scale_buffers(model)
     swap_quantized_linears(model, quant, lambda n: None if n not in tensors else tensors[n].dtype,

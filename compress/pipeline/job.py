@@ -348,10 +348,16 @@ def plan_job(
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
-        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
+        from compress.io.stream import (
+            CheckpointReader,
+            meta_skeleton,
+            under_model_names,
+            verify_checkpoint,
+        )
 
         verify_checkpoint(where)
-        reader, skeleton = CheckpointReader(where), meta_skeleton(where)
+        skeleton = meta_skeleton(where)
+        reader = under_model_names(skeleton, CheckpointReader(where))
         refusal = _skeleton_refusal(skeleton, reader)
         if refusal is None and _wants_eval(recipe, text):
             refusal = _eval_refusal(recipe, where, reader)

@@ -75,9 +75,10 @@ class _KvRecorder:
 
 def _cache_keyword(layer: nn.Module) -> str:
     """The name the decoder layer's forward takes the KV cache under: transformers >= 5.2x
-    ``cache``, earlier ``past_key_values`` (4.56+) or ``past_key_value``."""
+    ``cache``, earlier ``past_key_values`` (4.56+) or ``past_key_value``; GPT-NeoX's
+    ``layer_past``."""
     params = inspect.signature(layer.forward).parameters
-    for key in ("cache", "past_key_values", "past_key_value"):
+    for key in ("cache", "past_key_values", "past_key_value", "layer_past"):
         if key in params:
             return key
     raise ValueError(f"{type(layer).__name__}.forward takes no KV cache argument")
@@ -99,7 +100,8 @@ def kv_cache_fp8(model: nn.Module, cfg: KvCacheFp8Config, state: CompressionStat
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
         recorder, key = _KvRecorder(), _cache_keyword(layer)
         for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
-            layer(hidden, **kwargs, **{key: recorder}, use_cache=True)
+            # the captured call may name the cache already (GPT-NeoX's layer_past=None)
+            layer(hidden, **{**kwargs, key: recorder, "use_cache": True})
         name = f"{arch.layer_prefix}{index}.{arch.attention}"
         k_amax, v_amax = recorder.amax
         if k_amax == 0.0 and v_amax == 0.0:

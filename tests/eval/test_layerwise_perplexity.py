@@ -90,12 +90,12 @@ def test_layerwise_resumes_from_its_saved_state(checkpoint, tmp_path, one_thread
     assert again.reused_windows == 7 and again.nll_mean == first.nll_mean
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "phi3", "olmo3", "smollm3"])
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "phi3", "olmo3", "smollm3", "gpt_neox"])
 def test_layerwise_equals_whole_model_across_families(model_type, tmp_path, one_thread):
     """Families whose forward differs around the stack: Gemma2 scales the embedding, soft-caps
     the logits and alternates sliding and global layers (per-layer masks), Qwen3 normalizes
     q/k, Phi3 fuses qkv, OLMo3 takes a rope table per layer type, SmolLM3 has layers without
-    RoPE."""
+    RoPE, GPT-NeoX's checkpoints name its head embed_out (lm_head in transformers 5's tree)."""
     from compress.testing import make_tiny_model
 
     model = make_tiny_model(model_type, num_hidden_layers=3).to(torch.bfloat16)

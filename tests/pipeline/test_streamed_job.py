@@ -102,8 +102,9 @@ def test_streamed_equals_in_memory_bit_for_bit(name, checkpoint, tmp_path, one_t
 
 # One family per layout the Llama checkpoint above lacks: parallel blocks on one LayerNorm with a
 # non-gated MLP and a differently named final norm (Phi), (1 + w) LayerNorms with biases
-# (Nemotron), post-norms (Gemma 2).
-@pytest.mark.parametrize("family", ["phi", "nemotron", "gemma2"])
+# (Nemotron), post-norms (Gemma 2), a head its checkpoints name otherwise than its module
+# (GPT-NeoX: embed_out, lm_head in transformers 5's tree).
+@pytest.mark.parametrize("family", ["phi", "nemotron", "gemma2", "gpt_neox"])
 def test_streamed_equals_in_memory_for_other_layouts(family, tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(family, num_hidden_layers=3, tie_word_embeddings=False)
@@ -119,6 +120,11 @@ def test_streamed_equals_in_memory_for_other_layouts(family, tmp_path, monkeypat
     assert sorted(a) == sorted(b) and any(k.endswith("weight_packed") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # every tensor not quantized keeps the name save_pretrained gave it (GPT-NeoX: embed_out,
+    # which transformers 4 and vLLM read)
+    quantized = {k.rpartition(".")[0] for k in a if k.endswith("weight_packed")}
+    stored = set(CheckpointReader(tmp_path / "ck").names())
+    assert {k for k in stored if k.rpartition(".")[0] not in quantized} <= set(a)
 
 
 @pytest.mark.parametrize(("passes", "reads_source"), [
