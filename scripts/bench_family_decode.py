@@ -1,10 +1,11 @@
 """Batch-1 decode of families whose layers differ from Llama's, in public models' shapes with
 random bf16 weights (speed does not depend on the values): transformers' ``generate`` on the
 bf16 model (what the runtime's fallback ran before these families were in the runtime), our
-runtime on the same bf16 model, and our runtime on its RTN W4 g128 copy with our integer-dot
-kernels (``compress serve``'s kernels). A Llama shape of the same size is the fused path's
-reference. A prompt of ``--prompt`` random tokens, then ``--new`` tokens; decode tokens per
-second after the first, the median of ``--runs`` with the spread. JSON + markdown:
+runtime on the same bf16 model, and our runtime on its RTN W4 copy (g128, g64 where 128 does
+not divide) with our integer-dot kernels (``compress serve``'s kernels). A Llama shape of the
+same size is the fused path's reference. A prompt of ``--prompt`` random tokens, then
+``--new`` tokens; decode tokens per second after the first, the median of ``--runs`` with the
+spread. JSON + markdown:
 
     python scripts/bench_family_decode.py --out out/family_decode
 """
@@ -97,10 +98,15 @@ def main() -> None:
         assert ours.fallback_reason is None, ours.fallback_reason
         cells["ours bf16"] = [runtime_rate(ours, q, args.new) for q in prompts]
         del ours
-        run_passes(model, [Int4RtnConfig(group_size=128)], CompressionState(progress=False))
+        # g128, or g64 where 128 does not divide a layer's inputs (SmolLM2's 576)
+        widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        group = 128 if all(w % 128 == 0 for w in widths) else 64
+        state = CompressionState(progress=False)
+        run_passes(model, [Int4RtnConfig(group_size=group)], state)
+        assert state.reports[-1].metrics["quantized_share"] == 1.0, "layers left in float"
         w4 = Runtime(model, max_seq_len=length, compile=False, int4_kernel="q4q8")
-        cells["ours W4 g128 (q4q8)"] = [runtime_rate(w4, q, args.new) for q in prompts]
-        row = {"shape": shape, "model_type": model.config.model_type}
+        cells["ours W4 (q4q8)"] = [runtime_rate(w4, q, args.new) for q in prompts]
+        row = {"shape": shape, "model_type": model.config.model_type, "w4_group": group}
         for name, rates in cells.items():
             row[name] = {"median": statistics.median(rates), "min": min(rates),
                          "max": max(rates), "runs": rates}
@@ -111,11 +117,12 @@ def main() -> None:
     result = {"environment": environment(), "settings": vars(args) | {"out": str(args.out)},
               "rows": rows}
     (args.out / "family_decode.json").write_text(json.dumps(result, indent=1))
-    columns = [c for c in rows[0] if c not in ("shape", "model_type")]
-    shown = [{"shape": r["shape"], "model_type": r["model_type"],
+    columns = [c for c in rows[0] if c not in ("shape", "model_type", "w4_group")]
+    shown = [{"shape": r["shape"], "model_type": r["model_type"], "w4_group": r["w4_group"],
               **{c: f"{r[c]['median']:.1f} ({r[c]['min']:.1f}-{r[c]['max']:.1f})"
                  for c in columns}} for r in rows]  # fmt: skip
     table = markdown_table(shown, [("shape", "shape"), ("model_type", "model_type"),
+                                   ("w4_group", "W4 group"),
                                    *((c, f"{c} tok/s") for c in columns)])
     (args.out / "family_decode.md").write_text(table)
     print(table)
