@@ -101,6 +101,10 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # (1 + w) LayerNorms, relu2
     # parallel attention and MLP on one LayerNorm
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+    # ... with a sliding layer (RoPE) and a global one (no RoPE)
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {
+        "logit_scale": 0.5, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"]}),
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}),

@@ -344,6 +344,9 @@ COHERE = dataclasses.replace(
         _mapping("mlp.up_proj", "mlp.down_proj"),
     ),
 )
+# Cohere 2 (Command R7B, Command A): Cohere's layers, sliding-window layers with RoPE and
+# global layers without it (config layer_types; RuntimeSpec.rope_only_sliding)
+COHERE2 = dataclasses.replace(COHERE, model_type="cohere2")
 PHI = dataclasses.replace(
     _not_gated(LLAMA, "phi", "mlp.fc1", "mlp.fc2"),
     final_norm="model.final_layernorm",
@@ -411,6 +414,7 @@ ARCHS: dict[str, Arch] = {
         STABLELM,
         NEMOTRON,
         COHERE,
+        COHERE2,
         PHI,
         OPT,
         GPT_NEOX,
@@ -433,6 +437,13 @@ DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
 
 
 _LLAMA_RT = RuntimeSpec()
+_COHERE_RT = RuntimeSpec(
+    norm_eps_key="layer_norm_eps",
+    logits_multiplier="logit_scale",
+    rope_interleaved=True,
+    rope_table_interleaved=True,
+    unsupported_flags=("use_qk_norm",),
+)
 _GEMMA2_RT = RuntimeSpec(
     activation_key="hidden_activation",
     attn_softcap="attn_logit_softcapping",
@@ -463,13 +474,9 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
     "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
     # parallel blocks (Arch.parallel), LayerNorms; per-head q/k LayerNorms fall back
-    "cohere": RuntimeSpec(
-        norm_eps_key="layer_norm_eps",
-        logits_multiplier="logit_scale",
-        rope_interleaved=True,
-        rope_table_interleaved=True,
-        unsupported_flags=("use_qk_norm",),
-    ),
+    "cohere": _COHERE_RT,
+    # Cohere's arithmetic; its global layers (no sliding window) do not rotate q/k
+    "cohere2": dataclasses.replace(_COHERE_RT, rope_only_sliding=True),
     "phi": RuntimeSpec(norm_eps_key="layer_norm_eps", unsupported_flags=("qk_layernorm",)),
     "nemotron": RuntimeSpec(norm_eps_key="norm_eps"),  # (1 + w) LayerNorms: Arch
     "stablelm": RuntimeSpec(

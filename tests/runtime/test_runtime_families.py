@@ -68,6 +68,9 @@ FAMILIES = {
     # Phi (biases, gelu MLP not gated, RoPE on half of each head, a head with a bias)
     "cohere": dict(logit_scale=0.5, attention_bias=True),
     "phi": dict(tie_word_embeddings=False),
+    # Cohere 2: Cohere's layers, RoPE on the sliding layer only (layer 1 global, no RoPE)
+    "cohere2": dict(logit_scale=0.5, attention_bias=True, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"]),
     "hunyuan_v1_dense": dict(attention_bias=True),  # per-head q/k norms after RoPE
     # its checkpoints' RoPE: NTK-alpha labelled "dynamic", static tables (alpha 1000 at 4K)
     "hunyuan_alpha": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
