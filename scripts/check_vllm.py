@@ -88,7 +88,9 @@ MOE_SHAPE = {
     "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=512),
     "qwen2_moe": dict(moe_intermediate_size=128, intermediate_size=512,
                       shared_expert_intermediate_size=256),
-    "olmoe": dict(intermediate_size=128),
+    # OLMoE's own settings: vLLM's OLMoE never renormalizes the top-k weights and ignores
+    # tie_word_embeddings (a tied model's head stays unloaded there: 0% agreement)
+    "olmoe": dict(intermediate_size=128, norm_topk_prob=False, tie_word_embeddings=False),
 }
 
 
@@ -245,11 +247,18 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
             if name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
                 module.weight.data.fill_(9.0)
     else:
-        sliding = {"sliding_window": 128} if family == "mistral" else {}
+        from compress.arch import ARCHS
+
+        shape = dict(SHAPE)
+        if family in ("mistral", "cohere2"):  # windows the passage crosses (the tiny config's
+            shape["sliding_window"] = 128  # 8 would leave the sliding layers 8 keys)
+        if ARCHS[family].kv_heads_key is None:  # GPT-NeoX, OPT: each head its own k and v;
+            # their modeling ignores num_key_value_heads, vLLM's transformers backend reads it
+            shape["num_key_value_heads"] = SHAPE["num_attention_heads"]
         if family == "opt":  # its MLP width is ffn_dim; no projection around the layers
-            sliding = dict(ffn_dim=SHAPE["intermediate_size"],
-                           word_embed_proj_dim=SHAPE["hidden_size"])  # fmt: skip
-        model = make_tiny_model(family, **SHAPE, **sliding)
+            shape.update(ffn_dim=SHAPE["intermediate_size"],
+                         word_embed_proj_dim=SHAPE["hidden_size"])
+        model = make_tiny_model(family, **shape)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
