@@ -190,7 +190,9 @@ def check_paths(model: nn.Module, arch: Arch, paths: tuple[str, ...], what: str)
                 "variant the compress.arch entry does not describe, so this pass refuses it "
                 "(quantize.gptq and the RTN passes do not depend on it)"
             )
-    layer = decoder_layers(model, what)[0]
+    # an MoE model's paths are checked on a sparse layer (Qwen2/3-MoE configs may make layer 0
+    # dense: mlp_only_layers)
+    layer = decoder_layers(model, what)[(sparse_layers(model, arch) or [0])[0]]
     missing = []
     for path in dict.fromkeys(paths):
         try:

@@ -59,6 +59,7 @@ from compress.arch import (
     decoder_layers,
     head_dim_of,
     producer_rows,
+    sparse_layers,
 )
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassConfig, PassReport, register_pass
@@ -251,6 +252,15 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
             f"{NAME}: {len(quantized)} layers are already quantized ({quantized[0]}, ...): the "
             "rotation needs float weights. Put rotate.hadamard before the quantization passes"
         )
+    if arch.moe is not None:
+        sparse, count = sparse_layers(model, arch), len(decoder_layers(model, NAME))
+        if len(sparse) != count:
+            dense = sorted(set(range(count)) - set(sparse))
+            raise ConfigError(
+                f"{NAME}: layers {dense} of this {arch.model_type!r} model have a dense MLP "
+                "(mlp_only_layers / decoder_sparse_step), the others experts; rotating such a "
+                "mix is not implemented. Remove this pass for this model"
+            )
     paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
     if arch.moe is not None:
         paths += (arch.moe.router, arch.moe.fused, *arch.moe.shared_readers, arch.moe.shared_down)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -464,3 +465,28 @@ def test_dense_layers_of_an_moe_config_are_quantized_as_dense(model_type, tmp_pa
         with torch.no_grad():
             ours = model(torch.tensor([prompt])).logits
         assert float((theirs - ours).norm() / ours.norm()) < 3e-2
+
+
+@pytest.mark.parametrize("dense", [[0], [1]])
+def test_dense_and_sparse_layers_mixed_scale_with_awq_and_refuse_the_rotation(dense):
+    """A Qwen2-MoE config with one dense layer, first or second: AWQ checks its mappings on a
+    layer with experts (a dense layer 0 made it refuse the model as another variant) and
+    quantizes every layer; the rotation, which turns experts and dense MLPs differently,
+    refuses the mix by name before any work (a dense layer 1 raised AttributeError)."""
+    from compress.core.errors import ConfigError
+    from compress.core.registry import run_passes
+    from compress.quant.awq import AwqConfig
+    from compress.quant.rotate import RotateConfig
+
+    model = make_tiny_moe("qwen2_moe", mlp_only_layers=dense)
+    state = _calibration()
+    run_passes(model, [AwqConfig(group_size=32)], state)
+    assert state.reports[-1].metrics["quantized_share"] == 1.0
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 9, 33]])).logits).all()
+    fresh = make_tiny_moe("qwen2_moe", mlp_only_layers=dense)
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(ConfigError, match=re.escape(f"layers {dense} of this 'qwen2_moe' "
+                                                    "model have a dense MLP")):
+        run_passes(fresh, [RotateConfig()], _calibration())
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
