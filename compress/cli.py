@@ -262,8 +262,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"loaded {args.model} in {loaded_at - started:.1f} s on {placed['device']}",
           file=sys.stderr)
     ids = loaded.tokenizer(args.prompt)["input_ids"]
-    check_generate_length(loaded, ids, args.max_new_tokens)
-    need = len(ids) + args.max_new_tokens
+    slots = check_generate_length(loaded, ids, args.max_new_tokens)
     steps = ["one-time weight repack"]
     if "q8" in (args.int4_kernel + args.int8_kernel):
         steps.append("our integer-dot kernels are built on first use and cached (~15 s)")
@@ -272,7 +271,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not args.no_cuda_graphs:
         steps.append("each new key length's first step is captured in a CUDA graph")
     print(f"preparing the runtime ({'; '.join(steps)})...", file=sys.stderr)
-    runtime = Runtime(loaded.model, max_seq_len=-(-need // 64) * 64, compile=args.compile,
+    runtime = Runtime(loaded.model, max_seq_len=slots, compile=args.compile,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
                       lm_head_bits=args.lm_head_bits,
                       cuda_graphs=False if args.no_cuda_graphs else None)

@@ -43,10 +43,12 @@ def check_flags(args: argparse.Namespace) -> None:
         raise RecipeError(f"{args.command}: " + "; ".join(bad))
 
 
-def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> None:
+def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> int:
     """The static cache holds prompt + new tokens: refuse an empty prompt, and a length past the
     model's positions, whose cache could take all memory (--max-new-tokens 100000000 was
-    killed for memory)."""
+    killed for memory). Returns the cache's slots: the length rounded up to 64 (fewer shapes
+    to build) but not past the model's positions (a learned position table, OPT's, has no rows
+    beyond)."""
     if not ids:
         raise RecipeError("generate: the prompt tokenizes to no tokens; give a prompt text")
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
@@ -55,6 +57,9 @@ def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> None:
             f"generate: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
             f"exceeds the {limit} positions of {loaded.source} (config.json "
             "max_position_embeddings); lower --max-new-tokens")
+    need = len(ids) + max_new_tokens
+    rounded = -(-need // 64) * 64
+    return min(rounded, limit) if isinstance(limit, int) else rounded
 
 
 def torch_threads() -> int:

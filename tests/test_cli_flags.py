@@ -88,3 +88,25 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(plain):
     _, err = child.communicate(timeout=120)
     assert child.returncode == 141, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+@pytest.mark.parametrize("positions, prompt, new, slots", [
+    (2048, 10, 20, 64),  # rounded up to 64
+    (70, 10, 56, 70),  # not past the model's positions (OPT's table has no row 70)
+    (70, 10, 61, None),  # past them: refused
+    (None, 10, 60, 128),  # no positions in the config: rounded
+])
+def test_generate_sizes_its_cache_within_the_models_positions(positions, prompt, new, slots):
+    from types import SimpleNamespace
+
+    from compress.cli_flags import check_generate_length
+    from compress.core.errors import RecipeError
+
+    config = SimpleNamespace() if positions is None else SimpleNamespace(
+        max_position_embeddings=positions)
+    loaded = SimpleNamespace(model=SimpleNamespace(config=config), source="tiny")
+    if slots is None:
+        with pytest.raises(RecipeError, match="exceeds the 70 positions of tiny"):
+            check_generate_length(loaded, list(range(prompt)), new)
+    else:
+        assert check_generate_length(loaded, list(range(prompt)), new) == slots
