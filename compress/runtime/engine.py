@@ -297,8 +297,8 @@ class Runtime:
         offset = spec.position_offset
         if positions is not None and max_seq_len + offset > positions.shape[0]:
             raise ConfigError(  # before the layers take (and release) the model's weights
-                f"max_seq_len={max_seq_len}: this model has learned positions for "
-                f"{positions.shape[0] - offset} tokens; lower max_seq_len")
+                f"max_seq_len={max_seq_len} (compress serve's --max-model-len): this model has "
+                f"learned positions for {positions.shape[0] - offset} tokens; lower it to that")
         if static_cache:  # before the layers take (and release) the model's weights
             _check_cache_fits(config, arch, max_batch_size, max_seq_len, kv_dtype, device)
         with torch.no_grad():

@@ -406,7 +406,7 @@ def test_learned_positions_bound_the_cache_length():
     longer than that is refused before any weight is taken, and the last position is read."""
     model = make_model("opt", max_position_embeddings=24)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="learned positions for 24 tokens; lower max_seq_len"):
+    with pytest.raises(ValueError, match="learned positions for 24 tokens; lower it to that"):
         Runtime(model, max_seq_len=25, compile=False)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     rt = Runtime(model, max_seq_len=24, compile=False, decode_dtype=torch.float32)
