@@ -258,8 +258,8 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
             dense = sorted(set(range(count)) - set(sparse))
             raise ConfigError(
                 f"{NAME}: layers {dense} of this {arch.model_type!r} model have a dense MLP "
-                "(mlp_only_layers / decoder_sparse_step), the others experts; rotating such a "
-                "mix is not implemented. Remove this pass for this model"
+                "(mlp_only_layers / decoder_sparse_step), the others a sparse one; rotating "
+                "such a mix is not implemented. Remove this pass for this model"
             )
     paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
     if arch.moe is not None:
