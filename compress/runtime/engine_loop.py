@@ -5,21 +5,26 @@ the loop applies between steps, so the event loop never waits for a step.
 
 A request that fails in a step (its own sampling raised, or the batched forward it was part of:
 ``scheduler.py``) hears why on its queue, an ``Event`` with ``error`` set, and the loop goes on
-serving the others. Only ``MAX_FAILED_FORWARDS`` failed forwards in a row, or an exception that
-escapes ``Scheduler.step`` (a bug in its bookkeeping, whose state is then unknown), stop it:
-every request in flight gets the exception, and every later one is refused (``error``).
+serving the others. An exception that escapes ``Scheduler.step`` (a bug in its bookkeeping,
+whose state is then unknown) fails every request the scheduler holds and resets it
+(``Scheduler.reset``); later requests are served. Only ``MAX_FAILED_FORWARDS`` failed forwards
+in a row, or as many failed steps in a row, stop the loop: every request in flight gets the
+exception, and every later one is refused (``error``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from compress.runtime.sampling import ADJUSTMENT_KEYS, _make_sampling
 from compress.runtime.scheduler import Event, Scheduler
+
+log = logging.getLogger(__name__)
 
 # Forwards that may fail in a row, none running between, before the engine stops. Each failure
 # fails only the requests of its forward and the next step starts clean (``scheduler.py``), so
@@ -65,6 +70,7 @@ class Engine:
         self._key_of: dict[int, int] = {}
         self._wake = threading.Event()
         self._stopping = False
+        self._failed_steps = 0  # scheduler steps that raised, none running between
         self.error: BaseException | None = None
         self.snapshot: dict[str, Any] = self._stats()
         self._thread = None
@@ -121,7 +127,11 @@ class Engine:
                 self._wake.clear()  # before the hand-over: an add after this wakes the wait
                 self._apply_handover()
                 if self.scheduler.has_work:
-                    events = self.scheduler.step()
+                    try:
+                        events = self.scheduler.step()
+                        self._failed_steps = 0
+                    except Exception as exc:  # noqa: BLE001  (fails its requests only)
+                        events = self._reset_after(exc)
                     self._deliver(events)  # the failed requests hear why first
                     if self.scheduler.forward_failures >= MAX_FAILED_FORWARDS:
                         last = next((e.error for e in reversed(events) if e.error), "see the log")
@@ -132,6 +142,18 @@ class Engine:
                     self._wake.wait(0.5)
         except BaseException as exc:  # noqa: BLE001  (every waiter must hear of it)
             self._fail(exc)
+
+    def _reset_after(self, exc: Exception) -> list:
+        """Error events for every request of a scheduler whose step raised ``exc``, which is
+        then reset; the exception itself once ``MAX_FAILED_FORWARDS`` steps in a row raised."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_FORWARDS:
+            raise exc
+        log.error("a scheduler step raised; its %d requests finish with the error and the "
+                  "scheduler starts afresh", len(self.scheduler.running) +
+                  len(self.scheduler.waiting), exc_info=exc)  # fmt: skip
+        return self.scheduler.reset(f"the server's scheduler failed ({type(exc).__name__}: "
+                                    f"{exc}); retry the request")
 
     def _apply_handover(self) -> None:
         with self._lock:

@@ -367,6 +367,19 @@ class Scheduler:
                     return True
         return False
 
+    def reset(self, message: str) -> list[Event]:
+        """Finish every request with ``message`` (an error event each) and forget the cached
+        prefixes, keeping the cache's memory: after an exception escaped ``step`` its
+        bookkeeping is unknown, a fresh one is not (the pages hold no state a new block table
+        reads before writing)."""
+        events = [Event(seq.id, None, "error", error=message)
+                  for seq in self.running + self.waiting]  # fmt: skip
+        self.stats.failed_requests += len(events)
+        self.pool = BlockPool(self.pool.num_blocks, prefix_caching=self.pool.prefix_caching)
+        self.waiting, self.running = [], []
+        self.forward_failures = 0
+        return events
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
