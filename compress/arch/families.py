@@ -277,7 +277,9 @@ OPT = _not_gated(
     mlp_width_key="ffn_dim",
     kv_heads_key=None,
     positions="model.decoder.embed_positions",
-    variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),),
+    variants=(("do_layer_norm_before", False, "its LayerNorms come after the blocks"),
+              ("layer_norm_elementwise_affine", False,
+               "its LayerNorms have no weight a scale could fold into")),
 )
 
 # GPT-NeoX (Pythia): LayerNorms with biases, a fused query_key_value whose rows are per head,

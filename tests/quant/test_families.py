@@ -432,16 +432,23 @@ def test_a_variant_the_entry_does_not_describe_is_a_config_error(cfg, request):
         run_passes(model, [cfg], tiny_state())
 
 
-def test_a_variant_the_entry_does_not_describe_is_refused_by_the_folding_passes():
+@pytest.mark.parametrize("variant, message", [
+    ("do_layer_norm_before", "do_layer_norm_before=False: its LayerNorms come"),
+    ("layer_norm_elementwise_affine", "layer_norm_elementwise_affine=False: its LayerNorms have "
+                                      "no weight"),
+])
+def test_a_variant_the_entry_does_not_describe_is_refused_by_the_folding_passes(variant,
+                                                                                message):
     """OPT-350m's layout (``do_layer_norm_before=False``: LayerNorms after the blocks, no final
-    norm): AWQ, SmoothQuant and the prune passes would fold into or slice along the wrong norms
+    norm), and LayerNorms without weights (AWQ and SmoothQuant raised AttributeError): AWQ,
+    SmoothQuant and the prune passes would fold into or slice along norms that are not there
     and refuse it untouched; GPTQ runs each layer as it is (calibration stops at the head)."""
-    model = make_tiny_model("opt", do_layer_norm_before=False)
+    model = make_tiny_model("opt", **{variant: False})
     before = copy.deepcopy(model.state_dict())
     refused = [AwqConfig(group_size=32), SmoothquantConfig(),
                MlpChannelsConfig(intermediate_size=96)]  # fmt: skip
     for cfg in refused:
-        with pytest.raises(ConfigError, match="do_layer_norm_before=False: its LayerNorms come"):
+        with pytest.raises(ConfigError, match=message):
             run_passes(model, [cfg], tiny_state())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     state = tiny_state()
