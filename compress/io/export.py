@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections import defaultdict
@@ -31,10 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.arch import ARCHS, Arch, model_type, output_weight_key, sparse_layers
+from compress.arch import output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
+from compress.io.names import (
+    checkpoint_renamer,
+    moe_arch,
+    moe_float_linears,
+    split_float_experts,
+    tree_name,
+)
 from compress.io.stream import (
     SCALE_SUFFIXES,
     compute_narrow_in,
@@ -93,7 +99,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     def names(name: str) -> list[str]:
         # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
         # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other
-        return [rename(name)] if _moe_arch(model) is not None else sorted({name, rename(name)})
+        return [rename(name)] if moe_arch(model) is not None else sorted({name, rename(name)})
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -143,86 +149,10 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
     return WeightScheme(args["num_bits"], group, args.get("symmetric", True), scale_dtype)
 
 
-# ---- mixture-of-experts checkpoint names -------------------------------------------------
-def _moe_arch(model: nn.Module) -> Arch | None:
-    arch = ARCHS.get(model_type(model))
-    return arch if arch is not None and arch.moe is not None else None
-
-
-def checkpoint_renamer(model: nn.Module):
-    """``name -> checkpoint name`` (a tensor's or a module's): the MoE block's name as
-    checkpoints (vLLM, the hub) spell it (Mixtral: ``block_sparse_moe``; transformers 5 renames
-    it back on load); for other families the names ``save_pretrained`` writes
-    (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints, which
-    transformers 4 and vLLM read), else the name itself."""
-    from compress.io.stream import transformers_renamings
-
-    arch = _moe_arch(model)
-    if arch is None or arch.moe is None:
-        renamings = transformers_renamings(model, to_checkpoint=True)
-
-        def rename_dense(name: str) -> str:
-            for source, target in renamings:  # on name + ".": patterns end in a dot
-                name = re.sub(source, target, name + ".")[:-1]
-            return name
-
-        return rename_dense if renamings else (lambda name: name)
-    if arch.moe.block == arch.moe.checkpoint_block:
-        return lambda name: name
-    old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
-
-    def rename(name: str) -> str:
-        if not name.startswith(arch.layer_prefix):
-            return name
-        head, sep, rest = name[len(arch.layer_prefix):].partition(".")
-        return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
-
-    return rename
-
-
-def moe_float_linears(model: nn.Module) -> list[str]:
-    """Module names (transformers 5 tree) of the Linears a vLLM-style checkpoint of an MoE model
-    holds in float: every router, and each expert's projections when the experts module is
-    not quantized (``<experts>.<e>.<gate|up|down>``)."""
-    arch = _moe_arch(model)
-    if arch is None or arch.moe is None:
-        return []
-    names = []
-    for index in sparse_layers(model, arch):
-        prefix = f"{arch.layer_prefix}{index}."
-        names.append(prefix + arch.moe.router)
-        experts = model.get_submodule(prefix + arch.moe.fused)
-        if not isinstance(experts, QuantExperts):
-            count = getattr(experts, arch.moe.down).shape[0]
-            names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
-                      for e in range(count) for p in arch.moe.checkpoint_projections]
-    return names
-
-
-def _split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
-    and projection, the layout checkpoints (and vLLM) read."""
-    arch = _moe_arch(model)
-    if arch is None or arch.moe is None:
-        return
-    gate, up, down = arch.moe.checkpoint_projections
-    for index in range(len(model.get_submodule(arch.layers))):
-        prefix = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
-        fused_gate_up = tensors.pop(f"{prefix}.{arch.moe.gate_up}", None)
-        fused_down = tensors.pop(f"{prefix}.{arch.moe.down}", None)
-        if fused_gate_up is None or fused_down is None:
-            continue
-        inter = fused_gate_up.shape[1] // 2
-        for e in range(fused_gate_up.shape[0]):
-            tensors[f"{prefix}.{e}.{gate}.weight"] = fused_gate_up[e, :inter].contiguous()
-            tensors[f"{prefix}.{e}.{up}.weight"] = fused_gate_up[e, inter:].contiguous()
-            tensors[f"{prefix}.{e}.{down}.weight"] = fused_down[e].contiguous()
-
-
 # ---- writing ------------------------------------------------------------------------------
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = _plain_state_dict(model, dtype)
-    _split_float_experts(model, tensors)
+    split_float_experts(model, tensors)
     rename = checkpoint_renamer(model)
     return {rename(name): tensor for name, tensor in tensors.items()}
 
@@ -267,9 +197,9 @@ class StreamedExport:
     """The export of a ``compress.io.stream.StreamedModel`` into shards as its layers finish:
     call it with ``(prefix, module)`` for each finished module (the stream's ``sink``), then
     ``finish`` writes every tensor not written yet (from memory, the stream's scratch or the
-    source checkpoint), the shard index and ``config.json``. MoE families, whose checkpoints
-    regroup the experts, are not streamed (``compress.pipeline``); names are written as
-    ``save_pretrained`` writes them (``checkpoint_renamer``). A model holding bitsandbytes
+    source checkpoint), the shard index and ``config.json``. Names are those checkpoints use
+    (``compress.io.names``: float MoE experts one weight per expert, renamed blocks), as
+    ``export_checkpoint`` writes them. A model holding bitsandbytes
     layers gets the tensors and config ``save_pretrained`` writes in memory (its state_dict's
     names, layouts and dtypes; ``dtype`` must then be its compute dtype, as that export keeps
     it) and bitsandbytes' own ``quantization_config``."""
@@ -290,15 +220,17 @@ class StreamedExport:
         (``rotate.hadamard``: the export then stores it, as ``export_checkpoint`` does)."""
         return _tied_head_key(self.model)
 
-    def _add(self, name: str, tensor: torch.Tensor) -> None:
-        if name == self.head_key or name in self.written:
-            return
-        self.writer.add(self.rename(name), export_tensor(name, tensor, self.dtype))
-        self.written.add(name)
+    def _add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (tree names), fused float experts split per expert as checkpoints
+        store them, each under its checkpoint name."""
+        tensors = {n: t for n, t in tensors.items() if n != self.head_key and n not in self.written}
+        self.written.update(tensors)
+        split_float_experts(self.model, tensors)
+        for name, tensor in tensors.items():
+            self.writer.add(self.rename(name), export_tensor(name, tensor, self.dtype))
 
     def __call__(self, prefix: str, module: nn.Module) -> None:
-        for name, tensor in module.state_dict(prefix=prefix).items():
-            self._add(name, tensor)
+        self._add(module.state_dict(prefix=prefix))
 
     def finish(self, stream) -> list[Path]:
         """Write the rest and close the shards; returns them."""
@@ -312,7 +244,7 @@ class StreamedExport:
                            if name.startswith(layer_prefix) else None)
                 tensor = scratch.read(rest) if scratch is not None else stream.reader.read(
                     name, shape=tuple(tensor.shape))
-            self._add(name, tensor)
+            self._add({name: tensor})
         files = self.writer.finish()
         if any(is_bnb_module(m) for m in self.model.modules()):
             _write_bnb_config(self.model, self.directory, self.dtype_name)
@@ -548,13 +480,13 @@ def _load_moe_experts(
     """For an MoE model: ``tensors`` renamed from checkpoint to module names, each quantized
     experts module swapped for an empty ``QuantExperts`` of the checkpoint's schemes, and
     per-expert float weights fused back into transformers 5's 3-D parameters."""
-    arch = _moe_arch(model)
+    arch = moe_arch(model)
     if arch is None or arch.moe is None:
         return tensors
     moe, rename = arch.moe, checkpoint_renamer(model)
     names = {rename(n): n for n in model.state_dict()}
     names.update({rename(n): n for n, _ in model.named_modules()})
-    tensors = {_module_name(k, names, rename): v for k, v in tensors.items()}
+    tensors = {tree_name(k, names, rename): v for k, v in tensors.items()}
     gate, up, down = moe.checkpoint_projections
     for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
@@ -578,18 +510,6 @@ def _load_moe_experts(
             tensors[f"{prefix}.{moe.gate_up}"] = torch.stack([torch.cat(w[:2]) for w in per])
             tensors[f"{prefix}.{moe.down}"] = torch.stack([w[2] for w in per])
     return tensors
-
-
-def _module_name(key: str, names: dict[str, str], rename) -> str:
-    """Checkpoint key -> module tree key (per-expert keys keep their tail)."""
-    if key in names:
-        return names[key]
-    head, _, tail = key.rpartition(".")
-    inverse = {v: k for k, v in ((m, rename(m)) for m in names.values())}
-    for n in (head, head.rpartition(".")[0], head.rpartition(".")[0].rpartition(".")[0]):
-        if n in inverse:
-            return inverse[n] + key[len(n):]
-    return key
 
 
 def _expert_scheme(quant: dict[str, Any], name: str, scale: torch.Tensor) -> WeightScheme:
@@ -670,7 +590,7 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     from compress.io.stream import CheckpointReader, meta_skeleton, under_model_names
 
     model = meta_skeleton(path)
-    if _moe_arch(model) is not None:
+    if moe_arch(model) is not None:
         return None
     if quant.get("kv_cache_scheme"):
         add_kv_scale_buffers(model)  # read below like every other tensor

@@ -229,14 +229,15 @@ def stream_refusal(recipe: Recipe, where) -> str | None:
 
 
 def _skeleton_refusal(skeleton, reader) -> str | None:
-    """Streaming reads tensors under the module tree's names: a checkpoint stored under other
-    names (MoE experts, legacy keys) is loaded by transformers instead."""
+    """Streaming reads tensors under the module tree's names (renamed where transformers or an
+    MoE layout rename them: ``under_model_names``, ``MoeTreeReader``): a checkpoint stored
+    under other names is loaded by transformers instead."""
     from compress.arch import ARCHS, model_type
     from compress.io.export import _tied_head_key
 
     arch = ARCHS.get(model_type(skeleton))
-    if arch is None or arch.moe is not None:
-        return f"model_type {model_type(skeleton)!r} is not streamed (MoE or unknown family)"
+    if arch is None:
+        return f"model_type {model_type(skeleton)!r} is not streamed (an unknown family)"
     names = set(skeleton.state_dict()) - {_tied_head_key(skeleton)}
     stored = set(reader.names())
     if names != stored:
@@ -251,7 +252,12 @@ def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
     which holds every bf16 and fp16 value (a float32 source exported in bf16 would be scored
     with rounded embeddings and norms)."""
     from compress.core.registry import DTYPES
+    from compress.io.names import MoeTreeReader
 
+    if isinstance(reader, MoeTreeReader):
+        return ("layer-by-layer scoring of a mixture-of-expert export is not implemented; to "
+                "stream, leave evaluation out (eval.perplexity: null, eval.baseline: false) and "
+                "score the export with compress eval")
     stored = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
     export = DTYPES[_export_dtype(recipe, where)]
     if stored <= {export} or export is DTYPES["float32"]:
@@ -348,6 +354,7 @@ def plan_job(
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
+        from compress.io.names import MoeTreeReader, moe_arch
         from compress.io.stream import (
             CheckpointReader,
             meta_skeleton,
@@ -358,6 +365,8 @@ def plan_job(
         verify_checkpoint(where)
         skeleton = meta_skeleton(where)
         reader = under_model_names(skeleton, CheckpointReader(where))
+        if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
+            reader = MoeTreeReader(skeleton, reader)
         refusal = _skeleton_refusal(skeleton, reader)
         if refusal is None and _wants_eval(recipe, text):
             refusal = _eval_refusal(recipe, where, reader)

@@ -67,7 +67,7 @@ from compress.quant.calibrated import (
     run_layer,
 )
 from compress.quant.coverage import report_coverage
-from compress.quant.experts import quantize_experts_rtn
+from compress.quant.experts import plan_experts, rtn_layer_experts
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.quant.scheme import CalibratedWeightConfig
 
@@ -391,8 +391,12 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
     layer at a time; the report gives each layer's block loss before (RTN) and after tuning."""
     report = PassReport("quantize.autoround")
     plan = plan_layers(model, cfg, cfg.n_bits, report)
+    experts = plan_experts(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.autoround")  # before any work
     per_block: dict[str, dict[str, float]] = {}
+    # routed experts: no block-output tuning through the router here; RTN, said per expert
+    per_expert: dict[str, str] = {}
+    why = "AutoRound: a routed expert is not tuned"
     layer_prefix = arch_for(model, "quantize.autoround").layer_prefix
 
     float_hidden: list[list[torch.Tensor]] = []  # the float model's states entering the layer
@@ -407,6 +411,7 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
             targets = run_layer(layer, replace(inputs, hidden=entering))
             float_hidden.append(targets)
         if not names:
+            per_expert.update(rtn_layer_experts(model, experts, prefix, why, cfg.backend))
             return
         linears = {n[len(prefix) :]: (model.get_submodule(n), plan[n]) for n in names}
         if cfg.target == "quantized_inputs":
@@ -427,6 +432,7 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
             info["loss_tuned"],
         )
         per_block[f"{layer_prefix}{index}"] = info
+        per_expert.update(rtn_layer_experts(model, experts, prefix, why, cfg.backend))
 
     memory = run_calibrated(model, state, process, "quantize.autoround", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
@@ -434,9 +440,7 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
     ratios = [v["loss_tuned"] / v["loss_rtn"] for v in per_block.values() if v["loss_rtn"] > 0]
     report.metrics["mean_loss_ratio_vs_rtn"] = sum(ratios) / len(ratios) if ratios else None
     report.metrics["blocks_kept_rtn"] = int(sum(v["kept_rtn"] for v in per_block.values()))
-    # routed experts: no block-output tuning through the router here; RTN, said per expert
-    report.metrics["per_expert"] = quantize_experts_rtn(
-        model, cfg, cfg.n_bits, report, "AutoRound: a routed expert is not tuned"
-    )
+    report.metrics["per_expert"] = per_expert
+    report.changed += list(per_expert)
     report_coverage(model, cfg, report)
     return report

@@ -77,7 +77,7 @@ from compress.quant.calibrated import (
     warn_unscaled,
 )
 from compress.quant.coverage import report_coverage
-from compress.quant.experts import quantize_experts_rtn
+from compress.quant.experts import plan_experts, rtn_layer_experts
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.quant.scheme import CalibratedWeightConfig
 
@@ -328,8 +328,11 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
     # qkv_proj the whole fused linear, since its q and k rows are in it)
     no_clip = (arch.q, arch.k)
     plan = plan_layers(model, cfg, cfg.n_bits, report)
+    experts = plan_experts(model, cfg, cfg.n_bits, report)
     raise_or_report_skips(cfg, report, "quantize.awq")  # before any work
     per_group: dict[str, dict[str, float] | str] = {}
+    # routed experts have no producer feeding one linear group, so no scale search: RTN, said so
+    per_expert: dict[str, str] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:
         prefix = f"{arch.layer_prefix}{index}."
@@ -344,14 +347,14 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
             quant = QuantLinear.from_linear(linear, scheme, backend="reference")
             set_submodule(model, prefix + sub, quant)
             report.changed.append(prefix + sub)
+        per_expert.update(rtn_layer_experts(model, experts, prefix, "AWQ: no scale "
+                                            "search for a routed expert", cfg.backend))
 
     memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload)
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
-    # routed experts have no producer feeding one linear group, so no scale search: RTN, said so
-    report.metrics["per_expert"] = quantize_experts_rtn(
-        model, cfg, cfg.n_bits, report, "AWQ: no scale search for a routed expert"
-    )
+    report.metrics["per_expert"] = per_expert
+    report.changed += list(per_expert)
     report_coverage(model, cfg, report)
     warn_unscaled(report, per_group, arch)
     return report

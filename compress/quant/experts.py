@@ -1,7 +1,7 @@
 """Fused MoE experts for the weight-quantization passes: which expert modules a pass config
 targets (``target_experts``: experts are an MLP's linears in fused 3-D form, transformers 5's
 ``[E, 2I, H]`` / ``[E, H, I]`` parameters, so a pass targeting ``Linear`` targets them), their
-per-expert schemes (``plan_experts``) and their RTN (``rtn_experts``, ``quantize_experts_rtn``)
+per-expert schemes (``plan_experts``) and their RTN (``rtn_experts``, ``rtn_layer_experts``)
 into a ``QuantExperts``. Shared by RTN, GPTQ (which falls back to it for experts the router sends
 too few calibration tokens) and AWQ (which has no scale search for routed experts).
 """
@@ -68,19 +68,20 @@ def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: 
     return plan
 
 
-def quantize_experts_rtn(
-    model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: PassReport, why: str
+def rtn_layer_experts(
+    model: nn.Module, plan: dict, prefix: str, why: str, backend: str
 ) -> dict[str, str]:
-    """RTN of every targeted float experts module, for a pass that has no method of its own
-    for experts (AWQ: its scale search needs a producer that feeds one linear group; routed
-    experts have none). Each is listed in ``report.changed``; returns ``{experts module:
-    "<why> -> RTN"}`` for the report. Skips (group sizes) are added to ``report.skipped``."""
-    plan = plan_experts(model, cfg, n_bits, report)
+    """RTN of the experts modules of ``plan`` (``plan_experts``) under ``prefix``, one decoder
+    layer's, for a pass that has no method of its own for experts (AWQ: its scale search needs
+    a producer that feeds one linear group; routed experts have none), called in its per-layer
+    step: the layer is resident there when streamed, and the next layers calibrate on its
+    quantized output, as after GPTQ. Returns ``{experts module: "<why> -> RTN"}``: the pass
+    lists them in ``report.changed`` after its linears' ``finish_quant_report``."""
     done = {}
     for name, (module, pair) in plan.items():
-        rtn_experts(model, name, module, pair, cfg.backend)
-        report.changed.append(name)
-        done[name] = f"{why} -> RTN"
+        if name.startswith(prefix):
+            rtn_experts(model, name, module, pair, backend)
+            done[name] = f"{why} -> RTN"
     return done
 
 

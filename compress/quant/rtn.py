@@ -95,20 +95,24 @@ def quantize_linears(
     bytes_before = quantization_coverage(model)["weight_bytes"]
     err_num = err_den = 0.0
     schemes: dict[str, int] = {}
-    for layer_name, linear, scheme in plan if stream is None else stream.each_linear(plan):
-        quant = make(linear, scheme, backend=cfg.backend)
-        num, den = _squared_error(quant, linear.weight.detach())
+    # linears and fused experts in one list: streamed, each layer is read and finished once
+    work = [(*item, None) for item in plan]
+    work += [(n, module, None, pair) for n, (module, pair) in experts.items()]
+    for layer_name, module, scheme, pair in work if stream is None else stream.each_linear(work):
+        if pair is not None:  # a fused experts module
+            quant, num, den = rtn_experts(model, layer_name, module, pair, cfg.backend)
+            err_num, err_den = err_num + num, err_den + den
+            report.changed.append(layer_name)
+            for expert_scheme, count in zip(pair, (2, 1), strict=True):  # gate, up; down
+                key = expert_scheme.describe()
+                schemes[key] = schemes.get(key, 0) + count * quant.num_experts
+            continue
+        quant = make(module, scheme, backend=cfg.backend)
+        num, den = _squared_error(quant, module.weight.detach())
         err_num, err_den = err_num + num, err_den + den
         set_submodule(model, layer_name, quant)
         report.changed.append(layer_name)
         schemes[scheme.describe()] = schemes.get(scheme.describe(), 0) + 1
-    for layer_name, (module, pair) in experts.items():
-        quant, num, den = rtn_experts(model, layer_name, module, pair, cfg.backend)
-        err_num, err_den = err_num + num, err_den + den
-        report.changed.append(layer_name)
-        for scheme, count in zip(pair, (2, 1), strict=True):  # gate and up, down: per expert
-            key = scheme.describe()
-            schemes[key] = schemes.get(key, 0) + count * quant.num_experts
     report.metrics.update(
         layers=len(plan),
         expert_modules=len(experts),

@@ -461,3 +461,63 @@ def test_a_tied_config_over_a_head_of_its_own_reads_that_head_everywhere(tmp_pat
         assert config["tie_word_embeddings"] == (not untied), mode
     if untied:
         assert torch.equal(a["lm_head.weight"], head)
+
+
+MOE_CASES = [(family, "int4_rtn") for family in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")]
+MOE_CASES += [(family, kind) for family in ("mixtral", "qwen2_moe")
+              for kind in ("gptq", "awq", "autoround")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "kind"), MOE_CASES)
+def test_streamed_moe_equals_in_memory(family, kind, tmp_path, monkeypatch, one_thread):
+    """An MoE checkpoint stores one weight per expert and projection (Mixtral's block under
+    another name); a streamed job reads each layer's experts fused, as transformers does on
+    load (``MoeTreeReader``), and writes them back per expert: the checkpoint is the in-memory
+    run's, tensor for tensor and bit for bit. AWQ and AutoRound round the experts by RTN in
+    their per-layer step (streamed, the layer is resident only there)."""
+    from compress.testing import make_tiny_moe
+
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    make_tiny_moe(family, tie_word_embeddings=False).to(torch.bfloat16).save_pretrained(
+        tmp_path / "ck")
+    make_char_tokenizer().save_pretrained(tmp_path / "ck")
+    (tmp_path / "text.txt").write_text(TEXT)
+    stored = set(CheckpointReader(tmp_path / "ck").names())
+    assert not any(k.endswith("gate_up_proj") for k in stored)  # per expert, as on the hub
+    recipe = _recipe(tmp_path, PASSES[kind])
+    runs = {mode: run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / mode,
+                          stream=mode == "stream", progress=False)
+            for mode in ("mem", "stream")}  # fmt: skip
+    assert runs["stream"].payload["memory"]["streamed"]
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and any(".experts.0." in k and "weight_packed" in k for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    configs = [json.loads((tmp_path / m / "config.json").read_text()) for m in ("mem", "stream")]
+    assert configs[0] == configs[1]
+    # the same modules changed (a streamed RTN takes each layer's linears and experts together)
+    reports = [[sorted(p["changed"]) for p in runs[m].payload["passes"]] for m in ("mem", "stream")]
+    assert reports[0] == reports[1]
+
+
+def test_a_streamed_moe_job_that_evaluates_is_refused_naming_the_way_out(tmp_path, monkeypatch):
+    """Layer-by-layer scoring reads no MoE export: a job that evaluates runs whole (auto) or,
+    asked to stream, is refused before any work, naming how to stream it."""
+    from compress.testing import make_tiny_moe
+
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    make_tiny_moe("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "ck")
+    make_char_tokenizer().save_pretrained(tmp_path / "ck")
+    (tmp_path / "text.txt").write_text(TEXT)
+    evaluate = {"baseline": False,
+                "perplexity": {"dataset": str(tmp_path / "text.txt"), "context_length": 32,
+                               "limit": 2}}  # fmt: skip
+    recipe = _recipe(tmp_path, PASSES["int4_rtn"], evaluate=evaluate)
+    with pytest.raises(RecipeError, match="mixture-of-expert export is not implemented; to "
+                                          "stream, leave evaluation out"):
+        run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / "s", stream=True,
+                progress=False)
+    assert not (tmp_path / "s").exists()
+    whole = run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / "w", progress=False)
+    memory = whole.payload["memory"]
+    assert not memory["streamed"] and "mixture-of-expert export" in memory["not_streamed_because"]

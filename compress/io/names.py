@@ -1,0 +1,187 @@
+"""How checkpoints name a model's tensors where the module tree names them otherwise
+(``compress.io`` imports no pass): a mixture-of-experts block's name and its per-expert
+Linears (transformers 5 holds the experts fused in 3-D parameters; checkpoints, vLLM and the hub
+store one ``[out, in]`` weight per expert and projection), and the renames transformers applies
+on save (GPT-NeoX's ``embed_out``). ``checkpoint_renamer`` maps tree names to checkpoint names
+for the exports; ``moe_tree_reader`` reads a checkpoint of per-expert weights under the tree's
+names, fusing each layer's experts as it is read, for streamed jobs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from compress.arch import ARCHS, Arch, model_type, sparse_layers
+from compress.core.errors import ModelLoadError
+from compress.io.checkpoint import CheckpointReader
+from compress.quant.linear import QuantExperts
+
+
+def moe_arch(model: nn.Module) -> Arch | None:
+    arch = ARCHS.get(model_type(model))
+    return arch if arch is not None and arch.moe is not None else None
+
+
+def checkpoint_renamer(model: nn.Module):
+    """``name -> checkpoint name`` (a tensor's or a module's): the MoE block's name as
+    checkpoints (vLLM, the hub) spell it (Mixtral: ``block_sparse_moe``; transformers 5 renames
+    it back on load); for other families the names ``save_pretrained`` writes
+    (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints, which
+    transformers 4 and vLLM read), else the name itself."""
+    from compress.io.stream import transformers_renamings
+
+    arch = moe_arch(model)
+    if arch is None or arch.moe is None:
+        renamings = transformers_renamings(model, to_checkpoint=True)
+
+        def rename_dense(name: str) -> str:
+            for source, target in renamings:  # on name + ".": patterns end in a dot
+                name = re.sub(source, target, name + ".")[:-1]
+            return name
+
+        return rename_dense if renamings else (lambda name: name)
+    if arch.moe.block == arch.moe.checkpoint_block:
+        return lambda name: name
+    old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
+
+    def rename(name: str) -> str:
+        if not name.startswith(arch.layer_prefix):
+            return name
+        head, sep, rest = name[len(arch.layer_prefix):].partition(".")
+        return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
+
+    return rename
+
+
+def moe_float_linears(model: nn.Module) -> list[str]:
+    """Module names (transformers 5 tree) of the Linears a vLLM-style checkpoint of an MoE model
+    holds in float: every router, and each expert's projections when the experts module is
+    not quantized (``<experts>.<e>.<gate|up|down>``)."""
+    arch = moe_arch(model)
+    if arch is None or arch.moe is None:
+        return []
+    names = []
+    for index in sparse_layers(model, arch):
+        prefix = f"{arch.layer_prefix}{index}."
+        names.append(prefix + arch.moe.router)
+        experts = model.get_submodule(prefix + arch.moe.fused)
+        if not isinstance(experts, QuantExperts):
+            count = getattr(experts, arch.moe.down).shape[0]
+            names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
+                      for e in range(count) for p in arch.moe.checkpoint_projections]
+    return names
+
+
+def split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
+    and projection, the layout checkpoints (and vLLM) read."""
+    arch = moe_arch(model)
+    if arch is None or arch.moe is None:
+        return
+    gate, up, down = arch.moe.checkpoint_projections
+    for index in range(len(model.get_submodule(arch.layers))):
+        prefix = f"{arch.layer_prefix}{index}.{arch.moe.fused}"
+        fused_gate_up = tensors.pop(f"{prefix}.{arch.moe.gate_up}", None)
+        if fused_gate_up is not None:  # each on its own: a streamed export may hold one
+            inter = fused_gate_up.shape[1] // 2
+            for e in range(fused_gate_up.shape[0]):
+                tensors[f"{prefix}.{e}.{gate}.weight"] = fused_gate_up[e, :inter].contiguous()
+                tensors[f"{prefix}.{e}.{up}.weight"] = fused_gate_up[e, inter:].contiguous()
+        fused_down = tensors.pop(f"{prefix}.{arch.moe.down}", None)
+        if fused_down is not None:
+            for e in range(fused_down.shape[0]):
+                tensors[f"{prefix}.{e}.{down}.weight"] = fused_down[e].contiguous()
+
+
+def tree_name(key: str, names: dict[str, str], rename) -> str:
+    """Checkpoint key -> module tree key (per-expert keys keep their tail)."""
+    if key in names:
+        return names[key]
+    head, _, tail = key.rpartition(".")
+    inverse = {v: k for k, v in ((m, rename(m)) for m in names.values())}
+    for n in (head, head.rpartition(".")[0], head.rpartition(".")[0].rpartition(".")[0]):
+        if n in inverse:
+            return inverse[n] + key[len(n):]
+    return key
+
+
+class MoeTreeReader:
+    """A checkpoint of per-expert weights (``<block>.experts.<e>.<gate|up|down>.weight``) read
+    under the module tree's names, for a streamed job over an MoE model: each sparse layer's
+    fused ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` are stacked from the experts' weights
+    when read (transformers 5's own fusion on load), every other tensor is read under its
+    checkpoint name (``checkpoint_renamer``). Checkpoints that store the experts fused already
+    are read as they are. Stored tensors no tree name maps onto keep their names, so a
+    comparison of ``names()`` with the model's finds them."""
+
+    def __init__(self, model: nn.Module, reader: CheckpointReader) -> None:
+        from compress.io.stream import expected_tensors
+
+        arch = moe_arch(model)
+        if arch is None:
+            raise ValueError(f"model_type {model_type(model)!r} has no mixture-of-expert entry")
+        moe, rename = arch.moe, checkpoint_renamer(model)
+        self.path, self._reader = reader.path, reader
+        self._fused: dict[str, list[list[str]]] = {}  # tree name -> per expert, its parts
+        gate, up, down = moe.checkpoint_projections
+        for index in sparse_layers(model, arch):
+            prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
+            if f"{prefix}.{moe.gate_up}" in reader:
+                continue  # stored fused
+            count = getattr(model.get_submodule(prefix), moe.down).shape[0]
+            stored = rename(prefix)
+            self._fused[f"{prefix}.{moe.gate_up}"] = [
+                [f"{stored}.{e}.{gate}.weight", f"{stored}.{e}.{up}.weight"] for e in range(count)]
+            self._fused[f"{prefix}.{moe.down}"] = [[f"{stored}.{e}.{down}.weight"]
+                                                   for e in range(count)]  # fmt: skip
+        self._plain = {name: rename(name) for name in expected_tensors(model)
+                       if name not in self._fused and rename(name) in reader}  # fmt: skip
+        used = set(self._plain.values()) | {n for parts in self._fused.values()
+                                            for expert in parts for n in expert}  # fmt: skip
+        self._plain.update({n: n for n in reader.names() if n not in used})
+
+    def names(self) -> list[str]:
+        fused = [name for name, parts in self._fused.items()
+                 if all(n in self._reader for expert in parts for n in expert)]  # fmt: skip
+        return list(self._plain) + fused
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._plain or name in self.names()
+
+    def _first(self, name: str) -> str:
+        return self._plain[name] if name in self._plain else self._fused[name][0][0]
+
+    def file_of(self, name: str):
+        return self._reader.file_of(self._first(name))
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._reader.dtype(self._first(name))
+
+    def nbytes(self, name: str) -> int:
+        if name in self._plain:
+            return self._reader.nbytes(self._plain[name])
+        return sum(self._reader.nbytes(n) for expert in self._fused[name] for n in expert)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._plain:
+            return self._reader.shape(self._plain[name])
+        parts = [self._reader.shape(n) for n in self._fused[name][0]]
+        return (len(self._fused[name]), sum(p[0] for p in parts), *parts[0][1:])
+
+    def read(self, name: str, *, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self._fused:
+            return self._reader.read(self._plain.get(name, name), shape=shape, dtype=dtype)
+        experts = self._fused[name]
+        fused = torch.stack([torch.cat([self._reader.read(n, dtype=dtype) for n in expert])
+                             for expert in experts])  # fmt: skip
+        if shape is not None and tuple(fused.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{self.path}: the per-expert weights {experts[0][0]}... stack to "
+                f"{list(fused.shape)} but config.json implies {list(shape)} for {name}; fix "
+                "config.json or re-export the checkpoint"
+            )
+        return fused
