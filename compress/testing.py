@@ -197,6 +197,27 @@ LLAMA_SHAPES = {
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
 }  # fmt: skip
+# Mixture-of-experts shapes for the streamed benchmarks (``write_synthetic_llama`` writes their
+# experts one weight per expert, as the hub's checkpoints store them)
+MOE_SHAPES = {
+    # Qwen3-30B-A3B: 48 layers of 128 experts (768 wide), 8 per token; 61 GB in bf16
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], vocab_size=151936),
+}  # fmt: skip
+
+
+def synthetic_config(shape: str, **overrides):
+    """The transformers config of ``LLAMA_SHAPES[shape]`` or ``MOE_SHAPES[shape]``, untied, bf16,
+    with ``overrides``."""
+    from transformers import AutoConfig
+
+    settings = dict(LLAMA_SHAPES.get(shape) or MOE_SHAPES[shape], tie_word_embeddings=False,
+                    torch_dtype="bfloat16")
+    settings.update(overrides)
+    return AutoConfig.for_model(settings.pop("model_type", "llama"), **settings)
 
 
 def make_synthetic_llama(shape: str, seed: int = 0, **overrides):
@@ -222,8 +243,9 @@ def write_synthetic_llama(
     shard_size: str | None = None,
     **overrides,
 ) -> Path:
-    """A random-weight bf16 Llama checkpoint of ``LLAMA_SHAPES[shape]`` (``overrides`` go to the
-    config) in ``folder``, with ``tokenizer`` (None: ``make_char_tokenizer``, inside every
+    """A random-weight bf16 checkpoint of ``LLAMA_SHAPES[shape]`` or (``init="stream"`` only)
+    ``MOE_SHAPES[shape]`` (``synthetic_config``; ``overrides`` go to the config) in ``folder``,
+    with ``tokenizer`` (None: ``make_char_tokenizer``, inside every
     vocabulary). Kept when ``folder/config.json`` exists: it is written to ``folder.part`` and
     renamed when complete, so a stopped run leaves no half checkpoint to reuse.
 
@@ -233,8 +255,7 @@ def write_synthetic_llama(
     cast to bf16, saved by ``save_pretrained`` (``shard_size`` None: its default shards); the whole
     model is in memory. The two give different weights for one seed: a benchmark keeps the one
     its earlier results were measured on."""
-    from transformers import LlamaConfig
-
+    from compress.io.names import checkpoint_renamer, split_float_experts
     from compress.io.stream import ShardWriter, expected_tensors, meta_skeleton
 
     if init not in ("stream", "transformers"):
@@ -250,18 +271,21 @@ def write_synthetic_llama(
         sharding = {} if shard_size is None else {"max_shard_size": shard_size}
         model.save_pretrained(tmp, **sharding)
     else:
-        settings = dict(LLAMA_SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16")
-        settings.update(overrides)
-        LlamaConfig(**settings).save_pretrained(tmp)
+        synthetic_config(shape, **overrides).save_pretrained(tmp)
         writer = ShardWriter(tmp, shard_size or "2GB")
         generator = torch.Generator().manual_seed(seed)
-        for key, meta in expected_tensors(meta_skeleton(tmp)).items():
+        skeleton = meta_skeleton(tmp)
+        rename = checkpoint_renamer(skeleton)
+        for key, meta in expected_tensors(skeleton).items():
             if meta.dim() == 1:  # norms: ones, as trained models keep them near
                 tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
             else:
                 tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
-            writer.add(key, tensor)
-            del tensor
+            tensors = {key: tensor}
+            split_float_experts(skeleton, tensors)  # fused experts: one weight per expert
+            for name, part in tensors.items():
+                writer.add(rename(name), part)
+            del tensor, tensors
         writer.finish()
     (tokenizer or make_char_tokenizer()).save_pretrained(tmp)
     os.replace(tmp, folder)

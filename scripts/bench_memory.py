@@ -1,7 +1,8 @@
-"""Peak resident memory of `compress run` against model size: synthetic Llamas with random bf16
-weights in public models' shapes, written to disk as shards, compressed by W4 RTN g128 (and
-W4 GPTQ g128 with --gptq), each run a child process measured by `/usr/bin/time -v` (its
-maximum resident set size) and its results.json (peak per phase, streamed or not).
+"""Peak resident memory of `compress run` against model size: synthetic Llamas (and MoE models)
+with random bf16 weights in public models' shapes, written to disk as shards, compressed by W4
+RTN g128 (and W4 GPTQ g128 with --gptq), each run a child process measured by
+`/usr/bin/time -v` (its maximum resident set size) and its results.json (peak per phase,
+streamed or not).
 
 Speed and memory do not depend on the weights' values, so random weights measure them; quality
 needs a real model (docs/results.md section 1). Calibration text is tokenized by a
@@ -13,6 +14,8 @@ vocabulary): the hidden states are as large as with any tokenizer.
     python scripts/bench_memory.py --shapes 7b,13b --gptq --first-layers 2 --out out/gptq_first2
     python scripts/bench_memory.py --load out/w4-7b --out out/load_w4_7b   # loading an export
     python scripts/bench_memory.py --shapes 70b --layers 4 --in-memory '' --out out/bench_memory_70b
+    python scripts/bench_memory.py --shapes qwen3-30b-a3b --layers 4 --in-memory qwen3-30b-a3b \
+        --out out/bench_memory_moe   # an MoE shape (compress.testing.MOE_SHAPES), per expert
 
 ``--layers N`` writes only the first N decoder layers of each shape, each as wide as the real
 model's (with its embedding and head): a 70B checkpoint (141 GB) does not fit this disk. A
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from compress.testing import LLAMA_SHAPES, write_synthetic_llama
+from compress.testing import LLAMA_SHAPES, synthetic_config, write_synthetic_llama
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -272,9 +275,10 @@ def main() -> None:
     env = environment()
     for shape in args.shapes.split(","):
         depth = {"num_hidden_layers": args.layers} if args.layers else {}
-        model_dir = Path(args.models) / (f"llama-{shape}-{args.layers}layers-bf16" if depth
-                                         else f"llama-{shape}-bf16")
-        params = sum(_numel({**LLAMA_SHAPES[shape], **depth}))
+        family = "llama-" if shape in LLAMA_SHAPES else ""
+        model_dir = Path(args.models) / (f"{family}{shape}-{args.layers}layers-bf16" if depth
+                                         else f"{family}{shape}-bf16")
+        params = _param_count(shape, depth)
         need = params * 2 * (0 if (model_dir / "config.json").is_file() else 1) + params * 0.6
         existing = Path(args.models).resolve()
         while not existing.exists():  # the disk the folder will be made on
@@ -290,8 +294,8 @@ def main() -> None:
                               **depth)
         print(f"{shape}: checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
         # the row says how much of the model was written; file names keep a plain form
-        label = (f"{shape} ({args.layers} of {LLAMA_SHAPES[shape]['num_hidden_layers']} layers)"
-                 if depth else shape)
+        label = (f"{shape} ({args.layers} of {synthetic_config(shape).num_hidden_layers} "
+                 "layers)" if depth else shape)
         whole = shape in args.in_memory.split(",")
         shape = f"{shape}-{args.layers}layers" if depth else shape
         if args.first_layers:
@@ -315,11 +319,15 @@ def main() -> None:
     print(markdown(rows, env))
 
 
-def _numel(shape: dict) -> list[int]:
-    h, i, n, v = (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
-                  shape["vocab_size"])
-    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    return [2 * v * h, n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h), h]
+def _param_count(shape: str, depth: dict) -> int:
+    """Parameters of the synthetic checkpoint (a meta model of its config: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.io.stream import no_weight_init, parameters_on_meta
+
+    with no_weight_init(), parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(synthetic_config(shape, **depth))
+    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the
   (``_bnb_export_bytes``), while the baseline is scored layer by layer;
 * a model loaded whole (passes that need it, and every evaluation): 1.45 times its parameters
   in float32 (transformers casts from the stored dtype), plus the same again for a
-  distillation teacher, plus a window's logits for evaluation.
+  distillation teacher, plus a window's logits for evaluation; a mixture-of-experts model
+  2.4 times (transformers fuses the experts' per-expert weights as it loads: 17.8 GB for the
+  Qwen3-30B-A3B shape's first 2 layers, 1.87e9 parameters, 2026-12-05; its 4 layers, 3.11e9,
+  were killed for memory at 24.6 GB before this factor).
 
 Set ``COMPRESS_SKIP_MEMORY_CHECK=1`` to run anyway (the estimate can be wrong for a family
 whose layers differ from their shapes' sum).
@@ -34,6 +37,7 @@ whose layers differ from their shapes' sum).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from compress.memory import available_memory_bytes
 
 BASE_BYTES = 750 * 10**6  # python, torch, transformers, a tokenizer, the reader
 LOAD_FACTOR = 1.45  # a model loaded whole, per float32 byte (measured, see above)
+MOE_LOAD_FACTOR = 2.4  # the same for a mixture-of-experts model (measured 2.28, see above)
 TEMPORARIES = 3.5  # float32 copies of the largest linear while it is quantized
 FLOAT32 = 4
 # RTN as the first pass reads the checkpoint one linear at a time (``compress.quant.rtn``): its
@@ -86,7 +91,7 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
         return None
     from torch import nn
 
-    from compress.arch import arch_for, decoder_layers
+    from compress.arch import arch_for, decoder_layers, sparse_layers
 
     arch = arch_for(skeleton, "the memory preflight")
     layers = decoder_layers(skeleton, "the memory preflight")
@@ -95,11 +100,29 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
     total = sum(p.numel() for p in skeleton.parameters())
     cfg = skeleton.config
     linears = [m.weight.numel() for m in layers[0].modules() if isinstance(m, nn.Linear)]
+    if arch.moe is not None:  # fused experts are read and quantized as one item (RTN, GPTQ)
+        linears += [sum(p.numel() for p in layers[i].get_submodule(arch.moe.fused).parameters())
+                    for i in sparse_layers(skeleton, arch)]
     dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
             "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
             "largest_linear": max(linears, default=0),
             "layer_prefix": arch.layer_prefix}
     return largest, total - in_stack, dims
+
+
+def _is_moe(where, skeleton) -> bool:
+    """Whether the model is a mixture of experts (its skeleton's family, else its config.json's
+    model_type)."""
+    from compress.arch import ARCHS, model_type
+
+    kind = model_type(skeleton) if skeleton is not None else None
+    if kind is None and isinstance(where, Path):
+        try:
+            kind = json.loads((where / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return False
+    arch = ARCHS.get(kind)
+    return arch is not None and arch.moe is not None
 
 
 def _parameter_count(where) -> int | None:
@@ -151,7 +174,8 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
             phases[f"pass {index} {name}"] = BASE_BYTES + resident + need
             resident = kept
     elif params is not None:
-        whole = int(params * FLOAT32 * LOAD_FACTOR)
+        load = MOE_LOAD_FACTOR if _is_moe(where, skeleton) else LOAD_FACTOR
+        whole = int(params * FLOAT32 * load)
         teacher = any(PASSES[pass_name_of(c)].needs_teacher for c in recipe.passes)
         hidden = 0
         if shapes is not None:
@@ -170,7 +194,8 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         window = 0
         if shapes is not None and recipe.eval.perplexity is not None:
             window = recipe.eval.perplexity.context_length * shapes[2]["vocab"] * FLOAT32 * 3
-        phases["eval (model loaded whole)"] = (BASE_BYTES + int(params * FLOAT32 * LOAD_FACTOR)
+        load = MOE_LOAD_FACTOR if _is_moe(where, skeleton) else LOAD_FACTOR
+        phases["eval (model loaded whole)"] = (BASE_BYTES + int(params * FLOAT32 * load)
                                                + window)
     peak = max(phases.values()) if phases else None
     return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
@@ -342,7 +367,7 @@ def whole_load_bytes(where) -> int | None:
         kept = (keeps_stored_dtype(name, stored, numel, torch.float32, quantized=quantized)
                 if compressed else not stored.is_floating_point or name.endswith("weight_scale"))
         total += reader.nbytes(name) if kept else numel * FLOAT32
-    return BASE_BYTES + int(total * LOAD_FACTOR)
+    return BASE_BYTES + int(total * (MOE_LOAD_FACTOR if _is_moe(where, None) else LOAD_FACTOR))
 
 
 def check_phase(phase: str, need: int | None, way_out: str) -> None:
