@@ -35,6 +35,7 @@ from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
 from compress.io.names import (
+    MoeTreeReader,
     checkpoint_renamer,
     moe_arch,
     moe_float_linears,
@@ -495,7 +496,8 @@ def _load_moe_experts(
         if f"{prefix}.0.{gate}.weight_scale" in tensors:
             first = f"{prefix}.0."
             schemes = tuple(
-                _expert_scheme(quant, rename(first + p), tensors[f"{first}{p}.weight_scale"])
+                _expert_scheme(quant, rename(first + p),
+                               tensors[f"{first}{p}.weight_scale"].dtype)
                 for p in (gate, down)
             )
             experts = QuantExperts(
@@ -512,12 +514,37 @@ def _load_moe_experts(
     return tensors
 
 
-def _expert_scheme(quant: dict[str, Any], name: str, scale: torch.Tensor) -> WeightScheme:
+def _expert_scheme(quant: dict[str, Any], name: str, scale_dtype: torch.dtype) -> WeightScheme:
     """The scheme of the config group targeting the per-expert Linear ``name``."""
     for group in quant.get("config_groups", {}).values():
         if any(t == "Linear" or matches(name, None, t) for t in group["targets"]):
-            return _scheme_from_args(group["weights"], scale.dtype)
+            return _scheme_from_args(group["weights"], scale_dtype)
     raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
+
+
+def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], reader, dtype: torch.dtype,
+                            backend: str) -> None:
+    """Replace each fused experts module the checkpoint stores quantized (its experts'
+    ``weight_scale`` tensors, under checkpoint names) by an empty ``QuantExperts`` of its
+    schemes, on the device of the module it replaces (meta for a skeleton)."""
+    arch, rename = moe_arch(model), checkpoint_renamer(model)
+    moe = arch.moe
+    gate, _, down = moe.checkpoint_projections
+    for index in sparse_layers(model, arch):
+        prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
+        fused = model.get_submodule(prefix)
+        first = f"{prefix}.0."
+        if rename(f"{first}{gate}.weight_scale") not in reader:
+            continue
+        schemes = tuple(_expert_scheme(quant, rename(first + p),
+                                       reader.dtype(rename(f"{first}{p}.weight_scale")))
+                        for p in (gate, down))  # fmt: skip
+        count, hidden, inter = getattr(fused, moe.down).shape
+        with torch.device(getattr(fused, moe.down).device):
+            experts = QuantExperts(count, hidden, inter, schemes, moe.checkpoint_projections,
+                                   getattr(fused, moe.act), dtype=dtype, backend=backend)
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, experts)
 
 
 def swap_quantized_linears(
@@ -565,14 +592,10 @@ def compressed_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
                         backend: str = "auto") -> nn.Module:
     """``load_compressed``'s model with every tensor on the meta device (a
     ``compress.io.stream.meta_skeleton`` with the quantized layers swapped in, reading only the
-    shards' headers), for reading one layer at a time. Fused MoE experts are not supported
-    here (ModelLoadError): they are renamed and regrouped on load."""
+    shards' headers), for reading one layer at a time; an MoE model's quantized experts as
+    ``QuantExperts`` (read through ``compress.io.names.MoeTreeReader``)."""
     path = Path(path)
-    model = _skeleton(path, _quantization_config(path), dtype, backend)
-    if model is None:
-        raise ModelLoadError(f"{path}: an MoE checkpoint (routed layers) is not read layer by "
-                             "layer; load it whole (compress.load)")
-    return model
+    return _skeleton(path, _quantization_config(path), dtype, backend, moe=True)
 
 
 def _quantization_config(path: Path) -> dict[str, Any]:
@@ -583,18 +606,23 @@ def _quantization_config(path: Path) -> dict[str, Any]:
             from exc
 
 
-def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype,
-              backend: str) -> nn.Module | None:
-    """The meta skeleton with the quantized layers swapped in; None for an MoE model (its
-    experts are renamed and regrouped, so it is read whole)."""
+def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: str, *,
+              moe: bool = False) -> nn.Module | None:
+    """The meta skeleton with the quantized layers swapped in; for an MoE model, None (it is
+    loaded whole: its experts are renamed and regrouped) unless ``moe``: then its quantized
+    experts are swapped in too, for reading one layer at a time."""
     from compress.io.stream import CheckpointReader, meta_skeleton, under_model_names
 
     model = meta_skeleton(path)
-    if moe_arch(model) is not None:
+    if moe_arch(model) is not None and not moe:
         return None
     if quant.get("kv_cache_scheme"):
         add_kv_scale_buffers(model)  # read below like every other tensor
-    reader = under_model_names(model, CheckpointReader(path))
+    raw = CheckpointReader(path)
+    reader = under_model_names(model, raw)
+    if moe_arch(model) is not None:
+        _swap_quantized_experts(model, quant, raw, dtype, backend)
+        reader = MoeTreeReader(model, reader)
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
                            path, dtype, backend)
     return model
@@ -621,6 +649,8 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
     reader = under_model_names(skeleton, CheckpointReader(path))
+    if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
+        reader = MoeTreeReader(skeleton, reader)
     # what load_model refuses, refused here too: scored layer by layer, a config with fewer
     # layers than the weights would silently be a smaller model
     names, stored = set(expected_tensors(skeleton)), set(reader.names())

@@ -129,8 +129,9 @@ class MoeTreeReader:
         gate, up, down = moe.checkpoint_projections
         for index in sparse_layers(model, arch):
             prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
-            if f"{prefix}.{moe.gate_up}" in reader:
-                continue  # stored fused
+            if f"{prefix}.{moe.gate_up}" in reader or isinstance(
+                    model.get_submodule(prefix), QuantExperts):
+                continue  # stored fused, or quantized (read per expert under its own names)
             count = getattr(model.get_submodule(prefix), moe.down).shape[0]
             stored = rename(prefix)
             self._fused[f"{prefix}.{moe.gate_up}"] = [

@@ -252,12 +252,7 @@ def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
     which holds every bf16 and fp16 value (a float32 source exported in bf16 would be scored
     with rounded embeddings and norms)."""
     from compress.core.registry import DTYPES
-    from compress.io.names import MoeTreeReader
 
-    if isinstance(reader, MoeTreeReader):
-        return ("layer-by-layer scoring of a mixture-of-expert export is not implemented; to "
-                "stream, leave evaluation out (eval.perplexity: null, eval.baseline: false) and "
-                "score the export with compress eval")
     stored = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
     export = DTYPES[_export_dtype(recipe, where)]
     if stored <= {export} or export is DTYPES["float32"]:

@@ -500,24 +500,32 @@ def test_streamed_moe_equals_in_memory(family, kind, tmp_path, monkeypatch, one_
     assert reports[0] == reports[1]
 
 
-def test_a_streamed_moe_job_that_evaluates_is_refused_naming_the_way_out(tmp_path, monkeypatch):
-    """Layer-by-layer scoring reads no MoE export: a job that evaluates runs whole (auto) or,
-    asked to stream, is refused before any work, naming how to stream it."""
+def test_a_streamed_moe_job_scores_layer_by_layer_as_the_whole_model(tmp_path, monkeypatch,
+                                                                       one_thread):
+    """A streamed MoE job that evaluates scores the source and its export layer by layer (the
+    experts fused as each layer is read, quantized ones as ``QuantExperts``): the in-memory
+    job's perplexity and KL, bit for bit, and the same checkpoint."""
     from compress.testing import make_tiny_moe
 
     monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
-    make_tiny_moe("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "ck")
+    make_tiny_moe("mixtral", tie_word_embeddings=False).to(torch.bfloat16).save_pretrained(
+        tmp_path / "ck")
     make_char_tokenizer().save_pretrained(tmp_path / "ck")
     (tmp_path / "text.txt").write_text(TEXT)
-    evaluate = {"baseline": False,
+    evaluate = {"baseline": True,
                 "perplexity": {"dataset": str(tmp_path / "text.txt"), "context_length": 32,
-                               "limit": 2}}  # fmt: skip
+                               "limit": 3}}  # fmt: skip
     recipe = _recipe(tmp_path, PASSES["int4_rtn"], evaluate=evaluate)
-    with pytest.raises(RecipeError, match="mixture-of-expert export is not implemented; to "
-                                          "stream, leave evaluation out"):
-        run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / "s", stream=True,
-                progress=False)
-    assert not (tmp_path / "s").exists()
-    whole = run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / "w", progress=False)
-    memory = whole.payload["memory"]
-    assert not memory["streamed"] and "mixture-of-expert export" in memory["not_streamed_because"]
+    runs = {mode: run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / mode,
+                          stream=mode == "stream", progress=False)
+            for mode in ("mem", "stream")}  # fmt: skip
+    assert runs["stream"].payload["memory"]["streamed"]
+    def numbers(run):
+        scores = run.payload["eval"]
+        kl = scores["compressed"]["kl"]
+        return ([scores[side][k] for side in ("baseline", "compressed")
+                 for k in ("nll_mean", "perplexity")], kl["kl_mean"], kl["top1_changed_pct"])
+
+    assert numbers(runs["mem"]) == numbers(runs["stream"]) and numbers(runs["mem"])[1] > 0
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
