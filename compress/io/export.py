@@ -678,15 +678,18 @@ def load_compressed(
     (their other float tensors in ``dtype``); the large dense tensors stored narrower than
     ``dtype`` (a bf16 embedding or output head) stay so and are widened only while their
     module runs (``compress.core.device.compute_in``), so the model never holds float32
-    copies of them. An MoE checkpoint (renamed, regrouped experts) is read whole."""
+    copies of them. An MoE checkpoint's per-expert weights are read through
+    ``compress.io.names.MoeTreeReader``: quantized experts as ``QuantExperts``, float ones
+    stacked into the fused tensors one module at a time (``_load_whole`` fused them all at
+    once: 2.3x the float32 bytes)."""
     from compress.io.stream import CheckpointReader, under_model_names
 
     path = Path(path)
     quant = _quantization_config(path)
-    model = _skeleton(path, quant, dtype, backend)
-    if model is None:
-        return _load_whole(path, quant, dtype, backend)
+    model = _skeleton(path, quant, dtype, backend, moe=True)
     reader = under_model_names(model, CheckpointReader(path))
+    if moe_arch(model) is not None:
+        reader = MoeTreeReader(model, reader)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head_key = output_weight_key(model)
     read: set[str] = set()

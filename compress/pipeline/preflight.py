@@ -376,7 +376,10 @@ def whole_load_bytes(where) -> int | None:
         kept = (keeps_stored_dtype(name, stored, numel, torch.float32, quantized=quantized)
                 if compressed else not stored.is_floating_point or name.endswith("weight_scale"))
         total += reader.nbytes(name) if kept else numel * FLOAT32
-    return BASE_BYTES + int(total * (MOE_LOAD_FACTOR if _is_moe(where, None) else LOAD_FACTOR))
+    # transformers fuses a plain MoE checkpoint's experts as it loads; load_compressed reads a
+    # compressed one module by module, as a dense one
+    moe = not compressed and _is_moe(where, None)
+    return BASE_BYTES + int(total * (MOE_LOAD_FACTOR if moe else LOAD_FACTOR))
 
 
 def check_phase(phase: str, need: int | None, way_out: str) -> None:

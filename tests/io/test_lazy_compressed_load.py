@@ -160,3 +160,28 @@ def test_smollm2_w4_bf16_export_loads_narrow_with_the_same_logits(smollm2, tmp_p
         whole = _load_whole(folder, export_module._quantization_config(folder), torch.float32,
                             "auto").eval()
         assert torch.equal(got, whole(ids).logits)
+
+
+@pytest.mark.parametrize("experts", ["quantized", "float"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_an_moe_export_loads_module_by_module_as_the_whole_read(model_type, experts, tmp_path,
+                                                                monkeypatch):
+    """An MoE export stores one weight per expert (Mixtral's block renamed): quantized experts
+    load as ``QuantExperts``, float ones stacked into the fused tensors one module at a time,
+    with the logits of the whole read (``_load_whole``, which fused every layer at once)."""
+    from compress.quant.linear import QuantExperts
+    from compress.testing import make_tiny_moe
+
+    ignore = ["lm_head"] + (["re:.*mlp\\.experts$"] if experts == "float" else [])
+    folder = _export(make_tiny_moe(model_type, tie_word_embeddings=False), tmp_path,
+                     ignore=ignore)
+    def whole_read(*args):
+        raise AssertionError("load_compressed read the MoE export whole")
+
+    monkeypatch.setattr(export_module, "_load_whole", whole_read)
+    lazy = load_compressed(folder).eval()
+    held = [m for m in lazy.modules() if isinstance(m, QuantExperts)]
+    assert len(held) == (2 if experts == "quantized" else 0)
+    whole = _load_whole(folder, export_module._quantization_config(folder), torch.float32,
+                        "auto").eval()
+    assert torch.equal(_logits(lazy), _logits(whole))
