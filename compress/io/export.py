@@ -681,7 +681,7 @@ def load_compressed(
     copies of them. An MoE checkpoint's per-expert weights are read through
     ``compress.io.names.MoeTreeReader``: quantized experts as ``QuantExperts``, float ones
     stacked into the fused tensors one module at a time (``_load_whole`` fused them all at
-    once: 2.3x the float32 bytes)."""
+    once: 5.58 GB against 3.04 for the 4-layer Qwen3-30B-A3B shape's W4 export)."""
     from compress.io.stream import CheckpointReader, under_model_names
 
     path = Path(path)
