@@ -14,6 +14,21 @@ def _mapping(producer: str, *consumers: str, part: FusedPart = "") -> Mapping:
     return Mapping(producer, consumers, part)
 
 
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # read the attention norm
+
+
+def _gated_mappings(mlp_norm: str) -> tuple[tuple[Mapping, ...], tuple[Mapping, ...]]:
+    """(AWQ, SmoothQuant) mappings of Llama's layout whose gated MLP reads ``mlp_norm``."""
+    qkv, mlp_in = _mapping("input_layernorm", *_QKV), _mapping(mlp_norm, "mlp.gate_proj",
+                                                               "mlp.up_proj")
+    up_down = _mapping("mlp.up_proj", "mlp.down_proj")
+    return (qkv, _mapping("self_attn.v_proj", "self_attn.o_proj"), mlp_in, up_down), (
+        qkv, mlp_in, up_down)
+
+
+_LLAMA_AWQ, _LLAMA_SMOOTHQUANT = _gated_mappings("post_attention_layernorm")
+_GEMMA2_AWQ, _GEMMA2_SMOOTHQUANT = _gated_mappings("pre_feedforward_layernorm")
+
 LLAMA = Arch(
     model_type="llama",
     layers="model.layers",
@@ -32,17 +47,8 @@ LLAMA = Arch(
     attn_norm="input_layernorm",
     mlp_norm="post_attention_layernorm",
     norm_form="w",
-    awq_mappings=(
-        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        _mapping("self_attn.v_proj", "self_attn.o_proj"),
-        _mapping("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
-        _mapping("mlp.up_proj", "mlp.down_proj"),
-    ),
-    smoothquant_mappings=(
-        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        _mapping("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
-        _mapping("mlp.up_proj", "mlp.down_proj"),
-    ),
+    awq_mappings=_LLAMA_AWQ,
+    smoothquant_mappings=_LLAMA_SMOOTHQUANT,
     heads=PruneGroup(
         rows=("self_attn.q_proj",),
         kv_rows=("self_attn.k_proj", "self_attn.v_proj"),
@@ -51,7 +57,6 @@ LLAMA = Arch(
     mlp_channels=PruneGroup(rows=("mlp.gate_proj", "mlp.up_proj"), cols=("mlp.down_proj",)),
     runtime=True,
 )
-_QKV = LLAMA.awq_mappings[0].consumers  # q, k and v, which read the attention norm
 
 
 def _moe_arch(model_type: str, moe: Moe) -> Arch:
@@ -134,17 +139,8 @@ GEMMA2 = dataclasses.replace(
     model_type="gemma2",
     mlp_norm="pre_feedforward_layernorm",
     norm_form="1+w",
-    awq_mappings=(
-        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        _mapping("self_attn.v_proj", "self_attn.o_proj"),
-        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
-        _mapping("mlp.up_proj", "mlp.down_proj"),
-    ),
-    smoothquant_mappings=(
-        _mapping("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        _mapping("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj"),
-        _mapping("mlp.up_proj", "mlp.down_proj"),
-    ),
+    awq_mappings=_GEMMA2_AWQ,
+    smoothquant_mappings=_GEMMA2_SMOOTHQUANT,
     post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
     embed_scaling="sqrt_hidden",
 )
@@ -191,7 +187,7 @@ OLMO2 = dataclasses.replace(
     qk_norms=_QK_NORMS,
     qk_norm_span="heads",
     scale_gaps=(
-        ScaleGap(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _RESIDUAL_INPUT),
+        ScaleGap(_QKV, _RESIDUAL_INPUT),
         ScaleGap(("mlp.gate_proj", "mlp.up_proj"), _RESIDUAL_INPUT),
     ),
 )
