@@ -37,10 +37,12 @@ from compress.core.registry import DTYPES
 from compress.io.names import (
     MoeTreeReader,
     checkpoint_renamer,
+    model_name_aliases,
     moe_arch,
     moe_float_linears,
     split_float_experts,
     tree_name,
+    under_model_names,
 )
 from compress.io.stream import (
     SCALE_SUFFIXES,
@@ -611,7 +613,7 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: st
     """The meta skeleton with the quantized layers swapped in; for an MoE model, None (it is
     loaded whole: its experts are renamed and regrouped) unless ``moe``: then its quantized
     experts are swapped in too, for reading one layer at a time."""
-    from compress.io.stream import CheckpointReader, meta_skeleton, under_model_names
+    from compress.io.stream import CheckpointReader, meta_skeleton
 
     model = meta_skeleton(path)
     if moe_arch(model) is not None and not moe:
@@ -639,7 +641,6 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         StreamedModel,
         expected_tensors,
         meta_skeleton,
-        under_model_names,
         verify_checkpoint,
     )
 
@@ -682,7 +683,7 @@ def load_compressed(
     ``compress.io.names.MoeTreeReader``: quantized experts as ``QuantExperts``, float ones
     stacked into the fused tensors one module at a time (``_load_whole`` fused them all at
     once: 5.58 GB against 3.04 for the 4-layer Qwen3-30B-A3B shape's W4 export)."""
-    from compress.io.stream import CheckpointReader, under_model_names
+    from compress.io.stream import CheckpointReader
 
     path = Path(path)
     quant = _quantization_config(path)
@@ -736,8 +737,6 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     are renamed and fused into transformers' 3-D expert parameters, all at hand), and the
     reference the module-by-module ``load_compressed`` is tested against."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from compress.io.stream import model_name_aliases
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

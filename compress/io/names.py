@@ -1,15 +1,17 @@
 """How checkpoints name a model's tensors where the module tree names them otherwise
-(``compress.io`` imports no pass): a mixture-of-experts block's name and its per-expert
+(``compress.io`` imports no pass): the renames transformers applies on load and reverses on
+save (``transformers_renamings``: GPT-NeoX's ``embed_out``; ``under_model_names`` reads a
+checkpoint under the tree's names), and a mixture-of-experts block's name and its per-expert
 Linears (transformers 5 holds the experts fused in 3-D parameters; checkpoints, vLLM and the hub
-store one ``[out, in]`` weight per expert and projection), and the renames transformers applies
-on save (GPT-NeoX's ``embed_out``). ``checkpoint_renamer`` maps tree names to checkpoint names
-for the exports; ``moe_tree_reader`` reads a checkpoint of per-expert weights under the tree's
-names, fusing each layer's experts as it is read, for streamed jobs.
+store one ``[out, in]`` weight per expert and projection). ``checkpoint_renamer`` maps tree
+names to checkpoint names for the exports; ``MoeTreeReader`` reads a checkpoint of per-expert
+weights under the tree's names, fusing each layer's experts as it is read.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,7 +19,55 @@ from torch import nn
 from compress.arch import ARCHS, Arch, model_type, sparse_layers
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
+from compress.io.stream import expected_tensors
 from compress.quant.linear import QuantExperts
+
+
+def transformers_renamings(model: nn.Module, *, to_checkpoint: bool) -> list[tuple[str, str]]:
+    """(pattern, replacement) pairs of the tensor renames transformers applies to this model's
+    checkpoints: on load (``to_checkpoint=False``: GPT-NeoX's ``embed_out`` -> ``lm_head`` in
+    transformers 5, legacy LayerNorm ``gamma``/``beta``), or reversed as ``save_pretrained``
+    writes them (``to_checkpoint=True``, legacy ones left out). Renames only, from transformers'
+    own ``conversion_mapping``; none on transformers 4, whose modules keep the stored names."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+    except ImportError:  # transformers 4
+        return []
+    try:
+        transforms = get_model_conversion_mapping(model, add_legacy=not to_checkpoint)
+        if to_checkpoint:
+            transforms = [t.reverse_transform() for t in transforms]
+    except Exception:  # noqa: BLE001  (transformers' internals: no renames is the safe side)
+        return []
+    return [(source, target) for t in transforms if isinstance(t, WeightRenaming)
+            for source, target in zip(t.source_patterns, t.target_patterns, strict=False)]
+
+
+def under_model_names(skeleton: nn.Module, reader: CheckpointReader) -> CheckpointReader:
+    """``reader`` with the tensors transformers renames on load (``transformers_renamings``)
+    read under the module tree's names. A stored name is renamed only into a module the model
+    has (its quantized tensors too: ``lm_head.weight_scale``) and onto a name the checkpoint
+    does not hold."""
+    aliases = model_name_aliases(skeleton, reader.names())
+    return reader.renamed(aliases) if aliases else reader
+
+
+def model_name_aliases(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
+    """{module-tree name: stored name} for the ``stored`` tensor names that transformers
+    renames on load (``under_model_names``)."""
+    renamings = transformers_renamings(model, to_checkpoint=False)
+    if not renamings:
+        return {}
+    stored = set(stored)
+    names = set(expected_tensors(model))
+    modules = {name for name, _ in model.named_modules()}
+    aliases = {}
+    for name in stored - names:
+        for source, target in renamings:
+            new = re.sub(source, target, name)
+            if new != name and new.rpartition(".")[0] in modules and new not in stored:
+                aliases[new] = name
+    return aliases
 
 
 def moe_arch(model: nn.Module) -> Arch | None:
@@ -31,8 +81,6 @@ def checkpoint_renamer(model: nn.Module):
     it back on load); for other families the names ``save_pretrained`` writes
     (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints, which
     transformers 4 and vLLM read), else the name itself."""
-    from compress.io.stream import transformers_renamings
-
     arch = moe_arch(model)
     if arch is None or arch.moe is None:
         renamings = transformers_renamings(model, to_checkpoint=True)
@@ -118,8 +166,6 @@ class MoeTreeReader:
     comparison of ``names()`` with the model's finds them."""
 
     def __init__(self, model: nn.Module, reader: CheckpointReader) -> None:
-        from compress.io.stream import expected_tensors
-
         arch = moe_arch(model)
         if arch is None:
             raise ValueError(f"model_type {model_type(model)!r} has no mixture-of-expert entry")

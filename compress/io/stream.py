@@ -161,53 +161,6 @@ def _unties_on_load(model: nn.Module, path: str | os.PathLike[str]) -> bool:
     return differs
 
 
-def transformers_renamings(model: nn.Module, *, to_checkpoint: bool) -> list[tuple[str, str]]:
-    """(pattern, replacement) pairs of the tensor renames transformers applies to this model's
-    checkpoints: on load (``to_checkpoint=False``: GPT-NeoX's ``embed_out`` -> ``lm_head`` in
-    transformers 5, legacy LayerNorm ``gamma``/``beta``), or reversed as ``save_pretrained``
-    writes them (``to_checkpoint=True``, legacy ones left out). Renames only, from transformers'
-    own ``conversion_mapping``; none on transformers 4, whose modules keep the stored names."""
-    try:
-        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
-    except ImportError:  # transformers 4
-        return []
-    try:
-        transforms = get_model_conversion_mapping(model, add_legacy=not to_checkpoint)
-        if to_checkpoint:
-            transforms = [t.reverse_transform() for t in transforms]
-    except Exception:  # noqa: BLE001  (transformers' internals: no renames is the safe side)
-        return []
-    return [(source, target) for t in transforms if isinstance(t, WeightRenaming)
-            for source, target in zip(t.source_patterns, t.target_patterns, strict=False)]
-
-
-def under_model_names(skeleton: nn.Module, reader: CheckpointReader) -> CheckpointReader:
-    """``reader`` with the tensors transformers renames on load (``transformers_renamings``)
-    read under the module tree's names. A stored name is renamed only into a module the model
-    has (its quantized tensors too: ``lm_head.weight_scale``) and onto a name the checkpoint
-    does not hold."""
-    aliases = model_name_aliases(skeleton, reader.names())
-    return reader.renamed(aliases) if aliases else reader
-
-
-def model_name_aliases(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
-    """{module-tree name: stored name} for the ``stored`` tensor names that transformers
-    renames on load (``under_model_names``)."""
-    renamings = transformers_renamings(model, to_checkpoint=False)
-    if not renamings:
-        return {}
-    stored = set(stored)
-    names = set(expected_tensors(model))
-    modules = {name for name, _ in model.named_modules()}
-    aliases = {}
-    for name in stored - names:
-        for source, target in renamings:
-            new = re.sub(source, target, name)
-            if new != name and new.rpartition(".")[0] in modules and new not in stored:
-                aliases[new] = name
-    return aliases
-
-
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     """Check a checkpoint folder before loading it, reading only headers and scales: every
     shard opens (not corrupt or truncated), every tensor the config implies has that shape

@@ -349,13 +349,8 @@ def plan_job(
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
-        from compress.io.names import MoeTreeReader, moe_arch
-        from compress.io.stream import (
-            CheckpointReader,
-            meta_skeleton,
-            under_model_names,
-            verify_checkpoint,
-        )
+        from compress.io.names import MoeTreeReader, moe_arch, under_model_names
+        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
 
         verify_checkpoint(where)
         skeleton = meta_skeleton(where)
