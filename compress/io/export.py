@@ -487,6 +487,8 @@ def _load_moe_experts(
     if arch is None or arch.moe is None:
         return tensors
     moe, rename = arch.moe, checkpoint_renamer(model)
+    _swap_quantized_experts(model, quant, lambda n: tensors[n].dtype if n in tensors else None,
+                            dtype, backend)
     names = {rename(n): n for n in model.state_dict()}
     names.update({rename(n): n for n, _ in model.named_modules()})
     tensors = {tree_name(k, names, rename): v for k, v in tensors.items()}
@@ -494,21 +496,10 @@ def _load_moe_experts(
     for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
         fused = model.get_submodule(prefix)
-        count, hidden, inter = getattr(fused, moe.down).shape
-        if f"{prefix}.0.{gate}.weight_scale" in tensors:
-            first = f"{prefix}.0."
-            schemes = tuple(
-                _expert_scheme(quant, rename(first + p),
-                               tensors[f"{first}{p}.weight_scale"].dtype)
-                for p in (gate, down)
-            )
-            experts = QuantExperts(
-                count, hidden, inter, schemes, moe.checkpoint_projections,  # type: ignore[arg-type]
-                getattr(fused, moe.act), dtype=dtype, backend=backend,
-            )
-            parent, _, child = prefix.rpartition(".")
-            setattr(model.get_submodule(parent), child, experts)
-        elif f"{prefix}.0.{gate}.weight" in tensors:
+        if isinstance(fused, QuantExperts):
+            continue
+        count = getattr(fused, moe.down).shape[0]
+        if f"{prefix}.0.{gate}.weight" in tensors:
             per = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in (gate, up, down)]
                    for e in range(count)]
             tensors[f"{prefix}.{moe.gate_up}"] = torch.stack([torch.cat(w[:2]) for w in per])
@@ -524,11 +515,12 @@ def _expert_scheme(quant: dict[str, Any], name: str, scale_dtype: torch.dtype) -
     raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
 
 
-def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], reader, dtype: torch.dtype,
-                            backend: str) -> None:
+def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], stored_dtype,
+                            dtype: torch.dtype, backend: str) -> None:
     """Replace each fused experts module the checkpoint stores quantized (its experts'
-    ``weight_scale`` tensors, under checkpoint names) by an empty ``QuantExperts`` of its
-    schemes, on the device of the module it replaces (meta for a skeleton)."""
+    ``weight_scale`` tensors) by an empty ``QuantExperts`` of its schemes, on the device of the
+    module it replaces (meta for a skeleton). ``stored_dtype(name)``: the dtype the checkpoint
+    stores tensor ``name`` (a checkpoint name) in, None when it is missing."""
     arch, rename = moe_arch(model), checkpoint_renamer(model)
     moe = arch.moe
     gate, _, down = moe.checkpoint_projections
@@ -536,10 +528,10 @@ def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], reader, dty
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
         fused = model.get_submodule(prefix)
         first = f"{prefix}.0."
-        if rename(f"{first}{gate}.weight_scale") not in reader:
+        if stored_dtype(rename(f"{first}{gate}.weight_scale")) is None:
             continue
         schemes = tuple(_expert_scheme(quant, rename(first + p),
-                                       reader.dtype(rename(f"{first}{p}.weight_scale")))
+                                       stored_dtype(rename(f"{first}{p}.weight_scale")))
                         for p in (gate, down))  # fmt: skip
         count, hidden, inter = getattr(fused, moe.down).shape
         with torch.device(getattr(fused, moe.down).device):
@@ -623,7 +615,8 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: st
     raw = CheckpointReader(path)
     reader = under_model_names(model, raw)
     if moe_arch(model) is not None:
-        _swap_quantized_experts(model, quant, raw, dtype, backend)
+        _swap_quantized_experts(model, quant, lambda n: raw.dtype(n) if n in raw else None,
+                                dtype, backend)
         reader = MoeTreeReader(model, reader)
     swap_quantized_linears(model, quant, lambda n: reader.dtype(n) if n in reader else None,
                            path, dtype, backend)
