@@ -206,6 +206,11 @@ MOE_SHAPES = {
                           intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                           mlp_only_layers=[], vocab_size=151936),
+    # Mixtral-8x7B: 32 layers of 8 experts (14336 wide), 2 per token; 93 GB in bf16
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000, rope_theta=1e6),
 }  # fmt: skip
 
 

@@ -76,8 +76,8 @@ __all__ = [
     "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
-    "mapping_paths", "model_type", "output_weight_key", "producer_rows", "runtime_model_types",
-    "set_embedding_scale", "sparse_layers",
+    "mapping_paths", "model_type", "output_weight_key", "producer_rows", "routing_problem",
+    "runtime_model_types", "set_embedding_scale", "sparse_layers",
 ]  # fmt: skip
 
 
@@ -111,6 +111,22 @@ def sparse_layers(model: nn.Module, arch: Arch) -> list[int]:
             continue
         found.append(index)
     return found
+
+
+def routing_problem(model: nn.Module) -> str | None:
+    """What is wrong with an MoE model's routing settings, or None: each router must pick at
+    least one and at most all of its experts (transformers builds either model and fails, or
+    computes an MLP of zeros, only at the first forward)."""
+    arch = ARCHS.get(model_type(model))
+    layers = sparse_layers(model, arch) if arch is not None else []
+    if not layers:
+        return None
+    router = model.get_submodule(arch.layers)[layers[0]].get_submodule(arch.moe.router)
+    picked, count = getattr(router, "top_k", None), getattr(router, "num_experts", None)
+    if isinstance(picked, int) and isinstance(count, int) and not 1 <= picked <= count:
+        return (f"each token is routed to {picked} of {count} experts; the number per token "
+                f"must be 1 to {count}")
+    return None
 
 
 def float_only_modules(model: nn.Module) -> set[str]:

@@ -124,6 +124,21 @@ def _digest_model(model: nn.Module, digest: Any) -> None:
             digest.update(f"{name}:backend={backend}".encode())
 
 
+# config entries that name where or by what a model was written, not what it computes
+_CONFIG_PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash")
+
+
+def _digest_config(model: nn.Module, digest: Any) -> None:
+    """Feed the model's config into ``digest``: the same weights under another config (experts
+    per token, a RoPE base, a window, an eps) compute other numbers, so their saved
+    perplexities must not be reused for each other."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    settings = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_PROVENANCE}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+
+
 def _digest_files(folder: Path, digest: Any) -> None:
     """Feed a checkpoint folder's safetensors files into ``digest`` without reading their
     weights (a 13B model is 26 GB): each shard's name, size, modification time and header (every
@@ -138,7 +153,8 @@ def _digest_files(folder: Path, digest: Any) -> None:
 
 def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: int,
               stream: Any = None, device: torch.device | None = None) -> str:
-    """What a saved perplexity state depends on: weights, token ids, windows, device, versions.
+    """What a saved perplexity state depends on: weights, config, token ids, windows, device,
+    versions.
     A model scored layer by layer (``stream``, on ``device``: None is the CPU) is known by its
     checkpoint files, not its tensors (``_digest_files``)."""
     import transformers
@@ -151,6 +167,7 @@ def state_key(model: nn.Module, ids: torch.Tensor, context_length: int, stride: 
                 transformers.__version__, "layer by layer" if stream is not None else "whole")
     digest.update(repr(settings).encode())
     digest.update(ids.numpy().tobytes())
+    _digest_config(model, digest)
     if stream is not None:
         _digest_files(stream.reader.path, digest)
         for name, module in model.named_modules():

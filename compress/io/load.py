@@ -205,6 +205,8 @@ def load_model(
         from compress.io.stream import verify_checkpoint
 
         verify_checkpoint(where)  # headers, shapes against config.json, finite scales
+        if not is_compressed_checkpoint(where):
+            _verify_float_experts(where)
     if isinstance(where, Path) and is_compressed_checkpoint(where):
         from compress.io.export import load_compressed
 
@@ -219,7 +221,9 @@ def load_model(
                 f"cannot load {name_or_path!r}: {exc}. Hub ids need network access; "
                 "offline, pass a local directory."
             ) from exc
-        except (ImportError, ValueError) as exc:  # e.g. a quantization_config it cannot load
+        # ValueError: e.g. a quantization_config it cannot load; RuntimeError: transformers 5's
+        # weight conversion (fusing per-expert weights) failing on a tensor it cannot place
+        except (ImportError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(
                 f"{where}: transformers cannot load this checkpoint ({_first_line(exc)}); "
                 "compress loads float, compressed-tensors and bitsandbytes checkpoints: fix "
@@ -240,6 +244,18 @@ def load_model(
     check_tokenizer_fits(tokenizer, model.get_input_embeddings().num_embeddings, where)
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))
+
+
+def _verify_float_experts(where: Path) -> None:
+    """A float MoE checkpoint's per-expert weights against config.json, from the headers
+    (``MoeTreeReader`` refuses a missing, extra, misshapen or integer one, naming it), before
+    transformers fuses them with a traceback of its own, or casts an integer one to garbage."""
+    from compress.io.names import MoeTreeReader, moe_arch, under_model_names
+    from compress.io.stream import CheckpointReader, meta_skeleton
+
+    skeleton = meta_skeleton(where)
+    if moe_arch(skeleton) is not None:
+        MoeTreeReader(skeleton, under_model_names(skeleton, CheckpointReader(where)))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -172,23 +172,70 @@ class MoeTreeReader:
         moe, rename = arch.moe, checkpoint_renamer(model)
         self.path, self._reader = reader.path, reader
         self._fused: dict[str, list[list[str]]] = {}  # tree name -> per expert, its parts
+        self._part_shapes: dict[str, list[tuple[int, ...]]] = {}  # tree name -> each part's
         gate, up, down = moe.checkpoint_projections
+        blocks = []  # the checkpoint names of the experts modules read per expert
         for index in sparse_layers(model, arch):
             prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
             if f"{prefix}.{moe.gate_up}" in reader or isinstance(
                     model.get_submodule(prefix), QuantExperts):
                 continue  # stored fused, or quantized (read per expert under its own names)
-            count = getattr(model.get_submodule(prefix), moe.down).shape[0]
+            experts = model.get_submodule(prefix)
+            count, rows, hidden = getattr(experts, moe.gate_up).shape
             stored = rename(prefix)
+            blocks.append(stored)
             self._fused[f"{prefix}.{moe.gate_up}"] = [
                 [f"{stored}.{e}.{gate}.weight", f"{stored}.{e}.{up}.weight"] for e in range(count)]
+            self._part_shapes[f"{prefix}.{moe.gate_up}"] = [(rows // 2, hidden)] * 2
             self._fused[f"{prefix}.{moe.down}"] = [[f"{stored}.{e}.{down}.weight"]
                                                    for e in range(count)]  # fmt: skip
+            self._part_shapes[f"{prefix}.{moe.down}"] = [
+                tuple(getattr(experts, moe.down).shape[1:])]
+        self._check_parts(blocks)
         self._plain = {name: rename(name) for name in expected_tensors(model)
                        if name not in self._fused and rename(name) in reader}  # fmt: skip
         used = set(self._plain.values()) | {n for parts in self._fused.values()
                                             for expert in parts for n in expert}  # fmt: skip
         self._plain.update({n: n for n in reader.names() if n not in used})
+
+    def _check_parts(self, blocks: list[str]) -> None:
+        """Refuse, naming the tensor, a checkpoint whose per-expert weights do not make the
+        experts config.json implies: one missing (or an expert count the config does not
+        have), one left over (a count beyond it), a shape or an integer dtype that does not fit.
+        Read from the headers only; transformers would stop on these with its own traceback,
+        or cast an integer weight to garbage."""
+        where, reader = self.path, self._reader
+        for name, experts in self._fused.items():
+            for parts in experts:
+                for part, want in zip(parts, self._part_shapes[name], strict=True):
+                    if part not in reader:
+                        raise ModelLoadError(
+                            f"{where}: tensor {part} is missing: config.json implies "
+                            f"{len(experts)} per-expert weights of each projection in "
+                            f"{name.rpartition('.')[0]}; the download or export is incomplete or "
+                            "config.json belongs to another model: fetch or write it again")
+                    if tuple(reader.shape(part)) != want:
+                        raise ModelLoadError(
+                            f"{reader.file_of(part)}: tensor {part} has shape "
+                            f"{list(reader.shape(part))} but config.json implies {list(want)}; "
+                            "the config does not match the weights, fix config.json or "
+                            "re-export the checkpoint")
+                    if not reader.dtype(part).is_floating_point:
+                        raise ModelLoadError(
+                            f"{reader.file_of(part)}: tensor {part} is stored as "
+                            f"{reader.dtype(part)} but the model's weight is floating point and "
+                            "nothing beside it scales integer codes; the checkpoint is corrupt "
+                            "or its config.json lost its quantization_config: re-download or "
+                            "re-export it")
+        used = {n for experts in self._fused.values() for parts in experts for n in parts}
+        left = sorted(n for n in reader.names() if n not in used
+                      and any(n.startswith(f"{block}.") for block in blocks))  # fmt: skip
+        if left:
+            count = len(next(iter(self._fused.values())))
+            raise ModelLoadError(
+                f"{where}: tensors {left[:6]} are per-expert weights beyond the {count} of "
+                "each projection that config.json implies; the config belongs to another model: "
+                "fix config.json or re-export the checkpoint")
 
     def names(self) -> list[str]:
         fused = [name for name, parts in self._fused.items()
@@ -215,20 +262,30 @@ class MoeTreeReader:
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._plain:
             return self._reader.shape(self._plain[name])
-        parts = [self._reader.shape(n) for n in self._fused[name][0]]
+        parts = self._part_shapes[name]
         return (len(self._fused[name]), sum(p[0] for p in parts), *parts[0][1:])
 
     def read(self, name: str, *, shape: tuple[int, ...] | None = None,
              dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self._fused:
             return self._reader.read(self._plain.get(name, name), shape=shape, dtype=dtype)
-        experts = self._fused[name]
-        fused = torch.stack([torch.cat([self._reader.read(n, dtype=dtype) for n in expert])
-                             for expert in experts])  # fmt: skip
-        if shape is not None and tuple(fused.shape) != tuple(shape):
+        experts, parts = self._fused[name], self._part_shapes[name]
+        stacked = (len(experts), sum(p[0] for p in parts), *parts[0][1:])
+        if shape is not None and tuple(stacked) != tuple(shape):
             raise ModelLoadError(
                 f"{self.path}: the per-expert weights {experts[0][0]}... stack to "
-                f"{list(fused.shape)} but config.json implies {list(shape)} for {name}; fix "
+                f"{list(stacked)} but config.json implies {list(shape)} for {name}; fix "
                 "config.json or re-export the checkpoint"
             )
+        # each part copied into its rows as it is read: stacking whole copies (torch.cat, then
+        # torch.stack) held the fused tensor twice (Mixtral-8x7B's gate_up: 7.5 GB in float32)
+        fused = None
+        for index, expert in enumerate(experts):
+            row = 0
+            for part in expert:
+                tensor = self._reader.read(part, dtype=dtype)
+                if fused is None:
+                    fused = torch.empty(stacked, dtype=tensor.dtype)
+                fused[index, row:row + tensor.shape[0]] = tensor
+                row += tensor.shape[0]
         return fused

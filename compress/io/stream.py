@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.arch import output_weight_key
+from compress.arch import output_weight_key, routing_problem
 from compress.core.device import compute_in
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import (
@@ -166,14 +166,18 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     shard opens (not corrupt or truncated), every tensor the config implies has that shape
     (quantized layers: their ``weight_shape``), and quantization scales and zero points are
     finite. Each problem is one ``ModelLoadError`` line naming the file, the tensor and the
-    fix. Tensors under names the model tree does not have (renamed MoE experts) are left to
-    the loader. A bitsandbytes 4-bit weight (beside its ``.absmax``) is stored packed, two
+    fix; an MoE config's routing too (``routing_problem``). Tensors under names the model tree
+    does not have (per-expert MoE weights) are left to the loader (``MoeTreeReader`` checks
+    them). A bitsandbytes 4-bit weight (beside its ``.absmax``) is stored packed, two
     codes per byte: its size is checked, not its shape."""
     path = Path(path)
     reader = CheckpointReader(path)
     skeleton = meta_skeleton(path)
     expected = expected_tensors(skeleton)
     read_config_json(path)
+    problem = routing_problem(skeleton)
+    if problem is not None:
+        raise ModelLoadError(f"{path / 'config.json'}: {problem}; fix config.json")
     for name in reader.names():
         leaf = name.rpartition(".")[2]
         if name in expected and expected[name].is_floating_point() \
@@ -182,7 +186,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
                 f"{reader.file_of(name)}: tensor {name} is stored as {reader.dtype(name)} but "
                 "the model's parameter is floating point and nothing beside it scales integer "
                 "codes; the checkpoint is corrupt or its config.json lost its "
-                "quantization_config"
+                "quantization_config: re-download or re-export it"
             )
         if name in expected and f"{name}.absmax" in reader:
             want = -(-expected[name].numel() // 2)

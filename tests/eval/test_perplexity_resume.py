@@ -68,6 +68,21 @@ def test_other_weights_or_no_resume_recompute(tiny_model, tiny_tokenizer, tmp_pa
     assert len(list(tmp_path.glob("*.json"))) == 2  # one state per weights
 
 
+def test_the_same_weights_under_another_config_recompute(tiny_model, tiny_tokenizer, tmp_path):
+    # the state key holds the config: the same tensors with another RoPE base compute other
+    # numbers, so the first config's saved windows must not be read back for the second
+    first = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    tiny_model.config.rope_parameters = {**tiny_model.config.rope_parameters,
+                                         "rope_theta": 100.0}
+    tiny_model.model.rotary_emb.__init__(tiny_model.config)
+    other = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert other.reused_windows == 0 and other.perplexity != first.perplexity
+    assert other == perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS)
+    tiny_model.config._name_or_path = "/elsewhere"  # where it came from is not what it computes
+    again = perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
+    assert again.reused_windows == again.windows
+
+
 def test_unreadable_state_is_ignored(tiny_model, tiny_tokenizer, tmp_path):
     perplexity(tiny_model, tiny_tokenizer, TEXT, **SETTINGS, state_dir=tmp_path)
     (state_file,) = tmp_path.glob("*.json")
