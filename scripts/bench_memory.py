@@ -1,6 +1,6 @@
 """Peak resident memory of `compress run` against model size: synthetic Llamas (and MoE models)
 with random bf16 weights in public models' shapes, written to disk as shards, compressed by W4
-RTN g128 (and W4 GPTQ g128 with --gptq), each run a child process measured by
+RTN g128 (W4 GPTQ or AWQ g128 with --algorithm), each run a child process measured by
 `/usr/bin/time -v` (its maximum resident set size) and its results.json (peak per phase,
 streamed or not).
 
@@ -16,6 +16,8 @@ vocabulary): the hidden states are as large as with any tokenizer.
     python scripts/bench_memory.py --shapes 70b --layers 4 --in-memory '' --out out/bench_memory_70b
     python scripts/bench_memory.py --shapes qwen3-30b-a3b --layers 4 --in-memory qwen3-30b-a3b \
         --out out/bench_memory_moe   # an MoE shape (compress.testing.MOE_SHAPES), per expert
+    python scripts/bench_memory.py --shapes mixtral-8x7b --layers 2 --algorithm awq \
+        --first-layers 1 --in-memory '' --out out/awq_mixtral_first1
 
 ``--layers N`` writes only the first N decoder layers of each shape, each as wide as the real
 model's (with its embedding and head): a 70B checkpoint (141 GB) does not fit this disk. A
@@ -49,6 +51,8 @@ RECIPES = {
     "rtn": "passes: [{pass: quantize.int4_rtn, group_size: 128}]",
     "gptq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
              "passes: [{pass: quantize.gptq, group_size: 128}]"),
+    "awq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
+            "passes: [{pass: quantize.awq, group_size: 128}]"),
 }
 
 
@@ -235,6 +239,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1.1b,7b,13b")
     p.add_argument("--gptq", action="store_true", help="W4 GPTQ g128 instead of W4 RTN g128")
+    p.add_argument("--algorithm", choices=sorted(RECIPES), default=None,
+                   help="the W4 g128 pass to run (default rtn; --gptq is --algorithm gptq)")
     p.add_argument("--in-memory", default="1.1b",
                    help="shapes also run with --stream off (the model loaded whole), for the "
                    "per-parameter wall-time comparison; '' for none")
@@ -268,7 +274,7 @@ def main() -> None:
         Path(args.out + ".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
-    algorithm = "gptq" if args.gptq else "rtn"
+    algorithm = args.algorithm or ("gptq" if args.gptq else "rtn")
     out_root = Path(args.out + "-runs")
     out_root.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -527,8 +527,13 @@ def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], stored_dtyp
     for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
         fused = model.get_submodule(prefix)
-        first = f"{prefix}.0."
-        if stored_dtype(rename(f"{first}{gate}.weight_scale")) is None:
+        count = getattr(fused, moe.down).shape[0]
+        # the first expert stored with its scales: one without them is then named as missing
+        first = next((f"{prefix}.{e}." for e in range(count)
+                      if stored_dtype(rename(f"{prefix}.{e}.{gate}.weight_scale")) is not None
+                      and stored_dtype(rename(f"{prefix}.{e}.{down}.weight_scale")) is not None),
+                     None)  # fmt: skip
+        if first is None:
             continue
         schemes = tuple(_expert_scheme(quant, rename(first + p),
                                        stored_dtype(rename(f"{first}{p}.weight_scale")))

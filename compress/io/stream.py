@@ -201,13 +201,24 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
             if reader.shape(name) != tuple(expected[name].shape):
                 reader.read(name, shape=tuple(expected[name].shape))  # raises, naming it
         elif leaf == "weight_shape":
-            linear = expected.get(name.rpartition(".")[0] + ".weight")
+            module = name.rpartition(".")[0]
+            linear = expected.get(module + ".weight")
             shape = tuple(reader.read(name).tolist())
             if linear is not None and shape != tuple(linear.shape):
                 raise ModelLoadError(
                     f"{reader.file_of(name)}: tensor {name} says {list(shape)} but config.json "
                     f"implies {list(linear.shape)}; the config does not match the weights, fix "
                     "config.json or re-export the checkpoint"
+                )
+            packed = f"{module}.weight_packed"
+            if linear is None and packed in reader and (
+                    len(shape) != 2 or reader.shape(packed) != (shape[0], -(-shape[1] // 8))):
+                # a module outside the tree (an MoE's per-expert layer): its packed codes' shape
+                # is checked against config.json by the loader, so this against the codes
+                raise ModelLoadError(
+                    f"{reader.file_of(name)}: tensor {name} says {list(shape)} but {packed} is "
+                    f"{list(reader.shape(packed))} (eight 4-bit codes per int32); the checkpoint "
+                    "is corrupt, re-export it"
                 )
         if leaf in _SCALES and not reader.dtype(name).is_floating_point:
             raise ModelLoadError(  # the kernels would multiply by truncated integer scales

@@ -61,6 +61,15 @@ LINEAR_AT_A_TIME = ("quantize.int4_rtn", "quantize.int8_rtn")
 LINEAR_BASE_BYTES = 450 * 10**6
 LINEAR_BYTES_PER_PARAM = 12.5
 LINEAR_SLACK = 1.1
+# A layer's fused experts (MoE) under RTN as the first streamed pass: read whole in float32 (the
+# per-expert weights stacked in place, ``compress.io.names.MoeTreeReader``), then rounded one
+# expert's projection at a time beside the codes and scales kept. Fitted to two measured peaks
+# (VmHWM, bf16 synthetic, first 2 layers, W4 g128, 2026-12-05, Zen 5 EPYC, docs/results.md
+# section 6): 8.42 GB for Mixtral-8x7B's shape (1.41e9 expert weights a layer), 4.87 GB for
+# Qwen3-30B-A3B's (6.04e8). 5.2 bytes per expert weight puts both inside +0/+20%: the float32
+# copy (4), the 4-bit codes and scales (0.6), the rest the stored pages still mapped from the
+# read; 8-bit codes take half a byte more.
+EXPERT_RTN_BYTES = {4: 5.2, 8: 5.7}
 ROTATION = "rotate.hadamard"
 # quantize.bnb as the first streamed pass reads one linear at a time too: its peak is the float32
 # weight, its dequantized copy, their difference and its square (the error the report gives) and
@@ -100,12 +109,19 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
     total = sum(p.numel() for p in skeleton.parameters())
     cfg = skeleton.config
     linears = [m.weight.numel() for m in layers[0].modules() if isinstance(m, nn.Linear)]
+    projections = list(linears)  # one weight matrix each, an expert's projection included
+    fused = []
     if arch.moe is not None:  # fused experts are read and quantized as one item (RTN, GPTQ)
-        linears += [sum(p.numel() for p in layers[i].get_submodule(arch.moe.fused).parameters())
-                    for i in sparse_layers(skeleton, arch)]
+        for i in sparse_layers(skeleton, arch):
+            experts = layers[i].get_submodule(arch.moe.fused)
+            fused.append(sum(p.numel() for p in experts.parameters()))
+            count = getattr(experts, arch.moe.down).shape[0]
+            projections.append(getattr(experts, arch.moe.down).numel() // count)
     dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
             "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
-            "largest_linear": max(linears, default=0),
+            "largest_linear": max(linears + fused, default=0),
+            "largest_projection": max(projections, default=0),
+            "fused_experts": max(fused, default=0),
             "layer_prefix": arch.layer_prefix}
     return largest, total - in_stack, dims
 
@@ -152,20 +168,22 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
     if streamed and shapes is not None:
         largest, outside, dims = shapes
         # float32 copy beside the stored (16-bit) one, and the quantizer's temporaries
-        layer = largest * (FLOAT32 + 2) + int(TEMPORARIES * dims["largest_linear"] * FLOAT32)
+        # the quantizers' temporaries follow one weight matrix: fused experts are rounded one
+        # expert's projection at a time (``compress.quant.experts``)
+        layer = largest * (FLOAT32 + 2) + int(TEMPORARIES * dims["largest_projection"] * FLOAT32)
         hidden = 2 * tokens * dims["hidden"] * FLOAT32
         resident = 0  # modules outside the stack an earlier pass keeps in memory (rotated)
         for index, cfg in enumerate(recipe.passes):
             name = pass_name_of(cfg)
             need = layer + hidden
             if index == 0 and name in LINEAR_AT_A_TIME:  # reads the source one linear at a time
-                need = int(LINEAR_SLACK * (LINEAR_BASE_BYTES
-                                           + LINEAR_BYTES_PER_PARAM * dims["largest_linear"]))
+                need = _rtn_first_bytes(dims, bits=4 if name == LINEAR_AT_A_TIME[0] else 8)
             if index == 0 and name == BNB:  # the same, with bitsandbytes' temporaries
                 need = BNB_BASE_BYTES + int(LINEAR_SLACK * BNB_BYTES_PER_PARAM
                                             * dims["largest_linear"])
             if name == GPTQ:
-                need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0)
+                need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
+                                   tokens=tokens)
             if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             kept = resident
@@ -199,6 +217,17 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
                                                + window)
     peak = max(phases.values()) if phases else None
     return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
+
+
+def _rtn_first_bytes(dims: dict[str, int], *, bits: int) -> int:
+    """RTN as the first streamed pass (see ``LINEAR_AT_A_TIME``): the largest linear read alone,
+    or a layer's fused experts (``EXPERT_RTN_BYTES``) with one projection's error
+    temporaries."""
+    dense = LINEAR_BYTES_PER_PARAM * max(dims["largest_linear"] - dims["fused_experts"], 0)
+    if dims["fused_experts"]:
+        dense = max(dense, LINEAR_BYTES_PER_PARAM * dims["largest_projection"]
+                    + EXPERT_RTN_BYTES[bits] * dims["fused_experts"])
+    return int(LINEAR_SLACK * (LINEAR_BASE_BYTES + dense))
 
 
 def layerwise_eval(recipe) -> bool:
@@ -281,18 +310,48 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
 
 
 def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
-                first: bool) -> int:
+                first: bool, tokens: int) -> int:
     """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
-    is the first pass, else from an earlier pass's float32 scratch file."""
+    is the first pass, else from an earlier pass's float32 scratch file; with an MoE layer's
+    experts, ``_expert_gptq_bytes``."""
     stored = next(skeleton.parameters()).element_size() if first else FLOAT32
     widened = dims["largest_linear"] * FLOAT32 if stored < FLOAT32 else 0
-    return largest * stored + widened + hidden + _hessian_bytes(skeleton)
+    return (largest * stored + widened + hidden + _hessian_bytes(skeleton)
+            + _expert_gptq_bytes(skeleton, dims, tokens))
+
+
+# GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) runs the layer's calibration
+# forward once more to collect the tokens entering its experts; that forward holds this many
+# bytes per expert weight beyond the float32 copy counted as ``widened`` (fitted to the two
+# shapes' measured peaks, 2026-12-05: 13.44 GB for Mixtral-8x7B's, 5.86 GB for Qwen3-30B-A3B's,
+# docs/results.md section 6)
+EXPERT_FORWARD_BYTES = 2.6
+
+
+def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int) -> int:
+    """An MoE layer's GPTQ beyond the dense terms: its experts' calibration forward
+    (``EXPERT_FORWARD_BYTES``), every calibration token entering them in float32 ``[T, H]``,
+    and one expert at a time its routed tokens and down's inputs ``[T_e, H + I]``, ``T_e``
+    taken as twice the even share (``2 k / E`` of the tokens; random routers are uneven)."""
+    if not dims["fused_experts"]:
+        return 0
+    from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
+
+    arch = ARCHS[model_type(skeleton)]
+    layer = decoder_layers(skeleton, "the memory preflight")[sparse_layers(skeleton, arch)[0]]
+    router = layer.get_submodule(arch.moe.router)
+    share = min(1.0, 2 * router.top_k / router.num_experts)
+    inter = getattr(layer.get_submodule(arch.moe.fused), arch.moe.down).shape[2]
+    routed = int(share * tokens * (dims["hidden"] + inter) * FLOAT32)
+    return (int(EXPERT_FORWARD_BYTES * dims["fused_experts"])
+            + tokens * dims["hidden"] * FLOAT32 + routed)
 
 
 def _hessian_bytes(skeleton) -> int:
     """GPTQ's Hessians for one decoder layer, all alive while the layer's inputs are collected:
     one float32 [in, in] per input, the linears that read one input (q/k/v, gate/up: the
-    consumers of one of the family's scale mappings) sharing it (``HessianHooks``)."""
+    consumers of one of the family's scale mappings) sharing it (``HessianHooks``); an MoE
+    layer's experts then one at a time (gate/up's [H, H] beside down's [I, I])."""
     from torch import nn
 
     from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
@@ -307,13 +366,11 @@ def _hessian_bytes(skeleton) -> int:
             inputs[group] = module.in_features ** 2 * FLOAT32
     experts = 0
     if arch is not None and arch.moe is not None and sparse_layers(skeleton, arch):
-        # one Hessian per expert and input: [H, H] for gate/up, [I, I] for down (measured: the
-        # Qwen3-30B-A3B shape's 128 experts, 2.45 GB of a 5.86 GB streamed GPTQ peak)
         fused = decoder_layers(skeleton, "the memory preflight")[
             sparse_layers(skeleton, arch)[0]].get_submodule(arch.moe.fused)
-        count, _, hidden = getattr(fused, arch.moe.gate_up).shape
+        _, _, hidden = getattr(fused, arch.moe.gate_up).shape
         inter = getattr(fused, arch.moe.down).shape[2]
-        experts = count * (hidden * hidden + inter * inter) * FLOAT32
+        experts = (hidden * hidden + inter * inter) * FLOAT32
     return sum(inputs.values()) + experts
 
 

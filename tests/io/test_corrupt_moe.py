@@ -134,3 +134,55 @@ def test_an_intact_moe_checkpoint_reads_as_transformers_loads_it(moe_checkpoint)
         got = stream.reader.read(name, dtype=torch.float32)
         assert tuple(got.shape) == stream.reader.shape(name)
         assert torch.equal(got, reference[name].detach()), name
+
+
+def _scale_of_expert_0(tensors, config):
+    del tensors[sorted(n for n in tensors if ".experts.0." in n and "weight_scale" in n)[0]]
+
+
+def _codes_width(tensors, config):
+    name = sorted(n for n in tensors if ".experts.0." in n and n.endswith("weight_shape"))[0]
+    tensors[name] = torch.tensor([int(tensors[name][0]), int(tensors[name][1]) // 2])
+
+
+QUANTIZED_BREAKS = {
+    # before: the layer was taken for a float one, and its expert 0 named as missing a float
+    # weight the export never had
+    "scale_of_expert_0": (_scale_of_expert_0, r"missing \['model\.layers\.0\.mlp\.experts\.0\."
+                                              r"\w+\.weight_scale'\]"),
+    # before: loaded, the stored shape disagreeing with the codes and config.json unnoticed
+    "weight_shape_against_the_codes": (_codes_width, r"weight_shape says \[\d+, 32\] but "
+                                                     r"\S+weight_packed is \[\d+, 8\]"),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_w4_export(tmp_path_factory):
+    """The tiny Mixtral's W4 RTN g32 export (per-expert packed codes, scales and shapes)."""
+    from compress.core.registry import CompressionState, run_passes
+    from compress.io.export import export_checkpoint
+    from compress.quant.rtn import Int4RtnConfig
+
+    model = make_tiny_moe("mixtral", tie_word_embeddings=False)
+    run_passes(model, [Int4RtnConfig(group_size=32)], CompressionState(progress=False))
+    return export_checkpoint(model, make_char_tokenizer(), tmp_path_factory.mktemp("w4") / "ck")
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZED_BREAKS))
+def test_a_broken_quantized_moe_export_is_one_line(kind, moe_w4_export, tmp_path):
+    tensors = load_file(moe_w4_export / "model.safetensors")
+    config = json.loads((moe_w4_export / "config.json").read_text())
+    brk, message = QUANTIZED_BREAKS[kind]
+    brk(tensors, config)
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for file in moe_w4_export.iterdir():
+        if file.name != "model.safetensors":
+            (folder / file.name).write_bytes(file.read_bytes())
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    for name, read in {"whole load": lambda: load_model(str(folder)),
+                       "layer by layer": lambda: layerwise_model(folder)}.items():
+        with pytest.raises(ModelLoadError, match=message) as caught:
+            read()
+        assert "\n" not in str(caught.value), name
+    assert load_model(str(moe_w4_export)).model is not None  # the intact export loads
