@@ -93,8 +93,8 @@ class MemoryMonitor:
 
 def available_memory_bytes(device: torch.device | None = None) -> int | None:
     """Memory this process may still take: on a CUDA ``device`` that GPU's free memory; else
-    ``MemAvailable`` of ``/proc/meminfo``, lowered to the cgroup's limit minus its usage where
-    one is set (a container); None where unreadable."""
+    ``MemAvailable`` of ``/proc/meminfo``, lowered to what this process's memory cgroup and
+    each cgroup above it still allow (``cgroup_headroom_bytes``); None where unreadable."""
     if device is not None and device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     found: list[int] = []
@@ -105,17 +105,89 @@ def available_memory_bytes(device: torch.device | None = None) -> int | None:
                     found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError):
         pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as lim, open(usage_file) as use:
-                limit = lim.read().strip()
-                if limit != "max" and int(limit) < 1 << 60:
-                    found.append(int(limit) - int(use.read().strip()))
-        except (OSError, ValueError):
-            continue
+    headroom = cgroup_headroom_bytes()
+    if headroom is not None:
+        found.append(headroom)
     return min(found) if found else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def cgroup_headroom_bytes(root: str = "") -> int | None:
+    """The least that this process's memory cgroup or any cgroup above it still allows: its
+    limit minus its usage, the usage without the inactive file cache the kernel reclaims
+    before it would kill (what ``docker stats`` calls used), or None without a limit. A
+    container sees its own cgroup at the mount's root; a process under a systemd slice or a
+    job scheduler sees it at the path ``/proc/self/cgroup`` names (cgroup v2: ``0::/path``,
+    v1: ``N:...memory...:/path``), so both are read, and every ancestor, whose limit binds
+    too. ``root`` prefixes every path read (tests)."""
+    text = _read(f"{root}/proc/self/cgroup") or ""
+    places = set()  # (mount, path inside it, limit file, usage file, reclaimable stat key)
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            places.add(("/sys/fs/cgroup", parts[2], "memory.max", "memory.current",
+                        "inactive_file"))
+        elif "memory" in parts[1].split(","):
+            places.add(("/sys/fs/cgroup/memory", parts[2], "memory.limit_in_bytes",
+                        "memory.usage_in_bytes", "total_inactive_file"))
+    if not places:  # no /proc/self/cgroup: the mounts' roots alone
+        places = {("/sys/fs/cgroup", "/", "memory.max", "memory.current", "inactive_file"),
+                  ("/sys/fs/cgroup/memory", "/", "memory.limit_in_bytes",
+                   "memory.usage_in_bytes", "total_inactive_file")}
+    found = []
+    for mount, path, limit_name, usage_name, reclaimable_key in places:
+        path = "/" + path.strip("/")
+        while True:
+            folder = f"{root}{mount}{path if path != '/' else ''}"
+            limit, usage = _read(f"{folder}/{limit_name}"), _read(f"{folder}/{usage_name}")
+            try:
+                if limit is not None and usage is not None and limit.strip() != "max" \
+                        and int(limit) < 1 << 60:
+                    used = int(usage)
+                    for stat in (_read(f"{folder}/memory.stat") or "").splitlines():
+                        key, _, value = stat.partition(" ")
+                        if key == reclaimable_key:
+                            used -= int(value)
+                    found.append(max(int(limit) - max(used, 0), 0))
+            except ValueError:
+                pass
+            if path == "/":
+                break
+            path = path.rsplit("/", 1)[0] or "/"
+    return min(found) if found else None
+
+
+def file_backed_copy(tensor: torch.Tensor, folder: str | os.PathLike[str]) -> torch.Tensor:
+    """A copy of CPU ``tensor`` in a file of its own in ``folder``, mapped shared: the kernel
+    writes its pages back to the file and drops them when memory runs short, and reads them
+    back when touched, instead of the process being killed. The values are the same bits. The
+    file is unlinked at once (its space returns when the copy is freed) and no descriptor is
+    kept open, so thousands of copies need no more than their bytes of disk."""
+    import tempfile
+
+    if tensor.numel() == 0:
+        return tensor.clone()
+    handle, name = tempfile.mkstemp(dir=folder, suffix=".tensor")
+    try:
+        os.ftruncate(handle, tensor.numel() * tensor.element_size())
+    finally:
+        os.close(handle)
+    try:
+        mapped = torch.from_file(name, shared=True, size=tensor.numel(), dtype=tensor.dtype)
+    finally:
+        os.unlink(name)
+    mapped = mapped.view(tensor.shape)
+    mapped.copy_(tensor)
+    return mapped
 
 
 def return_freed_memory() -> None:

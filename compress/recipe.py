@@ -69,6 +69,10 @@ class CalibrationConfig(_Section):
     seq_len: Annotated[int, Field(ge=8), _TOKENS] = 512  # tokens per sequence
     seed: int = Field(0, ge=0, le=2**32 - 1)  # the range every random generator accepts
     mix: dict[str, float] | None = None  # source -> weight (> 0); when set, replaces `source`
+    # where calibrated passes keep the hidden states between decoder layers (every sample's,
+    # float32): memory; disk (files beside the output, paged by the kernel: same numbers);
+    # auto: disk only when the memory preflight finds they would not fit in memory
+    activations: Literal["auto", "memory", "disk"] = "auto"
 
     @field_validator("mix")
     @classmethod

@@ -32,6 +32,7 @@ not fit is reported as skipped, with the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -47,13 +48,45 @@ from compress.testing import LLAMA_SHAPES, synthetic_config, write_synthetic_lla
 
 REPO = Path(__file__).resolve().parents[1]
 
+CALIBRATION = {"source": "wikitext2-valid", "num_samples": 16, "seq_len": 512, "seed": 0}
 RECIPES = {
     "rtn": "passes: [{pass: quantize.int4_rtn, group_size: 128}]",
-    "gptq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
-             "passes: [{pass: quantize.gptq, group_size: 128}]"),
-    "awq": ("calibration: {source: wikitext2-valid, num_samples: 16, seq_len: 512, seed: 0}\n"
-            "passes: [{pass: quantize.awq, group_size: 128}]"),
+    "gptq": "calibration: {calibration}\npasses: [{{pass: quantize.gptq, group_size: 128}}]",
+    "awq": "calibration: {calibration}\npasses: [{{pass: quantize.awq, group_size: 128}}]",
 }
+# the child's memory limit (--cgroup-limit): a cgroup of its own, v2 or v1, made and removed here
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/memory")
+
+
+def _recipe_text(algorithm: str) -> str:
+    return RECIPES[algorithm].replace("{calibration}", json.dumps(CALIBRATION)).replace(
+        "{{", "{").replace("}}", "}")
+
+
+@contextlib.contextmanager
+def _limited(command: list[str], limit_bytes: int | None):
+    """``command`` run inside a new memory cgroup of ``limit_bytes`` (None: as it is)."""
+    if not limit_bytes:
+        yield command
+        return
+    for root in CGROUP_ROOTS:
+        v2 = root == CGROUP_ROOTS[0] and Path(root, "cgroup.controllers").exists()
+        if v2 or (root == CGROUP_ROOTS[1] and Path(root, "memory.limit_in_bytes").exists()):
+            break
+    else:
+        raise SystemExit("--cgroup-limit needs a writable cgroup v1 or v2 memory controller")
+    folder = Path(root, f"compress-bench-{os.getpid()}")
+    folder.mkdir()
+    try:
+        Path(folder, "memory.max" if v2 else "memory.limit_in_bytes").write_text(
+            str(limit_bytes))
+        if not v2:  # no swap either (memsw is absent without swap accounting)
+            memsw = Path(folder, "memory.memsw.limit_in_bytes")
+            if memsw.exists():
+                memsw.write_text(str(limit_bytes))
+        yield ["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "sh", *command]
+    finally:
+        folder.rmdir()
 
 
 def _parse_time_v(text: str) -> dict[str, float]:
@@ -68,7 +101,7 @@ def _parse_time_v(text: str) -> dict[str, float]:
 
 
 def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream: str,
-            eval_windows: int = 0) -> dict:
+            eval_windows: int = 0, limit_bytes: int | None = None) -> dict:
     """``compress run`` of one recipe on one checkpoint, in a child under /usr/bin/time -v.
     ``eval_windows``: also score the baseline and the export on that many 512-token windows of
     WikiText-2 test (perplexity and KL; a streamed job scores them layer by layer)."""
@@ -76,14 +109,15 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     evaluation = ("eval: {baseline: true, perplexity: {dataset: wikitext2, limit: "
                   f"{eval_windows}}}}}\n" if eval_windows
                   else "eval: {baseline: false, perplexity: null}\n")
-    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{RECIPES[algorithm]}\n"
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm)}\n"
                       "export: {dtype: bfloat16}\n" + evaluation)
     out = out_root / f"{shape}-{algorithm}-{stream}"
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "compress.cli", "run", str(recipe),
                "--model", str(model_dir), "--out", str(out), "--overwrite", "--no-progress",
                "--stream", stream]
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    with _limited(command, limit_bytes) as command:
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     row = {"shape": shape, "algorithm": algorithm, "stream": stream, "eval_windows": eval_windows,
            "returncode": proc.returncode, **_parse_time_v(proc.stderr),
            "seconds_measured": round(time.perf_counter() - started, 1)}
@@ -94,6 +128,7 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     row["phases_peak_rss_bytes"] = payload["memory"]["peak_rss_bytes"]
     row["streamed"] = payload["memory"]["streamed"]
     row["estimate_peak_bytes"] = payload["memory"]["estimate"]["peak_bytes"]
+    row["activations"] = payload["memory"].get("activations")
     row["parameters"] = payload["memory"]["estimate"]["model_parameters"]
     row["export_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     if eval_windows:
@@ -125,7 +160,7 @@ def run_first_layers(shape: str, algorithm: str, model_dir: Path, out_root: Path
     the peak over the first layers is the pass's peak (the export writes each finished layer
     and holds nothing more). Nothing lands at the run's --out (it is atomic)."""
     recipe = out_root / f"{shape}-{algorithm}-first{layers}.yaml"
-    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{RECIPES[algorithm]}\n"
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm)}\n"
                       "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
     out = out_root / f"{shape}-{algorithm}-first{layers}"
     command = [sys.executable, "-m", "compress.cli", "run", str(recipe), "--model",
@@ -209,11 +244,18 @@ def markdown(rows: list[dict], env: dict) -> str:
                 f"{r['wall_s'] / r['first_layers']:.0f} s per layer | — |")
             continue
         if r.get("returncode") != 0:
-            lines.append(f"| {r['shape']} | {r['algorithm']} | {r.get('stream')} | — | — | — | — "
+            limit = (f", cgroup limit {r['cgroup_limit_bytes'] / 1e9:.1f} GB"
+                     if r.get("cgroup_limit_bytes") else "")
+            lines.append(f"| {r['shape']} | {r['algorithm']} | {r.get('stream')}{limit} | — | — "
+                         "| — | — "
                          f"| — | — | failed or skipped: {r.get('error') or r.get('skipped')} |")
             continue
         phases = ", ".join(f"{k}: {v / 1e9:.2f}" for k, v in r["phases_peak_rss_bytes"].items())
         path = "streamed" if r["streamed"] else "whole model"
+        if r.get("activations") == "disk":
+            path += ", hidden states in files"
+        if r.get("cgroup_limit_bytes"):
+            path += f", cgroup limit {r['cgroup_limit_bytes'] / 1e9:.1f} GB"
         if r.get("eval_windows"):
             path += (f", + eval of {r['eval_windows']} windows "
                      f"({r.get('scored') or 'model loaded whole'})")
@@ -258,7 +300,19 @@ def main() -> None:
     p.add_argument("--first-layers", type=int, default=0,
                    help="stop each run once this many decoder layers are done and report the "
                    "peak so far (runs too long for one session; no --in-memory rows)")
+    p.add_argument("--calibration", default="",
+                   help="num_samples,seq_len of the calibrated passes (default 16,512)")
+    p.add_argument("--activations", choices=["auto", "memory", "disk"], default="auto",
+                   help="calibration.activations of the calibrated passes")
+    p.add_argument("--cgroup-limit", type=float, default=0,
+                   help="run each child in a memory cgroup of this many GB (root; cgroup v1 "
+                   "or v2): what a container or a job scheduler would allow it")
     args = p.parse_args()
+    if args.calibration:
+        samples, seq_len = (int(x) for x in args.calibration.split(","))
+        CALIBRATION.update(num_samples=samples, seq_len=seq_len)
+    CALIBRATION["activations"] = args.activations
+    limit = int(args.cgroup_limit * 1e9) or None
     if args.load:
         env = environment()
         rows = [r for folder in args.load.split(",") for r in load_rows(Path(folder))]
@@ -314,7 +368,9 @@ def main() -> None:
             continue
         modes = ["auto"] + (["off"] if whole else [])
         for stream in modes:
-            row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows)
+            row = run_one(shape, algorithm, model_dir, out_root, stream, args.eval_windows,
+                          limit)
+            row.update(calibration=dict(CALIBRATION), cgroup_limit_bytes=limit)
             row["shape"] = label
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -147,6 +147,9 @@ class CompressionState:
     # compress.io.stream.StreamedModel when the model's layers live on disk until a pass
     # reaches them (layer-wise passes only, PassSpec.layerwise); None: the model is in memory
     stream: Any = None
+    # a folder: calibrated passes keep the hidden states between decoder layers in files
+    # beside it (``calibration.activations: disk``); None: in memory
+    activations_near: Any = None
 
 
 PassFn = Callable[[nn.Module, PassConfig, CompressionState], PassReport]

@@ -183,12 +183,16 @@ def with_full_eval(recipe: Recipe) -> Recipe:
 
 
 def recipe_state(
-    recipe: Recipe, tokenizer, *, progress: bool = True, data_dir: str | None = None
+    recipe: Recipe, tokenizer, *, progress: bool = True, data_dir: str | None = None,
+    activations_near: Path | None = None,
 ) -> CompressionState:
     """The ``CompressionState`` a recipe's passes run with: its calibration sequences (drawn
-    once, handed out as batches of one) when it has a ``calibration`` section."""
+    once, handed out as batches of one) when it has a ``calibration`` section;
+    ``activations_near``: the folder beside which calibrated passes keep their hidden states
+    in files (the preflight's ``activations: disk``)."""
     state = CompressionState(tokenizer=tokenizer, progress=progress, data_dir=data_dir,
-                             device=resolve_device(recipe.device))
+                             device=resolve_device(recipe.device),
+                             activations_near=activations_near)
     if recipe.calibration is not None:
         cal = recipe.calibration
         batches = calibration_mix(
@@ -365,7 +369,8 @@ def plan_job(
     streamed = refusal is None and stream is not False
     estimate = check_memory(recipe, where, streamed=streamed, skeleton=skeleton)
     memory: dict[str, Any] = {"streamed": streamed, "not_streamed_because": refusal,
-                              "estimate": estimate, "peak_rss_bytes": {}}
+                              "estimate": estimate, "peak_rss_bytes": {},
+                              "activations": estimate["activations"]}
     if not streamed:
         skeleton = reader = None  # the job loads the model whole; the skeleton is not needed
     return JobPlan(recipe, model or recipe.model, where, text, source, skeleton, reader, memory)
@@ -516,6 +521,8 @@ def memory_line(memory: dict[str, Any]) -> str:
     cells = ", ".join(f"{phase} {value / 2**30:.2f}" for phase, value in peaks.items())
     how = ("streamed layer by layer" if memory.get("streamed")
            else f"loaded whole ({memory.get('not_streamed_because') or 'stream: false'})")
+    if memory.get("activations") == "disk":  # resident pages of those files count above
+        how += ", the calibration's hidden states waiting in files beside the output"
     return f"\n\nPeak resident memory per phase, GiB: {cells}; the model was {how}."
 
 
@@ -646,7 +653,7 @@ def _run_in_memory(plan, out, options, *, export, baseline, report, label) -> Jo
     with _Phase(plan.memory, "load"):
         loaded = _load_whole(plan)
     state = recipe_state(recipe, loaded.tokenizer, progress=options.progress,
-                         data_dir=options.data_dir)
+                         data_dir=options.data_dir, activations_near=_spill_near(plan, out))
     if any(PASSES[pass_name_of(p)].needs_teacher for p in recipe.passes):
         state.teacher = copy.deepcopy(loaded.model).eval()
     if baseline is None and recipe.eval.baseline:
@@ -669,6 +676,12 @@ def _run_in_memory(plan, out, options, *, export, baseline, report, label) -> Jo
             )
         outcome.disk_bytes = _dir_bytes(out)
     return outcome
+
+
+def _spill_near(plan: JobPlan, out: Path) -> Path | None:
+    """Where calibrated passes put their hidden states' files: beside the output (the disk the
+    user chose for checkpoints, not a temp folder that may be memory), or None: in memory."""
+    return Path(out).parent if plan.memory.get("activations") == "disk" else None
 
 
 @contextlib.contextmanager
@@ -700,7 +713,8 @@ def _run_streamed(plan, out, options, *, export, baseline, report, label) -> Job
     recipe, skeleton = plan.recipe, plan.skeleton
     tokenizer = load_tokenizer(plan.where)  # the checks load_model makes
     check_tokenizer_fits(tokenizer, skeleton.get_input_embeddings().num_embeddings, plan.where)
-    state = recipe_state(recipe, tokenizer, progress=options.progress, data_dir=options.data_dir)
+    state = recipe_state(recipe, tokenizer, progress=options.progress, data_dir=options.data_dir,
+                         activations_near=_spill_near(plan, out))
     wants_eval = _wants_eval(recipe, plan.text)
     if baseline is None and recipe.eval.baseline:
         baseline = evaluate_baseline(plan, options) if wants_eval else _sizes_only(skeleton)

@@ -157,12 +157,15 @@ def _parameter_count(where) -> int | None:
     return count
 
 
-def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
+def estimate(recipe, where, *, streamed: bool, skeleton=None,
+             spill: bool = False) -> dict[str, Any]:
     """The estimated peak resident bytes of each phase of ``recipe`` on the checkpoint at
-    ``where``, and the largest (``peak_bytes``)."""
+    ``where``, and the largest (``peak_bytes``). ``spill``: the calibration's hidden states
+    wait in files (``calibration.activations: disk``), so only one sample's are counted."""
     phases: dict[str, int] = {}
     cal = recipe.calibration
     tokens = cal.num_samples * cal.seq_len if cal is not None else 0
+    held = cal.seq_len if spill and cal is not None else tokens  # in memory between layers
     params = _parameter_count(where)
     shapes = _shapes(where, skeleton)
     if streamed and shapes is not None:
@@ -171,7 +174,7 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         # the quantizers' temporaries follow one weight matrix: fused experts are rounded one
         # expert's projection at a time (``compress.quant.experts``)
         layer = largest * (FLOAT32 + 2) + int(TEMPORARIES * dims["largest_projection"] * FLOAT32)
-        hidden = 2 * tokens * dims["hidden"] * FLOAT32
+        hidden = 2 * held * dims["hidden"] * FLOAT32
         resident = 0  # modules outside the stack an earlier pass keeps in memory (rotated)
         for index, cfg in enumerate(recipe.passes):
             name = pass_name_of(cfg)
@@ -183,7 +186,7 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
                                             * dims["largest_linear"])
             if name == GPTQ:
                 need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
-                                   tokens=tokens)
+                                   tokens=tokens, held=held)
             if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             kept = resident
@@ -197,7 +200,7 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, Any]:
         teacher = any(PASSES[pass_name_of(c)].needs_teacher for c in recipe.passes)
         hidden = 0
         if shapes is not None:
-            hidden = 2 * tokens * shapes[2]["hidden"] * FLOAT32
+            hidden = 2 * held * shapes[2]["hidden"] * FLOAT32
         phases["passes (model loaded whole)"] = BASE_BYTES + whole * (2 if teacher else 1) + hidden
     if streamed and shapes is not None and layerwise_eval(recipe) and (
             recipe.eval.perplexity is not None):
@@ -310,14 +313,14 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
 
 
 def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
-                first: bool, tokens: int) -> int:
+                first: bool, tokens: int, held: int) -> int:
     """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
     is the first pass, else from an earlier pass's float32 scratch file; with an MoE layer's
     experts, ``_expert_gptq_bytes``."""
     stored = next(skeleton.parameters()).element_size() if first else FLOAT32
     widened = dims["largest_linear"] * FLOAT32 if stored < FLOAT32 else 0
     return (largest * stored + widened + hidden + _hessian_bytes(skeleton)
-            + _expert_gptq_bytes(skeleton, dims, tokens))
+            + _expert_gptq_bytes(skeleton, dims, tokens, held))
 
 
 # GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) runs the layer's calibration
@@ -328,11 +331,12 @@ def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
 EXPERT_FORWARD_BYTES = 2.6
 
 
-def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int) -> int:
+def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int, held: int) -> int:
     """An MoE layer's GPTQ beyond the dense terms: its experts' calibration forward
-    (``EXPERT_FORWARD_BYTES``), every calibration token entering them in float32 ``[T, H]``,
-    and one expert at a time its routed tokens and down's inputs ``[T_e, H + I]``, ``T_e``
-    taken as twice the even share (``2 k / E`` of the tokens; random routers are uneven)."""
+    (``EXPERT_FORWARD_BYTES``), the ``held`` calibration tokens entering them in float32
+    ``[T, H]`` (kept as the hidden states are: in files with ``activations: disk``), and one
+    expert at a time its routed tokens and down's inputs ``[T_e, H + I]``, ``T_e`` taken as
+    twice the even share (``2 k / E`` of the ``tokens``; random routers are uneven)."""
     if not dims["fused_experts"]:
         return 0
     from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
@@ -344,7 +348,7 @@ def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int) -> int:
     inter = getattr(layer.get_submodule(arch.moe.fused), arch.moe.down).shape[2]
     routed = int(share * tokens * (dims["hidden"] + inter) * FLOAT32)
     return (int(EXPERT_FORWARD_BYTES * dims["fused_experts"])
-            + tokens * dims["hidden"] * FLOAT32 + routed)
+            + held * dims["hidden"] * FLOAT32 + routed)
 
 
 def _hessian_bytes(skeleton) -> int:
@@ -378,8 +382,15 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
     """``estimate`` of the job, or a ``RecipeError`` before any work when its peak exceeds
     the memory available (the message names the phase, the need, what is there and the way
     out). Returns the estimate with ``available_bytes`` for the report."""
-    result = estimate(recipe, where, streamed=streamed, skeleton=skeleton)
+    wanted = recipe.calibration.activations if recipe.calibration is not None else "memory"
+    result = estimate(recipe, where, streamed=streamed, skeleton=skeleton,
+                      spill=wanted == "disk")
     available = available_memory_bytes()
+    if wanted == "auto" and not _fits(result["peak_bytes"], available):
+        spilled = estimate(recipe, where, streamed=streamed, skeleton=skeleton, spill=True)
+        if _fits(spilled["peak_bytes"], available):  # the hidden states go to files
+            result, wanted = spilled, "disk"
+    result["activations"] = "disk" if wanted == "disk" else "memory"
     result["available_bytes"] = available
     peak = result["peak_bytes"]
     if _fits(peak, available):

@@ -49,7 +49,7 @@ from compress.core.device import model_device, move_tensor, on_device
 from compress.core.errors import DataError, NumericsError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
-from compress.memory import MemoryMonitor
+from compress.memory import MemoryMonitor, file_backed_copy
 from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
 
@@ -73,6 +73,17 @@ class LayerInputs:
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per sample
     per_layer: list[list[dict[str, Any]]] = field(default_factory=list)  # [layer][sample]
+    # a folder: the hidden states wait in files there, paged by the kernel (``keep``)
+    spill: Path | None = None
+
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the calibration keeps it between layers: itself, or with ``spill`` a
+        file-backed copy of the same bits (``compress.memory.file_backed_copy``), so that every
+        sample's hidden states need not fit in memory at once (a 70B layer's, 128 x 2048
+        tokens in float32: 8.6 GB in and 8.6 GB out). CPU tensors only."""
+        if self.spill is None or tensor.device.type != "cpu":
+            return tensor
+        return file_backed_copy(tensor, self.spill)
 
 
 def _all_finite(x: torch.Tensor) -> bool:
@@ -86,7 +97,8 @@ def _layer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def capture_first_layer_inputs(
-    model: nn.Module, batches: list[torch.Tensor], device: torch.device
+    model: nn.Module, batches: list[torch.Tensor], device: torch.device,
+    spill: Path | None = None,
 ) -> LayerInputs:
     """Run each batch ``[1, T]`` through the model with every decoder layer replaced by the
     identity and record what enters layer 0 and the keyword arguments of every layer; the
@@ -97,7 +109,7 @@ def capture_first_layer_inputs(
         final_norm = model.get_submodule(arch_for(model, "sequential calibration").final_norm)
     except AttributeError:  # a variant without one (OPT-350m's norms follow the blocks): the head
         final_norm = model.get_output_embeddings()
-    captured = LayerInputs(hidden=[], per_layer=[[] for _ in layers])
+    captured = LayerInputs(hidden=[], per_layer=[[] for _ in layers], spill=spill)
 
     def identity_for(index: int):
         def identity(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -108,7 +120,7 @@ def capture_first_layer_inputs(
                         "activations are NaN/Inf before decoder layer 0 (the embedding's "
                         "output); check the model's weights and config.json in float32"
                     )
-                captured.hidden.append(hidden.detach())
+                captured.hidden.append(captured.keep(hidden.detach()))
             captured.per_layer[index].append(_layer_kwargs(kwargs))
             return hidden
 
@@ -154,7 +166,7 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "",
                 "the model in float32"
             )
         if keep:
-            outs.append(out.detach())
+            outs.append(inputs.keep(out.detach()))
     return outs
 
 
@@ -229,9 +241,12 @@ def run_sequential(
     desc: str = "layers",
     stream: Any = None,
     narrow: bool = False,
+    spill_near: Path | None = None,
 ) -> dict[str, Any]:
     """Call ``process_layer(i, layer, inputs)`` for each decoder layer in order, feeding each
     layer the outputs of the already-processed previous layers. Returns memory metrics.
+    ``spill_near``: a folder beside which the hidden states between layers wait in files
+    (``LayerInputs.keep``; a temporary folder, removed at the end), not in memory.
 
     ``process_layer`` changes the layer in place (calibrate, quantize, swap modules); it may run
     ``run_layer(layer, inputs)`` as often as it needs. Decoder layers of the supported models hold
@@ -245,13 +260,13 @@ def run_sequential(
     layer's large bf16 tensors stay bf16, widened per call (``StreamedModel.load_layer``), for
     a ``process_layer`` that changes no float weight in place (GPTQ)."""
     layers = decoder_layers(model, "sequential calibration")
-    with MemoryMonitor(device) as monitor:
+    with MemoryMonitor(device) as monitor, _spill_folder(spill_near) as spill:
         disk = _DiskOffload(layers) if offload == "disk" and stream is None else None
         try:
             if offload == "cpu" and stream is None:
                 layers.to("cpu")
             with _capture_on(model, layers, device, stream):
-                inputs = capture_first_layer_inputs(model, batches, device)
+                inputs = capture_first_layer_inputs(model, batches, device, spill)
             for index in tqdm(range(len(layers)), desc=desc, disable=not progress):
                 layer = layers[index]
                 # where the layer goes back to: the CPU unless it lived on the device all along
@@ -275,7 +290,19 @@ def run_sequential(
     metrics = monitor.metrics()
     metrics["offload"] = "stream" if stream is not None else offload
     metrics["calibration_tokens"] = int(sum(b.numel() for b in batches))
+    metrics["activations"] = "disk" if spill_near is not None else "memory"
     return metrics
+
+
+@contextlib.contextmanager
+def _spill_folder(near: Path | None) -> Iterator[Path | None]:
+    """A hidden temporary folder in ``near`` for the spilled hidden states (None: none)."""
+    if near is None:
+        yield None
+        return
+    Path(near).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".compress-activations-", dir=near) as folder:
+        yield Path(folder)
 
 
 # ---- shared by the calibrated passes (GPTQ, AWQ, SmoothQuant) -----------------------------
@@ -325,6 +352,7 @@ def run_calibrated(
         desc=f"{pass_name}: decoder layers, calibrated on {len(batches)} sequences",
         stream=state.stream,
         narrow=narrow,
+        spill_near=state.activations_near,
     )
 
 

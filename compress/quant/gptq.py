@@ -574,7 +574,7 @@ def gptq_experts(
     if name not in plan:
         return {}
     fused, schemes = plan[name]
-    x, top_k = _expert_inputs(layer, fused, inputs)
+    chunks = _expert_inputs(layer, fused, inputs)
     gate_up, down = getattr(fused, arch.moe.gate_up).detach(), getattr(fused, arch.moe.down)
     act = getattr(fused, arch.moe.act)
     quant = QuantExperts(
@@ -583,7 +583,7 @@ def gptq_experts(
     ).to(gate_up.device)
     info = {}
     for e in range(quant.num_experts):
-        xe = x[(top_k == e).any(dim=-1)]
+        xe = torch.cat([x[(picks == e).any(dim=-1)] for x, picks in chunks])
         weights = (gate_up[e, : quant.intermediate], gate_up[e, quant.intermediate :],
                    down[e].detach())
         info[f"{name}.{e}"] = _gptq_expert(quant, e, xe, weights, cfg, f"{name}.{e}")
@@ -605,24 +605,26 @@ def finish_experts(model: nn.Module, names: list[str], backend: str, report: Pas
 
 def _expert_inputs(
     layer: nn.Module, experts: nn.Module, inputs: LayerInputs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All tokens entering ``experts`` over the calibration set, ``x [T, H]`` float32, and the
-    router's picks ``top_k [T, k]`` (one extra forward of the layer)."""
-    xs, picks = [], []
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tokens entering ``experts`` over the calibration set, per sample: ``(x [T_s, H]``
+    float32, kept as the layer's inputs are (``LayerInputs.keep``: in files when they are),
+    the router's picks ``[T_s, k])`` (one extra forward of the layer). Not concatenated: each
+    expert takes its own rows of each, so all tokens never sit in memory twice."""
+    chunks = []
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        xs.append(args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1]))
-        picks.append(args[1].detach().reshape(xs[-1].shape[0], -1))
+        x = args[0].detach().to(torch.float32).reshape(-1, args[0].shape[-1])
+        if not torch.isfinite(x).all():
+            raise ValueError(
+                "quantize.gptq: calibration activations entering an MoE block are NaN/Inf")
+        chunks.append((inputs.keep(x), args[1].detach().reshape(x.shape[0], -1)))
 
     handle = experts.register_forward_hook(hook)
     try:
         run_layer(layer, inputs, keep=False)
     finally:
         handle.remove()
-    x = torch.cat(xs)
-    if not torch.isfinite(x).all():
-        raise ValueError("quantize.gptq: calibration activations entering an MoE block are NaN/Inf")
-    return x, torch.cat(picks)
+    return chunks
 
 
 def _gptq_expert(
