@@ -121,8 +121,11 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     row = {"shape": shape, "algorithm": algorithm, "stream": stream, "eval_windows": eval_windows,
            "returncode": proc.returncode, **_parse_time_v(proc.stderr),
            "seconds_measured": round(time.perf_counter() - started, 1)}
-    if proc.returncode != 0:
-        row["error"] = proc.stderr.strip().splitlines()[-3:]
+    if proc.returncode != 0:  # the child's last words, not time -v's report after them
+        said = [line for line in proc.stderr.strip().splitlines()
+                if not line.startswith("\t") and not line.startswith("Command ")]
+        row["error"] = said[-3:] + [line.strip() for line in proc.stderr.splitlines()
+                                    if line.startswith("Command terminated by signal")]
         return row
     payload = json.loads((out / "results.json").read_text())
     row["phases_peak_rss_bytes"] = payload["memory"]["peak_rss_bytes"]

@@ -187,6 +187,8 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
             if name == GPTQ:
                 need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
                                    tokens=tokens, held=held)
+            if PASSES[name].needs_calibration:
+                need += _sample_forward_bytes(skeleton, dims, cal.seq_len)
             if PASSES[name].needs_calibration and not resident:
                 need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
             kept = resident
@@ -220,6 +222,20 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
                                                + window)
     peak = max(phases.values()) if phases else None
     return {"phases_bytes": phases, "peak_bytes": peak, "model_parameters": params}
+
+
+def _sample_forward_bytes(skeleton, dims: dict[str, int], seq_len: int) -> int:
+    """One calibration sample through a decoder layer, in float32: the attention scores of
+    every head (``[heads, T, T]``, which the CPU's scaled-dot-product attention builds for
+    long samples) and five ``[T, I]`` MLP activations (gate, up, the activation, the product,
+    its Hessian's input). Negligible at 512 tokens; at 2048 on the 1.1B shape 0.77 GB, which
+    the estimate missed (3.42 GB for 4.13 measured, GPTQ at 64 x 2048, docs/results.md
+    section 6; 4.02 GB with it)."""
+    cfg = skeleton.config
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    inter = max(int(getattr(cfg, key, 0) or 0)
+                for key in ("intermediate_size", "moe_intermediate_size", "hidden_size"))
+    return (heads * seq_len * seq_len + 5 * seq_len * inter) * FLOAT32
 
 
 def _rtn_first_bytes(dims: dict[str, int], *, bits: int) -> int:
@@ -410,6 +426,11 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
                     "smoothquant/autoround and rotate.hadamard stream one decoder layer at a "
                     "time)")
     if recipe.calibration is not None and "pass" in phase:
+        if wanted == "memory" and _fits(estimate(recipe, where, streamed=streamed,
+                                                 skeleton=skeleton, spill=True)["peak_bytes"],
+                                        available):
+            ways.append("set calibration.activations to disk or auto (the hidden states between "
+                        "decoder layers then wait in files beside the output; same result)")
         ways.append("lower calibration.num_samples or seq_len")
     _refuse(phase, peak, available, ways)
 
