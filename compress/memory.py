@@ -178,7 +178,12 @@ def file_backed_copy(tensor: torch.Tensor, folder: str | os.PathLike[str]) -> to
         return tensor.clone()
     handle, name = tempfile.mkstemp(dir=folder, suffix=".tensor")
     try:
-        os.ftruncate(handle, tensor.numel() * tensor.element_size())
+        # the blocks allocated now: a sparse file would turn a full disk into SIGBUS at the
+        # first page the kernel cannot write back, not into this OSError (ENOSPC)
+        os.posix_fallocate(handle, 0, tensor.numel() * tensor.element_size())
+    except OSError:
+        os.unlink(name)
+        raise
     finally:
         os.close(handle)
     try:

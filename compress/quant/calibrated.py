@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from compress.arch import Arch, NormForm, arch_for, decoder_layers
 from compress.core.device import model_device, move_tensor, on_device
-from compress.core.errors import DataError, NumericsError
+from compress.core.errors import DataError, NumericsError, OutputError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
 from compress.memory import MemoryMonitor, file_backed_copy
@@ -83,7 +83,15 @@ class LayerInputs:
         tokens in float32: 8.6 GB in and 8.6 GB out). CPU tensors only."""
         if self.spill is None or tensor.device.type != "cpu":
             return tensor
-        return file_backed_copy(tensor, self.spill)
+        try:
+            return file_backed_copy(tensor, self.spill)
+        except OSError as exc:  # a full disk (ENOSPC), a quota: the job stops, saying so
+            raise OutputError(
+                f"cannot keep the calibration's hidden states in {self.spill.parent} "
+                f"({exc.strerror or exc}; each sample takes "
+                f"{tensor.numel() * tensor.element_size() / 2**20:.0f} MiB): free disk there, "
+                "or set calibration.activations: memory, or lower calibration.num_samples"
+            ) from exc
 
 
 def _all_finite(x: torch.Tensor) -> bool:

@@ -140,3 +140,26 @@ def test_auto_spills_only_when_memory_would_not_do(tmp_path, monkeypatch, one_th
     assert result.payload["memory"]["activations"] == "memory"
     saved = json.loads((tmp_path / "fits" / "results.json").read_text())
     assert saved["memory"]["activations"] == "memory"
+
+
+def test_a_full_disk_stops_the_job_in_one_line_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                  one_thread):
+    # the files' blocks are allocated up front (posix_fallocate): a full disk is this error,
+    # not a SIGBUS when the kernel later fails to write a page of a sparse file back
+    import errno
+
+    folder = _checkpoint(tmp_path, monkeypatch,
+                         make_tiny_llama(num_hidden_layers=2, tie_word_embeddings=False))
+
+    def full(handle, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    from compress.core.errors import OutputError
+
+    with pytest.raises(OutputError, match=r"cannot keep the calibration's hidden states in .*No "
+                                          r"space left on device.*activations: memory"):
+        run_job(_recipe(tmp_path, PASSES["gptq"], "disk"), model=str(folder),
+                out_dir=tmp_path / "out", stream=True, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "text.txt"]  # no spill folder
