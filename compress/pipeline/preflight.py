@@ -227,15 +227,15 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
 def _sample_forward_bytes(skeleton, dims: dict[str, int], seq_len: int) -> int:
     """One calibration sample through a decoder layer, in float32: the attention scores of
     every head (``[heads, T, T]``, which the CPU's scaled-dot-product attention builds for
-    long samples) and five ``[T, I]`` MLP activations (gate, up, the activation, the product,
-    its Hessian's input). Negligible at 512 tokens; at 2048 on the 1.1B shape 0.77 GB, which
-    the estimate missed (3.42 GB for 4.13 measured, GPTQ at 64 x 2048, docs/results.md
-    section 6; 4.02 GB with it)."""
+    long samples) and six ``[T, I]``-sized activations (gate, up, the activation, the product,
+    its Hessian's input, the output). Negligible at 512 tokens; at 2048 on the 1.1B shape
+    0.82 GB, which the estimate missed (3.42 GB for 4.13 measured on a bf16 checkpoint, GPTQ
+    at 64 x 2048, docs/results.md section 6; 4.02 GB with it)."""
     cfg = skeleton.config
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     inter = max(int(getattr(cfg, key, 0) or 0)
                 for key in ("intermediate_size", "moe_intermediate_size", "hidden_size"))
-    return (heads * seq_len * seq_len + 5 * seq_len * inter) * FLOAT32
+    return (heads * seq_len * seq_len + 6 * seq_len * inter) * FLOAT32
 
 
 def _rtn_first_bytes(dims: dict[str, int], *, bits: int) -> int:

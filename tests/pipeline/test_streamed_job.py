@@ -384,30 +384,35 @@ MEASURED_PEAKS = {
 }
 
 
+def _estimated_peak(name: str, config, samples: int = 16, seq_len: int = 512) -> int:
+    """The preflight's streamed peak for one W4 g128 ``name`` pass over a meta skeleton of the
+    transformers ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.io.stream import no_weight_init, parameters_on_meta
+    from compress.pipeline.preflight import estimate
+
+    recipe = parse_recipe({
+        "name": "x", "passes": [{"pass": name, "group_size": 128}],
+        "calibration": {"source": "wikitext2-valid", "num_samples": samples,
+                        "seq_len": seq_len},
+        "eval": {"baseline": False, "perplexity": None},
+    })  # fmt: skip
+    with no_weight_init(), parameters_on_meta():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return estimate(recipe, None, streamed=True, skeleton=skeleton)["peak_bytes"]
+
+
 @pytest.mark.parametrize("shape, name", sorted(MEASURED_PEAKS))
 def test_preflight_estimate_tracks_the_measured_peaks_from_7b_to_70b_widths(shape, name):
     """The memory preflight on skeletons of the benchmarked shapes: within -3% / +25% of the
     peak each streamed run measured (the preflight refuses what would not fit, so it may
     over-estimate more than under), and the same at 4 layers as at the full depth: a
     streamed pass holds one layer at a time."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from compress.testing import LLAMA_SHAPES, synthetic_config
 
-    from compress.io.stream import no_weight_init, parameters_on_meta
-    from compress.pipeline.preflight import estimate
-    from compress.testing import LLAMA_SHAPES
-
-    recipe = parse_recipe({
-        "name": "x", "passes": [{"pass": name, "group_size": 128}],
-        "calibration": {"source": "wikitext2-valid", "num_samples": 16, "seq_len": 512},
-        "eval": {"baseline": False, "perplexity": None},
-    })  # fmt: skip
-    peaks = []
-    for layers in (LLAMA_SHAPES[shape]["num_hidden_layers"], 4):
-        config = LlamaConfig(**{**LLAMA_SHAPES[shape], "num_hidden_layers": layers},
-                             tie_word_embeddings=False)
-        with no_weight_init(), parameters_on_meta():
-            skeleton = LlamaForCausalLM(config)
-        peaks.append(estimate(recipe, None, streamed=True, skeleton=skeleton)["peak_bytes"])
+    peaks = [_estimated_peak(name, synthetic_config(shape, num_hidden_layers=layers))
+             for layers in (LLAMA_SHAPES[shape]["num_hidden_layers"], 4)]
     assert peaks[0] == peaks[1]
     assert 0.97 <= peaks[0] / MEASURED_PEAKS[shape, name] <= 1.25, peaks[0]
 
@@ -427,22 +432,11 @@ MOE_MEASURED_PEAKS = {
 def test_preflight_estimate_tracks_long_calibration_samples():
     """GPTQ of the 1.1B shape's first 2 layers at 64 x 2048 calibration tokens measured 4.13 GB
     with the hidden states in memory (docs/results.md section 6): one 2048-token sample's
-    attention scores and MLP activations are 0.77 GB of it, which the estimate missed (3.42)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    attention scores and MLP activations are 0.82 GB of it, which the estimate missed (3.42)."""
+    from compress.testing import synthetic_config
 
-    from compress.io.stream import no_weight_init, parameters_on_meta
-    from compress.pipeline.preflight import estimate
-    from compress.testing import LLAMA_SHAPES
-
-    recipe = parse_recipe({
-        "name": "x", "passes": [{"pass": "quantize.gptq", "group_size": 128}],
-        "calibration": {"source": "wikitext2-valid", "num_samples": 64, "seq_len": 2048},
-        "eval": {"baseline": False, "perplexity": None},
-    })  # fmt: skip
-    with no_weight_init(), parameters_on_meta():
-        skeleton = LlamaForCausalLM(LlamaConfig(**{**LLAMA_SHAPES["1.1b"],
-                                                   "num_hidden_layers": 2}))
-    peak = estimate(recipe, None, streamed=True, skeleton=skeleton)["peak_bytes"]
+    peak = _estimated_peak("quantize.gptq", synthetic_config("1.1b", num_hidden_layers=2),
+                           samples=64, seq_len=2048)
     assert 0.97 <= peak / 4.13e9 <= 1.25, peak
 
 
@@ -451,23 +445,10 @@ def test_preflight_estimate_tracks_the_measured_moe_peaks(shape, name):
     """Within -3% / +30% of what the streamed runs measured, at 2 layers as at the full depth.
     Before, the fused experts counted as one matrix for every quantizer's temporaries: 29.4 GB
     for Mixtral-8x7B's AWQ, refused on a 24 GB machine; RTN 20.6 GB for 8.42 measured."""
-    from transformers import AutoModelForCausalLM
-
-    from compress.io.stream import no_weight_init, parameters_on_meta
-    from compress.pipeline.preflight import estimate
     from compress.testing import MOE_SHAPES, synthetic_config
 
-    recipe = parse_recipe({
-        "name": "x", "passes": [{"pass": name, "group_size": 128}],
-        "calibration": {"source": "wikitext2-valid", "num_samples": 16, "seq_len": 512},
-        "eval": {"baseline": False, "perplexity": None},
-    })  # fmt: skip
-    peaks = []
-    for layers in (MOE_SHAPES[shape]["num_hidden_layers"], 2):
-        with no_weight_init(), parameters_on_meta():
-            skeleton = AutoModelForCausalLM.from_config(
-                synthetic_config(shape, num_hidden_layers=layers))
-        peaks.append(estimate(recipe, None, streamed=True, skeleton=skeleton)["peak_bytes"])
+    peaks = [_estimated_peak(name, synthetic_config(shape, num_hidden_layers=layers))
+             for layers in (MOE_SHAPES[shape]["num_hidden_layers"], 2)]
     assert peaks[0] == peaks[1]
     assert 0.97 <= peaks[0] / MOE_MEASURED_PEAKS[shape, name] <= 1.3, peaks[0]
 
