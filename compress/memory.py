@@ -178,21 +178,15 @@ def file_backed_copy(tensor: torch.Tensor, folder: str | os.PathLike[str]) -> to
         return tensor.clone()
     handle, name = tempfile.mkstemp(dir=folder, suffix=".tensor")
     try:
-        # the blocks allocated now: a sparse file would turn a full disk into SIGBUS at the
-        # first page the kernel cannot write back, not into this OSError (ENOSPC)
-        os.posix_fallocate(handle, 0, tensor.numel() * tensor.element_size())
-    except OSError:
-        os.unlink(name)
-        raise
-    finally:
-        os.close(handle)
-    try:
+        # the bytes written first, then mapped: a full disk is this OSError (ENOSPC) here, not
+        # a SIGBUS later when the kernel fails to write back a page of a sparse file
+        with os.fdopen(handle, "wb") as file:
+            file.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                                  .numpy()))
         mapped = torch.from_file(name, shared=True, size=tensor.numel(), dtype=tensor.dtype)
     finally:
         os.unlink(name)
-    mapped = mapped.view(tensor.shape)
-    mapped.copy_(tensor)
-    return mapped
+    return mapped.view(tensor.shape)
 
 
 def return_freed_memory() -> None:

@@ -136,7 +136,11 @@ def _digest_config(model: nn.Module, digest: Any) -> None:
     if config is None or not hasattr(config, "to_dict"):
         return
     settings = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_PROVENANCE}
-    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    try:
+        text = json.dumps(settings, sort_keys=True, default=str)
+    except TypeError:  # keys of mixed types in one mapping cannot be sorted: in given order
+        text = json.dumps(settings, default=str)
+    digest.update(text.encode())
 
 
 def _digest_files(folder: Path, digest: Any) -> None:

@@ -144,17 +144,22 @@ def test_auto_spills_only_when_memory_would_not_do(tmp_path, monkeypatch, one_th
 
 def test_a_full_disk_stops_the_job_in_one_line_and_leaves_nothing(tmp_path, monkeypatch,
                                                                   one_thread):
-    # the files' blocks are allocated up front (posix_fallocate): a full disk is this error,
-    # not a SIGBUS when the kernel later fails to write a page of a sparse file back
-    import errno
+    # the bytes are written before they are mapped: a full disk is this error, not a SIGBUS
+    # when the kernel later fails to write a page of a sparse file back (/dev/full: ENOSPC)
+    import tempfile
 
     folder = _checkpoint(tmp_path, monkeypatch,
                          make_tiny_llama(num_hidden_layers=2, tie_word_embeddings=False))
+    original = tempfile.mkstemp
 
-    def full(handle, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(*args, **kwargs):
+        handle, name = original(*args, **kwargs)
+        if ".compress-activations-" in name:  # only the spilled files' writes fail
+            os.close(handle)
+            handle = os.open("/dev/full", os.O_WRONLY)
+        return handle, name
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
     from compress.core.errors import OutputError
 
     with pytest.raises(OutputError, match=r"cannot keep the calibration's hidden states in .*No "
