@@ -186,7 +186,7 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
                                             * dims["largest_linear"])
             if name == GPTQ:
                 need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
-                                   tokens=tokens, held=held)
+                                   seq_len=cal.seq_len, held=held)
             if PASSES[name].needs_calibration:
                 need += _sample_forward_bytes(skeleton, dims, cal.seq_len)
             if PASSES[name].needs_calibration and not resident:
@@ -329,14 +329,14 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
 
 
 def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
-                first: bool, tokens: int, held: int) -> int:
+                first: bool, seq_len: int, held: int) -> int:
     """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
     is the first pass, else from an earlier pass's float32 scratch file; with an MoE layer's
     experts, ``_expert_gptq_bytes``."""
     stored = next(skeleton.parameters()).element_size() if first else FLOAT32
     widened = dims["largest_linear"] * FLOAT32 if stored < FLOAT32 else 0
     return (largest * stored + widened + hidden + _hessian_bytes(skeleton)
-            + _expert_gptq_bytes(skeleton, dims, tokens, held))
+            + _expert_gptq_bytes(skeleton, dims, seq_len, held))
 
 
 # GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) runs the layer's calibration
@@ -347,12 +347,13 @@ def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
 EXPERT_FORWARD_BYTES = 2.6
 
 
-def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int, held: int) -> int:
+def _expert_gptq_bytes(skeleton, dims: dict[str, int], seq_len: int, held: int) -> int:
     """An MoE layer's GPTQ beyond the dense terms: its experts' calibration forward
     (``EXPERT_FORWARD_BYTES``), the ``held`` calibration tokens entering them in float32
-    ``[T, H]`` (kept as the hidden states are: in files with ``activations: disk``), and one
-    expert at a time its routed tokens and down's inputs ``[T_e, H + I]``, ``T_e`` taken as
-    twice the even share (``2 k / E`` of the ``tokens``; random routers are uneven)."""
+    ``[T, H]`` (kept as the hidden states are: in files with ``activations: disk``), and, one
+    expert and one sample at a time (its Hessians are summed sample by sample), that sample's
+    routed tokens and down's inputs and their temporaries ``[T_e, H + 4 I]``, ``T_e`` taken as
+    twice the even share (``2 k / E`` of the sample's tokens; random routers are uneven)."""
     if not dims["fused_experts"]:
         return 0
     from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
@@ -362,7 +363,7 @@ def _expert_gptq_bytes(skeleton, dims: dict[str, int], tokens: int, held: int) -
     router = layer.get_submodule(arch.moe.router)
     share = min(1.0, 2 * router.top_k / router.num_experts)
     inter = getattr(layer.get_submodule(arch.moe.fused), arch.moe.down).shape[2]
-    routed = int(share * tokens * (dims["hidden"] + inter) * FLOAT32)
+    routed = int(share * seq_len * (dims["hidden"] + 4 * inter) * FLOAT32)
     return (int(EXPERT_FORWARD_BYTES * dims["fused_experts"])
             + held * dims["hidden"] * FLOAT32 + routed)
 

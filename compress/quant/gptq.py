@@ -583,10 +583,10 @@ def gptq_experts(
     ).to(gate_up.device)
     info = {}
     for e in range(quant.num_experts):
-        xe = torch.cat([x[(picks == e).any(dim=-1)] for x, picks in chunks])
+        routed = [(x, (picks == e).any(dim=-1)) for x, picks in chunks]
         weights = (gate_up[e, : quant.intermediate], gate_up[e, quant.intermediate :],
                    down[e].detach())
-        info[f"{name}.{e}"] = _gptq_expert(quant, e, xe, weights, cfg, f"{name}.{e}")
+        info[f"{name}.{e}"] = _gptq_expert(quant, e, routed, weights, cfg, f"{name}.{e}")
         if info[f"{name}.{e}"]["method"] == "rtn":
             log.warning("quantize.gptq: %s: %s", f"{name}.{e}", info[f"{name}.{e}"]["reason"])
     set_submodule(model, name, quant)
@@ -627,31 +627,49 @@ def _expert_inputs(
     return chunks
 
 
+def _gram(rows) -> torch.Tensor:
+    """``X^T X`` of the row blocks ``rows`` (each ``[n_i, K]``) stacked, summed block by block
+    so that the rows of all samples never sit in memory at once."""
+    total = None
+    for block in rows:
+        total = block.T @ block if total is None else total.addmm_(block.T, block)
+    return total
+
+
 def _gptq_expert(
     quant: QuantExperts,
     e: int,
-    xe: torch.Tensor,
+    routed: list[tuple[torch.Tensor, torch.Tensor]],
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: GptqConfig,
     name: str,
 ) -> dict[str, object]:
-    """Fill expert ``e`` of ``quant`` from ``weights`` (gate, up, down): GPTQ on ``xe [n, H]``
-    (its routed tokens) or RTN when there are too few; returns the report entry."""
+    """Fill expert ``e`` of ``quant`` from ``weights`` (gate, up, down): GPTQ on its routed
+    tokens (``routed``: per calibration sample, its tokens ``[T_s, H]`` and which go to ``e``)
+    or RTN when there are too few; returns the report entry. The Hessians are summed sample by
+    sample: a 2048-token x 128-sample calibration sends a Mixtral expert ~65k tokens, whose
+    inputs and down's inputs (``[n, H + I]``) would be 4.8 GB at once."""
     gate, up, down = quant.projections(e)
-    n = xe.shape[0]
+    n = sum(int(mask.sum()) for _, mask in routed)
     entry: dict[str, object] = {"tokens": n, "method": "gptq"}
     need = MIN_TOKENS_PER_CHANNEL * max(quant.hidden, quant.intermediate)
     if n < need:
         reason = f"{n} calibration tokens (GPTQ needs >= {need:g}) -> RTN"
         return _rtn_expert(quant, e, weights, entry | {"reason": reason})
+    def rows():
+        return (x[mask] for x, mask in routed if mask.any())
+
+    def down_inputs():  # from the quantized gate/up
+        return (quant.activation(gate(xe)) * up(xe) for xe in rows())
+
     try:
-        h = xe.T @ xe * (2.0 / n)
+        h = _gram(rows()) * (2.0 / n)
         for layer, w in ((gate, weights[0]), (up, weights[1])):
             w_q, scales, zeros, _ = gptq_quantize(w, h, layer.scheme, cfg, name)
             layer.set_quantized(w_q, scales, zeros)
-        hidden = quant.activation(gate(xe)) * up(xe)  # down's inputs, from the quantized gate/up
+        del h
         w_q, scales, zeros, _ = gptq_quantize(
-            weights[2], hidden.T @ hidden * (2.0 / n), down.scheme, cfg, name
+            weights[2], _gram(down_inputs()) * (2.0 / n), down.scheme, cfg, name
         )
         down.set_quantized(w_q, scales, zeros)
     except SingularHessianError as exc:
