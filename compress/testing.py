@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from compress.arch import PER_LAYER_CONFIG_KEYS
+from compress.arch import PER_LAYER_CONFIG_KEYS, WRAPPED_TEXT_LAYOUTS, WRAPPER_MODEL_PREFIX
 
 # The sizes every tiny model shares (the families add head_dim 16 and their own features).
 TINY_SIZES = dict(
@@ -184,6 +184,63 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+# Multimodal wrappers around a tiny text model (``compress.io.wrapped``): model_type -> (config
+# class, model class, the text model_type, the vision config). The vision towers are tiny too
+# (one layer, 28-pixel images of 14-pixel patches).
+_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=28, patch_size=14)
+_WRAPPERS: dict[str, tuple[str, str, str, dict]] = {
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "gemma3_text",
+               dict(_TINY_VISION, model_type="siglip_vision_model")),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", "mistral",
+                 dict(_TINY_VISION, model_type="pixtral", head_dim=16)),
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "llama",
+              dict(_TINY_VISION, model_type="clip_vision_model", projection_dim=32)),
+}
+TINY_WRAPPER_TYPES: tuple[str, ...] = tuple(_WRAPPERS)
+
+
+def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: int = 0, *,
+                          tie_word_embeddings: bool = True, legacy_names: bool = False,
+                          tokenizer=None, **text_overrides) -> Path:
+    """A random multimodal checkpoint (one of ``TINY_WRAPPER_TYPES``) around
+    ``make_tiny_model``'s text model of its family (``text_overrides`` go to its config), saved
+    by transformers' ``save_pretrained`` in fp32 with ``tokenizer`` (None:
+    ``make_char_tokenizer``). ``legacy_names``: the tensors renamed to the module tree's names
+    (``model.language_model.*``, ``lm_head.*``), as transformers 4.52-4.57 saved them. Returns
+    the folder."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config_name, model_name, text_type, vision = _WRAPPERS[model_type]
+    text = make_tiny_model(text_type, **text_overrides).config.to_dict()
+    text.pop("architectures", None)
+    config = getattr(transformers, config_name)(
+        text_config=text, vision_config=dict(vision), tie_word_embeddings=tie_word_embeddings,
+        image_token_index=text["vocab_size"] - 1)
+    if model_type == "gemma3":
+        config.mm_tokens_per_image = 4
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    (tokenizer or make_char_tokenizer()).save_pretrained(folder)
+    if legacy_names:
+        file = folder / "model.safetensors"
+        tensors = load_file(file)
+        renamed = {}
+        saved, legacy = WRAPPED_TEXT_LAYOUTS  # text prefixes as saved, as 4.52-4.57 saved
+        for name, tensor in tensors.items():
+            for (_, old), (_, new) in zip(saved, legacy, strict=True):
+                if name.startswith(old):
+                    renamed[new + name[len(old):]] = tensor
+                    break
+            else:  # the vision tower and projector, under the wrapper's own module
+                renamed[WRAPPER_MODEL_PREFIX + name] = tensor
+        save_file(renamed, file, metadata={"format": "pt"})
+    return folder
+
+
 # Public models' shapes; the vocab is theirs (32000), a benchmark may override it.
 LLAMA_SHAPES = {
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -310,20 +367,26 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 _PLAIN_LOAD = """
 import json, sys, torch
-from transformers import AutoModelForCausalLM
+import transformers
 ids = torch.tensor(json.loads(sys.argv[1]))
 for ckpt in sys.argv[2:]:
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    multimodal = "vision_config" in json.load(open(ckpt + "/config.json"))
+    auto = (transformers.AutoModelForImageTextToText if multimodal
+            else transformers.AutoModelForCausalLM)
+    model, info = auto.from_pretrained(ckpt, dtype=torch.float32, output_loading_info=True)
+    if multimodal:  # every stored tensor placed: a vision linear taken as quantized would not be
+        assert not (info["missing_keys"] or info["unexpected_keys"]), info
     with torch.no_grad():
-        torch.save(model(ids).logits, ckpt + ".plain.pt")
+        torch.save(model.eval()(input_ids=ids).logits, ckpt + ".plain.pt")
 assert not any(m.split(".")[0] == "compress" for m in sys.modules), "plain transformers only"
 """
 
 
 def plain_transformers_logits(folders: list, ids: list[list[int]], cwd) -> list[torch.Tensor]:
     """Logits of ``ids`` from each exported folder, loaded by plain transformers in one
-    subprocess that never imports compress (asserted there; PYTHONPATH cleared). An
-    AssertionError with the subprocess's stderr when it fails."""
+    subprocess that never imports compress (asserted there; PYTHONPATH cleared); a multimodal
+    export as its wrapper (``AutoModelForImageTextToText``, text only), every stored tensor
+    placed. An AssertionError with the subprocess's stderr when it fails."""
     import json
     import os
     import subprocess

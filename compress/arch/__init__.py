@@ -58,6 +58,9 @@ from compress.arch.families import (
     PER_LAYER_CONFIG_KEYS,
     PHI3,
     RUNTIME_SPECS,
+    WRAPPED_TEXT_LAYOUTS,
+    WRAPPER_MODEL_PREFIX,
+    WRAPPER_TREE,
 )
 from compress.arch.layout import (
     Arch,
@@ -73,7 +76,8 @@ from compress.arch.layout import (
 from compress.core.errors import ConfigError
 
 __all__ = [
-    "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS", "Arch",
+    "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS",
+    "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
     "mapping_paths", "model_type", "output_weight_key", "producer_rows", "routing_problem",

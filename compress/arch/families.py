@@ -426,6 +426,22 @@ ARCHS: dict[str, Arch] = {
     )
 }
 
+# Multimodal checkpoints (Gemma 3 4B+, Mistral 3, LLaVA: a ``text_config`` naming a family above,
+# a vision tower and a projector) whose text causal LM is compressed (``compress.io.wrapped``).
+# Each layout maps the text model's tree prefixes to the prefixes its tensors are stored under:
+# save_pretrained writes the first (transformers 4 and 5 alike); checkpoints saved by
+# transformers 4.52-4.57 hold the second, the 5.x module tree's names, which are also what
+# transformers 5 matches a quantization_config's names against (``WRAPPER_TREE``). A tensor
+# under neither prefix (the vision tower, the projector) is copied as stored.
+WRAPPED_TEXT_LAYOUTS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+)
+WRAPPER_TREE: tuple[tuple[str, str], ...] = WRAPPED_TEXT_LAYOUTS[1]
+# the wrapper's own module prefix above its parts in transformers 5 (``model.vision_tower``),
+# absent in stored names of the first layout and in vLLM's tree
+WRAPPER_MODEL_PREFIX = "model."
+
 # Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
 # kept layers' entries (else a reload would give a kept layer a dropped one's type).
 PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers")

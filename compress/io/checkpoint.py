@@ -185,6 +185,14 @@ class CheckpointReader:
         other._entries = {stored_as.get(n, n): e for n, e in self._entries.items()}
         return other
 
+    def selected(self, aliases: dict[str, str]) -> CheckpointReader:
+        """This reader holding only the tensors stored as ``aliases``' values, each under its
+        key (a multimodal checkpoint's text model: ``compress.io.wrapped``)."""
+        other = copy.copy(self)
+        other._where = {name: self._where[stored] for name, stored in aliases.items()}
+        other._entries = {name: self._entries[stored] for name, stored in aliases.items()}
+        return other
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 

@@ -41,6 +41,7 @@ from compress.io.names import (
     moe_arch,
     moe_float_linears,
     split_float_experts,
+    stored_renamer,
     tree_name,
     under_model_names,
 )
@@ -49,6 +50,18 @@ from compress.io.stream import (
     compute_narrow_in,
     keeps_stored_dtype,
     no_weight_init,
+)
+from compress.io.wrapped import (
+    copy_processor_files,
+    ignore_patterns,
+    mark,
+    open_checkpoint,
+    text_config_of,
+    text_quantization_config,
+    wrapped_of,
+    wrapped_text,
+    wrapper_config,
+    wrapper_names,
 )
 from compress.output_dir import check_output_dir, set_permissions, write_marker
 from compress.quant.kv_scales import KV_CACHE_SCHEME, add_kv_scale_buffers, has_kv_scales
@@ -96,13 +109,17 @@ def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
 def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
-    rename = checkpoint_renamer(model)
-    plain_linears = [rename(n) for n in moe_float_linears(model)]  # routers, float experts
+    rename, wrapped = checkpoint_renamer(model), wrapped_of(model)
 
     def names(name: str) -> list[str]:
         # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
-        # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other
-        return [rename(name)] if moe_arch(model) is not None else sorted({name, rename(name)})
+        # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other;
+        # a multimodal wrapper's text module under the wrapper's two names (wrapper_names)
+        own = [rename(name)] if moe_arch(model) is not None else sorted({name, rename(name)})
+        return own if wrapped is None else sorted({w for n in own
+                                                  for w in wrapper_names(wrapped, n)})
+
+    plain_linears = [w for n in moe_float_linears(model) for w in names(n)]  # routers, experts
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -132,7 +149,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": groups,
-        "ignore": sorted(plain_linears),
+        "ignore": sorted(plain_linears) + (ignore_patterns(wrapped) if wrapped else []),
         # fp8 KV-cache scales (quantize.kv_cache_fp8): self_attn.k_scale / v_scale per layer
         "kv_cache_scheme": kv_scheme,
         "global_compression_ratio": None,
@@ -156,7 +173,7 @@ def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightS
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = _plain_state_dict(model, dtype)
     split_float_experts(model, tensors)
-    rename = checkpoint_renamer(model)
+    rename = stored_renamer(model)
     return {rename(name): tensor for name, tensor in tensors.items()}
 
 
@@ -215,7 +232,7 @@ class StreamedExport:
         self.dtype = DTYPES[dtype]
         self.writer = ShardWriter(self.directory, max_shard_size)
         self.written: set[str] = set()  # module-tree names
-        self.rename = checkpoint_renamer(model)  # -> the names checkpoints of it use
+        self.rename = stored_renamer(model)  # -> the names checkpoints of it use
 
     @property
     def head_key(self) -> str | None:
@@ -248,6 +265,7 @@ class StreamedExport:
                 tensor = scratch.read(rest) if scratch is not None else stream.reader.read(
                     name, shape=tuple(tensor.shape))
             self._add({name: tensor})
+        _add_passthrough(self.model, self.writer)
         files = self.writer.finish()
         if any(is_bnb_module(m) for m in self.model.modules()):
             _write_bnb_config(self.model, self.directory, self.dtype_name)
@@ -394,6 +412,7 @@ def _write_compressed_tensors(
 
     writer = ShardWriter(directory, max_shard_size)
     writer.add_all(_state_dict_for_export(model, DTYPES[dtype]).items())
+    _add_passthrough(model, writer)
     writer.finish()
     write_config(model, directory, dtype)
 
@@ -402,6 +421,9 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     """``config.json`` (with the ``quantization_config`` of the model's quantized layers) and
     the generation config."""
     config = portable_config(model.config.to_dict())
+    wrapped = wrapped_of(model)
+    if wrapped is not None:  # the multimodal wrapper's config around the text model's
+        config = portable_config(wrapper_config(wrapped, config))
     if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
         config["architectures"] = [type(model).__name__]
     config["dtype"] = dtype
@@ -412,8 +434,27 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     else:
         config.pop("quantization_config", None)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if wrapped is not None:
+        copy_processor_files(wrapped, directory)
+        if (wrapped.source / "generation_config.json").is_file():  # the wrapper's own
+            shutil.copyfile(wrapped.source / "generation_config.json",
+                            directory / "generation_config.json")
+            return
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
+
+
+def _add_passthrough(model: nn.Module, writer) -> None:
+    """A multimodal wrapper's tensors outside its text model (vision tower, projector: every
+    pass leaves them alone) into ``writer``, as stored."""
+    from compress.io.stream import CheckpointReader
+
+    wrapped = wrapped_of(model)
+    if wrapped is None:
+        return
+    reader = CheckpointReader(wrapped.source)
+    for name in wrapped.passthrough:
+        writer.add(name, reader.read(name))
 
 
 def _write_bnb_config(model: nn.Module, directory: Path, dtype: str) -> None:
@@ -447,9 +488,7 @@ def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torc
     ``dtype`` as each is read (never a second copy of the whole model). A corrupt, truncated or
     missing shard, or a NaN/Inf scale, is a ``ModelLoadError`` naming the file and tensor
     (``compress.io.stream.CheckpointReader``)."""
-    from compress.io.stream import CheckpointReader
-
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)  # a multimodal checkpoint's text model
     tensors: dict[str, torch.Tensor] = {}
     for name in reader.names():
         tensor = reader.read(name)
@@ -598,11 +637,14 @@ def compressed_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
 
 def _quantization_config(path: Path) -> dict[str, Any]:
+    """``path``'s quantization_config, its module names under the text model's for a
+    multimodal checkpoint (``compress.io.wrapped``)."""
     try:
-        return json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json cannot be read ({exc}); fix or replace it") \
             from exc
+    return text_quantization_config(wrapped_text(path), quant) if quant else quant
 
 
 def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: str, *,
@@ -610,14 +652,14 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: st
     """The meta skeleton with the quantized layers swapped in; for an MoE model, None (it is
     loaded whole: its experts are renamed and regrouped) unless ``moe``: then its quantized
     experts are swapped in too, for reading one layer at a time."""
-    from compress.io.stream import CheckpointReader, meta_skeleton
+    from compress.io.stream import meta_skeleton
 
     model = meta_skeleton(path)
     if moe_arch(model) is not None and not moe:
         return None
     if quant.get("kv_cache_scheme"):
         add_kv_scale_buffers(model)  # read below like every other tensor
-    raw = CheckpointReader(path)
+    raw = open_checkpoint(path)
     reader = under_model_names(model, raw)
     if moe_arch(model) is not None:
         _swap_quantized_experts(model, quant, lambda n: raw.dtype(n) if n in raw else None,
@@ -635,7 +677,6 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     is freed, never saved (layer-by-layer evaluation, ``compress.eval.quality``)."""
     from compress.arch import arch_for, decoder_layers
     from compress.io.stream import (
-        CheckpointReader,
         StreamedModel,
         expected_tensors,
         meta_skeleton,
@@ -647,7 +688,7 @@ def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
-    reader = under_model_names(skeleton, CheckpointReader(path))
+    reader = under_model_names(skeleton, open_checkpoint(path))
     if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
         reader = MoeTreeReader(skeleton, reader)
     # what load_model refuses, refused here too: scored layer by layer, a config with fewer
@@ -681,12 +722,11 @@ def load_compressed(
     ``compress.io.names.MoeTreeReader``: quantized experts as ``QuantExperts``, float ones
     stacked into the fused tensors one module at a time (``_load_whole`` fused them all at
     once: 5.58 GB against 3.04 for the 4-layer Qwen3-30B-A3B shape's W4 export)."""
-    from compress.io.stream import CheckpointReader
 
     path = Path(path)
     quant = _quantization_config(path)
     model = _skeleton(path, quant, dtype, backend, moe=True)
-    reader = under_model_names(model, CheckpointReader(path))
+    reader = under_model_names(model, open_checkpoint(path))
     if moe_arch(model) is not None:
         reader = MoeTreeReader(model, reader)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -739,10 +779,13 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    wrapped = wrapped_text(path)
+    if wrapped is not None:
+        config = text_config_of(config)
     # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
     # initialised by the model's own code; the float weights are then replaced by assignment.
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # 4 s random init
+        model = mark(AutoModelForCausalLM.from_config(config, dtype=dtype), wrapped)  # 4 s init
     tensors = _load_moe_experts(model, read_tensors(path, dtype), quant, dtype, backend)
     for name, stored in model_name_aliases(model, tensors).items():  # GPT-NeoX's embed_out
         tensors[name] = tensors.pop(stored)

@@ -211,6 +211,8 @@ def load_model(
         from compress.io.export import load_compressed
 
         model = load_compressed(where, dtype=dtype, backend=backend)
+    elif isinstance(where, Path) and _wrapped_text(where) is not None:
+        model = _load_wrapped_text(where, dtype)
     else:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -246,16 +248,50 @@ def load_model(
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))
 
 
+def _wrapped_text(where: Path):
+    from compress.io.wrapped import wrapped_text
+
+    return wrapped_text(where)
+
+
+def _load_wrapped_text(where: Path, dtype: torch.dtype) -> nn.Module:
+    """A float multimodal checkpoint's text model (``compress.io.wrapped``): built from its
+    ``text_config``, every tensor read from the shards under the text model's names and cast to
+    ``dtype``, trainable and tied as ``from_pretrained`` leaves a model; the vision tower and
+    projector are not read (the export copies them)."""
+    from compress.arch import output_weight_key
+    from compress.io.names import MoeTreeReader, moe_arch, under_model_names
+    from compress.io.stream import expected_tensors, materialize, meta_skeleton
+    from compress.io.wrapped import open_checkpoint
+
+    model = meta_skeleton(where)
+    reader = under_model_names(model, open_checkpoint(where))
+    if moe_arch(model) is not None:
+        reader = MoeTreeReader(model, reader)
+    head = output_weight_key(model) if model.config.tie_word_embeddings else None
+    names, stored = set(expected_tensors(model)), set(reader.names())
+    _refuse_partial_load(where, {"missing_keys": names - stored - {head},
+                                 "unexpected_keys": stored - names})
+    materialize(model, "", reader, dtype, skip=(head,) if head else ())
+    if head is not None:
+        model.tie_weights()
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    _refuse_non_finite(model, where)
+    return model
+
+
 def _verify_float_experts(where: Path) -> None:
     """A float MoE checkpoint's per-expert weights against config.json, from the headers
     (``MoeTreeReader`` refuses a missing, extra, misshapen or integer one, naming it), before
     transformers fuses them with a traceback of its own, or casts an integer one to garbage."""
     from compress.io.names import MoeTreeReader, moe_arch, under_model_names
-    from compress.io.stream import CheckpointReader, meta_skeleton
+    from compress.io.stream import meta_skeleton
+    from compress.io.wrapped import open_checkpoint
 
     skeleton = meta_skeleton(where)
     if moe_arch(skeleton) is not None:
-        MoeTreeReader(skeleton, under_model_names(skeleton, CheckpointReader(where)))
+        MoeTreeReader(skeleton, under_model_names(skeleton, open_checkpoint(where)))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,6 +20,7 @@ from compress.arch import ARCHS, Arch, model_type, sparse_layers
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.stream import expected_tensors
+from compress.io.wrapped import wrapped_of
 from compress.quant.linear import QuantExperts
 
 
@@ -102,6 +103,15 @@ def checkpoint_renamer(model: nn.Module):
         return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
 
     return rename
+
+
+def stored_renamer(model: nn.Module):
+    """``name -> stored name`` for writing ``model``'s checkpoint: ``checkpoint_renamer``'s
+    names, under a multimodal wrapper's text prefix when the model is one's text model
+    (``compress.io.wrapped``; its readers present the text model's names, so reading uses
+    ``checkpoint_renamer`` alone)."""
+    rename, wrapped = checkpoint_renamer(model), wrapped_of(model)
+    return rename if wrapped is None else (lambda name: wrapped.stored(rename(name)))
 
 
 def moe_float_linears(model: nn.Module) -> list[str]:

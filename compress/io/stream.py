@@ -40,6 +40,7 @@ from compress.io.checkpoint import (
     _config_errors,
     read_config_json,
 )
+from compress.io.wrapped import mark, open_checkpoint, text_config_of, wrapped_text
 from compress.memory import return_freed_memory
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     read_config_json(path)
+    wrapped = wrapped_text(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except _config_errors() as exc:
@@ -120,13 +122,15 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
             from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if wrapped is not None:  # a multimodal checkpoint: its text model
+        config = text_config_of(config)
     try:
         with no_weight_init(), parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config)
             if _unties_on_load(model, path):
                 config.tie_word_embeddings = False
                 model = AutoModelForCausalLM.from_config(config)
-            return model
+            return mark(model, wrapped)
     except (*_config_errors(), RuntimeError) as exc:
         raise ModelLoadError(
             f"{path}/config.json does not describe a model transformers can build ({exc}); fix it"
@@ -147,7 +151,7 @@ def _unties_on_load(model: nn.Module, path: str | os.PathLike[str]) -> bool:
     if head_key is None or embed_key is None:
         return False
     try:
-        reader = CheckpointReader(path)
+        reader = open_checkpoint(path)
     except ModelLoadError:  # no weights, or broken ones: what reads them says so
         return False
     if head_key not in reader or embed_key not in reader:
@@ -171,7 +175,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     them). A bitsandbytes 4-bit weight (beside its ``.absmax``) is stored packed, two
     codes per byte: its size is checked, not its shape."""
     path = Path(path)
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)  # a multimodal checkpoint's text model (compress.io.wrapped)
     skeleton = meta_skeleton(path)
     expected = expected_tensors(skeleton)
     read_config_json(path)

@@ -275,6 +275,20 @@ def _export_dtype(recipe: Recipe, where) -> str:
     return resolve_export_dtype(recipe.export.dtype, where)
 
 
+def _refuse_bnb_of_multimodal(recipe: Recipe, where) -> None:
+    """A bitsandbytes export (``save_pretrained``) of a multimodal checkpoint's text model
+    (``compress.io.wrapped``) would lose the vision tower: refused before any work."""
+    from compress.io.wrapped import wrapped_text
+
+    if isinstance(where, Path) and recipe.export.enabled and wrapped_text(where) is not None \
+            and any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
+        raise RecipeError(
+            f"{where} is a multimodal checkpoint: quantize.bnb exports through transformers' "
+            "save_pretrained, which would write its text model without the vision tower; "
+            "use quantize.int4_rtn, quantize.int8_rtn, quantize.gptq or quantize.awq (their "
+            "compressed-tensors exports keep it), or set export.enabled: false")
+
+
 class JobOptions(BaseModel):
     """How a job runs, as the CLI's flags set it (``run_job`` documents each)."""
 
@@ -350,15 +364,17 @@ def plan_job(
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
         text, source = read_text(path), str(path)
     where = resolve_model_path(model or recipe.model)
+    _refuse_bnb_of_multimodal(recipe, where)
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
         from compress.io.names import MoeTreeReader, moe_arch, under_model_names
-        from compress.io.stream import CheckpointReader, meta_skeleton, verify_checkpoint
+        from compress.io.stream import meta_skeleton, verify_checkpoint
+        from compress.io.wrapped import open_checkpoint
 
         verify_checkpoint(where)
         skeleton = meta_skeleton(where)
-        reader = under_model_names(skeleton, CheckpointReader(where))
+        reader = under_model_names(skeleton, open_checkpoint(where))
         if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
             reader = MoeTreeReader(skeleton, reader)
         refusal = _skeleton_refusal(skeleton, reader)

@@ -145,9 +145,9 @@ def _parameter_count(where) -> int | None:
     """Parameters of a checkpoint folder from its safetensors headers (no tensor is read)."""
     if not isinstance(where, Path):
         return None
-    from compress.io.stream import CheckpointReader
+    from compress.io.wrapped import open_checkpoint
 
-    reader = CheckpointReader(where)
+    reader = open_checkpoint(where)  # a multimodal checkpoint's text model
     count = 0
     for name in reader.names():
         numel = 1
@@ -448,10 +448,11 @@ def whole_load_bytes(where) -> int | None:
 
     from compress.core.errors import ModelLoadError
     from compress.io.load import is_compressed_checkpoint
-    from compress.io.stream import CheckpointReader, keeps_stored_dtype
+    from compress.io.stream import keeps_stored_dtype
+    from compress.io.wrapped import open_checkpoint
 
     try:
-        reader = CheckpointReader(where)
+        reader = open_checkpoint(where)  # a multimodal checkpoint's text model
     except ModelLoadError:
         return None
     compressed = is_compressed_checkpoint(where)

@@ -1,0 +1,199 @@
+"""Multimodal checkpoints whose text model is compressed: Gemma 3 4B and up, Mistral 3, LLaVA
+(``compress.io`` imports no pass).
+
+Such a folder's config.json names a model_type no ``compress.arch`` entry has, and a
+``text_config`` whose model_type one has; its shards hold that text causal LM under a prefix
+(``compress.arch.WRAPPED_TEXT_LAYOUTS``) beside a vision tower and a projector. Every pass, the
+evaluation and the runtime work on the text model alone:
+
+* ``meta_skeleton`` builds it from ``text_config`` (``text_config_of``; the output head is tied
+  as the wrapper's own ``tie_word_embeddings`` says) and marks it with its ``Wrapped``;
+* ``open_checkpoint`` reads the shards with the text tensors under the text model's names and
+  the others left out, and ``text_quantization_config`` reads an export's names the same way;
+* the export (``compress.io.export``) writes the text tensors back under their stored names
+  (``Wrapped.stored``), copies every other tensor as stored (``Wrapped.passthrough``), writes
+  the wrapper's config.json with the text model's (possibly pruned) config as its
+  ``text_config``, a ``quantization_config`` that names the wrapper's modules and leaves the
+  vision parts out (``ignore_patterns``), and copies the processor files, so transformers and
+  vLLM load the result as the multimodal model it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from compress.arch import ARCHS, WRAPPED_TEXT_LAYOUTS, WRAPPER_MODEL_PREFIX, WRAPPER_TREE
+from compress.core.errors import ModelLoadError
+from compress.io.checkpoint import CheckpointReader, read_config_json
+
+# the files a multimodal model's processor is built from, copied beside an export as they are
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "chat_template.jinja", "video_preprocessor_config.json")
+_MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper carries
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """A multimodal checkpoint folder's text model: where it is stored and what is not it."""
+
+    source: Path
+    config: dict[str, Any]  # the wrapper's config.json
+    renames: tuple[tuple[str, str], ...]  # (text model prefix, stored prefix)
+    passthrough: tuple[str, ...]  # stored tensor names outside the text model
+
+    def stored(self, name: str) -> str:
+        """The stored name of the text model's tensor or module ``name``."""
+        return _swap_prefix(name, self.renames)
+
+    def text_name(self, stored: str) -> str | None:
+        """The text model's name of stored tensor or module ``stored`` (None: not the text
+        model's)."""
+        return _swap_prefix(stored, tuple((s, t) for t, s in self.renames), None)
+
+    @property
+    def passthrough_roots(self) -> tuple[str, ...]:
+        """The top modules of the passthrough tensors, without the wrapper's own prefix
+        (``vision_tower``, ``multi_modal_projector``)."""
+        roots = {n.removeprefix(WRAPPER_MODEL_PREFIX).partition(".")[0] for n in self.passthrough}
+        return tuple(sorted(roots))
+
+
+def _swap_prefix(name: str, pairs: tuple[tuple[str, str], ...], default: Any = ...) -> Any:
+    for old, new in pairs:
+        if name.startswith(old) or name + "." == old:
+            return new + name[len(old):] if name.startswith(old) else new[:-1]
+    return name if default is ... else default
+
+
+def wrapped_text(path: str | os.PathLike[str],
+                 reader: CheckpointReader | None = None) -> Wrapped | None:
+    """The ``Wrapped`` text model of the checkpoint folder ``path``, or None when its model_type
+    is a text family (or it has no ``text_config``). A multimodal config whose text model no
+    entry supports, or shards holding no text model under a known layout, is a ModelLoadError
+    naming it."""
+    path = Path(path)
+    config = read_config_json(path)
+    text = config.get("text_config")
+    kind = config.get("model_type")
+    if kind in ARCHS or not isinstance(text, dict):
+        return None
+    if text.get("model_type") not in ARCHS:
+        raise ModelLoadError(
+            f"{path}/config.json: a multimodal model ({kind!r}) whose text model "
+            f"({text.get('model_type')!r}) is not a supported family; supported text models: "
+            f"{', '.join(ARCHS)}"
+        )
+    names = (reader or CheckpointReader(path)).names()
+    for layout in WRAPPED_TEXT_LAYOUTS:
+        model_prefix = layout[0][1]
+        if any(n.startswith(model_prefix) for n in names):
+            stored = tuple(s for _, s in layout)
+            return Wrapped(path, config, layout,
+                           tuple(n for n in names if not n.startswith(stored)))
+    raise ModelLoadError(
+        f"{path}: config.json describes a multimodal model ({kind!r}) but no tensor is stored "
+        f"under {' or '.join(repr(layout[0][1]) for layout in WRAPPED_TEXT_LAYOUTS)}, where its "
+        "text model is expected; the shards belong to another model or are stored under names "
+        "compress does not know: re-download or re-export it"
+    )
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
+    """The shards of ``path``: a multimodal checkpoint's text tensors under the text model's
+    names and nothing else (``Wrapped``), any other checkpoint's tensors as stored."""
+    reader = CheckpointReader(path)
+    wrapped = wrapped_text(path, reader)
+    if wrapped is None:
+        return reader
+    names = {wrapped.text_name(n): n for n in reader.names() if n not in wrapped.passthrough}
+    return reader.selected(names)
+
+
+def text_config_of(config: Any) -> Any:
+    """The text model's config of a transformers multimodal config: its ``text_config``, with
+    the head tied as the wrapper ties it (the wrapper's ``tie_word_embeddings`` decides,
+    whatever the nested one says)."""
+    text = config.get_text_config()
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
+                                            text.tie_word_embeddings))
+    text.architectures = None  # the wrapper's; the text model's class comes from model_type
+    return text
+
+
+def mark(model: nn.Module, wrapped: Wrapped | None) -> nn.Module:
+    if wrapped is not None:
+        setattr(model, _MARK, wrapped)
+    return model
+
+
+def wrapped_of(model: nn.Module) -> Wrapped | None:
+    """The ``Wrapped`` a text model was built from (``mark``), None for any other model."""
+    return getattr(model, _MARK, None)
+
+
+def wrapper_names(wrapped: Wrapped, name: str) -> list[str]:
+    """The names a quantization_config lists for the text model's module ``name``: as stored
+    (vLLM's names) and as transformers 5's module tree of the wrapper has it."""
+    text_name = name
+    return sorted({wrapped.stored(text_name), _swap_prefix(text_name, WRAPPER_TREE)})
+
+
+def ignore_patterns(wrapped: Wrapped) -> list[str]:
+    """``ignore`` entries that leave every module outside the text model float, under
+    transformers' names (``model.vision_tower...``) and vLLM's (``vision_tower...``)."""
+    prefix = re.escape(WRAPPER_MODEL_PREFIX)
+    return [f"re:^({prefix})?{re.escape(root)}\\." for root in wrapped.passthrough_roots]
+
+
+def text_quantization_config(wrapped: Wrapped | None, quant: dict[str, Any]) -> dict[str, Any]:
+    """``quant`` with the exact module names of its targets and ignore list under the text
+    model's names (a name the wrapper's tree or the shards use); patterns and class names stay
+    as they are. Names outside the text model are dropped."""
+    if wrapped is None or not quant:
+        return quant
+
+    def to_text(patterns: list[str]) -> list[str]:
+        out = []
+        for pattern in patterns:
+            if pattern.startswith("re:") or "." not in pattern and pattern[:1].isupper():
+                out.append(pattern)
+                continue
+            name = wrapped.text_name(pattern)
+            if name is None:
+                name = _swap_prefix(pattern, tuple((s, t) for t, s in WRAPPER_TREE), None)
+            if name is not None:
+                out.append(name)
+        return list(dict.fromkeys(out))
+
+    quant = dict(quant)
+    quant["ignore"] = to_text(quant.get("ignore") or [])
+    quant["config_groups"] = {
+        key: {**group, "targets": to_text(group.get("targets") or [])}
+        for key, group in (quant.get("config_groups") or {}).items()
+    }
+    return quant
+
+
+def wrapper_config(wrapped: Wrapped, text: dict[str, Any]) -> dict[str, Any]:
+    """The wrapper's config.json around ``text`` (the text model's config as written): its
+    ``text_config`` replaced and the head tied as the text model's is."""
+    config = {k: v for k, v in wrapped.config.items() if k != "quantization_config"}
+    text = {k: v for k, v in text.items() if k not in ("architectures", "quantization_config")}
+    config["text_config"] = text
+    if "tie_word_embeddings" in text:
+        config["tie_word_embeddings"] = text["tie_word_embeddings"]
+    return config
+
+
+def copy_processor_files(wrapped: Wrapped, directory: Path) -> None:
+    """The source's processor files (image preprocessing, chat template) beside an export."""
+    for name in PROCESSOR_FILES:
+        if (wrapped.source / name).is_file():
+            shutil.copyfile(wrapped.source / name, directory / name)

@@ -1,0 +1,184 @@
+"""Multimodal checkpoints (Gemma 3 4B+, Mistral 3, LLaVA): their text model is loaded, compressed
+and served, and the export is the multimodal model again (``compress.io.wrapped``).
+
+References: transformers' own multimodal model on the same text (logits), the source shards
+(the vision tensors, byte for byte), plain transformers loading the export in a child process
+(every stored tensor placed), and the whole job against the streamed one (the same bytes)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from compress.core.errors import ModelLoadError, RecipeError
+from compress.io.checkpoint import CheckpointReader
+from compress.io.load import load_model
+from compress.pipeline.job import run_job
+from compress.recipe import parse_recipe
+from compress.testing import TINY_WRAPPER_TYPES, write_tiny_multimodal
+
+IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
+
+
+def _wrapper_logits(folder) -> torch.Tensor:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(IDS)).logits
+
+
+def _recipe(tmp_path, passes: str):
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    return parse_recipe({
+        "name": "tiny-multimodal",
+        "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
+                        "seed": 0},
+        "passes": yaml.safe_load(textwrap.dedent(passes)),
+        "export": {"dtype": "auto"},
+        "eval": {"baseline": False, "perplexity": None},
+    })
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(folder)
+    return {name: reader.read(name) for name in reader.names()}
+
+
+@pytest.mark.parametrize("legacy_names", [False, True], ids=["saved", "legacy-names"])
+@pytest.mark.parametrize("kind", TINY_WRAPPER_TYPES)
+def test_the_text_model_computes_what_the_multimodal_model_computes(kind, legacy_names, tmp_path):
+    folder = write_tiny_multimodal(tmp_path / kind, kind, legacy_names=legacy_names)
+    loaded = load_model(str(folder))
+    assert not hasattr(loaded.model.config, "vision_config")  # the text model alone
+    with torch.no_grad():
+        ours = loaded.model(torch.tensor(IDS)).logits
+    torch.testing.assert_close(ours, _wrapper_logits(folder), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_w4_export_is_the_multimodal_model_with_its_vision_tower_as_stored(kind, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compress.testing import plain_transformers_logits
+
+    source = write_tiny_multimodal(tmp_path / "source", kind, tie_word_embeddings=False)
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        (source / name).write_text(json.dumps({"marker": name}))
+    recipe = _recipe(tmp_path, "- {pass: quantize.gptq, group_size: 32}")
+    streamed, whole = tmp_path / "streamed", tmp_path / "whole"
+    run_job(recipe, model=str(source), out_dir=streamed, stream=True, progress=False)
+    run_job(recipe, model=str(source), out_dir=whole, stream=False, progress=False)
+    ours, theirs = _tensors(streamed), _tensors(whole)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)  # the same job, the same bytes
+
+    stored = _tensors(source)
+    vision = [n for n in stored if not n.startswith("language_model.")]
+    assert len(vision) > 10 and all(torch.equal(ours[n], stored[n]) for n in vision)
+    assert ours[vision[0]].dtype == stored[vision[0]].dtype
+    packed = [n for n in ours if n.endswith("weight_packed")]
+    assert len(packed) == 2 * 7 and all(n.startswith("language_model.model.layers.") for n in packed)
+
+    config = json.loads((streamed / "config.json").read_text())
+    source_config = json.loads((source / "config.json").read_text())
+    assert config["architectures"] == source_config["architectures"]
+    assert config["vision_config"] == source_config["vision_config"]
+    assert config["text_config"]["num_hidden_layers"] == 2
+    assert config["quantization_config"]["ignore"][-2:] == [
+        "re:^(model\\.)?multi_modal_projector\\.", "re:^(model\\.)?vision_tower\\."]
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert json.loads((streamed / name).read_text()) == {"marker": name}
+
+    with torch.no_grad():
+        reloaded = load_model(str(streamed)).model(torch.tensor(IDS)).logits
+    (plain,) = plain_transformers_logits([streamed], IDS, tmp_path)  # a child without compress
+    assert float((plain - reloaded).norm() / reloaded.norm()) < 1e-2
+
+
+def test_vision_patterns_leave_every_vision_module_float_under_both_trees(tmp_path):
+    from compress.core.matcher import matches
+    from compress.io.wrapped import ignore_patterns, wrapped_text
+
+    wrapped = wrapped_text(write_tiny_multimodal(tmp_path / "m", "gemma3"))
+    patterns = ignore_patterns(wrapped)
+    names = ["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",  # vLLM's tree
+             "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1",  # transformers 5's
+             "multi_modal_projector.mm_input_projection", "model.multi_modal_projector.x"]
+    assert all(any(matches(n, None, p) for p in patterns) for n in names)
+    text = ["model.language_model.layers.0.mlp.down_proj", "language_model.model.layers.0.x",
+            "lm_head", "model.layers.0.self_attn.q_proj"]
+    assert not any(matches(n, None, p) for n in text for p in patterns)
+
+
+def test_pruned_layers_are_the_exported_text_config(tmp_path):
+    source = write_tiny_multimodal(tmp_path / "source", "gemma3", num_hidden_layers=3,
+                                   layer_types=["sliding_attention"] * 2 + ["full_attention"])
+    recipe = _recipe(tmp_path, "- {pass: prune.layers, num_layers: 2}")
+    run_job(recipe, model=str(source), out_dir=tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["text_config"]["num_hidden_layers"] == 2
+    assert len(config["text_config"]["layer_types"]) == 2  # the kept layers' entries
+    from transformers import AutoModelForImageTextToText
+
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "out", output_loading_info=True)
+    assert len(model.model.language_model.layers) == 2
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_runtime_greedy_tokens_equal_the_multimodal_models(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from compress.runtime.engine import Runtime
+
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(IDS), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=None, pad_token_id=2)[0, len(IDS[0]):].tolist()
+    runtime = Runtime(load_model(str(folder)).model, max_seq_len=64, max_batch_size=1)
+    assert runtime.generate(IDS, 8)[0] == expected
+
+
+def test_a_multimodal_model_whose_text_family_is_unsupported_is_named(tmp_path):
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["model_type"] = "unknown_text"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"multimodal model \('gemma3'\) whose text model "
+                                             r"\('unknown_text'\) is not a supported family"):
+        load_model(str(folder))
+
+
+def test_shards_without_a_text_model_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({f"other.{n}": t for n, t in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="no tensor is stored under 'language_model.model.'"):
+        load_model(str(folder))
+
+
+def test_a_missing_text_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["language_model.model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(str(folder))
+
+
+def test_bitsandbytes_of_a_multimodal_model_is_refused_before_any_work(tmp_path):
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    recipe = _recipe(tmp_path, "- {pass: quantize.bnb}")
+    with pytest.raises(RecipeError, match="multimodal checkpoint: quantize.bnb"):
+        run_job(recipe, model=str(folder), out_dir=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
