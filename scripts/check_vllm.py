@@ -16,7 +16,11 @@ same way: the unquantized model in vLLM (bf16) against ours (fp32). Cases:
   vLLM's cache does);
 - every runtime family (``compress.arch.runtime_model_types``: dense and MoE), as random models of
   a shape vLLM's CPU kernels take (head_dim 64, SmolLM2's tokenizer): unquantized and W4. Random
-  weights say "loads and computes the same function", not "keeps quality".
+  weights say "loads and computes the same function", not "keeps quality";
+- the multimodal wrappers (``compress.testing.TINY_WRAPPER_TYPES``: Gemma 3, Mistral 3, LLaVA)
+  around such a text model, with a tiny vision tower: vLLM serves them text-only
+  (``--text-only``: no image per prompt), with torchvision's Python modules on its path
+  (``vllm_env.torchvision_python_only``), since its multimodal classes import them.
 
 A kind vLLM refuses is a result: its error message is reported (the engine's reason, read from
 its stderr). Writes results.json and results.md to --out, with each vLLM log under logs/.
@@ -235,17 +239,38 @@ def passage_ids(tokenizer, data_dir: Path) -> list[int]:
     return ids
 
 
-def make_family_model(family: str, tokenizer, folder: Path) -> Path:
-    """A random ``family`` model of SHAPE with SmolLM2's tokenizer, saved to ``folder``."""
-    from compress.testing import make_tiny_model, make_tiny_moe
+def _sharpen_gemma_norms(model) -> None:
+    for name, module in model.named_modules():
+        if name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
+            module.weight.data.fill_(9.0)
 
+
+def make_family_model(family: str, tokenizer, folder: Path) -> Path:
+    """A random ``family`` model of SHAPE with SmolLM2's tokenizer, saved to ``folder``; a
+    multimodal wrapper's text model of SHAPE with the wrapper's tiny vision tower."""
+    from compress.testing import TINY_WRAPPER_TYPES, make_tiny_model, make_tiny_moe
+
+    if family in TINY_WRAPPER_TYPES:
+        from safetensors.torch import load_file, save_file
+
+        from compress.testing import write_tiny_multimodal
+
+        window = {} if family == "llava" else {"sliding_window": 128}
+        write_tiny_multimodal(folder, family, tokenizer=tokenizer, **SHAPE, **window)
+        if family == "gemma3":  # as for Gemma below, on the stored text model's norms
+            file = folder / "model.safetensors"
+            tensors = load_file(file)
+            for name, tensor in tensors.items():
+                if name.startswith("language_model.") and name.endswith(
+                        ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                    tensor.fill_(9.0)
+            save_file(tensors, file, metadata={"format": "pt"})
+        return folder
     if family in MOE_SHAPE:
         model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))
     elif family.startswith("gemma"):
         model = make_tiny_model(family, **SHAPE, sliding_window=128)
-        for name, module in model.named_modules():
-            if name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
-                module.weight.data.fill_(9.0)
+        _sharpen_gemma_norms(model)
     else:
         from compress.arch import ARCHS
 
@@ -323,7 +348,7 @@ def ours_scores(path: Path, ids: list[int], fp8_kv: bool = False) -> dict:
 
 
 def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path, env: dict,
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", text_only: bool = False) -> dict:
     result = log.with_suffix(".json")
     result.unlink(missing_ok=True)
     cmd = [
@@ -336,6 +361,7 @@ def vllm_scores(python: Path, path: Path, ids_file: Path, dtype: str, log: Path,
         dtype,
         "--kv-cache-dtype",
         kv_cache_dtype,
+        *(["--text-only"] if text_only else []),
     ]
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
@@ -357,14 +383,16 @@ def run_case(case: Case, ctx: dict) -> dict:
                 return {"status": "export failed", "error": error}
             ctx["exported"].add(path)
     started = time.perf_counter()
+    multimodal = case.model in ctx["multimodal_env"]
     vllm = vllm_scores(
         ctx["python"],
         path,
         ctx["ids_file"],
         case.vllm_dtype,
         out / "logs" / f"{safe}.vllm.log",
-        ctx["env"],
+        ctx["multimodal_env"].get(case.model, ctx["env"]),
         "fp8" if case.kind in FP8_KV_KINDS else "auto",
+        text_only=multimodal,
     )
     if not vllm["ok"]:
         log = (out / "logs" / f"{safe}.vllm.log").read_text()
@@ -418,14 +446,16 @@ def main() -> int:
     args = parser.parse_args()
     logging_setup()
     from transformers import AutoTokenizer
-    from vllm_env import venv_versions, vllm_environ, vllm_python
+    from vllm_env import torchvision_python_only, venv_versions, vllm_environ, vllm_python
 
     from compress.arch import runtime_model_types
     from compress.data import resolve_data_dir
     from compress.io.load import embedded_model_dir
+    from compress.testing import TINY_WRAPPER_TYPES
 
     python = vllm_python()
-    families = list(runtime_model_types()) if args.families == "all" else args.families.split(",")
+    families = ([*runtime_model_types(), *TINY_WRAPPER_TYPES] if args.families == "all"
+                else args.families.split(","))
     cases = plan_cases(families)
     if args.only:
         wanted = {c for c in cases if re.search(args.only, c.name)}
@@ -451,6 +481,12 @@ def main() -> int:
         "exported": set(),
         "ours": {},
     }
+    wrappers = {c.model for c in cases} & set(TINY_WRAPPER_TYPES)
+    if wrappers:  # their vLLM processes import torchvision
+        env = dict(ctx["env"], PYTHONPATH=str(torchvision_python_only()))
+        ctx["multimodal_env"] = dict.fromkeys(wrappers, env)
+    else:
+        ctx["multimodal_env"] = {}
     rows = {}
     for case in cases:
         print(f"[{time.strftime('%H:%M:%S')}] {case.name} ...", flush=True)

@@ -127,6 +127,37 @@ def vllm_python(cache: Path | None = None, *, echo=print) -> Path:
     return python
 
 
+TORCHVISION_VERSION = "0.28.0"  # the release paired with torch 2.13
+# imported by torchvision/__init__ to register its compiled ops; empty stand-ins skip that
+_SKIP_OP_REGISTRATIONS = """import sys, types
+for _name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+    sys.modules.setdefault(_name, types.ModuleType(_name))
+"""
+
+
+def torchvision_python_only(cache: Path | None = None) -> Path:
+    """A folder for the PYTHONPATH of a vLLM process that loads a multimodal model: torchvision's
+    Python modules without its compiled ops. vLLM's multimodal classes import transformers'
+    image processors, which import torchvision; the registry's torchvision wheel is a CUDA
+    build whose ops library does not load with the CPU torch (importing it raises "operator
+    torchvision::nms does not exist"), which is why the venv removes it. A ``sitecustomize.py``
+    in the folder skips the registration of those ops. For text-only checks: no image is
+    processed through it. Built once beside the venv."""
+    python = vllm_python(cache)
+    folder = venv_dir(cache).parent / f"torchvision-{TORCHVISION_VERSION}-python-only"
+    if (folder / "sitecustomize.py").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".part")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    _pip(python, ["install", "-q", "--no-deps", "--target", str(tmp),
+                  f"torchvision=={TORCHVISION_VERSION}"], venv_dir(cache) / "pip.log")
+    (tmp / "sitecustomize.py").write_text(_SKIP_OP_REGISTRATIONS)
+    os.replace(tmp, folder)
+    return folder
+
+
 def venv_versions(cache: Path | None = None) -> dict[str, str]:
     """The versions recorded when the venv was built ({} when it is not built)."""
     marker = venv_dir(cache) / ".complete"

@@ -21,7 +21,7 @@ import traceback
 
 
 def score(model: str, ids: list[int], dtype: str, max_model_len: int,
-          kv_cache_dtype: str = "auto") -> dict:
+          kv_cache_dtype: str = "auto", text_only: bool = False) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -35,6 +35,8 @@ def score(model: str, ids: list[int], dtype: str, max_model_len: int,
         enable_prefix_caching=False,
         seed=0,
         kv_cache_dtype=kv_cache_dtype,
+        # a multimodal model with no image per prompt: vLLM builds its text model alone
+        **({"limit_mm_per_prompt": {"image": 0}} if text_only else {}),
     )
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
@@ -65,10 +67,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="vLLM's KV cache storage (fp8: the checkpoint's k/v scales)")
+    parser.add_argument("--text-only", action="store_true",
+                        help="a multimodal model served without images (limit_mm_per_prompt 0)")
     args = parser.parse_args()
     ids = json.loads(open(args.ids_json).read())
     try:
-        result = score(args.model, ids, args.dtype, args.max_model_len, args.kv_cache_dtype)
+        result = score(args.model, ids, args.dtype, args.max_model_len, args.kv_cache_dtype,
+                       args.text_only)
     except Exception as exc:  # noqa: BLE001  (a refusal is a result: report it, do not crash)
         result = {
             "ok": False,

@@ -43,6 +43,10 @@ How each family's peculiarities are handled (scale folds:
   the fused experts refuse them; the runtime runs its attention around the family's own sparse
   block (Qwen3-MoE with its q/k norms).
 
+Multimodal checkpoints whose ``text_config`` names one of these (Gemma 3 4B+, Mistral 3, LLaVA)
+are compressed as that text model: ``WRAPPED_TEXT_LAYOUTS`` says where their shards store it,
+``compress.io.wrapped`` does the rest.
+
 Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
 

@@ -66,9 +66,13 @@ class Wrapped:
 
 
 def _swap_prefix(name: str, pairs: tuple[tuple[str, str], ...], default: Any = ...) -> Any:
+    """``name`` with the first matching ``old`` prefix of ``pairs`` replaced by its ``new``; a
+    module named by a prefix itself (``lm_head``) too. No match: ``default`` (``...``: name)."""
     for old, new in pairs:
-        if name.startswith(old) or name + "." == old:
-            return new + name[len(old):] if name.startswith(old) else new[:-1]
+        if name.startswith(old):
+            return new + name[len(old):]
+        if name + "." == old:
+            return new[:-1]
     return name if default is ... else default
 
 
@@ -141,8 +145,7 @@ def wrapped_of(model: nn.Module) -> Wrapped | None:
 def wrapper_names(wrapped: Wrapped, name: str) -> list[str]:
     """The names a quantization_config lists for the text model's module ``name``: as stored
     (vLLM's names) and as transformers 5's module tree of the wrapper has it."""
-    text_name = name
-    return sorted({wrapped.stored(text_name), _swap_prefix(text_name, WRAPPER_TREE)})
+    return sorted({wrapped.stored(name), _swap_prefix(name, WRAPPER_TREE)})
 
 
 def ignore_patterns(wrapped: Wrapped) -> list[str]:
