@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from compress.arch import PER_LAYER_CONFIG_KEYS, WRAPPED_TEXT_LAYOUTS, WRAPPER_MODEL_PREFIX
+from compress.arch import PER_LAYER_CONFIG_KEYS, WRAPPER_MODEL_PREFIX, WRAPPER_TREE
 
 # The sizes every tiny model shares (the families add head_dim 16 and their own features).
 TINY_SIZES = dict(
@@ -196,6 +196,13 @@ _WRAPPERS: dict[str, tuple[str, str, str, dict]] = {
                  dict(_TINY_VISION, model_type="pixtral", head_dim=16)),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "llama",
               dict(_TINY_VISION, model_type="clip_vision_model", projection_dim=32)),
+    # M-RoPE text models (sections over each head's rotary pairs) and merger-projected towers
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2",
+                   dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                        patch_size=14, window_size=28, fullatt_block_indexes=[0])),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3",
+                 dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                      deepstack_visual_indexes=[0], num_position_embeddings=16)),
 }
 TINY_WRAPPER_TYPES: tuple[str, ...] = tuple(_WRAPPERS)
 
@@ -206,17 +213,29 @@ def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: 
     """A random multimodal checkpoint (one of ``TINY_WRAPPER_TYPES``) around
     ``make_tiny_model``'s text model of its family (``text_overrides`` go to its config), saved
     by transformers' ``save_pretrained`` in fp32 with ``tokenizer`` (None:
-    ``make_char_tokenizer``). ``legacy_names``: the tensors renamed to the module tree's names
-    (``model.language_model.*``, ``lm_head.*``), as transformers 4.52-4.57 saved them. Returns
-    the folder."""
+    ``make_char_tokenizer``). ``legacy_names``: the tensors renamed to transformers 5's module
+    tree names (``model.language_model.*``, ``lm_head.*``, ``model.vision_tower.*``), as
+    transformers 4.52-4.57 saved them (Qwen3-VL is saved so anyway). Returns the folder."""
     import transformers
     from safetensors.torch import load_file, save_file
+
+    from compress.io.wrapped import Wrapped, wrapped_text
 
     config_name, model_name, text_type, vision = _WRAPPERS[model_type]
     text = make_tiny_model(text_type, **text_overrides).config.to_dict()
     text.pop("architectures", None)
+    vision = dict(vision)
+    if "depth" in vision:  # Qwen-VL: M-RoPE sections over the head's rotary pairs
+        pairs = text["head_dim"] // 2
+        sections = [pairs // 4, (pairs - pairs // 4) // 2]
+        text["rope_parameters"] = dict(text.get("rope_parameters") or {}, rope_type="default",
+                                       mrope_section=[*sections, pairs - sum(sections)])
+        text.pop("model_type")
+        if model_type == "qwen3_vl":
+            text["rope_parameters"]["mrope_interleaved"] = True
+        vision["out_hidden_size"] = text["hidden_size"]
     config = getattr(transformers, config_name)(
-        text_config=text, vision_config=dict(vision), tie_word_embeddings=tie_word_embeddings,
+        text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
         image_token_index=text["vocab_size"] - 1)
     if model_type == "gemma3":
         config.mm_tokens_per_image = 4
@@ -229,14 +248,15 @@ def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: 
         file = folder / "model.safetensors"
         tensors = load_file(file)
         renamed = {}
-        saved, legacy = WRAPPED_TEXT_LAYOUTS  # text prefixes as saved, as 4.52-4.57 saved
+        wrapped = wrapped_text(folder)
+        tree = Wrapped(folder, {}, WRAPPER_TREE, (), "")  # names as transformers 5's tree
         for name, tensor in tensors.items():
-            for (_, old), (_, new) in zip(saved, legacy, strict=True):
-                if name.startswith(old):
-                    renamed[new + name[len(old):]] = tensor
-                    break
+            text = wrapped.text_name(name)
+            if text is not None:
+                renamed[tree.stored(text)] = tensor
             else:  # the vision tower and projector, under the wrapper's own module
-                renamed[WRAPPER_MODEL_PREFIX + name] = tensor
+                renamed[name if name.startswith(WRAPPER_MODEL_PREFIX)
+                        else WRAPPER_MODEL_PREFIX + name] = tensor
         save_file(renamed, file, metadata={"format": "pt"})
     return folder
 

@@ -255,7 +255,7 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
 
         from compress.testing import write_tiny_multimodal
 
-        window = {} if family == "llava" else {"sliding_window": 128}
+        window = {"sliding_window": 128} if family in ("gemma3", "mistral3") else {}
         write_tiny_multimodal(folder, family, tokenizer=tokenizer, **SHAPE, **window)
         if family == "gemma3":  # as for Gemma below, on the stored text model's norms
             file = folder / "model.safetensors"

@@ -43,9 +43,9 @@ How each family's peculiarities are handled (scale folds:
   the fused experts refuse them; the runtime runs its attention around the family's own sparse
   block (Qwen3-MoE with its q/k norms).
 
-Multimodal checkpoints whose ``text_config`` names one of these (Gemma 3 4B+, Mistral 3, LLaVA)
-are compressed as that text model: ``WRAPPED_TEXT_LAYOUTS`` says where their shards store it,
-``compress.io.wrapped`` does the rest.
+Multimodal checkpoints whose ``text_config`` names one of these (Gemma 3 4B+, Mistral 3, LLaVA;
+Qwen2/2.5/3-VL through ``WRAPPED_TEXT_FAMILIES``) are compressed as that text model:
+``WRAPPED_TEXT_LAYOUTS`` says where their shards store it, ``compress.io.wrapped`` does the rest.
 
 Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_type named.
 """
@@ -62,6 +62,7 @@ from compress.arch.families import (
     PER_LAYER_CONFIG_KEYS,
     PHI3,
     RUNTIME_SPECS,
+    WRAPPED_TEXT_FAMILIES,
     WRAPPED_TEXT_LAYOUTS,
     WRAPPER_MODEL_PREFIX,
     WRAPPER_TREE,
@@ -81,7 +82,7 @@ from compress.core.errors import ConfigError
 
 __all__ = [
     "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS",
-    "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
+    "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
     "mapping_paths", "model_type", "output_weight_key", "producer_rows", "routing_problem",

@@ -426,17 +426,26 @@ ARCHS: dict[str, Arch] = {
     )
 }
 
-# Multimodal checkpoints (Gemma 3 4B+, Mistral 3, LLaVA: a ``text_config`` naming a family above,
-# a vision tower and a projector) whose text causal LM is compressed (``compress.io.wrapped``).
-# Each layout maps the text model's tree prefixes to the prefixes its tensors are stored under:
-# save_pretrained writes the first (transformers 4 and 5 alike); checkpoints saved by
-# transformers 4.52-4.57 hold the second, the 5.x module tree's names, which are also what
-# transformers 5 matches a quantization_config's names against (``WRAPPER_TREE``). A tensor
-# under neither prefix (the vision tower, the projector) is copied as stored.
+# Multimodal checkpoints (Gemma 3 4B+, Mistral 3, LLaVA, Qwen2/2.5/3-VL: a ``text_config``
+# naming a family above, a vision tower and a projector) whose text causal LM is compressed
+# (``compress.io.wrapped``). Each layout maps the text model's tree prefixes to the prefixes its
+# tensors are stored under, tried in order: save_pretrained writes the first for Gemma 3,
+# Mistral 3 and LLaVA (transformers 4 and 5 alike); checkpoints saved by transformers 4.52-4.57
+# (and Qwen3-VL's) hold the second, the 5.x module tree's names, which are also what
+# transformers 5 matches a quantization_config's names against (``WRAPPER_TREE``); Qwen2-VL and
+# Qwen2.5-VL store the text model under its own names (the third) beside ``visual.*``. A tensor
+# under none of the chosen layout's prefixes (the vision tower, the projector) is copied as
+# stored.
 WRAPPED_TEXT_LAYOUTS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
     (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+    (("model.", "model."), ("lm_head.", "lm_head.")),
 )
+# Text models of multimodal checkpoints that compute as an entry's family on text: M-RoPE
+# (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) rotates a text token by the same position in each of its
+# sections, which is 1-D RoPE (``compress.io.wrapped.text_config_of`` drops the sections).
+WRAPPED_TEXT_FAMILIES: dict[str, str] = {
+    "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 WRAPPER_TREE: tuple[tuple[str, str], ...] = WRAPPED_TEXT_LAYOUTS[1]
 # the wrapper's own module prefix above its parts in transformers 5 (``model.vision_tower``),
 # absent in stored names of the first layout and in vLLM's tree

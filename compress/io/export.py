@@ -54,6 +54,7 @@ from compress.io.stream import (
 from compress.io.wrapped import (
     copy_processor_files,
     ignore_patterns,
+    loaded_text_config,
     mark,
     open_checkpoint,
     text_config_of,
@@ -423,7 +424,8 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     config = portable_config(model.config.to_dict())
     wrapped = wrapped_of(model)
     if wrapped is not None:  # the multimodal wrapper's config around the text model's
-        config = portable_config(wrapper_config(wrapped, config))
+        built = portable_config(loaded_text_config(wrapped))
+        config = portable_config(wrapper_config(wrapped, config, built))
     if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
         config["architectures"] = [type(model).__name__]
     config["dtype"] = dtype
@@ -781,7 +783,7 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
         del config.quantization_config
     wrapped = wrapped_text(path)
     if wrapped is not None:
-        config = text_config_of(config)
+        config = text_config_of(config, wrapped)
     # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
     # initialised by the model's own code; the float weights are then replaced by assignment.
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the

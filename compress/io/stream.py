@@ -123,7 +123,7 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if wrapped is not None:  # a multimodal checkpoint: its text model
-        config = text_config_of(config)
+        config = text_config_of(config, wrapped)
     try:
         with no_weight_init(), parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config)

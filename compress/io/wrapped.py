@@ -1,5 +1,5 @@
-"""Multimodal checkpoints whose text model is compressed: Gemma 3 4B and up, Mistral 3, LLaVA
-(``compress.io`` imports no pass).
+"""Multimodal checkpoints whose text model is compressed: Gemma 3 4B and up, Mistral 3, LLaVA,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``compress.io`` imports no pass).
 
 Such a folder's config.json names a model_type no ``compress.arch`` entry has, and a
 ``text_config`` whose model_type one has; its shards hold that text causal LM under a prefix
@@ -7,13 +7,15 @@ Such a folder's config.json names a model_type no ``compress.arch`` entry has, a
 evaluation and the runtime work on the text model alone:
 
 * ``meta_skeleton`` builds it from ``text_config`` (``text_config_of``; the output head is tied
-  as the wrapper's own ``tie_word_embeddings`` says) and marks it with its ``Wrapped``;
+  as the wrapper's own ``tie_word_embeddings`` says; a text model type that computes as another
+  family on text, ``compress.arch.WRAPPED_TEXT_FAMILIES``, is built as that family) and marks it
+  with its ``Wrapped``;
 * ``open_checkpoint`` reads the shards with the text tensors under the text model's names and
   the others left out, and ``text_quantization_config`` reads an export's names the same way;
 * the export (``compress.io.export``) writes the text tensors back under their stored names
   (``Wrapped.stored``), copies every other tensor as stored (``Wrapped.passthrough``), writes
-  the wrapper's config.json with the text model's (possibly pruned) config as its
-  ``text_config``, a ``quantization_config`` that names the wrapper's modules and leaves the
+  the wrapper's config.json with its stored ``text_config`` where a pass changed it (pruning),
+  a ``quantization_config`` that names the wrapper's modules and leaves the
   vision parts out (``ignore_patterns``), and copies the processor files, so transformers and
   vLLM load the result as the multimodal model it was.
 """
@@ -29,7 +31,13 @@ from typing import Any
 
 from torch import nn
 
-from compress.arch import ARCHS, WRAPPED_TEXT_LAYOUTS, WRAPPER_MODEL_PREFIX, WRAPPER_TREE
+from compress.arch import (
+    ARCHS,
+    WRAPPED_TEXT_FAMILIES,
+    WRAPPED_TEXT_LAYOUTS,
+    WRAPPER_MODEL_PREFIX,
+    WRAPPER_TREE,
+)
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader, read_config_json
 
@@ -47,6 +55,7 @@ class Wrapped:
     config: dict[str, Any]  # the wrapper's config.json
     renames: tuple[tuple[str, str], ...]  # (text model prefix, stored prefix)
     passthrough: tuple[str, ...]  # stored tensor names outside the text model
+    family: str  # the text model's model_type as compress builds it
 
     def stored(self, name: str) -> str:
         """The stored name of the text model's tensor or module ``name``."""
@@ -88,11 +97,18 @@ def wrapped_text(path: str | os.PathLike[str],
     kind = config.get("model_type")
     if kind in ARCHS or not isinstance(text, dict):
         return None
-    if text.get("model_type") not in ARCHS:
+    family = WRAPPED_TEXT_FAMILIES.get(text.get("model_type"), text.get("model_type"))
+    if family not in ARCHS:
         raise ModelLoadError(
             f"{path}/config.json: a multimodal model ({kind!r}) whose text model "
             f"({text.get('model_type')!r}) is not a supported family; supported text models: "
             f"{', '.join(ARCHS)}"
+        )
+    method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
+    if method != "compressed-tensors":
+        raise ModelLoadError(
+            f"{path}: a multimodal model ({kind!r}) quantized with {method!r}; compress reads "
+            "multimodal checkpoints in float or compressed-tensors: start from the float model"
         )
     names = (reader or CheckpointReader(path)).names()
     for layout in WRAPPED_TEXT_LAYOUTS:
@@ -100,7 +116,7 @@ def wrapped_text(path: str | os.PathLike[str],
         if any(n.startswith(model_prefix) for n in names):
             stored = tuple(s for _, s in layout)
             return Wrapped(path, config, layout,
-                           tuple(n for n in names if not n.startswith(stored)))
+                           tuple(n for n in names if not n.startswith(stored)), family)
     raise ModelLoadError(
         f"{path}: config.json describes a multimodal model ({kind!r}) but no tensor is stored "
         f"under {' or '.join(repr(layout[0][1]) for layout in WRAPPED_TEXT_LAYOUTS)}, where its "
@@ -120,13 +136,29 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
     return reader.selected(names)
 
 
-def text_config_of(config: Any) -> Any:
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def text_config_of(config: Any, wrapped: Wrapped) -> Any:
     """The text model's config of a transformers multimodal config: its ``text_config``, with
     the head tied as the wrapper ties it (the wrapper's ``tie_word_embeddings`` decides,
-    whatever the nested one says)."""
+    whatever the nested one says); for a text model type of ``WRAPPED_TEXT_FAMILIES``, the
+    same settings as that family's config, its M-RoPE sections dropped (on text they rotate as
+    1-D RoPE)."""
+    from transformers import AutoConfig
+
     text = config.get_text_config()
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
-                                            text.tie_word_embeddings))
+    tied = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    if text.model_type != wrapped.family:
+        settings = {k: v for k, v in text.to_dict().items()
+                    if k not in ("model_type", "architectures", "transformers_version")}
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = settings.get(key)
+            if isinstance(rope, dict) and any(k in rope for k in _MROPE_KEYS):
+                rope = {k: v for k, v in rope.items() if k not in (*_MROPE_KEYS, "type")}
+                settings[key] = {**rope, "rope_type": "default"}
+        text = AutoConfig.for_model(wrapped.family, **settings)
+    text.tie_word_embeddings = tied
     text.architectures = None  # the wrapper's; the text model's class comes from model_type
     return text
 
@@ -184,15 +216,32 @@ def text_quantization_config(wrapped: Wrapped | None, quant: dict[str, Any]) -> 
     return quant
 
 
-def wrapper_config(wrapped: Wrapped, text: dict[str, Any]) -> dict[str, Any]:
-    """The wrapper's config.json around ``text`` (the text model's config as written): its
-    ``text_config`` replaced and the head tied as the text model's is."""
+_NOT_SETTINGS = ("architectures", "quantization_config", "model_type", "dtype", "torch_dtype",
+                 "transformers_version", "_name_or_path")
+
+
+def wrapper_config(wrapped: Wrapped, text: dict[str, Any],
+                   built: dict[str, Any]) -> dict[str, Any]:
+    """The wrapper's config.json around ``text`` (the text model's config now): its stored
+    ``text_config`` with every setting that differs from ``built`` (the text config as loaded)
+    set to the text model's (a pruned width or depth), and the head tied as the text model's
+    is. The rest stays as stored: the text model type and the fields the wrapper's own modeling
+    reads (M-RoPE sections) are the source's."""
     config = {k: v for k, v in wrapped.config.items() if k != "quantization_config"}
-    text = {k: v for k, v in text.items() if k not in ("architectures", "quantization_config")}
-    config["text_config"] = text
+    stored = dict(config.get("text_config") or {})
+    stored.update({k: v for k, v in text.items()
+                   if k not in _NOT_SETTINGS and built.get(k, ...) != v})
+    config["text_config"] = stored
     if "tie_word_embeddings" in text:
         config["tie_word_embeddings"] = text["tie_word_embeddings"]
     return config
+
+
+def loaded_text_config(wrapped: Wrapped) -> dict[str, Any]:
+    """The text model's config as ``meta_skeleton`` built it from the source, as a dict."""
+    from transformers import AutoConfig
+
+    return text_config_of(AutoConfig.from_pretrained(wrapped.source), wrapped).to_dict()
 
 
 def copy_processor_files(wrapped: Wrapped, directory: Path) -> None:

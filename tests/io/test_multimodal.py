@@ -60,9 +60,10 @@ def test_the_text_model_computes_what_the_multimodal_model_computes(kind, legacy
     torch.testing.assert_close(ours, _wrapper_logits(folder), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"])
 def test_w4_export_is_the_multimodal_model_with_its_vision_tower_as_stored(kind, tmp_path):
     pytest.importorskip("compressed_tensors")
+    from compress.io.wrapped import ignore_patterns, wrapped_text
     from compress.testing import plain_transformers_logits
 
     source = write_tiny_multimodal(tmp_path / "source", kind, tie_word_embeddings=False)
@@ -76,21 +77,21 @@ def test_w4_export_is_the_multimodal_model_with_its_vision_tower_as_stored(kind,
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[n], theirs[n]) for n in ours)  # the same job, the same bytes
 
-    stored = _tensors(source)
-    vision = [n for n in stored if not n.startswith("language_model.")]
+    stored, wrapped = _tensors(source), wrapped_text(source)
+    vision = wrapped.passthrough
     assert len(vision) > 10 and all(torch.equal(ours[n], stored[n]) for n in vision)
     assert ours[vision[0]].dtype == stored[vision[0]].dtype
     packed = [n for n in ours if n.endswith("weight_packed")]
     assert len(packed) == 2 * 7  # every text linear of the 2 layers, no vision one
-    assert all(n.startswith("language_model.model.layers.") for n in packed)
+    assert all(wrapped.text_name(n).startswith("model.layers.") for n in packed)
+    assert all(wrapped.text_name(n) is not None for n in set(ours) - set(vision))
 
     config = json.loads((streamed / "config.json").read_text())
     source_config = json.loads((source / "config.json").read_text())
     assert config["architectures"] == source_config["architectures"]
     assert config["vision_config"] == source_config["vision_config"]
-    assert config["text_config"]["num_hidden_layers"] == 2
-    assert config["quantization_config"]["ignore"][-2:] == [
-        "re:^(model\\.)?multi_modal_projector\\.", "re:^(model\\.)?vision_tower\\."]
+    assert config["text_config"] == source_config["text_config"]  # no pass changed it
+    assert set(ignore_patterns(wrapped)) < set(config["quantization_config"]["ignore"])
     for name in ("preprocessor_config.json", "chat_template.jinja"):
         assert json.loads((streamed / name).read_text()) == {"marker": name}
 
@@ -115,14 +116,21 @@ def test_vision_patterns_leave_every_vision_module_float_under_both_trees(tmp_pa
     assert not any(matches(n, None, p) for n in text for p in patterns)
 
 
-def test_pruned_layers_are_the_exported_text_config(tmp_path):
-    source = write_tiny_multimodal(tmp_path / "source", "gemma3", num_hidden_layers=3,
-                                   layer_types=["sliding_attention"] * 2 + ["full_attention"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+def test_pruned_layers_are_the_exported_text_config(kind, tmp_path):
+    types = ["sliding_attention"] * 2 + ["full_attention"] if kind == "gemma3" else None
+    source = write_tiny_multimodal(tmp_path / "source", kind, num_hidden_layers=3,
+                                   **({"layer_types": types} if types else {}))
     recipe = _recipe(tmp_path, "- {pass: prune.layers, num_layers: 2}")
     run_job(recipe, model=str(source), out_dir=tmp_path / "out", progress=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
+    before = json.loads((source / "config.json").read_text())["text_config"]
     assert config["text_config"]["num_hidden_layers"] == 2
     assert len(config["text_config"]["layer_types"]) == 2  # the kept layers' entries
+    # the rest as stored: the wrapper's text model type, its M-RoPE sections
+    assert {k: v for k, v in config["text_config"].items()
+            if k not in ("num_hidden_layers", "layer_types")} == {
+        k: v for k, v in before.items() if k not in ("num_hidden_layers", "layer_types")}
     from transformers import AutoModelForImageTextToText
 
     model, info = AutoModelForImageTextToText.from_pretrained(
@@ -152,6 +160,15 @@ def test_a_multimodal_model_whose_text_family_is_unsupported_is_named(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"multimodal model \('gemma3'\) whose text model "
                                              r"\('unknown_text'\) is not a supported family"):
+        load_model(str(folder))
+
+
+def test_a_multimodal_model_quantized_by_another_tool_is_named(tmp_path):
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized with 'bitsandbytes'; compress reads"):
         load_model(str(folder))
 
 
