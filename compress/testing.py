@@ -209,13 +209,15 @@ TINY_WRAPPER_TYPES: tuple[str, ...] = tuple(_WRAPPERS)
 
 def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: int = 0, *,
                           tie_word_embeddings: bool = True, legacy_names: bool = False,
-                          tokenizer=None, **text_overrides) -> Path:
+                          flat_config: bool = False, tokenizer=None, **text_overrides) -> Path:
     """A random multimodal checkpoint (one of ``TINY_WRAPPER_TYPES``) around
     ``make_tiny_model``'s text model of its family (``text_overrides`` go to its config), saved
     by transformers' ``save_pretrained`` in fp32 with ``tokenizer`` (None:
     ``make_char_tokenizer``). ``legacy_names``: the tensors renamed to transformers 5's module
     tree names (``model.language_model.*``, ``lm_head.*``, ``model.vision_tower.*``), as
-    transformers 4.52-4.57 saved them (Qwen3-VL is saved so anyway). Returns the folder."""
+    transformers 4.52-4.57 saved them (Qwen3-VL is saved so anyway). ``flat_config``: the text
+    settings at config.json's top level, no ``text_config`` (Qwen2.5-VL as released; M-RoPE
+    sections as ``rope_scaling``). Returns the folder."""
     import transformers
     from safetensors.torch import load_file, save_file
 
@@ -244,6 +246,18 @@ def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: 
     folder = Path(folder)
     model.save_pretrained(folder)
     (tokenizer or make_char_tokenizer()).save_pretrained(folder)
+    if flat_config:
+        import json
+
+        stored = json.loads((folder / "config.json").read_text())
+        text = stored.pop("text_config")
+        rope = text.pop("rope_parameters", None) or {}
+        for key, value in text.items():
+            if key != "model_type":
+                stored.setdefault(key, value)
+        stored["rope_theta"] = rope.get("rope_theta", 10000.0)
+        stored["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+        (folder / "config.json").write_text(json.dumps(stored, indent=2))
     if legacy_names:
         file = folder / "model.safetensors"
         tensors = load_file(file)

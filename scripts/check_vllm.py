@@ -98,6 +98,16 @@ MOE_SHAPE = {
 }
 
 
+# Qwen2-VL's image processor for the tiny towers (14-pixel patches, 2x2 merges); the export
+# copies it (compress.io.wrapped.PROCESSOR_FILES)
+QWEN_VL_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+    "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 200704,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
 @dataclass(frozen=True)
 class Case:
     model: str  # REAL or a model_type
@@ -265,6 +275,8 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
                         ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
                     tensor.fill_(9.0)
             save_file(tensors, file, metadata={"format": "pt"})
+        if family.startswith("qwen"):  # vLLM builds the image processor even for text only
+            (folder / "preprocessor_config.json").write_text(json.dumps(QWEN_VL_PROCESSOR))
         return folder
     if family in MOE_SHAPE:
         model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))

@@ -39,7 +39,7 @@ from compress.arch import (
     WRAPPER_TREE,
 )
 from compress.core.errors import ModelLoadError
-from compress.io.checkpoint import CheckpointReader, read_config_json
+from compress.io.checkpoint import CheckpointReader, _config_errors, read_config_json
 
 # the files a multimodal model's processor is built from, copied beside an export as they are
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
@@ -88,20 +88,25 @@ def _swap_prefix(name: str, pairs: tuple[tuple[str, str], ...], default: Any = .
 def wrapped_text(path: str | os.PathLike[str],
                  reader: CheckpointReader | None = None) -> Wrapped | None:
     """The ``Wrapped`` text model of the checkpoint folder ``path``, or None when its model_type
-    is a text family (or it has no ``text_config``). A multimodal config whose text model no
-    entry supports, or shards holding no text model under a known layout, is a ModelLoadError
-    naming it."""
+    is a text family, or it has neither a ``text_config`` nor a ``vision_config``. The text
+    model's type is its ``text_config``'s, or, for a config that keeps the text settings at its
+    top level (Qwen2-VL's and Qwen2.5-VL's as released), the one transformers parses. A
+    multimodal config whose text model no entry supports, or shards holding no text model under
+    a known layout, is a ModelLoadError naming it."""
     path = Path(path)
     config = read_config_json(path)
-    text = config.get("text_config")
-    kind = config.get("model_type")
-    if kind in ARCHS or not isinstance(text, dict):
+    text, kind = config.get("text_config"), config.get("model_type")
+    if kind in ARCHS or not (isinstance(text, dict) or isinstance(config.get("vision_config"),
+                                                                  dict)):
         return None
-    family = WRAPPED_TEXT_FAMILIES.get(text.get("model_type"), text.get("model_type"))
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    if text_type is None:
+        text_type = _parsed_text_type(path)
+    family = WRAPPED_TEXT_FAMILIES.get(text_type, text_type)
     if family not in ARCHS:
         raise ModelLoadError(
             f"{path}/config.json: a multimodal model ({kind!r}) whose text model "
-            f"({text.get('model_type')!r}) is not a supported family; supported text models: "
+            f"({text_type!r}) is not a supported family; supported text models: "
             f"{', '.join(ARCHS)}"
         )
     method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
@@ -123,6 +128,17 @@ def wrapped_text(path: str | os.PathLike[str],
         "text model is expected; the shards belong to another model or are stored under names "
         "compress does not know: re-download or re-export it"
     )
+
+
+def _parsed_text_type(path: Path) -> str | None:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path).get_text_config().model_type
+    except _config_errors() as exc:
+        reason = " ".join(str(exc).split())
+        raise ModelLoadError(f"{path}/config.json cannot be read ({reason}); fix or replace it") \
+            from exc
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
@@ -148,7 +164,8 @@ def text_config_of(config: Any, wrapped: Wrapped) -> Any:
     from transformers import AutoConfig
 
     text = config.get_text_config()
-    tied = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    tied = getattr(config, "tie_word_embeddings", None)
+    tied = bool(getattr(text, "tie_word_embeddings", False) if tied is None else tied)
     if text.model_type != wrapped.family:
         settings = {k: v for k, v in text.to_dict().items()
                     if k not in ("model_type", "architectures", "transformers_version")}
@@ -228,10 +245,11 @@ def wrapper_config(wrapped: Wrapped, text: dict[str, Any],
     is. The rest stays as stored: the text model type and the fields the wrapper's own modeling
     reads (M-RoPE sections) are the source's."""
     config = {k: v for k, v in wrapped.config.items() if k != "quantization_config"}
-    stored = dict(config.get("text_config") or {})
-    stored.update({k: v for k, v in text.items()
-                   if k not in _NOT_SETTINGS and built.get(k, ...) != v})
-    config["text_config"] = stored
+    changed = {k: v for k, v in text.items() if k not in _NOT_SETTINGS and built.get(k, ...) != v}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {**config["text_config"], **changed}
+    else:  # the text settings at the top level (Qwen2.5-VL as released)
+        config.update(changed)
     if "tie_word_embeddings" in text:
         config["tie_word_embeddings"] = text["tie_word_embeddings"]
     return config
