@@ -156,13 +156,16 @@ def make_char_tokenizer():
     )
 
 
-TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
+                                   "dots1")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     """A random sparse-MoE causal LM from its transformers 5 config, one of ``TINY_MOE_TYPES``;
     2 layers, hidden 64, 4 heads (2 KV), 4 experts (intermediate 64), top-2, vocab 320
-    (Qwen2-MoE: a shared expert of intermediate 64 too; OLMoE: q/k norms over all heads).
+    (Qwen2-MoE, GLM-4-MoE, dots.llm1: a shared expert of intermediate 64 too; OLMoE: q/k
+    norms over all heads; GLM-4-MoE and dots.llm1 route by sigmoid scores and would make their
+    first layers dense: ``first_k_dense_replace`` 0 here, an override sets it).
     Experts are the fused 3-D parameters transformers 5 builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -176,6 +179,10 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
                         norm_topk_prob=True, decoder_sparse_step=1)
         if model_type == "qwen2_moe":  # a shared expert every token takes
             settings.update(shared_expert_intermediate_size=64, mlp_only_layers=[])
+    elif model_type in ("glm4_moe", "dots1"):  # sigmoid routing, a shared expert (64 wide)
+        settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
+                        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                        norm_topk_prob=True)
     else:
         raise ValueError(f"make_tiny_moe: model_type {model_type!r} is not one of {TINY_MOE_TYPES}")
     settings.update(overrides)

@@ -95,6 +95,10 @@ MOE_SHAPE = {
     # OLMoE's own settings: vLLM's OLMoE never renormalizes the top-k weights and ignores
     # tie_word_embeddings (a tied model's head stays unloaded there: 0% agreement)
     "olmoe": dict(intermediate_size=128, norm_topk_prob=False, tie_word_embeddings=False),
+    # a dense first layer and a trained-looking router correction bias (set in
+    # make_family_model), as the released models have
+    "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
+    "dots1": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
 }
 
 
@@ -258,6 +262,8 @@ def _sharpen_gemma_norms(model) -> None:
 def make_family_model(family: str, tokenizer, folder: Path) -> Path:
     """A random ``family`` model of SHAPE with SmolLM2's tokenizer, saved to ``folder``; a
     multimodal wrapper's text model of SHAPE with the wrapper's tiny vision tower."""
+    import torch
+
     from compress.testing import TINY_WRAPPER_TYPES, make_tiny_model, make_tiny_moe
 
     if family in TINY_WRAPPER_TYPES:
@@ -280,6 +286,10 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         return folder
     if family in MOE_SHAPE:
         model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))
+        generator = torch.Generator().manual_seed(0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.5)
     elif family.startswith("gemma"):
         model = make_tiny_model(family, **SHAPE, sliding_window=128)
         _sharpen_gemma_norms(model)

@@ -125,6 +125,19 @@ QWEN2_MOE = _moe_arch(
         shared_scalar_gate="mlp.shared_expert_gate",
     ),
 )
+# GLM-4.5/4.6 (GLM-4-MoE) and dots.llm1: Qwen3-MoE's routed experts under a sigmoid router with
+# a score-correction bias (the router's own buffer), a shared expert summed in without a gate,
+# and the first layers dense (first_k_dense_replace: plain MLPs of Linears, as Qwen2-MoE's
+# mlp_only_layers); q/k/v biases (GLM). dots.llm1 normalizes q and k over one head always;
+# GLM-4-MoE only with use_qk_norm, which the runtime leaves to transformers.
+_SHARED_EXPERTS = dataclasses.replace(
+    _MOE,
+    shared_gate="mlp.shared_experts.gate_proj",
+    shared_up="mlp.shared_experts.up_proj",
+    shared_down="mlp.shared_experts.down_proj",
+)
+GLM4_MOE = _moe_arch("glm4_moe", _SHARED_EXPERTS)
+DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
 QWEN2, MISTRAL, GRANITE = (
@@ -423,6 +436,8 @@ ARCHS: dict[str, Arch] = {
         QWEN3_MOE,
         QWEN2_MOE,
         OLMOE,
+        GLM4_MOE,
+        DOTS1,
     )
 }
 
@@ -520,6 +535,10 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen3_moe": _LLAMA_RT,
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
     "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
+    # partial RoPE (half of each head, rotated as halves) from the config; the dense first
+    # layers' MLPs are called as the block is
+    "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
+    "dots1": _LLAMA_RT,
     # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms
     "gpt_neox": RuntimeSpec(norm_eps_key="layer_norm_eps",
                             parallel_residual_key="use_parallel_residual"),

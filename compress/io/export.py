@@ -743,7 +743,8 @@ def load_compressed(
         tensors = {}
         for name, current in own:
             key = prefix + name
-            if current.device.type != "meta":
+            # a persistent buffer is built real but read as stored (a trained router bias)
+            if current.device.type != "meta" and (name not in owner._buffers or key not in reader):
                 continue
             if key not in reader:
                 if not (tied and key == head_key):  # tied: the embedding's weight, below

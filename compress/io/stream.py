@@ -268,8 +268,12 @@ def materialize(
     (``keeps_stored_dtype``) stay as stored and their modules compute in ``dtype``
     (``compute_narrow_in``): the same outputs, half the memory for a bf16 checkpoint."""
     tensors = {}
+    # persistent buffers are built real (the skeleton puts only parameters on meta) but stored
+    # as the weights are: a trained one (GLM-4-MoE's router score-correction bias) is read
+    stored_buffers = {n for n, _ in module.named_buffers() if prefix + n in reader}
     for name, current in expected_tensors(module).items():
-        if current.device.type != "meta" or name.startswith(skip):
+        if (current.device.type != "meta" and name not in stored_buffers) \
+                or name.startswith(skip):
             continue
         tensor = reader.read(prefix + name, shape=tuple(current.shape), dtype=current.dtype)
         if dtype is not None and tensor.is_floating_point() and not name.endswith("weight_scale"):

@@ -55,12 +55,14 @@ def _element_counts(model) -> tuple[int, int]:
     """Independent count: (attention + expert weight elements, router elements); a shared
     expert's three projections are targets, its [1, H] gate counts with the router."""
     cfg = model.config
-    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    experts = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+               or cfg.n_routed_experts)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    gated = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen2-MoE's, with a gate
+    shared = gated or (getattr(cfg, "n_shared_experts", 0) or 0) * inter
     h = cfg.hidden_size
     per_layer = _attention_elements(model) + experts * 3 * h * inter + 3 * h * shared
-    routers = experts * h + (h if shared else 0)
+    routers = experts * h + (h if gated else 0)
     return cfg.num_hidden_layers * per_layer, cfg.num_hidden_layers * routers
 
 
@@ -505,3 +507,52 @@ def test_expert_hessian_summed_sample_by_sample_equals_the_stacked_one():
     stacked = torch.cat(rows).double()
     torch.testing.assert_close(_gram(iter(rows)).double(), stacked.T @ stacked,
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "dots1"])
+def test_a_trained_router_bias_is_read_by_every_loader(model_type, tmp_path):
+    """GLM-4-MoE's and dots.llm1's routers pick experts by sigmoid scores plus a trained
+    correction bias, a persistent buffer the meta skeleton builds as zeros: the streamed job,
+    the whole job and load_compressed all read the stored one (a missed read routes tokens to
+    other experts). The first layer is dense (first_k_dense_replace), as in the real models."""
+    import textwrap
+
+    import yaml
+
+    from compress.io.checkpoint import CheckpointReader
+    from compress.io.export import load_compressed
+    from compress.io.load import load_model
+    from compress.pipeline.job import run_job
+    from compress.recipe import parse_recipe
+    from compress.testing import make_char_tokenizer
+
+    model = make_tiny_moe(model_type, first_k_dense_replace=1)
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert list(biases) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    for bias in biases.values():
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    model.save_pretrained(tmp_path / "source")
+    make_char_tokenizer().save_pretrained(tmp_path / "source")
+    recipe = parse_recipe({
+        "name": "router-bias",
+        "passes": yaml.safe_load(textwrap.dedent("- {pass: quantize.int4_rtn, group_size: 32}")),
+        "export": {"dtype": "float32"},
+        "eval": {"baseline": False, "perplexity": None},
+    })
+    outputs = {}
+    for stream in (True, False):
+        out = tmp_path / f"stream-{stream}"
+        run_job(recipe, model=str(tmp_path / "source"), out_dir=out, stream=stream,
+                progress=False)
+        reader = CheckpointReader(out)
+        outputs[stream] = {n: reader.read(n) for n in reader.names()}
+    assert outputs[True].keys() == outputs[False].keys()
+    assert all(torch.equal(outputs[True][n], outputs[False][n]) for n in outputs[True])
+    for name, bias in biases.items():
+        assert torch.equal(outputs[True][name], bias)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    streamed = load_compressed(tmp_path / "stream-True")
+    assert torch.equal(streamed.get_buffer(next(iter(biases))), next(iter(biases.values())))
+    with torch.no_grad():
+        assert torch.equal(streamed(ids).logits,
+                           load_model(str(tmp_path / "stream-False")).model(ids).logits)
