@@ -97,7 +97,8 @@ MOE_SHAPE = {
     "olmoe": dict(intermediate_size=128, norm_topk_prob=False, tie_word_embeddings=False),
     # a dense first layer and a trained-looking router correction bias (set in
     # make_family_model), as the released models have
-    "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
+    "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
+                     tie_word_embeddings=False),
     "dots1": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
 }
 
