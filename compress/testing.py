@@ -56,6 +56,9 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM",
+                  {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {}),  # YaRN, llama_4 scaling
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",

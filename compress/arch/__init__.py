@@ -10,8 +10,9 @@ from here (a test fails on an architecture name anywhere else), so a new family 
 How each family's peculiarities are handled (scale folds:
 ``compress.quant.calibrated.migrate_scales``; pruning: ``compress.prune``):
 
-* Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Granite (embedding, attention,
-  residual and logit multipliers: constants no fold or slice touches), Qwen3 (q_norm/k_norm over
+* Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Ministral, Ministral 3,
+  Granite (embedding, attention, residual and logit multipliers: constants no fold or slice
+  touches), Qwen3 (q_norm/k_norm over
   one head's ``head_dim``: after the projections, shared by all heads, so neither the folds nor
   head pruning touch them).
 * Gemma2/Gemma3 text: ``(1 + w)`` RMSNorms (``norm_form="1+w"``): dividing the effective weight

@@ -143,6 +143,11 @@ DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NO
 QWEN2, MISTRAL, GRANITE = (
     dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
 )
+# Ministral (8B: sliding and full layers by layer_types) and Ministral 3 (the text model of
+# Mistral 3's 3B-14B releases: YaRN RoPE, queries scaled by position past the original context,
+# llama_4_scaling_beta): Llama's names and data flow.
+MINISTRAL, MINISTRAL3 = (dataclasses.replace(LLAMA, model_type=t)
+                         for t in ("ministral", "ministral3"))
 QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", qk_norms=_QK_NORMS)
 
 # Gemma2: (1 + w) norms; attention -> post_attention_layernorm -> residual,
@@ -408,6 +413,8 @@ ARCHS: dict[str, Arch] = {
         QWEN2,
         QWEN3,
         MISTRAL,
+        MINISTRAL,
+        MINISTRAL3,
         GRANITE,
         GEMMA2,
         GEMMA3_TEXT,
@@ -491,6 +498,8 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "llama": _LLAMA_RT,
     "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
     "mistral": _LLAMA_RT,  # sliding window from the config
+    "ministral": _LLAMA_RT,  # sliding and full layers (layer_types)
+    "ministral3": _LLAMA_RT,  # YaRN tables; llama_4_scaling_beta falls back (runtime.families)
     "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
     # attention_multiplier is the attention module's own scaling
     "granite": RuntimeSpec(

@@ -77,8 +77,10 @@ INT4_KERNELS = dispatch.INT4_KERNELS
 INT8_KERNELS = dispatch.INT8_KERNELS
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the runtime cannot run ``model`` itself (then it falls back), or None."""
+def unsupported_reason(model: nn.Module, max_seq_len: int | None = None) -> str | None:
+    """Why the runtime cannot run ``model`` itself (then it falls back), or None; with
+    ``max_seq_len``, also what it cannot run at that many positions (the Runtime's own
+    check)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     arch = ARCHS.get(model_type)
@@ -87,7 +89,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
                 "entry has runtime=False)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    return config_unsupported_reason(config, RUNTIME_SPECS[model_type])
+    return config_unsupported_reason(config, RUNTIME_SPECS[model_type], max_seq_len)
 
 
 def _call_layer(
@@ -238,7 +240,7 @@ class Runtime:
                 f"max_seq_len={max_seq_len} and max_batch_size={max_batch_size} must be >= 2, 1"
             )
         self.model, self.max_seq_len, self.max_batch_size = model, max_seq_len, max_batch_size
-        self.fallback_reason = unsupported_reason(model)
+        self.fallback_reason = unsupported_reason(model, max_seq_len)
         self.device = model.get_input_embeddings().weight.device  # seeded generators live here
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs={cuda_graphs!r}: expected None, True or False")

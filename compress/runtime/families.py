@@ -30,8 +30,10 @@ ACTIVATIONS = {  # transformers' ACT2FN names
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
-    """Why the runtime cannot run a supported family with this ``config``, or None."""
+def config_unsupported_reason(config, spec: RuntimeSpec,
+                              max_seq_len: int | None = None) -> str | None:
+    """Why the runtime cannot run a supported family with this ``config``, or None; with
+    ``max_seq_len``, also what it cannot run at that many positions (None: not checked)."""
     act = getattr(config, spec.activation_key, "silu")
     if act not in ACTIVATIONS:
         return f"{spec.activation_key} {act!r} is not one of {tuple(ACTIVATIONS)}"
@@ -41,6 +43,13 @@ def config_unsupported_reason(config, spec: RuntimeSpec) -> str | None:
             continue  # the family's NTK-alpha: tables fixed by alpha (RuntimeSpec says)
         if kind in ("dynamic", "longrope"):
             return f"rope_type {kind!r} depends on the sequence length"
+        beta, limit = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+        if beta and max_seq_len is not None and (limit is None or max_seq_len > limit):
+            # Ministral 3 multiplies queries by 1 + beta * log(1 + floor(position / limit)):
+            # exactly 1 below the limit, which a runtime of at most that many positions keeps
+            return (f"llama_4_scaling_beta={beta}: queries at positions {limit} and beyond are "
+                    f"scaled by position, which the runtime does not apply (max_seq_len "
+                    f"{max_seq_len} reaches them)")
     other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
     if other:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"

@@ -34,6 +34,13 @@ FAMILIES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "mistral": dict(sliding_window=WINDOW),
+    "ministral": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    # YaRN tables (attention factor in cos/sin); queries scaled past position 512 (beyond the
+    # tests' sequences: the runtime runs it up to there)
+    "ministral3": dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=512,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+        llama_4_scaling_beta=0.1)),
     "granite": dict(
         embedding_multiplier=2.0,
         attention_multiplier=0.125,
@@ -367,6 +374,20 @@ def test_what_the_runtime_cannot_run_falls_back_with_the_reason(family, override
     assert match in unsupported_reason(model)
     with pytest.warns(RuntimeWarning, match=match):
         rt = Runtime(model, max_seq_len=48)
+    assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
+
+
+def test_ministral3_query_scaling_runs_below_its_limit_and_falls_back_past_it():
+    """Ministral 3 scales queries by 1 + beta * log(1 + floor(position / limit)): exactly 1
+    below the limit, so a runtime of at most ``limit`` positions runs the model (tokens equal
+    transformers'); a longer one would need the scaling and falls back, saying so."""
+    model = make_model("ministral3")  # limit 512
+    assert unsupported_reason(model, max_seq_len=512) is None
+    assert Runtime(model, max_seq_len=64).generate([PROMPTS[1]], 8) == [
+        hf_greedy(model, PROMPTS[1], 8)]
+    assert "queries at positions 512 and beyond" in unsupported_reason(model, max_seq_len=513)
+    with pytest.warns(RuntimeWarning, match="llama_4_scaling_beta=0.1"):
+        rt = Runtime(model, max_seq_len=600)
     assert rt.generate([PROMPTS[1]], 8) == [hf_greedy(model, PROMPTS[1], 8)]
 
 
