@@ -455,7 +455,9 @@ ARCHS: dict[str, Arch] = {
 # Mistral 3 and LLaVA (transformers 4 and 5 alike); checkpoints saved by transformers 4.52-4.57
 # (and Qwen3-VL's) hold the second, the 5.x module tree's names, which are also what
 # transformers 5 matches a quantization_config's names against (``WRAPPER_TREE``); Qwen2-VL and
-# Qwen2.5-VL store the text model under its own names (the third) beside ``visual.*``. A tensor
+# Qwen2.5-VL store the text model under its own names (the third, tried only for the text
+# models of ``WRAPPED_TEXT_FAMILIES``: another wrapper over such names is a text-only
+# checkpoint under a wrong config) beside ``visual.*``. A tensor
 # under none of the chosen layout's prefixes (the vision tower, the projector) is copied as
 # stored.
 WRAPPED_TEXT_LAYOUTS: tuple[tuple[tuple[str, str], ...], ...] = (

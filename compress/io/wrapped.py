@@ -116,7 +116,8 @@ def wrapped_text(path: str | os.PathLike[str],
             "multimodal checkpoints in float or compressed-tensors: start from the float model"
         )
     names = (reader or CheckpointReader(path)).names()
-    for layout in WRAPPED_TEXT_LAYOUTS:
+    own_names = text_type in WRAPPED_TEXT_FAMILIES  # Qwen2/2.5-VL: the text model's own names
+    for layout in WRAPPED_TEXT_LAYOUTS[:None if own_names else 2]:
         model_prefix = layout[0][1]
         if any(n.startswith(model_prefix) for n in names):
             stored = tuple(s for _, s in layout)
@@ -124,7 +125,7 @@ def wrapped_text(path: str | os.PathLike[str],
                            tuple(n for n in names if not n.startswith(stored)), family)
     raise ModelLoadError(
         f"{path}: config.json describes a multimodal model ({kind!r}) but no tensor is stored "
-        f"under {' or '.join(repr(layout[0][1]) for layout in WRAPPED_TEXT_LAYOUTS)}, where its "
+        f"under {' or '.join(repr(lay[0][1]) for lay in WRAPPED_TEXT_LAYOUTS[:2])}, where its "
         "text model is expected; the shards belong to another model or are stored under names "
         "compress does not know: re-download or re-export it"
     )

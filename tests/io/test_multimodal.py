@@ -199,6 +199,18 @@ def test_shards_without_a_text_model_are_named(tmp_path):
         load_model(str(folder))
 
 
+def test_a_text_only_checkpoint_under_a_multimodal_config_is_named(tmp_path):
+    from compress.testing import make_tiny_model
+
+    folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
+    (folder / "model.safetensors").unlink()
+    make_tiny_model("gemma3_text").save_pretrained(tmp_path / "text")  # model.* names
+    (tmp_path / "text" / "model.safetensors").rename(folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="no tensor is stored under 'language_model.model.' "
+                                             "or 'model.language_model.'"):
+        load_model(str(folder))
+
+
 def test_a_missing_text_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
