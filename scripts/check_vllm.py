@@ -298,8 +298,8 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         from compress.arch import ARCHS
 
         shape = dict(SHAPE)
-        if family in ("mistral", "cohere2"):  # windows the passage crosses (the tiny config's
-            shape["sliding_window"] = 128  # 8 would leave the sliding layers 8 keys)
+        if family in ("mistral", "ministral", "cohere2"):  # windows the passage crosses (the
+            shape["sliding_window"] = 128  # tiny config's 8 would leave the sliding layers 8 keys)
         if ARCHS[family].kv_heads_key is None:  # GPT-NeoX, OPT: each head its own k and v;
             # their modeling ignores num_key_value_heads, vLLM's transformers backend reads it
             shape["num_key_value_heads"] = SHAPE["num_attention_heads"]
