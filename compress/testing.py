@@ -160,7 +160,7 @@ def make_char_tokenizer():
 
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
-                                   "dots1")
+                                   "dots1", "ernie4_5_moe")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -186,6 +186,9 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
         settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                         norm_topk_prob=True)
+    elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
+        settings.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
+                        intermediate_size=128, moe_num_shared_experts=1, moe_layer_start_index=0)
     else:
         raise ValueError(f"make_tiny_moe: model_type {model_type!r} is not one of {TINY_MOE_TYPES}")
     settings.update(overrides)

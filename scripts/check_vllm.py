@@ -100,6 +100,8 @@ MOE_SHAPE = {
     "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
                      tie_word_embeddings=False),
     "dots1": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
+    "ernie4_5_moe": dict(moe_intermediate_size=128, intermediate_size=512,
+                         moe_layer_start_index=1, tie_word_embeddings=False),
 }
 
 
@@ -288,9 +290,10 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
     if family in MOE_SHAPE:
         model = make_tiny_moe(family, **dict(SHAPE, **MOE_SHAPE[family]))
         generator = torch.Generator().manual_seed(0)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.5)
+        with torch.no_grad():  # a buffer (GLM-4-MoE, dots.llm1) or a parameter (ERNIE)
+            for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith("e_score_correction_bias"):
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
     elif family.startswith("gemma"):
         model = make_tiny_model(family, **SHAPE, sliding_window=128)
         _sharpen_gemma_norms(model)

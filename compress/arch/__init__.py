@@ -44,7 +44,10 @@ How each family's peculiarities are handled (scale folds:
   the fused experts refuse them; the runtime runs its attention around the family's own sparse
   block (Qwen3-MoE with its q/k norms). GLM-4-MoE (GLM-4.5/4.6) and dots.llm1 add a shared
   expert without a gate, sigmoid routing with a trained score-correction bias (a persistent
-  buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers.
+  buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers;
+  ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
+  beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
+  names too).
 
 Multimodal checkpoints whose ``text_config`` names one of these (Gemma 3 4B+, Mistral 3, LLaVA;
 Qwen2/2.5/3-VL through ``WRAPPED_TEXT_FAMILIES``) are compressed as that text model:

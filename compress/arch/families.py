@@ -137,6 +137,10 @@ _SHARED_EXPERTS = dataclasses.replace(
     shared_down="mlp.shared_experts.down_proj",
 )
 GLM4_MOE = _moe_arch("glm4_moe", _SHARED_EXPERTS)
+# ERNIE-4.5-MoE (21B-A3B, 300B-A47B): the same experts and shared expert under a softmax router
+# whose selection bias is a parameter beside it (renamed in checkpoints: transformers' own
+# renames, which checkpoint_renamer applies), ERNIE's interleaved RoPE (RuntimeSpec).
+ERNIE4_5_MOE = _moe_arch("ernie4_5_moe", _SHARED_EXPERTS)
 DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
@@ -445,6 +449,7 @@ ARCHS: dict[str, Arch] = {
         OLMOE,
         GLM4_MOE,
         DOTS1,
+        ERNIE4_5_MOE,
     )
 }
 
@@ -550,6 +555,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # layers' MLPs are called as the block is
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
+    "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms
     "gpt_neox": RuntimeSpec(norm_eps_key="layer_norm_eps",
                             parallel_residual_key="use_parallel_residual"),

@@ -77,30 +77,32 @@ def moe_arch(model: nn.Module) -> Arch | None:
 
 
 def checkpoint_renamer(model: nn.Module):
-    """``name -> checkpoint name`` (a tensor's or a module's): the MoE block's name as
-    checkpoints (vLLM, the hub) spell it (Mixtral: ``block_sparse_moe``; transformers 5 renames
-    it back on load); for other families the names ``save_pretrained`` writes
-    (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints, which
-    transformers 4 and vLLM read), else the name itself."""
+    """``name -> checkpoint name`` (a tensor's or a module's): the names ``save_pretrained``
+    writes (``transformers_renamings``: GPT-NeoX's head is ``embed_out`` in its checkpoints,
+    which transformers 4 and vLLM read; ERNIE-4.5-MoE's router bias sits beside the router),
+    and for an MoE model first its block's name as checkpoints (vLLM, the hub) spell it
+    (Mixtral: ``block_sparse_moe``; transformers 5 renames it back on load)."""
+    renamings = transformers_renamings(model, to_checkpoint=True)
+
+    def rename_saved(name: str) -> str:
+        for source, target in renamings:  # on name + ".": patterns end in a dot
+            name = re.sub(source, target, name + ".")[:-1]
+        return name
+
+    saved = rename_saved if renamings else (lambda name: name)
     arch = moe_arch(model)
     if arch is None or arch.moe is None:
-        renamings = transformers_renamings(model, to_checkpoint=True)
-
-        def rename_dense(name: str) -> str:
-            for source, target in renamings:  # on name + ".": patterns end in a dot
-                name = re.sub(source, target, name + ".")[:-1]
-            return name
-
-        return rename_dense if renamings else (lambda name: name)
+        return saved
     if arch.moe.block == arch.moe.checkpoint_block:
-        return lambda name: name
+        return saved
     old, new = f".{arch.moe.block}.", f".{arch.moe.checkpoint_block}."
 
     def rename(name: str) -> str:
         if not name.startswith(arch.layer_prefix):
-            return name
+            return saved(name)
         head, sep, rest = name[len(arch.layer_prefix):].partition(".")
-        return f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:]
+        # Mixtral's own rename (.mlp. -> .block_sparse_moe.) is the block's: applied once
+        return saved(f"{arch.layer_prefix}{head}{sep}" + ("." + rest).replace(old, new, 1)[1:])
 
     return rename
 

@@ -631,11 +631,14 @@ def weight_matrices(model: nn.Module) -> dict[str, WeightMatrix]:
             n = module.in_features * module.out_features
             found[name] = WeightMatrix(n, size, quantized, name not in routers)
             continue
+        # a router's own parameters, or its submodules' (ERNIE-4.5-MoE's [1, E] selection
+        # bias under the router), are kept float as the router is
+        in_router = name in routers or any(name.startswith(r + ".") for r in routers)
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:
                 full = f"{name}.{pname}" if name else pname
                 found[full] = WeightMatrix(
-                    p.numel(), p.numel() * p.element_size(), False, name not in routers
+                    p.numel(), p.numel() * p.element_size(), False, not in_router
                 )
     return found
 

@@ -56,13 +56,16 @@ def _element_counts(model) -> tuple[int, int]:
     expert's three projections are targets, its [1, H] gate counts with the router."""
     cfg = model.config
     experts = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-               or cfg.n_routed_experts)
+               or getattr(cfg, "n_routed_experts", None) or cfg.moe_num_experts)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     gated = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen2-MoE's, with a gate
-    shared = gated or (getattr(cfg, "n_shared_experts", 0) or 0) * inter
+    shared = gated or (getattr(cfg, "n_shared_experts", 0)
+                       or getattr(cfg, "moe_num_shared_experts", 0) or 0) * inter
     h = cfg.hidden_size
     per_layer = _attention_elements(model) + experts * 3 * h * inter + 3 * h * shared
-    routers = experts * h + (h if gated else 0)
+    # ERNIE-4.5-MoE keeps a [1, E] selection bias under its router: a matrix, kept float with it
+    routers = experts * h + (h if gated else 0) + (experts if cfg.model_type == "ernie4_5_moe"
+                                                    else 0)
     return cfg.num_hidden_layers * per_layer, cfg.num_hidden_layers * routers
 
 
