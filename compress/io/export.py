@@ -47,17 +47,17 @@ from compress.io.names import (
 )
 from compress.io.stream import (
     SCALE_SUFFIXES,
+    causal_lm_config,
     compute_narrow_in,
     keeps_stored_dtype,
     no_weight_init,
 )
 from compress.io.wrapped import (
+    add_passthrough,
     copy_processor_files,
     ignore_patterns,
-    loaded_text_config,
     mark,
     open_checkpoint,
-    text_config_of,
     text_quantization_config,
     wrapped_of,
     wrapped_text,
@@ -266,7 +266,7 @@ class StreamedExport:
                 tensor = scratch.read(rest) if scratch is not None else stream.reader.read(
                     name, shape=tuple(tensor.shape))
             self._add({name: tensor})
-        _add_passthrough(self.model, self.writer)
+        add_passthrough(self.model, self.writer)
         files = self.writer.finish()
         if any(is_bnb_module(m) for m in self.model.modules()):
             _write_bnb_config(self.model, self.directory, self.dtype_name)
@@ -413,7 +413,7 @@ def _write_compressed_tensors(
 
     writer = ShardWriter(directory, max_shard_size)
     writer.add_all(_state_dict_for_export(model, DTYPES[dtype]).items())
-    _add_passthrough(model, writer)
+    add_passthrough(model, writer)
     writer.finish()
     write_config(model, directory, dtype)
 
@@ -424,7 +424,7 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     config = portable_config(model.config.to_dict())
     wrapped = wrapped_of(model)
     if wrapped is not None:  # the multimodal wrapper's config around the text model's
-        built = portable_config(loaded_text_config(wrapped))
+        built = portable_config(causal_lm_config(wrapped.source)[0].to_dict())  # as loaded
         config = portable_config(wrapper_config(wrapped, config, built))
     if not config.get("architectures"):  # as save_pretrained writes it (vLLM needs it)
         config["architectures"] = [type(model).__name__]
@@ -436,27 +436,11 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     else:
         config.pop("quantization_config", None)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if wrapped is not None:
+    if wrapped is not None:  # the processor files and the wrapper's generation config
         copy_processor_files(wrapped, directory)
-        if (wrapped.source / "generation_config.json").is_file():  # the wrapper's own
-            shutil.copyfile(wrapped.source / "generation_config.json",
-                            directory / "generation_config.json")
-            return
-    if getattr(model, "generation_config", None) is not None:
+    if getattr(model, "generation_config", None) is not None and \
+            not (directory / "generation_config.json").is_file():
         model.generation_config.save_pretrained(directory)
-
-
-def _add_passthrough(model: nn.Module, writer) -> None:
-    """A multimodal wrapper's tensors outside its text model (vision tower, projector: every
-    pass leaves them alone) into ``writer``, as stored."""
-    from compress.io.stream import CheckpointReader
-
-    wrapped = wrapped_of(model)
-    if wrapped is None:
-        return
-    reader = CheckpointReader(wrapped.source)
-    for name in wrapped.passthrough:
-        writer.add(name, reader.read(name))
 
 
 def _write_bnb_config(model: nn.Module, directory: Path, dtype: str) -> None:
@@ -777,14 +761,9 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
     (float32 copies of the dense parts): what an MoE checkpoint needs (its per-expert tensors
     are renamed and fused into transformers' 3-D expert parameters, all at hand), and the
     reference the module-by-module ``load_compressed`` is tested against."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    wrapped = wrapped_text(path)
-    if wrapped is not None:
-        config = text_config_of(config, wrapped)
+    config, wrapped = causal_lm_config(path)
     # Built on CPU (not meta) so that non-persistent buffers such as rotary frequencies are
     # initialised by the model's own code; the float weights are then replaced by assignment.
     with no_weight_init():  # every weight is assigned below (or the load fails): skip the

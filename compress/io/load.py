@@ -25,6 +25,7 @@ from torch import nn
 
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import holds_non_finite
+from compress.io.wrapped import wrapped_text
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ def load_model(
         from compress.io.export import load_compressed
 
         model = load_compressed(where, dtype=dtype, backend=backend)
-    elif isinstance(where, Path) and _wrapped_text(where) is not None:
+    elif isinstance(where, Path) and wrapped_text(where) is not None:
         model = _load_wrapped_text(where, dtype)
     else:
         try:
@@ -246,12 +247,6 @@ def load_model(
     check_tokenizer_fits(tokenizer, model.get_input_embeddings().num_embeddings, where)
     model.eval()
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))
-
-
-def _wrapped_text(where: Path):
-    from compress.io.wrapped import wrapped_text
-
-    return wrapped_text(where)
 
 
 def _load_wrapped_text(where: Path, dtype: torch.dtype) -> nn.Module:

@@ -107,10 +107,12 @@ def no_weight_init() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
-    """The causal LM that ``path``'s config.json describes, every parameter on the meta device
-    (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def causal_lm_config(path: str | os.PathLike[str]):
+    """(the transformers config of the causal LM ``path`` holds, its ``Wrapped`` or None): the
+    folder's config without its ``quantization_config``; a multimodal checkpoint's text model
+    config (``compress.io.wrapped.text_config_of``). A config transformers cannot read is a
+    one-line ModelLoadError."""
+    from transformers import AutoConfig
 
     read_config_json(path)
     wrapped = wrapped_text(path)
@@ -124,6 +126,15 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
         del config.quantization_config
     if wrapped is not None:  # a multimodal checkpoint: its text model
         config = text_config_of(config, wrapped)
+    return config, wrapped
+
+
+def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
+    """The causal LM that ``path``'s config.json describes, every parameter on the meta device
+    (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``)."""
+    from transformers import AutoModelForCausalLM
+
+    config, wrapped = causal_lm_config(path)
     try:
         with no_weight_init(), parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config)

@@ -41,9 +41,11 @@ from compress.arch import (
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader, _config_errors, read_config_json
 
-# the files a multimodal model's processor is built from, copied beside an export as they are
+# the files a multimodal model's processor is built from, and its generation config, copied
+# beside an export as they are
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
-                   "chat_template.jinja", "video_preprocessor_config.json")
+                   "chat_template.jinja", "video_preprocessor_config.json",
+                   "generation_config.json")
 _MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper carries
 
 
@@ -256,15 +258,20 @@ def wrapper_config(wrapped: Wrapped, text: dict[str, Any],
     return config
 
 
-def loaded_text_config(wrapped: Wrapped) -> dict[str, Any]:
-    """The text model's config as ``meta_skeleton`` built it from the source, as a dict."""
-    from transformers import AutoConfig
-
-    return text_config_of(AutoConfig.from_pretrained(wrapped.source), wrapped).to_dict()
+def add_passthrough(model: nn.Module, writer) -> None:
+    """A multimodal wrapper's tensors outside its text model (vision tower, projector: every
+    pass leaves them alone) into ``writer`` (a ShardWriter), as stored; nothing for any other
+    model."""
+    wrapped = wrapped_of(model)
+    if wrapped is not None:
+        reader = CheckpointReader(wrapped.source)
+        for name in wrapped.passthrough:
+            writer.add(name, reader.read(name))
 
 
 def copy_processor_files(wrapped: Wrapped, directory: Path) -> None:
-    """The source's processor files (image preprocessing, chat template) beside an export."""
+    """The source's processor files (image preprocessing, chat template) and generation config
+    beside an export."""
     for name in PROCESSOR_FILES:
         if (wrapped.source / name).is_file():
             shutil.copyfile(wrapped.source / name, directory / name)
