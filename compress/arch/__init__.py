@@ -65,6 +65,8 @@ from compress.arch.families import (
     ARCHS,
     DEFAULT_IGNORE,
     LLAMA,
+    MTP_LAYERS_KEY,
+    MTP_MODULE_PREFIX,
     PER_LAYER_CONFIG_KEYS,
     PHI3,
     RUNTIME_SPECS,
@@ -91,13 +93,30 @@ __all__ = [
     "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
-    "mapping_paths", "model_type", "output_weight_key", "producer_rows", "routing_problem",
-    "runtime_model_types", "set_embedding_scale", "sparse_layers",
+    "mapping_paths", "model_type", "mtp_tensors", "output_weight_key", "producer_rows",
+    "routing_problem", "runtime_model_types", "set_embedding_scale", "sparse_layers",
 ]  # fmt: skip
 
 
 def model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def mtp_tensors(config: dict, names) -> tuple[str, ...]:
+    """The stored tensor ``names`` of a supported family's checkpoint (``config``: its config.json)
+    that belong to multi-token-prediction modules, not to the causal LM (``MTP_LAYERS_KEY``):
+    the decoder layers numbered from ``num_hidden_layers`` on, as many as the config declares,
+    and modules whose name has a component starting with ``mtp``. A tensor of a layer past
+    those is none of them: the config does not match the shards, which the loaders refuse."""
+    arch = ARCHS.get(config.get("model_type"))
+    if arch is None:
+        return ()
+    depth, extra = config.get("num_hidden_layers"), config.get(MTP_LAYERS_KEY)
+    prefixes: tuple[str, ...] = ()
+    if isinstance(depth, int) and isinstance(extra, int) and extra > 0:
+        prefixes = tuple(f"{arch.layer_prefix}{depth + i}." for i in range(extra))
+    return tuple(n for n in names if n.startswith(prefixes) or any(
+        part.startswith(MTP_MODULE_PREFIX) for part in n.split(".")[:-1]))
 
 
 def arch_for(model: nn.Module, what: str) -> Arch:

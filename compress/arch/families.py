@@ -480,6 +480,15 @@ WRAPPER_TREE: tuple[tuple[str, str], ...] = WRAPPED_TEXT_LAYOUTS[1]
 # absent in stored names of the first layout and in vLLM's tree
 WRAPPER_MODEL_PREFIX = "model."
 
+# Multi-token-prediction (MTP) modules that some checkpoints store beside the causal LM, for
+# speculative decoding: GLM-4.5/4.6 (and DeepSeek-V3) store whole decoder layers after the last,
+# ``num_nextn_predict_layers`` of them; ERNIE-4.5-MoE stores ``mtp_*`` modules (``mtp_block``,
+# ``mtp_emb_norm``...). transformers does not build them (its model classes list them as
+# unexpected names to ignore) and vLLM reads them only for its MTP speculative decoding. Their
+# tensors are carried through a job as stored (``compress.io.wrapped``).
+MTP_LAYERS_KEY = "num_nextn_predict_layers"
+MTP_MODULE_PREFIX = "mtp"  # a module name component starting with it is an MTP module
+
 # Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
 # kept layers' entries (else a reload would give a kept layer a dropped one's type).
 PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers")

@@ -55,6 +55,7 @@ from compress.io.stream import (
 from compress.io.wrapped import (
     add_passthrough,
     copy_processor_files,
+    exported_passthrough,
     ignore_patterns,
     mark,
     open_checkpoint,
@@ -150,7 +151,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": groups,
-        "ignore": sorted(plain_linears) + (ignore_patterns(wrapped) if wrapped else []),
+        "ignore": sorted(plain_linears) + ignore_patterns(exported_passthrough(model).values()),
         # fp8 KV-cache scales (quantize.kv_cache_fp8): self_attn.k_scale / v_scale per layer
         "kv_cache_scheme": kv_scheme,
         "global_compression_ratio": None,
@@ -423,6 +424,7 @@ def write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     the generation config."""
     config = portable_config(model.config.to_dict())
     wrapped = wrapped_of(model)
+    wrapped = wrapped if wrapped is not None and wrapped.multimodal else None
     if wrapped is not None:  # the multimodal wrapper's config around the text model's
         built = portable_config(causal_lm_config(wrapped.source)[0].to_dict())  # as loaded
         config = portable_config(wrapper_config(wrapped, config, built))

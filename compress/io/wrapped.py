@@ -1,5 +1,8 @@
-"""Multimodal checkpoints whose text model is compressed: Gemma 3 4B and up, Mistral 3, LLaVA,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``compress.io`` imports no pass).
+"""Checkpoints that store more than the causal LM compress works on (``compress.io`` imports no
+pass): multimodal checkpoints whose text model is compressed (Gemma 3 4B and up, Mistral 3, LLaVA,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL), and text checkpoints with multi-token-prediction modules
+beside the causal LM (GLM-4.5/4.6, ERNIE-4.5-MoE: ``compress.arch.mtp_tensors``), which are
+carried through as stored, as a multimodal checkpoint's vision tower is.
 
 Such a folder's config.json names a model_type no ``compress.arch`` entry has, and a
 ``text_config`` whose model_type one has; its shards hold that text causal LM under a prefix
@@ -18,6 +21,11 @@ evaluation and the runtime work on the text model alone:
   a ``quantization_config`` that names the wrapper's modules and leaves the
   vision parts out (``ignore_patterns``), and copies the processor files, so transformers and
   vLLM load the result as the multimodal model it was.
+
+A text checkpoint with MTP modules is a ``Wrapped`` whose names are the stored ones
+(``multimodal`` false): its config.json is the model's own, its MTP tensors are the passthrough
+(their layers renumbered after the last decoder layer when a pass drops layers) and the
+``quantization_config`` leaves them float.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from compress.arch import (
     WRAPPED_TEXT_LAYOUTS,
     WRAPPER_MODEL_PREFIX,
     WRAPPER_TREE,
+    mtp_tensors,
 )
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader, _config_errors, read_config_json
@@ -51,13 +60,15 @@ _MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper c
 
 @dataclass(frozen=True)
 class Wrapped:
-    """A multimodal checkpoint folder's text model: where it is stored and what is not it."""
+    """A checkpoint folder's causal LM, where it stores more (a multimodal checkpoint's text
+    model; a text model beside MTP modules): where it is stored and what is not it."""
 
     source: Path
-    config: dict[str, Any]  # the wrapper's config.json
+    config: dict[str, Any]  # the folder's config.json (a multimodal model's: the wrapper's)
     renames: tuple[tuple[str, str], ...]  # (text model prefix, stored prefix)
     passthrough: tuple[str, ...]  # stored tensor names outside the text model
     family: str  # the text model's model_type as compress builds it
+    multimodal: bool = True  # else a text checkpoint with MTP modules: names as stored
 
     def stored(self, name: str) -> str:
         """The stored name of the text model's tensor or module ``name``."""
@@ -68,12 +79,29 @@ class Wrapped:
         model's)."""
         return _swap_prefix(stored, tuple((s, t) for t, s in self.renames), None)
 
-    @property
-    def passthrough_roots(self) -> tuple[str, ...]:
-        """The top modules of the passthrough tensors, without the wrapper's own prefix
-        (``vision_tower``, ``multi_modal_projector``)."""
-        roots = {n.removeprefix(WRAPPER_MODEL_PREFIX).partition(".")[0] for n in self.passthrough}
-        return tuple(sorted(roots))
+    def exported(self, name: str, num_layers: int) -> str:
+        """The name passthrough tensor ``name`` is exported under, for a causal LM of
+        ``num_layers`` decoder layers now: an MTP layer stays right after the last decoder layer
+        (where transformers and vLLM look for it) when a pass dropped layers."""
+        if self.multimodal:
+            return name
+        prefix = ARCHS[self.family].layer_prefix
+        index, dot, rest = name.removeprefix(prefix).partition(".")
+        if not name.startswith(prefix) or not index.isdigit() or not dot:
+            return name
+        moved = int(index) - self.config["num_hidden_layers"] + num_layers
+        return f"{prefix}{moved}.{rest}"
+
+
+def passthrough_roots(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The top modules of passthrough tensor ``names``, without the wrapper's own prefix
+    (``vision_tower``, ``multi_modal_projector``; an MTP decoder layer ``layers.46``, an MTP
+    module ``mtp_block.0``)."""
+    roots = set()
+    for name in names:
+        parts = name.removeprefix(WRAPPER_MODEL_PREFIX).split(".")
+        roots.add(".".join(parts[:2] if len(parts) > 2 and parts[1].isdigit() else parts[:1]))
+    return tuple(sorted(roots))
 
 
 def _swap_prefix(name: str, pairs: tuple[tuple[str, str], ...], default: Any = ...) -> Any:
@@ -98,7 +126,9 @@ def wrapped_text(path: str | os.PathLike[str],
     path = Path(path)
     config = read_config_json(path)
     text, kind = config.get("text_config"), config.get("model_type")
-    if kind in ARCHS or not (isinstance(text, dict) or isinstance(config.get("vision_config"),
+    if kind in ARCHS:
+        return _with_mtp(path, config, reader)
+    if not (isinstance(text, dict) or isinstance(config.get("vision_config"),
                                                                   dict)):
         return None
     text_type = text.get("model_type") if isinstance(text, dict) else None
@@ -133,6 +163,20 @@ def wrapped_text(path: str | os.PathLike[str],
     )
 
 
+def _with_mtp(path: Path, config: dict[str, Any],
+              reader: CheckpointReader | None) -> Wrapped | None:
+    """A text checkpoint of a supported family whose shards hold MTP modules beside the causal
+    LM, float or compressed-tensors (another tool's format is left to transformers, which
+    ignores them), as a ``Wrapped``; None for any other."""
+    method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
+    if method != "compressed-tensors":
+        return None
+    mtp = mtp_tensors(config, (reader or CheckpointReader(path)).names())
+    if not mtp:
+        return None
+    return Wrapped(path, config, (("", ""),), mtp, config["model_type"], multimodal=False)
+
+
 def _parsed_text_type(path: Path) -> str | None:
     from transformers import AutoConfig
 
@@ -151,8 +195,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
     wrapped = wrapped_text(path, reader)
     if wrapped is None:
         return reader
-    names = {wrapped.text_name(n): n for n in reader.names() if n not in wrapped.passthrough}
-    return reader.selected(names)
+    outside = set(wrapped.passthrough)
+    return reader.selected({wrapped.text_name(n): n for n in reader.names() if n not in outside})
 
 
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
@@ -196,15 +240,30 @@ def wrapped_of(model: nn.Module) -> Wrapped | None:
 
 def wrapper_names(wrapped: Wrapped, name: str) -> list[str]:
     """The names a quantization_config lists for the text model's module ``name``: as stored
-    (vLLM's names) and as transformers 5's module tree of the wrapper has it."""
+    (vLLM's names) and, in a multimodal model, as transformers 5's module tree of the wrapper
+    has it."""
+    if not wrapped.multimodal:
+        return [name]
     return sorted({wrapped.stored(name), _swap_prefix(name, WRAPPER_TREE)})
 
 
-def ignore_patterns(wrapped: Wrapped) -> list[str]:
-    """``ignore`` entries that leave every module outside the text model float, under
-    transformers' names (``model.vision_tower...``) and vLLM's (``vision_tower...``)."""
+def ignore_patterns(names) -> list[str]:
+    """``ignore`` entries that leave the modules of passthrough tensor ``names`` (as exported)
+    float, under transformers' names (``model.vision_tower...``) and vLLM's
+    (``vision_tower...``)."""
     prefix = re.escape(WRAPPER_MODEL_PREFIX)
-    return [f"re:^({prefix})?{re.escape(root)}\\." for root in wrapped.passthrough_roots]
+    # the module itself too: a passthrough Linear at a root (ERNIE's mtp_linear_proj.0)
+    return [f"re:^({prefix})?{re.escape(root)}(\\.|$)" for root in passthrough_roots(list(names))]
+
+
+def exported_passthrough(model: nn.Module) -> dict[str, str]:
+    """Each tensor of ``model``'s checkpoint outside its causal LM (``Wrapped.passthrough``;
+    none for a model that is not ``Wrapped``): stored name -> the name the export writes."""
+    wrapped = wrapped_of(model)
+    if wrapped is None:
+        return {}
+    layers = model.config.num_hidden_layers
+    return {name: wrapped.exported(name, layers) for name in wrapped.passthrough}
 
 
 def text_quantization_config(wrapped: Wrapped | None, quant: dict[str, Any]) -> dict[str, Any]:
@@ -259,14 +318,15 @@ def wrapper_config(wrapped: Wrapped, text: dict[str, Any],
 
 
 def add_passthrough(model: nn.Module, writer) -> None:
-    """A multimodal wrapper's tensors outside its text model (vision tower, projector: every
-    pass leaves them alone) into ``writer`` (a ShardWriter), as stored; nothing for any other
-    model."""
+    """The tensors of ``model``'s checkpoint outside its causal LM (vision tower, projector, MTP
+    modules: every pass leaves them alone) into ``writer`` (a ShardWriter), as stored (an MTP
+    layer renumbered after the last decoder layer); nothing for a model that is not
+    ``Wrapped``."""
     wrapped = wrapped_of(model)
     if wrapped is not None:
         reader = CheckpointReader(wrapped.source)
-        for name in wrapped.passthrough:
-            writer.add(name, reader.read(name))
+        for stored, name in exported_passthrough(model).items():
+            writer.add(name, reader.read(stored))
 
 
 def copy_processor_files(wrapped: Wrapped, directory: Path) -> None:

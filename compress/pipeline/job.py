@@ -276,15 +276,16 @@ def _export_dtype(recipe: Recipe, where) -> str:
 
 
 def _refuse_bnb_of_multimodal(recipe: Recipe, where) -> None:
-    """A bitsandbytes export (``save_pretrained``) of a multimodal checkpoint's text model
-    (``compress.io.wrapped``) would lose the vision tower: refused before any work."""
+    """A bitsandbytes export (``save_pretrained``) of a checkpoint that stores more than its
+    causal LM (``compress.io.wrapped``) would lose the rest: refused before any work."""
     from compress.io.wrapped import wrapped_text
 
-    if isinstance(where, Path) and recipe.export.enabled and wrapped_text(where) is not None \
-            and any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
+    wrapped = wrapped_text(where) if isinstance(where, Path) and recipe.export.enabled else None
+    if wrapped and any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
+        rest = "vision tower" if wrapped.multimodal else "multi-token-prediction modules"
         raise RecipeError(
-            f"{where} is a multimodal checkpoint: quantize.bnb exports through transformers' "
-            "save_pretrained, which would write its text model without the vision tower; "
+            f"{where} stores a {rest} beside its causal LM: quantize.bnb exports through "
+            f"transformers' save_pretrained, which would write the causal LM without it; "
             "use quantize.int4_rtn, quantize.int8_rtn, quantize.gptq or quantize.awq (their "
             "compressed-tensors exports keep it), or set export.enabled: false")
 

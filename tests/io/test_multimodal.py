@@ -96,7 +96,7 @@ def test_w4_export_is_the_multimodal_model_with_its_vision_tower_as_stored(kind,
     assert config.get("text_config") == source_config.get("text_config")  # no pass changed it
     assert {k: config[k] for k in source_config if k != "dtype"} == {
         k: source_config[k] for k in source_config if k != "dtype"}  # nor the rest
-    assert set(ignore_patterns(wrapped)) < set(config["quantization_config"]["ignore"])
+    assert set(ignore_patterns(wrapped.passthrough)) < set(config["quantization_config"]["ignore"])
     for name in ("preprocessor_config.json", "chat_template.jinja"):
         assert json.loads((streamed / name).read_text()) == {"marker": name}
 
@@ -122,7 +122,7 @@ def test_vision_patterns_leave_every_vision_module_float_under_both_trees(tmp_pa
     from compress.io.wrapped import ignore_patterns, wrapped_text
 
     wrapped = wrapped_text(write_tiny_multimodal(tmp_path / "m", "gemma3"))
-    patterns = ignore_patterns(wrapped)
+    patterns = ignore_patterns(wrapped.passthrough)
     names = ["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",  # vLLM's tree
              "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1",  # transformers 5's
              "multi_modal_projector.mm_input_projection", "model.multi_modal_projector.x"]
@@ -225,6 +225,6 @@ def test_a_missing_text_tensor_is_named(tmp_path):
 def test_bitsandbytes_of_a_multimodal_model_is_refused_before_any_work(tmp_path):
     folder = write_tiny_multimodal(tmp_path / "m", "gemma3")
     recipe = _recipe(tmp_path, "- {pass: quantize.bnb}")
-    with pytest.raises(RecipeError, match="multimodal checkpoint: quantize.bnb"):
+    with pytest.raises(RecipeError, match="stores a vision tower beside its causal LM: quantize"):
         run_job(recipe, model=str(folder), out_dir=tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
