@@ -312,6 +312,10 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         model = make_tiny_model(family, **shape)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if family in ("glm4_moe", "ernie4_5_moe"):  # MTP modules beside the causal LM, as released
+        from compress.testing import add_mtp_modules
+
+        add_mtp_modules(folder)
     return folder
 
 
