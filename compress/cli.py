@@ -290,6 +290,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(text[len(shown):], end="", flush=True)  # decode the whole: multi-token chars
         shown = text
     print()
+    if runtime.fallback_reason is not None or not stamps:  # transformers: every token at once
+        took = 1000 * ((stamps or [prepared_at])[-1] - prepared_at)
+        print(f"{len(tokens)} tokens in {took:.0f} ms (transformers generate: no per-token "
+              f"times; {torch_threads()} threads)", file=sys.stderr)
+        return 0
     ttft = stamps[0] - prepared_at
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
     print(f"{len(tokens)} tokens: first token {1000 * ttft:.0f} ms, then {rate:.1f} tokens/s "

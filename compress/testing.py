@@ -160,7 +160,7 @@ def make_char_tokenizer():
 
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
-                                   "dots1", "ernie4_5_moe")
+                                   "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -186,6 +186,12 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
         settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                         norm_topk_prob=True)
+    elif model_type in ("deepseek_v3", "deepseek_v2"):  # GLM-4-MoE's experts, MLA attention
+        settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
+                        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                        norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+                        num_key_value_heads=TINY_SIZES["num_attention_heads"])
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
         settings.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
                         intermediate_size=128, moe_num_shared_experts=1, moe_layer_start_index=0)
@@ -399,6 +405,56 @@ def write_synthetic_llama(
     (tokenizer or make_char_tokenizer()).save_pretrained(tmp)
     os.replace(tmp, folder)
     return folder
+
+
+def add_mtp_modules(folder: str | Path, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Multi-token-prediction modules beside a saved checkpoint's causal LM, random bf16, as
+    released checkpoints store them, in a shard of their own (the index written or extended):
+    with ``num_nextn_predict_layers`` in config.json (GLM-4.5, DeepSeek-V3), that many decoder
+    layers after the last (the last layer's tensors, plus ``eh_proj``, ``enorm``, ``hnorm`` and
+    ``shared_head.norm``); without it (ERNIE-4.5-MoE), ``model.mtp_block.0`` (the last layer's
+    tensors) with ``mtp_emb_norm.0``, ``mtp_hidden_norm.0`` and ``mtp_linear_proj.0``. Returns
+    the tensors added, by stored name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from compress.arch import ARCHS
+    from compress.io.checkpoint import CheckpointReader
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    reader = CheckpointReader(folder)
+    prefix = ARCHS[config["model_type"]].layer_prefix
+    last = f"{prefix}{config['num_hidden_layers'] - 1}."
+    hidden = config["hidden_size"]
+    shapes = {n.removeprefix(last): tuple(reader.shape(n)) for n in reader.names()
+              if n.startswith(last)}
+    extra = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+             "shared_head.norm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden)}
+    count = config.get("num_nextn_predict_layers")
+    if count:
+        first = config["num_hidden_layers"]
+        wanted = {f"{prefix}{first + i}.{n}": shape
+                  for i in range(count) for n, shape in {**shapes, **extra}.items()}
+    else:
+        wanted = {f"model.mtp_block.0.{n}": shape for n, shape in shapes.items()}
+        wanted |= {"model.mtp_emb_norm.0.weight": (hidden,),
+                   "model.mtp_hidden_norm.0.weight": (hidden,),
+                   "model.mtp_linear_proj.0.weight": (hidden, 2 * hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(shape, generator=generator).to(torch.bfloat16)
+               for n, shape in wanted.items()}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        (folder / "model.safetensors").rename(folder / "model-00001.safetensors")
+        weight_map = {n: "model-00001.safetensors" for n in reader.names()}
+    save_file(tensors, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    weight_map |= {n: "model-mtp.safetensors" for n in tensors}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -87,6 +87,9 @@ SHAPE = dict(
     max_position_embeddings=2048,
     initializer_range=0.1,
 )  # sharper logits than 0.02: fewer near-ties in the argmax
+# the released models' latent widths: vLLM's CPU MLA takes a latent + rotary key of 576 only
+_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128,
+                 v_head_dim=128)
 MOE_SHAPE = {
     "mixtral": dict(intermediate_size=128),
     "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=512),
@@ -102,6 +105,18 @@ MOE_SHAPE = {
     "dots1": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1),
     "ernie4_5_moe": dict(moe_intermediate_size=128, intermediate_size=512,
                          moe_layer_start_index=1, tie_word_embeddings=False),
+    # latent attention (each query head its own expanded key and value: as many KV heads as
+    # heads); V3 with the query's low-rank path and a sigmoid router's correction bias, V2
+    # without it (DeepSeek-V2-Lite's layout) and a softmax router
+    "deepseek_v3": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, q_lora_rank=128, **_MLA_DIMS,
+                        num_key_value_heads=4, tie_word_embeddings=False,
+                        # as the released config.json says (transformers' config has no such
+                        # keys; vLLM builds the router's correction bias only with noaux_tc)
+                        topk_method="noaux_tc", scoring_func="sigmoid"),
+    "deepseek_v2": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
+                        q_lora_rank=None, **_MLA_DIMS, num_key_value_heads=4,
+                        tie_word_embeddings=False),
 }
 
 
@@ -312,7 +327,7 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         model = make_tiny_model(family, **shape)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if family in ("glm4_moe", "ernie4_5_moe"):  # MTP modules beside the causal LM, as released
+    if family in ("glm4_moe", "ernie4_5_moe", "deepseek_v3"):  # MTP modules, as released
         from compress.testing import add_mtp_modules
 
         add_mtp_modules(folder)

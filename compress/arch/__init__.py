@@ -48,6 +48,17 @@ How each family's peculiarities are handled (scale folds:
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
   names too).
+* DeepSeek-V3 (R1, Kimi K2, Moonlight) and DeepSeek-V2: GLM-4-MoE's experts around multi-head
+  latent attention (``Arch.latent_attention``): the attention norm feeds q_a_proj (q_proj where
+  the config has no ``q_lora_rank``: ``CONFIG_VARIANTS``, which ``arch_for`` applies) and
+  kv_a_proj_with_mqa; q_b_proj and kv_b_proj (``Arch.inner_linears``) read their own latent
+  norms, which absorb the AWQ/SmoothQuant scales; o_proj's inputs are a stated gap. The
+  rotation turns the residual stream only, fp8 KV-cache scales are refused (the cache holds a
+  latent), and the runtime falls back to transformers.
+
+Checkpoints may store multi-token-prediction modules beside the causal LM (GLM-4.5/4.6,
+DeepSeek-V3, ERNIE-4.5-MoE): ``mtp_tensors`` names them from the config; ``compress.io.wrapped``
+carries them through as stored.
 
 Multimodal checkpoints whose ``text_config`` names one of these (Gemma 3 4B+, Mistral 3, LLaVA;
 Qwen2/2.5/3-VL through ``WRAPPED_TEXT_FAMILIES``) are compressed as that text model:
@@ -63,6 +74,7 @@ from torch import nn
 
 from compress.arch.families import (
     ARCHS,
+    CONFIG_VARIANTS,
     DEFAULT_IGNORE,
     LLAMA,
     MTP_LAYERS_KEY,
@@ -120,9 +132,13 @@ def mtp_tensors(config: dict, names) -> tuple[str, ...]:
 
 
 def arch_for(model: nn.Module, what: str) -> Arch:
-    """The entry for ``model``'s ``model_type``, or a ConfigError naming ``what`` (the pass)."""
+    """The entry for ``model``'s ``model_type`` (the ``CONFIG_VARIANTS`` entry its config
+    matches, if any), or a ConfigError naming ``what`` (the pass)."""
     kind = model_type(model)
     arch = ARCHS.get(kind)
+    for key, value, variant in CONFIG_VARIANTS.get(kind, ()):
+        if getattr(model.config, key, ...) == value:
+            arch = variant
     if arch is None:
         raise ConfigError(
             f"{what}: model_type {kind!r} ({type(model).__name__}) is not supported; supported: "

@@ -143,6 +143,50 @@ GLM4_MOE = _moe_arch("glm4_moe", _SHARED_EXPERTS)
 ERNIE4_5_MOE = _moe_arch("ernie4_5_moe", _SHARED_EXPERTS)
 DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
 
+# DeepSeek-V3/R1, Kimi K2 and Moonlight (deepseek_v3), DeepSeek-V2 (deepseek_v2): GLM-4-MoE's
+# experts, shared expert and dense first layers (V3's router: sigmoid scores and a correction
+# bias; V2's: softmax) around multi-head latent attention (MLA). The residual stream is read by
+# q_a_proj (q_proj where the config has no q_lora_rank: DeepSeek-V2-Lite, Moonlight) and
+# kv_a_proj_with_mqa (the KV latent and the shared rotary key), each after the attention norm;
+# q_b_proj and kv_b_proj expand the latents after their own norms (q_a_layernorm,
+# kv_a_layernorm: AWQ/SmoothQuant fold scales there); o_proj writes back. The runtime leaves MLA
+# to transformers.
+_MLA = "self_attn."
+_MLA_GAP = ScaleGap(
+    (_MLA + "o_proj",),
+    "o_proj reads the values kv_b_proj expands from the latent, interleaved per head with the "
+    "keys: no per-channel scale folds into that layout",
+)
+
+
+def _mla_arch(model_type: str, q_lora: bool) -> Arch:
+    base = _moe_arch(model_type, _SHARED_EXPERTS)
+    q = _MLA + ("q_a_proj" if q_lora else "q_proj")
+    kv, kv_b, o = _MLA + "kv_a_proj_with_mqa", _MLA + "kv_b_proj", _MLA + "o_proj"
+    latent = (_mapping(_MLA + "q_a_layernorm", _MLA + "q_b_proj"),) if q_lora else ()
+    latent += (_mapping(_MLA + "kv_a_layernorm", kv_b),)
+    shared = base.awq_mappings[2:]
+    inputs = _mapping("input_layernorm", q, kv)
+    return dataclasses.replace(
+        base,
+        q=q, k=kv, v=kv_b, o=o,
+        awq_mappings=(inputs, *latent, *shared),
+        smoothquant_mappings=(inputs, *latent, *base.smoothquant_mappings[1:]),
+        heads=PruneGroup(rows=(q,), kv_rows=(kv,), cols=(o,)),
+        inner_linears=((_MLA + "q_b_proj",) if q_lora else ()) + (kv_b,),
+        scale_gaps=(*base.scale_gaps, _MLA_GAP),
+        runtime=False,
+        latent_attention=True,
+    )
+
+
+DEEPSEEK_V3, DEEPSEEK_V2 = (_mla_arch(t, q_lora=True) for t in ("deepseek_v3", "deepseek_v2"))
+# Entries for configs whose modules differ from their family's (model_type -> (config
+# attribute, value, entry)): ``arch_for`` picks the entry by the model's config.
+CONFIG_VARIANTS: dict[str, tuple[tuple[str, object, Arch], ...]] = {
+    t: (("q_lora_rank", None, _mla_arch(t, q_lora=False)),) for t in ("deepseek_v3", "deepseek_v2")
+}
+
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
 QWEN2, MISTRAL, GRANITE = (
     dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
@@ -450,6 +494,8 @@ ARCHS: dict[str, Arch] = {
         GLM4_MOE,
         DOTS1,
         ERNIE4_5_MOE,
+        DEEPSEEK_V3,
+        DEEPSEEK_V2,
     )
 }
 

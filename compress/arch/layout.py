@@ -137,6 +137,13 @@ class Arch:
     # learned absolute position embedding added to the token embedding (OPT), model-level path;
     # "" for none (then ``rotary`` rotates q/k, or nothing does where it is "" too)
     positions: str = ""
+    # linears that neither read nor write the residual stream (MLA's up-projections from its
+    # latents, q_b_proj and kv_b_proj): quantized as any linear, in ``linears``
+    inner_linears: tuple[str, ...] = ()
+    # multi-head latent attention (DeepSeek-V2/V3): the cache holds a compressed latent and a
+    # shared rotary key, not per-head keys and values; values come out of kv_b_proj per head
+    # interleaved with keys, so no fold or rotation reaches the value rows
+    latent_attention: bool = False
 
     @property
     def layer_prefix(self) -> str:
@@ -163,7 +170,7 @@ class Arch:
     @property
     def linears(self) -> tuple[str, ...]:
         """Every Linear of a decoder layer, once."""
-        return tuple(dict.fromkeys(self.hidden_readers + self.hidden_writers))
+        return tuple(dict.fromkeys(self.hidden_readers + self.inner_linears + self.hidden_writers))
 
 
 # ---- runtime facts per family ------------------------------------------------------------

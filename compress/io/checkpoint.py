@@ -44,8 +44,12 @@ _DTYPE_NAMES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # block-scaled fp8 sources (CheckpointReader._scale_fp8)
+    torch.float8_e5m2: "F8_E5M2",
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+_FP8_NAMES = ("F8_E4M3", "F8_E5M2")
+_FP8_SCALE = "fp8_scale"  # a header entry's key (added here) for its weight_scale_inv
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -160,6 +164,48 @@ class CheckpointReader:
         self._entries: dict[str, tuple[int, dict]] = {}
         for file in shard_files(self.path):
             self._index(file)
+        self._scale_fp8()
+
+    def _scale_fp8(self) -> None:
+        """Block-scaled fp8 sources (``quantization_config.quant_method: fp8``: DeepSeek-V3/R1,
+        Kimi K2, Qwen3's and others' FP8 releases): each fp8 weight reads as its codes times the
+        ``weight_scale_inv`` stored beside it (one value per ``weight_block_size`` block, or one
+        for the tensor), in the config's 16-bit dtype, and the scales leave the names. An fp8
+        tensor under any other scheme is refused, naming the fix."""
+        fp8 = [n for n, (_, entry) in self._entries.items() if entry.get("dtype") in _FP8_NAMES]
+        if not fp8:
+            return
+        config = {}
+        if (self.path / "config.json").is_file():
+            config = read_config_json(self.path)
+        quant = config.get("quantization_config") or {}
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "fp8":
+            raise ModelLoadError(
+                f"{self._where[fp8[0]]}: tensor {fp8[0]} is stored in fp8 under "
+                f"quantization_config.quant_method {method!r}; compress reads fp8 weights of "
+                "block-scaled 'fp8' checkpoints (a weight_scale_inv beside each) only: start "
+                "from the 16-bit checkpoint")
+        block = quant.get("weight_block_size")
+        dtype = {"float16": torch.float16, "float32": torch.float32}.get(
+            config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
+        for name in fp8:
+            start, entry = self._entries[name]
+            scale = f"{name}_scale_inv"
+            if scale not in self._entries:
+                raise ModelLoadError(
+                    f"{self._where[name]}: fp8 tensor {name} has no {scale} beside it, so its "
+                    "values are unknown; the checkpoint is incomplete: re-download it")
+            shape = [int(d) for d in entry["shape"]]
+            want = [1] if not block else [-(-d // b) for d, b in zip(shape, block, strict=False)]
+            got = [int(d) for d in self._entries[scale][1]["shape"]]
+            if (got or [1]) != want and not (not block and _numel(got) == 1):
+                raise ModelLoadError(
+                    f"{self._where[scale]}: {scale} has shape {got} but weight_block_size "
+                    f"{block} over {shape} needs {want}; the checkpoint does not match its "
+                    "config.json: re-download it")
+            located = (self._where.pop(scale), self._entries.pop(scale), block, dtype)
+            self._entries[name] = (start, {**entry, _FP8_SCALE: located})
 
     def _index(self, file: Path) -> None:
         start, header = read_header(file)
@@ -203,10 +249,16 @@ class CheckpointReader:
         return tuple(int(d) for d in self._entries[name][1]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _TORCH_DTYPES[self._entries[name][1]["dtype"]]
+        """The dtype ``read`` returns (an fp8 source's weight: its dequantized dtype)."""
+        entry = self._entries[name][1]
+        return entry[_FP8_SCALE][3] if _FP8_SCALE in entry else _TORCH_DTYPES[entry["dtype"]]
 
     def nbytes(self, name: str) -> int:
-        begin, stop = self._entries[name][1]["data_offsets"]
+        """Bytes of the tensor ``read`` returns."""
+        entry = self._entries[name][1]
+        if _FP8_SCALE in entry:
+            return _numel(entry["shape"]) * self.dtype(name).itemsize
+        begin, stop = entry["data_offsets"]
         return stop - begin
 
     def same_values(self, first: str, second: str, chunk: int = 64 << 20) -> bool:
@@ -215,7 +267,8 @@ class CheckpointReader:
         read whole and compared as float32."""
         if self.shape(first) != self.shape(second):
             return False
-        if self.dtype(first) != self.dtype(second):
+        if self.dtype(first) != self.dtype(second) or any(
+                _FP8_SCALE in self._entries[n][1] for n in (first, second)):
             return torch.equal(self.read(first).float(), self.read(second).float())
         (start_a, entry_a), (start_b, entry_b) = self._entries[first], self._entries[second]
         size = self.nbytes(first)
@@ -257,32 +310,11 @@ class CheckpointReader:
                 "match it, re-export it"
             )
         start, entry = self._entries[name]
-        begin, stop = entry["data_offsets"]
-        tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
-        try:
-            with open(file, "rb", buffering=0) as handle:
-                handle.seek(start + begin)
-                view = (
-                    memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                    if tensor.numel()
-                    else memoryview(bytearray())
-                )
-                got = handle.readinto(view) if tensor.numel() else 0
-                while got < stop - begin:  # readinto may return less for large reads
-                    more = handle.readinto(view[got:])
-                    if not more:
-                        break
-                    got += more
-        except OSError as exc:
-            raise ModelLoadError(
-                f"{file}: tensor {name} cannot be read ({exc}); re-download "
-                "or re-export the checkpoint"
-            ) from exc
-        if got != stop - begin:
-            raise ModelLoadError(
-                f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
-                "truncated, re-download or re-export the checkpoint"
-            )
+        tensor = _read_stored(file, name, start, entry)
+        if _FP8_SCALE in entry:
+            scale_file, (scale_start, scale_entry), block, dequantized = entry[_FP8_SCALE]
+            scale = _read_stored(scale_file, f"{name}_scale_inv", scale_start, scale_entry)
+            tensor = _dequantize_fp8(tensor, scale, block, dequantized)
         # a NaN weight makes every logit NaN downstream, where nothing can name it any more
         if holds_non_finite(tensor):
             raise ModelLoadError(
@@ -290,6 +322,58 @@ class CheckpointReader:
                 "undefined; the checkpoint is corrupt, re-download or re-export it"
             )
         return tensor
+
+
+def _numel(shape) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel
+
+
+def _dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype):
+    """fp8 ``codes`` [out, in] times ``scale`` (``weight_scale_inv``: one value per ``block``
+    [rows, cols], or one for the tensor), in ``dtype``."""
+    values, scale = codes.float(), scale.float()
+    if block:
+        rows, cols = block
+        scale = scale.repeat_interleave(rows, 0)[:values.shape[0]]
+        scale = scale.repeat_interleave(cols, 1)[:, :values.shape[1]]
+    else:
+        scale = scale.reshape(())
+    return (values * scale).to(dtype)
+
+
+def _read_stored(file: Path, name: str, start: int, entry: dict) -> torch.Tensor:
+    """The bytes of tensor ``name`` (header ``entry`` of ``file``, data from ``start``) as
+    stored, or a ModelLoadError naming what is wrong with them."""
+    begin, stop = entry["data_offsets"]
+    tensor = torch.empty([int(d) for d in entry["shape"]], dtype=_TORCH_DTYPES[entry["dtype"]])
+    try:
+        with open(file, "rb", buffering=0) as handle:
+            handle.seek(start + begin)
+            view = (
+                memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                if tensor.numel()
+                else memoryview(bytearray())
+            )
+            got = handle.readinto(view) if tensor.numel() else 0
+            while got < stop - begin:  # readinto may return less for large reads
+                more = handle.readinto(view[got:])
+                if not more:
+                    break
+                got += more
+    except OSError as exc:
+        raise ModelLoadError(
+            f"{file}: tensor {name} cannot be read ({exc}); re-download "
+            "or re-export the checkpoint"
+        ) from exc
+    if got != stop - begin:
+        raise ModelLoadError(
+            f"{file}: tensor {name} is cut short ({got} of {stop - begin} bytes); the file is "
+            "truncated, re-download or re-export the checkpoint"
+        )
+    return tensor
 
 
 def _config_errors() -> tuple[type[BaseException], ...]:

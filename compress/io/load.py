@@ -134,13 +134,15 @@ def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
     return target
 
 
-def is_compressed_checkpoint(path: Path) -> bool:
+def is_compressed_checkpoint(path: Path, method: str = "compressed-tensors") -> bool:
+    """Whether ``path``'s config.json says its weights are quantized by ``method`` (ours; "fp8":
+    a block-scaled fp8 source, which ``CheckpointReader`` dequantizes on read)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     quant = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
+    return isinstance(quant, dict) and quant.get("quant_method") == method
 
 
 def local_model_dir(name_or_path: str, cache: Path | None = None) -> Path | None:
@@ -212,8 +214,9 @@ def load_model(
         from compress.io.export import load_compressed
 
         model = load_compressed(where, dtype=dtype, backend=backend)
-    elif isinstance(where, Path) and wrapped_text(where) is not None:
-        model = _load_wrapped_text(where, dtype)
+    elif isinstance(where, Path) and (wrapped_text(where) is not None
+                                      or is_compressed_checkpoint(where, "fp8")):
+        model = _load_from_shards(where, dtype)
     else:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -249,11 +252,13 @@ def load_model(
     return LoadedModel(model.to(device), tokenizer, name_or_path, str(where))
 
 
-def _load_wrapped_text(where: Path, dtype: torch.dtype) -> nn.Module:
-    """A float multimodal checkpoint's text model (``compress.io.wrapped``): built from its
-    ``text_config``, every tensor read from the shards under the text model's names and cast to
-    ``dtype``, trainable and tied as ``from_pretrained`` leaves a model; the vision tower and
-    projector are not read (the export copies them)."""
+def _load_from_shards(where: Path, dtype: torch.dtype) -> nn.Module:
+    """A float checkpoint read by our own readers, where transformers would read another
+    model or cannot read it: a multimodal checkpoint's text model or a text model beside MTP
+    modules (``compress.io.wrapped``: built from its text config, every tensor of the causal LM
+    read under its names; the rest is not read, the export copies it), a block-scaled fp8 source
+    (dequantized as read: ``CheckpointReader``). Every tensor cast to ``dtype``, trainable and
+    tied as ``from_pretrained`` leaves a model."""
     from compress.arch import output_weight_key
     from compress.io.names import MoeTreeReader, moe_arch, under_model_names
     from compress.io.stream import expected_tensors, materialize, meta_skeleton

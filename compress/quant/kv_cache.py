@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from compress.arch import DEFAULT_IGNORE, arch_for
-from compress.core.errors import RecipeError
+from compress.core.errors import ConfigError, RecipeError
 from compress.core.registry import CompressionState, PassConfig, PassReport, register_pass
 from compress.quant.calibrated import LayerInputs, OffloadMode, run_calibrated
 from compress.quant.kv_scales import FP8_E4M3_MAX, KV_CACHE_SCHEME, set_kv_scales
@@ -95,6 +95,12 @@ def kv_cache_fp8(model: nn.Module, cfg: KvCacheFp8Config, state: CompressionStat
     """Calibrate a per-layer fp8 scale for the keys and one for the values."""
     report = PassReport("quantize.kv_cache_fp8")
     arch = arch_for(model, "quantize.kv_cache_fp8")
+    if arch.latent_attention:
+        raise ConfigError(
+            f"quantize.kv_cache_fp8: model_type {arch.model_type!r} uses multi-head latent "
+            "attention, whose cache holds a compressed latent and a shared rotary key, not "
+            "per-head keys and values; fp8 scales for that cache are not implemented. Remove "
+            "this pass for this family")
     amax: dict[str, list[float]] = {}
 
     def process(index: int, layer: nn.Module, inputs: LayerInputs) -> None:

@@ -367,6 +367,12 @@ def rotate_hadamard(model: nn.Module, cfg: RotateConfig, state: CompressionState
     rotated (kept resident); the result is the in-memory run's, bit for bit."""
     arch = arch_for(model, NAME)
     _check_supported(model, arch)  # every refusal before any weight is read or changed
+    if cfg.value_output and arch.latent_attention:
+        raise ConfigError(
+            f"{NAME}: model_type {arch.model_type!r} uses multi-head latent attention: its "
+            f"values come out of {arch.v} interleaved per head with the keys, and rotating "
+            "them (value_output) is not implemented. Set value_output: false to rotate the "
+            "residual stream only")
     stream = state.stream
     report = PassReport(NAME)
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -24,48 +24,20 @@ from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
 from compress.pipeline.job import run_job
 from compress.recipe import parse_recipe
-from compress.testing import make_char_tokenizer, make_tiny_moe
+from compress.testing import add_mtp_modules, make_char_tokenizer, make_tiny_moe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 HIDDEN = 64  # make_tiny_moe's
 
 
-def _mtp_shard(model_type: str, num_layers: int) -> dict[str, torch.Tensor]:
-    """MTP tensors under the names the released checkpoints store them under."""
-    g = torch.Generator().manual_seed(7)
-    if model_type == "ernie4_5_moe":  # ERNIE-4.5-21B-A3B's mtp_* modules
-        names = {"model.mtp_block.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-                 "model.mtp_block.0.input_layernorm.weight": (HIDDEN,),
-                 "model.mtp_emb_norm.0.weight": (HIDDEN,),
-                 "model.mtp_hidden_norm.0.weight": (HIDDEN,),
-                 "model.mtp_linear_proj.0.weight": (HIDDEN, 2 * HIDDEN)}
-    else:  # GLM-4.5's layer 46 of 46: a decoder layer with eh_proj, enorm, hnorm, shared_head
-        layer = f"model.layers.{num_layers}."
-        names = {layer + "eh_proj.weight": (HIDDEN, 2 * HIDDEN), layer + "enorm.weight": (HIDDEN,),
-                 layer + "hnorm.weight": (HIDDEN,), layer + "shared_head.norm.weight": (HIDDEN,),
-                 layer + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-                 layer + "mlp.experts.0.down_proj.weight": (HIDDEN, HIDDEN)}
-    return {n: torch.randn(*shape, generator=g).to(torch.bfloat16) for n, shape in names.items()}
-
-
 def _write(folder, model_type: str, *, with_mtp: bool = True, **overrides):
-    """A tiny float MoE checkpoint in two shards, the second holding MTP tensors (with_mtp)."""
+    """A tiny float MoE checkpoint; with_mtp: MTP modules in a shard of their own, as released
+    (``add_mtp_modules``). Returns the folder and the MTP tensors."""
     extra = {"num_nextn_predict_layers": 1} if model_type == "glm4_moe" else {}
     model = make_tiny_moe(model_type, tie_word_embeddings=False, **extra, **overrides)
     model.save_pretrained(folder)
     make_char_tokenizer().save_pretrained(folder)
-    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    shards = {"model-00001-of-00002.safetensors":
-              load_file(folder / "model-00001-of-00002.safetensors")}
-    if with_mtp:
-        shards["model-00002-of-00002.safetensors"] = _mtp_shard(
-            model_type, model.config.num_hidden_layers)
-        save_file(shards["model-00002-of-00002.safetensors"],
-                  folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
-    weight_map = {n: file for file, tensors in shards.items() for n in tensors}
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
+    return folder, (add_mtp_modules(folder) if with_mtp else {})
 
 
 def _recipe(tmp_path, passes: str):
@@ -97,13 +69,13 @@ def test_mtp_tensors_are_the_declared_layers_and_the_mtp_modules():
     assert mtp_tensors({**config, "model_type": "unknown"}, names) == ()
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe"])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe", "deepseek_v3"])
 def test_loaders_read_the_causal_lm_and_the_export_carries_the_mtp_modules(model_type, tmp_path):
     pytest.importorskip("compressed_tensors")
     from compress.core.matcher import matches
 
-    source = _write(tmp_path / "source", model_type)
-    plain = _write(tmp_path / "plain", model_type, with_mtp=False)
+    source, mtp = _write(tmp_path / "source", model_type)
+    plain, _ = _write(tmp_path / "plain", model_type, with_mtp=False)
     with torch.no_grad():
         expected = load_model(str(plain)).model(torch.tensor(IDS)).logits
         got = load_model(str(source)).model(torch.tensor(IDS)).logits
@@ -115,7 +87,6 @@ def test_loaders_read_the_causal_lm_and_the_export_carries_the_mtp_modules(model
         run_job(recipe, model=str(folder), out_dir=out, stream=stream, progress=False)
     streamed, whole = _tensors(tmp_path / "source-True"), _tensors(tmp_path / "source-False")
     without = _tensors(tmp_path / "plain-True")
-    mtp = _mtp_shard(model_type, 2)
     assert streamed.keys() == whole.keys() == without.keys() | mtp.keys()
     for name, tensor in streamed.items():  # the causal LM as without MTP; MTP as stored
         reference = mtp[name] if name in mtp else without[name]
@@ -141,11 +112,10 @@ def test_loaders_read_the_causal_lm_and_the_export_carries_the_mtp_modules(model
 
 
 def test_dropped_layers_move_the_mtp_layer_after_the_last(tmp_path):
-    source = _write(tmp_path / "source", "glm4_moe", num_hidden_layers=3)
+    source, mtp = _write(tmp_path / "source", "glm4_moe", num_hidden_layers=3)
     run_job(_recipe(tmp_path, "- {pass: prune.layers, num_layers: 2}"), model=str(source),
             out_dir=tmp_path / "out", progress=False)
     exported = _tensors(tmp_path / "out")
-    mtp = _mtp_shard("glm4_moe", 3)
     for name, tensor in mtp.items():
         assert torch.equal(exported[name.replace("layers.3.", "layers.2.")], tensor)
     assert not any(n.startswith("model.layers.3.") for n in exported)
@@ -155,8 +125,8 @@ def test_dropped_layers_move_the_mtp_layer_after_the_last(tmp_path):
 
 
 def test_a_layer_past_the_declared_mtp_layers_is_refused(tmp_path):
-    source = _write(tmp_path / "source", "glm4_moe")
-    file = source / "model-00002-of-00002.safetensors"
+    source, _ = _write(tmp_path / "source", "glm4_moe")
+    file = source / "model-mtp.safetensors"
     tensors = load_file(file)
     tensors["model.layers.3.enorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
     save_file(tensors, file, metadata={"format": "pt"})
@@ -168,7 +138,7 @@ def test_a_layer_past_the_declared_mtp_layers_is_refused(tmp_path):
 
 
 def test_bitsandbytes_of_a_checkpoint_with_mtp_modules_is_refused_before_any_work(tmp_path):
-    source = _write(tmp_path / "source", "glm4_moe")
+    source, _ = _write(tmp_path / "source", "glm4_moe")
     recipe = _recipe(tmp_path, "- {pass: quantize.bnb}")
     with pytest.raises(RecipeError, match="multi-token-prediction modules beside its causal LM"):
         run_job(recipe, model=str(source), out_dir=tmp_path / "out", progress=False)

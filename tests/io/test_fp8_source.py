@@ -1,0 +1,129 @@
+"""Block-scaled fp8 source checkpoints (``quant_method: fp8``, a ``weight_scale_inv`` per
+``weight_block_size`` block: how DeepSeek-V3/R1, Kimi K2 and the FP8 releases of Qwen3 and
+others are published) are read as their dequantized 16-bit weights by every loader; they were
+called corrupt files before.
+
+References: the same model written as an ordinary bf16 checkpoint holding the dequantized values
+(its logits, and the export of the same job on it, tensor for tensor). The scales are powers of
+two, so codes x scale is exact in any float type and the comparisons are exact; a scale read
+for the wrong block would change the values.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from compress.core.errors import ModelLoadError
+from compress.io.checkpoint import CheckpointReader
+from compress.io.load import load_model
+from compress.pipeline.job import run_job
+from compress.recipe import parse_recipe
+from compress.testing import make_char_tokenizer, make_tiny_model, make_tiny_moe
+
+IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
+BLOCK = [24, 48]  # blocks that do not divide 64 or 128: ragged last blocks
+
+
+def _write(folder, kind: str, block=BLOCK):
+    """(fp8 checkpoint, bf16 checkpoint of its dequantized values) of a tiny ``kind`` model."""
+    model = make_tiny_moe(kind, tie_word_embeddings=False) if kind.startswith("deepseek") \
+        else make_tiny_model(kind, tie_word_embeddings=False)
+    plain, fp8 = folder / "bf16", folder / "fp8"
+    for target in (plain, fp8):
+        model.to(torch.bfloat16).save_pretrained(target)
+        make_char_tokenizer().save_pretrained(target)
+    tensors, generator = load_file(plain / "model.safetensors"), torch.Generator().manual_seed(0)
+    stored, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if tensor.dim() != 2 or not name.endswith("proj.weight"):
+            stored[name] = dequantized[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        grid = [-(-rows // block[0]), -(-cols // block[1])] if block else [1]
+        scale = torch.pow(2.0, torch.randint(-9, -3, grid, generator=generator).float())
+        full = scale.reshape(1, 1).expand(rows, cols) if not block else scale.repeat_interleave(
+            block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        codes = (tensor.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        stored[name], stored[f"{name}_scale_inv"] = codes, scale
+        dequantized[name] = (codes.float() * full).to(torch.bfloat16)
+    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": block}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, plain
+
+
+def _logits(folder) -> torch.Tensor:
+    with torch.no_grad():
+        return load_model(str(folder)).model(torch.tensor(IDS)).logits
+
+
+@pytest.mark.parametrize("kind,block", [("llama", BLOCK), ("llama", None),
+                                        ("deepseek_v3", [128, 128])],
+                         ids=["llama-blocks", "llama-per-tensor", "deepseek_v3-experts"])
+def test_an_fp8_source_loads_as_its_dequantized_weights(kind, block, tmp_path):
+    fp8, plain = _write(tmp_path, kind, block)
+    reader = CheckpointReader(fp8)
+    assert not any(n.endswith("_scale_inv") for n in reader.names())  # read with the weight
+    torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
+
+
+def test_a_job_on_an_fp8_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
+    fp8, plain = _write(tmp_path, "llama")
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    recipe = parse_recipe({
+        "name": "fp8-source",
+        "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
+                        "seed": 0},
+        "passes": yaml.safe_load(textwrap.dedent("- {pass: quantize.gptq, group_size: 32}")),
+        "export": {"dtype": "auto"},
+        "eval": {"baseline": False, "perplexity": None},
+    })
+    for source, stream in ((fp8, True), (fp8, False), (plain, True)):
+        run_job(recipe, model=str(source), out_dir=tmp_path / f"{source.name}-{stream}",
+                stream=stream, progress=False)
+    reference = CheckpointReader(tmp_path / "bf16-True")
+    for folder in ("fp8-True", "fp8-False"):
+        got = CheckpointReader(tmp_path / folder)
+        assert set(got.names()) == set(reference.names())
+        for name in reference.names():
+            assert torch.equal(got.read(name), reference.read(name)), (folder, name)
+    config = json.loads((tmp_path / "fp8-True" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config["dtype"] == "bfloat16"
+
+
+def _edit(fp8, change) -> None:
+    tensors = load_file(fp8 / "model.safetensors")
+    change(tensors)
+    save_file(tensors, fp8 / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fp8_without_its_scale_or_with_the_wrong_grid_is_named(tmp_path):
+    fp8, _ = _write(tmp_path, "llama")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _edit(fp8, lambda t: t.pop(f"{name}_scale_inv"))
+    with pytest.raises(ModelLoadError, match=rf"fp8 tensor {name} has no {name}_scale_inv"):
+        load_model(str(fp8))
+    fp8, _ = _write(tmp_path / "again", "llama")
+    _edit(fp8, lambda t: t.update({f"{name}_scale_inv": torch.ones(1, 1)}))
+    with pytest.raises(ModelLoadError, match=r"has shape \[1, 1\] but weight_block_size"):
+        load_model(str(fp8))
+
+
+def test_fp8_weights_under_another_scheme_are_refused_with_the_fix(tmp_path):
+    fp8, _ = _write(tmp_path, "llama")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="stored in fp8 under quantization_config.quant_method "
+                                             "'compressed-tensors'.*start from the 16-bit"):
+        load_model(str(fp8))

@@ -1,0 +1,52 @@
+"""DeepSeek-V2/V3's multi-head latent attention (MLA): the entry that matches the config's query
+path, the passes that cannot handle a latent cache refused before any work, and the runtime's
+fallback to transformers said as such. The quantization passes, folds, exports and MTP modules
+of these families run in the MoE, fold, export and MTP tests (``TINY_MOE_TYPES``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from compress.arch import arch_for
+from compress.core.errors import ConfigError
+from compress.core.registry import run_passes
+from compress.quant.kv_cache import KvCacheFp8Config
+from compress.testing import make_char_tokenizer, make_tiny_moe
+from tests.quant.quant_helpers import tiny_state
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_the_entry_follows_the_query_path_the_config_builds(family):
+    for q_lora_rank, reader, inner in ((64, "q_a_proj", 2), (None, "q_proj", 1)):
+        model = make_tiny_moe(family, q_lora_rank=q_lora_rank)
+        arch = arch_for(model, "test")
+        layer = model.model.layers[0]
+        built = {n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert arch.q == f"self_attn.{reader}" and len(arch.inner_linears) == inner
+        # every attention Linear the model built is one the entry names, and no other
+        assert {p for p in arch.linears if p.startswith("self_attn.")} == {
+            n for n in built if n.startswith("self_attn.")}
+
+
+def test_fp8_kv_cache_scales_are_refused_for_a_latent_cache():
+    model = make_tiny_moe("deepseek_v3")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConfigError, match="multi-head latent attention.*compressed latent"):
+        run_passes(model, [KvCacheFp8Config()], tiny_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_generate_on_the_transformers_fallback_reports_no_per_token_times(tmp_path, capsys):
+    """The fallback hands every token back at once: a first-token time and a decode rate
+    computed from that would be the whole generation's and a nonsense rate."""
+    from compress.cli import main
+
+    make_tiny_moe("deepseek_v3").save_pretrained(tmp_path / "m")
+    make_char_tokenizer().save_pretrained(tmp_path / "m")
+    assert main(["generate", "hello", "--model", str(tmp_path / "m"),
+                 "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "transformers generate: no per-token times" in err and "tokens/s" not in err
