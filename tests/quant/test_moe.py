@@ -268,26 +268,39 @@ def test_gptq_expert_beats_rtn_on_its_own_tokens(moe, gptq_run):
         assert errors[0] < 0.9 * errors[1], (e, errors)
 
 
-def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(moe, tmp_path):
-    model = copy.deepcopy(moe)
-    int4_rtn(model, Int4RtnConfig(group_size=32), CompressionState())
-    export_checkpoint(model, None, tmp_path / "ckpt", dtype="float32")
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    arch = arch_for(model, "test")
-    block = arch.moe.checkpoint_block
-    gate, up, down = arch.moe.checkpoint_projections
-    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
-        keys = set(f.keys())
-    for e in range(4):
-        for proj in (gate, up, down):
-            for suffix in ("weight_packed", "weight_scale", "weight_shape"):
-                assert f"model.layers.1.{block}.experts.{e}.{proj}.{suffix}" in keys
-    assert f"model.layers.0.{block}.gate.weight" in keys  # the router, float
-    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
-    quant = config["quantization_config"]
-    assert f"model.layers.0.{block}.gate" in quant["ignore"]
-    assert quant["config_groups"]["group_0"]["targets"] == ["Linear"]
-    assert _reload_in_plain_transformers(model, tmp_path / "ckpt") < 1e-2
+def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(tmp_path):
+    """Every family's W4 export in the per-expert layout, all reloaded by plain transformers in
+    one child process (a child per family cost ~5 s each)."""
+    from compress.testing import plain_transformers_logits
+
+    ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    folders, ours = [], []
+    for family in FAMILIES:
+        model = make_tiny_moe(family)
+        int4_rtn(model, Int4RtnConfig(group_size=32), CompressionState())
+        folder = tmp_path / family
+        export_checkpoint(model, None, folder, dtype="float32")
+        config = json.loads((folder / "config.json").read_text())
+        arch = arch_for(model, "test")
+        block = arch.moe.checkpoint_block
+        gate, up, down = arch.moe.checkpoint_projections
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            keys = set(f.keys())
+        for e in range(4):
+            for proj in (gate, up, down):
+                for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+                    assert f"model.layers.1.{block}.experts.{e}.{proj}.{suffix}" in keys, family
+        assert f"model.layers.0.{block}.gate.weight" in keys  # the router, float
+        assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
+        quant = config["quantization_config"]
+        assert f"model.layers.0.{block}.gate" in quant["ignore"]
+        assert quant["config_groups"]["group_0"]["targets"] == ["Linear"]
+        with torch.no_grad():
+            ours.append(model(ids).logits)
+        folders.append(folder)
+    theirs = plain_transformers_logits(folders, ids.tolist(), tmp_path)
+    for family, mine, plain in zip(FAMILIES, ours, theirs, strict=True):
+        assert float((plain - mine).norm() / mine.norm()) < 1e-2, family
 
 
 _RELOAD = """
