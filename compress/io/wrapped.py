@@ -56,6 +56,9 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_te
                    "chat_template.jinja", "video_preprocessor_config.json",
                    "generation_config.json")
 _MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper carries
+# quantization formats our shard readers read: ours, and block-scaled fp8 sources (dequantized
+# as read: ``CheckpointReader``); float checkpoints have none
+READ_METHODS = ("compressed-tensors", "fp8")
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,11 @@ def wrapped_text(path: str | os.PathLike[str],
             f"{', '.join(ARCHS)}"
         )
     method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
-    if method != "compressed-tensors":
+    if method not in READ_METHODS:
         raise ModelLoadError(
             f"{path}: a multimodal model ({kind!r}) quantized with {method!r}; compress reads "
-            "multimodal checkpoints in float or compressed-tensors: start from the float model"
+            "multimodal checkpoints in float, compressed-tensors or block-scaled fp8: start "
+            "from the float model"
         )
     names = (reader or CheckpointReader(path)).names()
     own_names = text_type in WRAPPED_TEXT_FAMILIES  # Qwen2/2.5-VL: the text model's own names
@@ -169,7 +173,7 @@ def _with_mtp(path: Path, config: dict[str, Any],
     LM, float or compressed-tensors (another tool's format is left to transformers, which
     ignores them), as a ``Wrapped``; None for any other."""
     method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
-    if method != "compressed-tensors":
+    if method not in READ_METHODS:
         return None
     mtp = mtp_tensors(config, (reader or CheckpointReader(path)).names())
     if not mtp:

@@ -30,35 +30,52 @@ IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 BLOCK = [24, 48]  # blocks that do not divide 64 or 128: ragged last blocks
 
 
-def _write(folder, kind: str, block=BLOCK):
-    """(fp8 checkpoint, bf16 checkpoint of its dequantized values) of a tiny ``kind`` model."""
-    model = make_tiny_moe(kind, tie_word_embeddings=False) if kind.startswith("deepseek") \
-        else make_tiny_model(kind, tie_word_embeddings=False)
+def _fp8_pair(source, folder, block=BLOCK):
+    """(fp8 checkpoint, bf16 checkpoint of its dequantized values) made from the saved
+    checkpoint ``source``, every shard converted: each 2-D projection weight as fp8 codes and
+    power-of-two scales."""
+    import shutil
+
     plain, fp8 = folder / "bf16", folder / "fp8"
+    generator = torch.Generator().manual_seed(0)
     for target in (plain, fp8):
-        model.to(torch.bfloat16).save_pretrained(target)
-        make_char_tokenizer().save_pretrained(target)
-    tensors, generator = load_file(plain / "model.safetensors"), torch.Generator().manual_seed(0)
-    stored, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        if tensor.dim() != 2 or not name.endswith("proj.weight"):
-            stored[name] = dequantized[name] = tensor
-            continue
-        rows, cols = tensor.shape
-        grid = [-(-rows // block[0]), -(-cols // block[1])] if block else [1]
-        scale = torch.pow(2.0, torch.randint(-9, -3, grid, generator=generator).float())
-        full = scale.reshape(1, 1).expand(rows, cols) if not block else scale.repeat_interleave(
-            block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-        codes = (tensor.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        stored[name], stored[f"{name}_scale_inv"] = codes, scale
-        dequantized[name] = (codes.float() * full).to(torch.bfloat16)
-    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+        shutil.copytree(source, target)
+    for file in sorted(source.glob("*.safetensors")):
+        stored, dequantized = {}, {}
+        for name, tensor in load_file(file).items():
+            tensor = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+            if tensor.dim() != 2 or not name.endswith("proj.weight"):
+                stored[name] = dequantized[name] = tensor
+                continue
+            rows, cols = tensor.shape
+            grid = [-(-rows // block[0]), -(-cols // block[1])] if block else [1]
+            scale = torch.pow(2.0, torch.randint(-9, -3, grid, generator=generator).float())
+            full = scale.reshape(1, 1).expand(rows, cols) if not block else \
+                scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+            codes = (tensor.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            stored[name], stored[f"{name}_scale_inv"] = codes, scale
+            dequantized[name] = (codes.float() * full).to(torch.bfloat16)
+        save_file(stored, fp8 / file.name, metadata={"format": "pt"})
+        save_file(dequantized, plain / file.name, metadata={"format": "pt"})
+        index = fp8 / "model.safetensors.index.json"
+        if index.is_file():  # the scales live in their weight's shard
+            entries = json.loads(index.read_text())
+            entries["weight_map"] |= {n: file.name for n in stored if n.endswith("_scale_inv")}
+            index.write_text(json.dumps(entries))
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic", "weight_block_size": block}
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, plain
+
+
+def _write(folder, kind: str, block=BLOCK):
+    """``_fp8_pair`` of a tiny ``kind`` model."""
+    model = make_tiny_moe(kind, tie_word_embeddings=False) if kind.startswith("deepseek") \
+        else make_tiny_model(kind, tie_word_embeddings=False)
+    model.save_pretrained(folder / "source")
+    make_char_tokenizer().save_pretrained(folder / "source")
+    return _fp8_pair(folder / "source", folder, block)
 
 
 def _logits(folder) -> torch.Tensor:
@@ -99,6 +116,24 @@ def test_a_job_on_an_fp8_source_exports_what_it_exports_from_the_bf16_one(tmp_pa
     config = json.loads((tmp_path / "fp8-True" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["dtype"] == "bfloat16"
+
+
+def test_fp8_sources_with_mtp_modules_or_a_vision_tower_load_their_causal_lm(tmp_path):
+    """DeepSeek-V3's release: fp8 with its MTP layer; an FP8 multimodal release: the text model
+    (MTP and vision tensors are carried by the export, read as stored or dequantized)."""
+    from compress.testing import add_mtp_modules, write_tiny_multimodal
+
+    model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False)
+    model.save_pretrained(tmp_path / "ds")
+    make_char_tokenizer().save_pretrained(tmp_path / "ds")
+    add_mtp_modules(tmp_path / "ds")
+    fp8, plain = _fp8_pair(tmp_path / "ds", tmp_path / "ds-pair", [128, 128])
+    assert any(n.startswith("model.layers.2.") and CheckpointReader(fp8).dtype(n) ==
+               torch.bfloat16 for n in CheckpointReader(fp8).names())  # MTP, dequantized
+    torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
+    write_tiny_multimodal(tmp_path / "mm", "gemma3")
+    fp8, plain = _fp8_pair(tmp_path / "mm", tmp_path / "mm-pair")
+    torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
 
 
 def _edit(fp8, change) -> None:
