@@ -12,19 +12,17 @@ for the wrong block would change the values.
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
 from compress.pipeline.job import run_job
-from compress.recipe import parse_recipe
 from compress.testing import make_char_tokenizer, make_tiny_model, make_tiny_moe
+from tests.io.io_helpers import tiny_job_recipe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 BLOCK = [24, 48]  # blocks that do not divide 64 or 128: ragged last blocks
@@ -95,15 +93,7 @@ def test_an_fp8_source_loads_as_its_dequantized_weights(kind, block, tmp_path):
 
 def test_a_job_on_an_fp8_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
     fp8, plain = _write(tmp_path, "llama")
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    recipe = parse_recipe({
-        "name": "fp8-source",
-        "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
-                        "seed": 0},
-        "passes": yaml.safe_load(textwrap.dedent("- {pass: quantize.gptq, group_size: 32}")),
-        "export": {"dtype": "auto"},
-        "eval": {"baseline": False, "perplexity": None},
-    })
+    recipe = tiny_job_recipe(tmp_path, "- {pass: quantize.gptq, group_size: 32}", "fp8-source")
     for source, stream in ((fp8, True), (fp8, False), (plain, True)):
         run_job(recipe, model=str(source), out_dir=tmp_path / f"{source.name}-{stream}",
                 stream=stream, progress=False)

@@ -11,20 +11,17 @@ plain transformers reloading the export, and the config's count (a layer past it
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from compress.arch import mtp_tensors
 from compress.core.errors import ModelLoadError, RecipeError
-from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
 from compress.pipeline.job import run_job
-from compress.recipe import parse_recipe
 from compress.testing import add_mtp_modules, make_char_tokenizer, make_tiny_moe
+from tests.io.io_helpers import stored_tensors, tiny_job_recipe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 HIDDEN = 64  # make_tiny_moe's
@@ -41,20 +38,10 @@ def _write(folder, model_type: str, *, with_mtp: bool = True, **overrides):
 
 
 def _recipe(tmp_path, passes: str):
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    return parse_recipe({
-        "name": "tiny-mtp",
-        "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
-                        "seed": 0},
-        "passes": yaml.safe_load(textwrap.dedent(passes)),
-        "export": {"dtype": "auto"},
-        "eval": {"baseline": False, "perplexity": None},
-    })
+    return tiny_job_recipe(tmp_path, passes, "tiny-mtp")
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    reader = CheckpointReader(folder)
-    return {name: reader.read(name) for name in reader.names()}
+_tensors = stored_tensors
 
 
 def test_mtp_tensors_are_the_declared_layers_and_the_mtp_modules():

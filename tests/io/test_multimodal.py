@@ -8,18 +8,15 @@ References: transformers' own multimodal model on the same text (logits), the so
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
-import yaml
 
 from compress.core.errors import ModelLoadError, RecipeError
-from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
 from compress.pipeline.job import run_job
-from compress.recipe import parse_recipe
 from compress.testing import TINY_WRAPPER_TYPES, write_tiny_multimodal
+from tests.io.io_helpers import stored_tensors, tiny_job_recipe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 
@@ -33,20 +30,10 @@ def _wrapper_logits(folder) -> torch.Tensor:
 
 
 def _recipe(tmp_path, passes: str):
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    return parse_recipe({
-        "name": "tiny-multimodal",
-        "calibration": {"source": str(tmp_path / "text.txt"), "num_samples": 3, "seq_len": 24,
-                        "seed": 0},
-        "passes": yaml.safe_load(textwrap.dedent(passes)),
-        "export": {"dtype": "auto"},
-        "eval": {"baseline": False, "perplexity": None},
-    })
+    return tiny_job_recipe(tmp_path, passes, "tiny-multimodal")
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    reader = CheckpointReader(folder)
-    return {name: reader.read(name) for name in reader.names()}
+_tensors = stored_tensors
 
 
 @pytest.mark.parametrize("legacy_names", [False, True], ids=["saved", "legacy-names"])
