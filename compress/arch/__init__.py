@@ -124,11 +124,16 @@ def mtp_tensors(config: dict, names) -> tuple[str, ...]:
     if arch is None:
         return ()
     depth, extra = config.get("num_hidden_layers"), config.get(MTP_LAYERS_KEY)
-    prefixes: tuple[str, ...] = ()
-    if isinstance(depth, int) and isinstance(extra, int) and extra > 0:
-        prefixes = tuple(f"{arch.layer_prefix}{depth + i}." for i in range(extra))
-    return tuple(n for n in names if n.startswith(prefixes) or any(
-        part.startswith(MTP_MODULE_PREFIX) for part in n.split(".")[:-1]))
+    if not (isinstance(depth, int) and isinstance(extra, int)):
+        depth, extra = 0, 0
+
+    def is_mtp(name: str) -> bool:
+        index, _, rest = name.removeprefix(arch.layer_prefix).partition(".")
+        if name.startswith(arch.layer_prefix) and rest and index.isdigit():
+            return depth <= int(index) < depth + extra
+        return any(part.startswith(MTP_MODULE_PREFIX) for part in name.split(".")[:-1])
+
+    return tuple(n for n in names if is_mtp(n))
 
 
 def arch_for(model: nn.Module, what: str) -> Arch:

@@ -187,6 +187,11 @@ class CheckpointReader:
                 "block-scaled 'fp8' checkpoints (a weight_scale_inv beside each) only: start "
                 "from the 16-bit checkpoint")
         block = quant.get("weight_block_size")
+        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ModelLoadError(
+                f"{self.path}/config.json: quantization_config.weight_block_size {block!r} is "
+                "not two positive integers (rows, columns of a scale's block); fix config.json")
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(
             config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
         for name in fp8:

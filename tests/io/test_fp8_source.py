@@ -152,3 +152,13 @@ def test_fp8_weights_under_another_scheme_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ModelLoadError, match="stored in fp8 under quantization_config.quant_method "
                                              "'compressed-tensors'.*start from the 16-bit"):
         load_model(str(fp8))
+
+
+@pytest.mark.parametrize("block", [[0, 128], [128], "128x128", [True, 128], [128.0, 128]])
+def test_a_fuzzed_block_size_is_named(block, tmp_path):
+    fp8, _ = _write(tmp_path, "llama")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = block
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="weight_block_size .* is not two positive integers"):
+        load_model(str(fp8))

@@ -54,6 +54,12 @@ def test_mtp_tensors_are_the_declared_layers_and_the_mtp_modules():
     assert mtp_tensors({**config, "num_nextn_predict_layers": 0}, names) == (
         "model.mtp_block.0.self_attn.q_proj.weight",)
     assert mtp_tensors({**config, "model_type": "unknown"}, names) == ()
+    # a fuzzed count: the names decide, nothing is enumerated (10**12 layers would be)
+    assert mtp_tensors({**config, "num_nextn_predict_layers": 10**12}, names)[:3] == (
+        "model.layers.2.eh_proj.weight", "model.layers.3.eh_proj.weight",
+        "model.layers.20.x.weight")
+    assert mtp_tensors({**config, "num_nextn_predict_layers": "1"}, names) == (
+        "model.mtp_block.0.self_attn.q_proj.weight",)
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe", "deepseek_v3"])
