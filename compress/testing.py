@@ -190,7 +190,7 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
         settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                         norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=16,
                         num_key_value_heads=TINY_SIZES["num_attention_heads"])
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
         settings.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=64,

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from compress.arch.layout import Arch, FusedPart, Mapping, Moe, PruneGroup, RuntimeSpec, ScaleGap
+from compress.arch.layout import (
+    Arch,
+    FusedPart,
+    LatentAttention,
+    Mapping,
+    Moe,
+    PruneGroup,
+    RuntimeSpec,
+    ScaleGap,
+)
 
 
 def _mapping(producer: str, *consumers: str, part: FusedPart = "") -> Mapping:
@@ -175,8 +184,12 @@ def _mla_arch(model_type: str, q_lora: bool) -> Arch:
         heads=PruneGroup(rows=(q,), kv_rows=(kv,), cols=(o,)),
         inner_linears=((_MLA + "q_b_proj",) if q_lora else ()) + (kv_b,),
         scale_gaps=(*base.scale_gaps, _MLA_GAP),
-        runtime=False,
-        latent_attention=True,
+        # transformers' DeepSeek-V2 rotary module returns complex angles, not cos/sin tables
+        runtime=model_type != "deepseek_v2",
+        latent_attention=LatentAttention(
+            q_b=_MLA + "q_b_proj" if q_lora else "",
+            q_norm=_MLA + "q_a_layernorm" if q_lora else "",
+            kv_norm=_MLA + "kv_a_layernorm"),
     )
 
 
@@ -611,6 +624,8 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
+    # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
+    "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),
     # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms
     "gpt_neox": RuntimeSpec(norm_eps_key="layer_norm_eps",
                             parallel_residual_key="use_parallel_residual"),

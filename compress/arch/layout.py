@@ -85,6 +85,22 @@ class Moe:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3) beyond ``Arch.q`` (the query's first
+    projection), ``k`` (the KV latent and the shared rotary key), ``v`` (the latent's expansion
+    into per-head keys and values) and ``o``: module paths in a decoder layer and the config
+    attributes of its widths."""
+
+    q_b: str  # the query's expansion after q_norm ("": the query is one projection)
+    q_norm: str
+    kv_norm: str  # on the KV latent, before ``Arch.v``
+    # config attributes: per head, the key channels without and with RoPE and the value
+    # channels; the KV latent's width
+    widths: tuple[str, str, str, str] = (
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+
+
+@dataclass(frozen=True)
 class Arch:
     """One family's layout. Model-level paths are from the ``*ForCausalLM`` module; layer-level
     paths are from one decoder layer. With fused projections q/k/v (gate/up) name the fused
@@ -143,7 +159,7 @@ class Arch:
     # multi-head latent attention (DeepSeek-V2/V3): the cache holds a compressed latent and a
     # shared rotary key, not per-head keys and values; values come out of kv_b_proj per head
     # interleaved with keys, so no fold or rotation reaches the value rows
-    latent_attention: bool = False
+    latent_attention: LatentAttention | None = None
 
     @property
     def layer_prefix(self) -> str:
@@ -196,6 +212,8 @@ class RuntimeSpec:
     # with a sliding window set, only the sliding layers rotate q/k (EXAONE 4's global: NoPE)
     rope_only_sliding: bool = False
     rope_interleaved: bool = False  # RoPE pairs are channels (2i, 2i + 1), not (i, i + r/2)
+    # config attribute that, true (the default), makes the pairs interleaved (DeepSeek-V3's)
+    rope_interleave_key: str | None = None
     qk_norm_after_rope: bool = False  # per-head q/k norms on the rotated q/k (HunYuan), not before
     # RoPE labelled "dynamic" with an ``alpha`` is NTK-alpha with static tables (HunYuan's
     # checkpoints; transformers gives it its own type), not length-dependent dynamic NTK

@@ -1,7 +1,9 @@
 """DeepSeek-V2/V3's multi-head latent attention (MLA): the entry that matches the config's query
 path, the passes that cannot handle a latent cache refused before any work, and the runtime's
-fallback to transformers said as such. The quantization passes, folds, exports and MTP modules
-of these families run in the MoE, fold, export and MTP tests (``TINY_MOE_TYPES``)."""
+fallback to transformers (DeepSeek-V2) said as such. The quantization passes, folds, exports and
+MTP modules of these families run in the MoE, fold, export and MTP tests (``TINY_MOE_TYPES``);
+DeepSeek-V3 in the runtime (``compress.runtime.latent``) in the runtime family and scheduler
+tests."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_generate_on_the_transformers_fallback_reports_no_per_token_times(tmp_pa
     computed from that would be the whole generation's and a nonsense rate."""
     from compress.cli import main
 
-    make_tiny_moe("deepseek_v3").save_pretrained(tmp_path / "m")
+    make_tiny_moe("deepseek_v2").save_pretrained(tmp_path / "m")  # V2: transformers runs it
     make_char_tokenizer().save_pretrained(tmp_path / "m")
     assert main(["generate", "hello", "--model", str(tmp_path / "m"),
                  "--max-new-tokens", "3"]) == 0

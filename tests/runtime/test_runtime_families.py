@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.arch import ARCHS, RUNTIME_SPECS, runtime_model_types
+from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, runtime_model_types
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
 from compress.testing import TINY_MOE_TYPES, hf_greedy, make_tiny_model, make_tiny_moe
@@ -97,6 +97,11 @@ FAMILIES = {
     "qwen3_moe": dict(),
     "qwen2_moe": dict(),  # ... with a shared expert (gated by sigmoid)
     "olmoe": dict(),  # ... with q/k norms over all heads
+    # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
+    # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
+    "deepseek_v3": dict(tie_word_embeddings=False),
+    "deepseek_v3_q_proj": dict(q_lora_rank=None, rope_interleave=False,
+                               tie_word_embeddings=False),
     # GPT-NeoX: q/k/v fused per head, RoPE on a quarter of each head, LayerNorms with biases,
     # attention and MLP in parallel on norms of their own (or one after the other), no GQA
     # (a num_key_value_heads in its config is not read)
@@ -116,7 +121,7 @@ FAMILIES = {
 
 # a FAMILIES key that is a configuration of another model_type
 VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense", "qwen2_gelu": "qwen2",
-            "gpt_neox_sequential": "gpt_neox"}
+            "gpt_neox_sequential": "gpt_neox", "deepseek_v3_q_proj": "deepseek_v3"}
 
 
 def arch_of(family: str):
@@ -126,7 +131,7 @@ def arch_of(family: str):
 def make_model(family: str, seed: int = 0, **overrides):
     """Tiny random ``family`` model in fp32, eval mode, eager attention (the reference)."""
     settings = {"initializer_range": 0.3, "tie_word_embeddings": True, **FAMILIES[family]}
-    build = make_tiny_moe if family in MOE else make_tiny_model
+    build = make_tiny_moe if VARIANTS.get(family, family) in MOE else make_tiny_model
     model = build(VARIANTS.get(family, family), seed, **{**settings, **overrides})
     model.config._attn_implementation = "eager"
     with torch.no_grad():
@@ -220,7 +225,9 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
                  keep_model_weights=True)  # fmt: skip
     # MoE: the experts are QuantExperts in the block; Phi-3: qkv_proj and gate_up_proj are one
     # linear each in the checkpoint
-    linears = 4 if family in MOE else len(arch_of(family).linears)
+    arch = arch_for(model, "test")  # MoE: the attention's (the block runs transformers')
+    linears = len([p for p in arch.linears if p.startswith(arch.attention + ".")]
+                  if arch.moe else arch.linears)
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
@@ -229,9 +236,9 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
 # (Phi-3's projections are fused in the checkpoint: nothing to compare with. Exact gelu on the
 # stacked gate_up's strided half takes torch's scalar erf, on a separate contiguous output its
 # vectorized one: 1-ulp apart, so that variant is compared by the transformers tests only.)
-@pytest.mark.parametrize(
-    "family", [f for f in FAMILIES if arch_of(f).q != arch_of(f).k and f != "qwen2_gelu"]
-)
+# (Latent attention's projections read different inputs: never stacked, LatentLayer._stack.)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if arch_of(f).q != arch_of(f).k
+                                    and f != "qwen2_gelu" and not arch_of(f).latent_attention])
 def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     # Our kernel runs q/k/v (and gate/up) of one input as one call; every output column is
     # its own dot product, so prefill (the row-tile GEMM: 11 tokens) and decode logits must
@@ -259,7 +266,7 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     assert torch.equal(got, step_logits(separate, PROMPTS[0], continuation))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not arch_of(f).latent_attention])
 def test_fused_elementwise_ops_compute_the_torch_layer(family, monkeypatch):
     """Eager CPU runtimes run norms, RoPE (with q/k norms) and SiLU x up through
     kernels.cpu_elementwise where projections are stacked: logits within fp32 rounding of the
