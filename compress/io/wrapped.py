@@ -48,7 +48,7 @@ from compress.arch import (
     mtp_tensors,
 )
 from compress.core.errors import ModelLoadError
-from compress.io.checkpoint import CheckpointReader, _config_errors, read_config_json
+from compress.io.checkpoint import INDEX_FILE, CheckpointReader, _config_errors, read_config_json
 
 # the files a multimodal model's processor is built from, and its generation config, copied
 # beside an export as they are
@@ -175,7 +175,11 @@ def _with_mtp(path: Path, config: dict[str, Any],
     method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
     if method not in READ_METHODS:
         return None
-    mtp = mtp_tensors(config, (reader or CheckpointReader(path)).names())
+    if reader is None:
+        if not (path / INDEX_FILE).is_file() and not any(path.glob("*.safetensors")):
+            return None  # a folder being written, its config first: no tensor to look at yet
+        reader = CheckpointReader(path)
+    mtp = mtp_tensors(config, reader.names())
     if not mtp:
         return None
     return Wrapped(path, config, (("", ""),), mtp, config["model_type"], multimodal=False)
