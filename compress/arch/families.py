@@ -188,8 +188,8 @@ def _mla_arch(model_type: str, q_lora: bool) -> Arch:
         runtime=model_type != "deepseek_v2",
         latent_attention=LatentAttention(
             q_b=_MLA + "q_b_proj" if q_lora else "",
-            q_norm=_MLA + "q_a_layernorm" if q_lora else "",
-            kv_norm=_MLA + "kv_a_layernorm"),
+            q_latent_norm=_MLA + "q_a_layernorm" if q_lora else "",
+            kv_latent_norm=_MLA + "kv_a_layernorm"),
     )
 
 

@@ -91,9 +91,9 @@ class LatentAttention:
     into per-head keys and values) and ``o``: module paths in a decoder layer and the config
     attributes of its widths."""
 
-    q_b: str  # the query's expansion after q_norm ("": the query is one projection)
-    q_norm: str
-    kv_norm: str  # on the KV latent, before ``Arch.v``
+    q_b: str  # the query's expansion after q_latent_norm ("": the query is one projection)
+    q_latent_norm: str
+    kv_latent_norm: str  # on the KV latent, before ``Arch.v``
     # config attributes: per head, the key channels without and with RoPE and the value
     # channels; the KV latent's width
     widths: tuple[str, str, str, str] = (

@@ -54,7 +54,7 @@ class LatentLayer(_Layer):
         self.q_b = None if not latent.q_b else _convert_linear(
             layer.get_submodule(latent.q_b), f"layers.{i}.{latent.q_b}", prefill, decode, notes,
             kernels, release=release)  # fmt: skip
-        norms = {"q_a_norm": latent.q_norm, "kv_a_norm": latent.kv_norm}
+        norms = {"q_a_norm": latent.q_latent_norm, "kv_a_norm": latent.kv_latent_norm}
         for name, path in norms.items():
             module = layer.get_submodule(path) if path else None
             setattr(self, name, None if module is None else _norm_weight(module, arch.norm_form))
