@@ -110,3 +110,17 @@ def test_generate_sizes_its_cache_within_the_models_positions(positions, prompt,
             check_generate_length(loaded, list(range(prompt)), new)
     else:
         assert check_generate_length(loaded, list(range(prompt)), new) == slots
+
+
+def test_generate_on_the_transformers_fallback_reports_no_per_token_times(tmp_path, capsys):
+    """The fallback hands every token back at once: a first-token time and a decode rate
+    computed from that would be the whole generation's and a nonsense rate."""
+    from compress.testing import make_char_tokenizer, make_tiny_moe
+
+    # GLM-4-MoE's q/k-norm variant: transformers runs it (RuntimeSpec.unsupported_flags)
+    make_tiny_moe("glm4_moe", use_qk_norm=True).save_pretrained(tmp_path / "m")
+    make_char_tokenizer().save_pretrained(tmp_path / "m")
+    assert main(["generate", "hello", "--model", str(tmp_path / "m"),
+                 "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "transformers generate: no per-token times" in err and "tokens/s" not in err

@@ -184,8 +184,7 @@ def _mla_arch(model_type: str, q_lora: bool) -> Arch:
         heads=PruneGroup(rows=(q,), kv_rows=(kv,), cols=(o,)),
         inner_linears=((_MLA + "q_b_proj",) if q_lora else ()) + (kv_b,),
         scale_gaps=(*base.scale_gaps, _MLA_GAP),
-        # transformers' DeepSeek-V2 rotary module returns complex angles, not cos/sin tables
-        runtime=model_type != "deepseek_v2",
+        runtime=True,
         latent_attention=LatentAttention(
             q_b=_MLA + "q_b_proj" if q_lora else "",
             q_latent_norm=_MLA + "q_a_layernorm" if q_lora else "",
@@ -626,6 +625,8 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),
+    # interleaved pairs always; its rotary module's complex angles are the tables (rope_tables)
+    "deepseek_v2": RuntimeSpec(rope_interleaved=True),
     # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms
     "gpt_neox": RuntimeSpec(norm_eps_key="layer_norm_eps",
                             parallel_residual_key="use_parallel_residual"),

@@ -193,7 +193,12 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
             tables[key] = (ones, torch.zeros_like(ones))
             continue
         rotary = model.get_submodule(arch.rotary)
-        cos, sin = rotary(x, pos) if key is None else rotary(x, pos, key)
+        angles = rotary(x, pos) if key is None else rotary(x, pos, key)
+        if isinstance(angles, torch.Tensor) and angles.is_complex():
+            # one complex number per pair (DeepSeek-V2's freqs_cis, attention scaling included):
+            # its real and imaginary parts are cos and sin, laid out as cat(f, f)
+            angles = tuple(torch.cat([part] * 2, -1) for part in (angles.real, angles.imag))
+        cos, sin = angles
         cos, sin = cos[0].float(), sin[0].float()
         if spec.rope_table_interleaved:  # [f0, f0, f1, f1, ...] -> cat(f, f)
             cos, sin = (torch.cat([t[:, 0::2]] * 2, 1) for t in (cos, sin))

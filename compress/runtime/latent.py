@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V3, Kimi K2, Moonlight: ``Arch.latent_attention``) in
-the runtime's layer.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight: ``Arch.latent_attention``)
+in the runtime's layer.
 
 The reference is transformers' attention of the family, which expands the cached latent into
 per-head keys and values at every step. This layer does the same expansion once per token, when

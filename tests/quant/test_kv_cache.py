@@ -50,7 +50,9 @@ def cache_amax(model, ids: torch.Tensor) -> list[tuple[float, float]]:
     return [(k, v) for k, v in amax]
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+# latent attention caches a latent, not keys and values: the pass refuses it (its own test in
+# tests/quant/test_latent_attention.py)
+@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES if not f.startswith("deepseek")])
 def test_scales_map_the_largest_cached_key_and_value_onto_448(family):
     model = family_model(family)
     ids, state = calibration()

@@ -1,9 +1,8 @@
 """DeepSeek-V2/V3's multi-head latent attention (MLA): the entry that matches the config's query
-path, the passes that cannot handle a latent cache refused before any work, and the runtime's
-fallback to transformers (DeepSeek-V2) said as such. The quantization passes, folds, exports and
-MTP modules of these families run in the MoE, fold, export and MTP tests (``TINY_MOE_TYPES``);
-DeepSeek-V3 in the runtime (``compress.runtime.latent``) in the runtime family and scheduler
-tests."""
+path, and the passes that cannot handle a latent cache refused before any work. The quantization
+passes, folds, exports and MTP modules of these families run in the MoE, fold, export and MTP
+tests (``TINY_MOE_TYPES``); the runtime's latent attention (``compress.runtime.latent``) in the
+runtime family and scheduler tests."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from compress.arch import arch_for
 from compress.core.errors import ConfigError
 from compress.core.registry import run_passes
 from compress.quant.kv_cache import KvCacheFp8Config
-from compress.testing import make_char_tokenizer, make_tiny_moe
+from compress.testing import make_tiny_moe
 from tests.quant.quant_helpers import tiny_state
 
 
@@ -39,16 +38,3 @@ def test_fp8_kv_cache_scales_are_refused_for_a_latent_cache():
     with pytest.raises(ConfigError, match="multi-head latent attention.*compressed latent"):
         run_passes(model, [KvCacheFp8Config()], tiny_state())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def test_generate_on_the_transformers_fallback_reports_no_per_token_times(tmp_path, capsys):
-    """The fallback hands every token back at once: a first-token time and a decode rate
-    computed from that would be the whole generation's and a nonsense rate."""
-    from compress.cli import main
-
-    make_tiny_moe("deepseek_v2").save_pretrained(tmp_path / "m")  # V2: transformers runs it
-    make_char_tokenizer().save_pretrained(tmp_path / "m")
-    assert main(["generate", "hello", "--model", str(tmp_path / "m"),
-                 "--max-new-tokens", "3"]) == 0
-    err = capsys.readouterr().err
-    assert "transformers generate: no per-token times" in err and "tokens/s" not in err

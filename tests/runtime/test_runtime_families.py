@@ -102,6 +102,14 @@ FAMILIES = {
     "deepseek_v3": dict(tie_word_embeddings=False),
     "deepseek_v3_q_proj": dict(q_lora_rank=None, rope_interleave=False,
                                tie_word_embeddings=False),
+    # DeepSeek-V2-Lite's layout: no low-rank query, a softmax router, complex rotary angles
+    "deepseek_v2": dict(q_lora_rank=None, tie_word_embeddings=False),
+    # the released V3's YaRN (factor 40, mscale in the tables and in the softmax scale)
+    "deepseek_v3_yarn": dict(tie_word_embeddings=False, max_position_embeddings=4096,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                  factor=40.0, original_max_position_embeddings=64,
+                                                  beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                                  mscale_all_dim=1.0)),
     # GPT-NeoX: q/k/v fused per head, RoPE on a quarter of each head, LayerNorms with biases,
     # attention and MLP in parallel on norms of their own (or one after the other), no GQA
     # (a num_key_value_heads in its config is not read)
@@ -121,7 +129,8 @@ FAMILIES = {
 
 # a FAMILIES key that is a configuration of another model_type
 VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense", "qwen2_gelu": "qwen2",
-            "gpt_neox_sequential": "gpt_neox", "deepseek_v3_q_proj": "deepseek_v3"}
+            "gpt_neox_sequential": "gpt_neox", "deepseek_v3_q_proj": "deepseek_v3",
+            "deepseek_v3_yarn": "deepseek_v3"}
 
 
 def arch_of(family: str):
