@@ -54,8 +54,8 @@ How each family's peculiarities are handled (scale folds:
   kv_a_proj_with_mqa; q_b_proj and kv_b_proj (``Arch.inner_linears``) read their own latent
   norms, which absorb the AWQ/SmoothQuant scales; o_proj's inputs are a stated gap. The
   rotation turns the residual stream only, fp8 KV-cache scales are refused (the cache holds a
-  latent); the runtime runs both (``compress.runtime.latent``: expanded keys and values in the
-  cache).
+  latent); the runtime runs both (``compress.runtime.latent``: the latent in the cache, the
+  expansion absorbed).
 
 Checkpoints may store multi-token-prediction modules beside the causal LM (GLM-4.5/4.6,
 DeepSeek-V3, ERNIE-4.5-MoE): ``mtp_tensors`` names them from the config; ``compress.io.wrapped``

@@ -143,8 +143,8 @@ def _check_cache_fits(config, arch, max_batch_size: int, max_seq_len: int,
     """Refuse a static KV cache larger than the free memory where it goes: allocated and
     zeroed at once, it would fail in the allocator or get the process killed for memory."""
     kv_heads, head_dim = kv_heads_of(config, arch), head_dim_of_config(config)
-    if arch.latent_attention:  # expanded keys and padded values (compress.runtime.latent)
-        kv_heads, head_dim = config.num_attention_heads, cached_head_dim(config, arch)
+    if arch.latent_attention:  # one head of latent and rotary key (compress.runtime.latent)
+        kv_heads, head_dim = 1, cached_head_dim(config, arch)
     layers = config.num_hidden_layers
     need = 2 * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
     free = available_memory_bytes(device)

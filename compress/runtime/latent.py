@@ -1,26 +1,27 @@
 """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight: ``Arch.latent_attention``)
-in the runtime's layer.
+in the runtime's layer, with the latent in the cache.
 
-The reference is transformers' attention of the family, which expands the cached latent into
-per-head keys and values at every step. This layer does the same expansion once per token, when
-the token is projected, and caches the expanded keys and values: each head's key is its
-``qk_nope`` channels from the latent's expansion followed by the ``qk_rope`` channels of the one
-rotary key all heads share; its value, ``v_head_dim`` channels, is padded with zeros to the key's
-width so that one cache layout, the contiguous and paged attention and the paged decode kernel
-serve it unchanged (the padded output channels are dropped before the output projection). The
-cache thus holds ``heads x (nope + rope)`` per token for keys and as much for values, not the
-``kv_lora_rank + rope`` of the latent: correct, and larger than MLA's own cache by that ratio
-(DeepSeek-V3: 2 x 128 x 192 against 576 values per token); caching the latent and absorbing
-the expansion into the query and output projections is the known way to shrink it, not done
-here.
+The reference is transformers' attention of the family: per head, a key ``[k_nope_h; k_rope]``
+and a value ``v_h`` expanded from the token's normed latent ``c`` by kv_b_proj
+(``k_nope_h = W_k,h c``, ``v_h = W_v,h c``), one rotary key ``k_rope`` shared by all heads.
+Here the expansion is absorbed instead (DeepSeek-V2's own inference form): the query's
+``q_nope_h`` becomes ``W_k,h^T q_nope_h``, so its score against ``[c; k_rope]`` is the score
+against the expanded key, exactly; the attention-weighted sum of ``c`` then goes through
+``W_v,h``, which equals weighting the expanded values. So each token caches ``[c; k_rope]``
+once for all heads, as one KV head (``kv_lora_rank + qk_rope_head_dim`` values: 576 at V3's
+widths, against 2 x 128 x 192 expanded), and the cache is both the keys and the values (the
+values' last ``rope`` channels are read and dropped). The contiguous and paged caches, the
+paged decode kernel (one KV head shared by every query head) and the int8 pages take it as
+any GQA layer's. ``W_k`` and ``W_v`` are kv_b_proj's weight in fp32 (a quantized kv_b_proj's
+dequantized once); the score and the value products are fp32 matmuls.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from compress.quant.linear import QuantLinear
 from compress.runtime.layers import _convert_linear, _FloatLinear, _Layer, _rotate
 from compress.runtime.norms import _norm, _norm_weight, _rms_norm
 
@@ -31,23 +32,32 @@ def latent_widths(config, arch) -> tuple[int, int, int, int]:
 
 
 def cached_head_dim(config, arch) -> int:
-    """The width of one head's cached key (and padded value)."""
-    nope, rope, _, _ = latent_widths(config, arch)
-    return nope + rope
+    """The width of the one cached KV head: the latent and the rotary key."""
+    _, rope, _, rank = latent_widths(config, arch)
+    return rank + rope
 
 
 class LatentLayer(_Layer):
-    """``_Layer`` with latent attention's projections (``project_qkv``) and the value padding
-    dropped before the output projection (``finish``); the MLP or sparse block is the base's."""
+    """``_Layer`` with latent attention's projections (``project_qkv``: the absorbed query and
+    the cached ``[latent; rotary key]``) and the value expansion after attention (``finish``);
+    the MLP or sparse block is the base's."""
 
     def __init__(self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int,
                  kernels, arch, *, spec, release: bool = False):
+        latent = arch.latent_attention
+        nope, rope, v_dim, rank = latent_widths(config, arch)
+        expand = layer.get_submodule(arch.v)  # read before the base releases its weights
+        weight = (expand.dequantized_weight() if isinstance(expand, QuantLinear)
+                  else expand.weight.detach().float())
+        heads = config.num_attention_heads
+        weight = weight.view(heads, nope + v_dim, rank)
         super().__init__(layer, config, prefill, decode, notes, i, kernels, arch, spec=spec,
                          release=release)
-        latent = arch.latent_attention
-        self.nope, self.rope, self.v_dim, self.kv_rank = latent_widths(config, arch)
-        self.n_kv = self.n_heads  # every head its own expanded key and value
-        self.head_dim = self.nope + self.rope
+        self.v = None  # the expansion is absorbed (w_k, w_v): no projection of its own
+        self.w_k = nn.Buffer(weight[:, :nope].contiguous(), persistent=False)  # [H, nope, rank]
+        self.w_v = nn.Buffer(weight[:, nope:].contiguous(), persistent=False)  # [H, v, rank]
+        self.nope, self.rope, self.v_dim, self.kv_rank = nope, rope, v_dim, rank
+        self.n_kv, self.head_dim = 1, rank + rope  # one cached head: [latent; rotary key]
         self.rope_perm = None  # the rotary channels are handled here (interleaved or not)
         key = spec.rope_interleave_key
         self.deinterleave = bool(getattr(config, key, True)) if key else spec.rope_interleaved
@@ -72,32 +82,32 @@ class LatentLayer(_Layer):
                 module.pack(fp32)
 
     def project_qkv(self, x, cos, sin, decode: bool):
-        """x [B, T, H] fp32 -> q, k and v [B, heads, T, nope + rope] (v zero-padded from
-        ``v_dim``); cos/sin [B, T, rope]."""
+        """x [B, T, H] fp32 -> q [B, heads, T, rank + rope] (the absorbed query), k = v
+        [B, 1, T, rank + rope] (the normed latent and the rotary key); cos/sin [B, T, rope]."""
         b, t, _ = x.shape
         h = _norm(x, self.norm_in, self.eps, self.norm_in_bias, self.centered)
         q = self.q(h, decode)
         if self.q_b is not None:
             q = self.q_b(_rms_norm(q.float(), self.q_a_norm, self.q_a_norm_eps), decode)
-        q_nope, q_rope = q.view(b, t, self.n_heads, self.head_dim).split([self.nope, self.rope],
-                                                                           -1)
-        latent, k_rope = self.k(h, decode).split([self.kv_rank, self.rope], -1)
-        kv = self.v(_rms_norm(latent.float(), self.kv_a_norm, self.kv_a_norm_eps), decode)
-        k_nope, v = kv.view(b, t, self.n_heads, self.nope + self.v_dim).split(
-            [self.nope, self.v_dim], -1)
-        k_rope = k_rope.reshape(b, t, 1, self.rope)
+        q_nope, q_rope = q.float().view(b, t, self.n_heads, self.nope + self.rope).split(
+            [self.nope, self.rope], -1)
+        latent, k_rope = self.k(h, decode).float().split([self.kv_rank, self.rope], -1)
+        latent = _rms_norm(latent, self.kv_a_norm, self.kv_a_norm_eps)
+        k_rope = k_rope.view(b, t, 1, self.rope)
         if self.deinterleave:  # pairs (2i, 2i + 1) -> (i, i + rope/2): _rotate's halves
             q_rope, k_rope = (y.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
                               for y in (q_rope, k_rope))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q_rope, k_rope = _rotate(q_rope.float(), cos, sin), _rotate(k_rope.float(), cos, sin)
-        q = torch.cat([q_nope.float(), q_rope], -1)
-        k = torch.cat([k_nope.float(), k_rope.expand(b, t, self.n_heads, self.rope)], -1)
-        v = F.pad(v.float(), (0, self.head_dim - self.v_dim))
-        return tuple(y.transpose(1, 2) for y in (q, k, v))
+        q_rope, k_rope = _rotate(q_rope, cos, sin), _rotate(k_rope, cos, sin)
+        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.w_k)
+        q = torch.cat([q_latent, q_rope], -1).transpose(1, 2)
+        k = torch.cat([latent.view(b, t, 1, self.kv_rank), k_rope], -1).transpose(1, 2)
+        return q, k, k
 
     def finish(self, x, a, decode: bool) -> torch.Tensor:
-        """``_Layer.finish`` on the attention's value channels (the padding dropped)."""
+        """``_Layer.finish`` on each head's value: its attention-weighted latent [B, T, heads *
+        (rank + rope)] (the rotary channels dropped) through ``w_v``."""
         b, t, _ = a.shape
-        a = a.view(b, t, self.n_heads, self.head_dim)[..., :self.v_dim].reshape(b, t, -1)
-        return super().finish(x, a, decode)
+        weighted = a.view(b, t, self.n_heads, self.head_dim)[..., :self.kv_rank]
+        values = torch.einsum("bthr,hvr->bthv", weighted.float(), self.w_v)
+        return super().finish(x, values.reshape(b, t, -1), decode)

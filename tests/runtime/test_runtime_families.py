@@ -226,7 +226,12 @@ def test_batch_with_left_padding_equals_single_rows(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
     model = make_model(family)
-    report = quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    # latent attention absorbs its latent's expansion in fp32 (the int4 one: dequantized), where
+    # transformers runs the int4 kernel on bf16 activations: kept float here, compared with a
+    # tolerance in tests/quant/test_latent_attention.py
+    ignore = ("lm_head", f"re:.*{arch_of(family).v}$") if arch_of(family).latent_attention \
+        else ("lm_head",)
+    report = quantize_linears(model, Int4RtnConfig(group_size=32, ignore=ignore), 4, "test")
     assert report is not None
     # fp32 decode keeps the head in fp32 as transformers does; the int4 layers run the same
     # native kernel (bf16 activations) on both sides; the model keeps its weights to run.
@@ -237,6 +242,7 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
     arch = arch_for(model, "test")  # MoE: the attention's (the block runs transformers')
     linears = len([p for p in arch.linears if p.startswith(arch.attention + ".")]
                   if arch.moe else arch.linears)
+    linears -= bool(arch.latent_attention)  # its latent's expansion is absorbed, in fp32
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
