@@ -12,8 +12,8 @@ once for all heads, as one KV head (``kv_lora_rank + qk_rope_head_dim`` values: 
 widths, against 2 x 128 x 192 expanded), and the cache is both the keys and the values (the
 values' last ``rope`` channels are read and dropped). The contiguous and paged caches, the
 paged decode kernel (one KV head shared by every query head) and the int8 pages take it as
-any GQA layer's. ``W_k`` and ``W_v`` are kv_b_proj's weight in fp32 (a quantized kv_b_proj's
-dequantized once); the score and the value products are fp32 matmuls.
+any GQA layer's. ``W_k`` and ``W_v`` are kv_b_proj's weight in the model's float dtype (a
+quantized kv_b_proj's dequantized once); the two products run in it.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ class LatentLayer(_Layer):
         latent = arch.latent_attention
         nope, rope, v_dim, rank = latent_widths(config, arch)
         expand = layer.get_submodule(arch.v)  # read before the base releases its weights
-        weight = (expand.dequantized_weight() if isinstance(expand, QuantLinear)
-                  else expand.weight.detach().float())
+        # in the model's float dtype: fp32, or half the bytes for a bf16 model (V3: 67 MB a
+        # layer in fp32)
+        dtype = next(p.dtype for p in layer.parameters() if p.is_floating_point())
+        weight = (expand.dequantized_weight(dtype) if isinstance(expand, QuantLinear)
+                  else expand.weight.detach().to(dtype))
         heads = config.num_attention_heads
         weight = weight.view(heads, nope + v_dim, rank)
         super().__init__(layer, config, prefill, decode, notes, i, kernels, arch, spec=spec,
@@ -99,7 +102,7 @@ class LatentLayer(_Layer):
                               for y in (q_rope, k_rope))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q_rope, k_rope = _rotate(q_rope, cos, sin), _rotate(k_rope, cos, sin)
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.w_k)
+        q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(self.w_k.dtype), self.w_k).float()
         q = torch.cat([q_latent, q_rope], -1).transpose(1, 2)
         k = torch.cat([latent.view(b, t, 1, self.kv_rank), k_rope], -1).transpose(1, 2)
         return q, k, k
@@ -109,5 +112,5 @@ class LatentLayer(_Layer):
         (rank + rope)] (the rotary channels dropped) through ``w_v``."""
         b, t, _ = a.shape
         weighted = a.view(b, t, self.n_heads, self.head_dim)[..., :self.kv_rank]
-        values = torch.einsum("bthr,hvr->bthv", weighted.float(), self.w_v)
+        values = torch.einsum("bthr,hvr->bthv", weighted.to(self.w_v.dtype), self.w_v).float()
         return super().finish(x, values.reshape(b, t, -1), decode)

@@ -63,3 +63,18 @@ def test_the_runtime_absorbs_an_int4_latent_expansion(q_lora_rank):
     # transformers' own int4 kernel (bf16 activations) against the same model in fp32 moves
     # these logits by 3.6% (relative norm); a wrongly absorbed expansion by ~140%
     assert float((got - expected).norm() / expected.norm()) < 5e-2
+
+
+def test_a_bf16_model_keeps_its_absorbed_expansion_in_bf16():
+X
+    from compress.runtime.engine import Runtime
+
+    model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False, initializer_range=0.3)
+    model = model.to(torch.bfloat16).eval()
+    runtime = Runtime(model, max_seq_len=48, compile=False, keep_model_weights=True)
+    assert runtime.layers[0].w_k.dtype == torch.bfloat16
+    prompt = [5, 17, 42, 99, 7, 3, 250, 12, 64, 33]
+    got = runtime.prefill(prompt)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1].float()
+    assert float((got - expected).norm() / expected.norm()) < 3e-2
