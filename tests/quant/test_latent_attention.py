@@ -66,7 +66,8 @@ def test_the_runtime_absorbs_an_int4_latent_expansion(q_lora_rank):
 
 
 def test_a_bf16_model_keeps_its_absorbed_expansion_in_bf16():
-X
+    """Half the bytes of the fp32 copy; logits within bf16 rounding of transformers' bf16 model
+    (measured 1.5% relative norm; a wrongly absorbed expansion is 144% off)."""
     from compress.runtime.engine import Runtime
 
     model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False, initializer_range=0.3)
