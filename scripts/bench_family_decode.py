@@ -34,6 +34,18 @@ SHAPES = {
     "phi-1.5": ("PhiConfig", "PhiForCausalLM", dict(
         hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, intermediate_size=8192,
         vocab_size=51200, partial_rotary_factor=0.5, tie_word_embeddings=False)),
+    # DeepSeek-V2-Lite's widths and YaRN, 4 of its 27 layers (the whole model is 31 GB in bf16):
+    # latent attention (compress.runtime.latent: the latent in the cache) and 64 routed experts
+    "deepseek-v2-lite-4l": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=64,
+        v_head_dim=128, vocab_size=102400, topk_method="greedy", tie_word_embeddings=False,
+        max_position_embeddings=163840, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0,
+            original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+            mscale=0.707, mscale_all_dim=0.707))),
     "smollm2-135m": ("LlamaConfig", "LlamaForCausalLM", dict(
         hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
