@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -50,6 +51,14 @@ _DTYPE_NAMES = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")
 _FP8_SCALE = "fp8_scale"  # a header entry's key (added here) for its weight_scale_inv
+
+
+def quant_method(config: object) -> str | None:
+    """The ``quantization_config.quant_method`` of a parsed config.json (None: a float
+    checkpoint, or no readable method)."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return method if isinstance(method, str) else None
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -123,9 +132,7 @@ def read_header(file: Path) -> tuple[int, dict[str, dict]]:
         try:
             dtype = _TORCH_DTYPES[entry["dtype"]]
             begin, stop = entry["data_offsets"]
-            numel = 1
-            for dim in entry["shape"]:
-                numel *= int(dim)
+            numel = math.prod(int(dim) for dim in entry["shape"])
         except (KeyError, TypeError, ValueError) as exc:
             raise corrupt(f"tensor {name}: bad header entry {entry!r}") from exc
         if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
@@ -178,15 +185,14 @@ class CheckpointReader:
         config = {}
         if (self.path / "config.json").is_file():
             config = read_config_json(self.path)
-        quant = config.get("quantization_config") or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        method = quant_method(config)
         if method != "fp8":
             raise ModelLoadError(
                 f"{self._where[fp8[0]]}: tensor {fp8[0]} is stored in fp8 under "
                 f"quantization_config.quant_method {method!r}; compress reads fp8 weights of "
                 "block-scaled 'fp8' checkpoints (a weight_scale_inv beside each) only: start "
                 "from the 16-bit checkpoint")
-        block = quant.get("weight_block_size")
+        block = config["quantization_config"].get("weight_block_size")
         if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
                 isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ModelLoadError(
@@ -204,7 +210,7 @@ class CheckpointReader:
             shape = [int(d) for d in entry["shape"]]
             want = [1] if not block else [-(-d // b) for d, b in zip(shape, block, strict=False)]
             got = [int(d) for d in self._entries[scale][1]["shape"]]
-            if (got or [1]) != want and not (not block and _numel(got) == 1):
+            if (got or [1]) != want and not (not block and math.prod(got) == 1):
                 raise ModelLoadError(
                     f"{self._where[scale]}: {scale} has shape {got} but weight_block_size "
                     f"{block} over {shape} needs {want}; the checkpoint does not match its "
@@ -262,7 +268,7 @@ class CheckpointReader:
         """Bytes of the tensor ``read`` returns."""
         entry = self._entries[name][1]
         if _FP8_SCALE in entry:
-            return _numel(entry["shape"]) * self.dtype(name).itemsize
+            return math.prod(int(d) for d in entry["shape"]) * self.dtype(name).itemsize
         begin, stop = entry["data_offsets"]
         return stop - begin
 
@@ -327,13 +333,6 @@ class CheckpointReader:
                 "undefined; the checkpoint is corrupt, re-download or re-export it"
             )
         return tensor
-
-
-def _numel(shape) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= int(dim)
-    return numel
 
 
 def _dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype):

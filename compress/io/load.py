@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import ModelLoadError
-from compress.io.checkpoint import holds_non_finite
+from compress.io.checkpoint import holds_non_finite, quant_method
 from compress.io.wrapped import wrapped_text
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ def is_compressed_checkpoint(path: Path, method: str = "compressed-tensors") -> 
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(quant, dict) and quant.get("quant_method") == method
+    return quant_method(config) == method
 
 
 def local_model_dir(name_or_path: str, cache: Path | None = None) -> Path | None:

@@ -1,8 +1,8 @@
 """Checkpoints that store more than the causal LM compress works on (``compress.io`` imports no
 pass): multimodal checkpoints whose text model is compressed (Gemma 3 4B and up, Mistral 3, LLaVA,
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL), and text checkpoints with multi-token-prediction modules
-beside the causal LM (GLM-4.5/4.6, ERNIE-4.5-MoE: ``compress.arch.mtp_tensors``), which are
-carried through as stored, as a multimodal checkpoint's vision tower is.
+beside the causal LM (GLM-4.5/4.6, DeepSeek-V3, ERNIE-4.5-MoE: ``compress.arch.mtp_tensors``),
+which are carried through as stored, as a multimodal checkpoint's vision tower is.
 
 Such a folder's config.json names a model_type no ``compress.arch`` entry has, and a
 ``text_config`` whose model_type one has; its shards hold that text causal LM under a prefix
@@ -48,7 +48,13 @@ from compress.arch import (
     mtp_tensors,
 )
 from compress.core.errors import ModelLoadError
-from compress.io.checkpoint import INDEX_FILE, CheckpointReader, _config_errors, read_config_json
+from compress.io.checkpoint import (
+    INDEX_FILE,
+    CheckpointReader,
+    _config_errors,
+    quant_method,
+    read_config_json,
+)
 
 # the files a multimodal model's processor is built from, and its generation config, copied
 # beside an export as they are
@@ -56,9 +62,9 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_te
                    "chat_template.jinja", "video_preprocessor_config.json",
                    "generation_config.json")
 _MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper carries
-# quantization formats our shard readers read: ours, and block-scaled fp8 sources (dequantized
-# as read: ``CheckpointReader``); float checkpoints have none
-READ_METHODS = ("compressed-tensors", "fp8")
+# quantization formats our shard readers read (``quant_method``): none (float), ours, and
+# block-scaled fp8 sources (dequantized as read: ``CheckpointReader``)
+READ_METHODS = (None, "compressed-tensors", "fp8")
 
 
 @dataclass(frozen=True)
@@ -131,8 +137,7 @@ def wrapped_text(path: str | os.PathLike[str],
     text, kind = config.get("text_config"), config.get("model_type")
     if kind in ARCHS:
         return _with_mtp(path, config, reader)
-    if not (isinstance(text, dict) or isinstance(config.get("vision_config"),
-                                                                  dict)):
+    if not (isinstance(text, dict) or isinstance(config.get("vision_config"), dict)):
         return None
     text_type = text.get("model_type") if isinstance(text, dict) else None
     if text_type is None:
@@ -144,7 +149,7 @@ def wrapped_text(path: str | os.PathLike[str],
             f"({text_type!r}) is not a supported family; supported text models: "
             f"{', '.join(ARCHS)}"
         )
-    method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
+    method = quant_method(config)
     if method not in READ_METHODS:
         raise ModelLoadError(
             f"{path}: a multimodal model ({kind!r}) quantized with {method!r}; compress reads "
@@ -170,10 +175,9 @@ def wrapped_text(path: str | os.PathLike[str],
 def _with_mtp(path: Path, config: dict[str, Any],
               reader: CheckpointReader | None) -> Wrapped | None:
     """A text checkpoint of a supported family whose shards hold MTP modules beside the causal
-    LM, float or compressed-tensors (another tool's format is left to transformers, which
-    ignores them), as a ``Wrapped``; None for any other."""
-    method = (config.get("quantization_config") or {}).get("quant_method", "compressed-tensors")
-    if method not in READ_METHODS:
+    LM, in a format our readers read (``READ_METHODS``; another tool's is left to transformers,
+    which ignores them), as a ``Wrapped``; None for any other."""
+    if quant_method(config) not in READ_METHODS:
         return None
     if reader is None:
         if not (path / INDEX_FILE).is_file() and not any(path.glob("*.safetensors")):
