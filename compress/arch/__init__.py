@@ -47,7 +47,9 @@ How each family's peculiarities are handled (scale folds:
   buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers;
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
-  names too).
+  names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
+  first_k_dense_replace, moe_layer_start_index) is described by ``layer_arch``: AWQ and
+  SmoothQuant scale its MLP, the rotation turns it and the runtime runs it as a dense family's.
 * DeepSeek-V3 (R1, Kimi K2, Moonlight) and DeepSeek-V2: GLM-4-MoE's experts around multi-head
   latent attention (``Arch.latent_attention``): the attention norm feeds q_a_proj (q_proj where
   the config has no ``q_lora_rank``: ``CONFIG_VARIANTS``, which ``arch_for`` applies) and
@@ -69,6 +71,9 @@ Any other ``model_type`` is refused by ``arch_for`` with the pass and the model_
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -105,9 +110,10 @@ __all__ = [
     "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS",
     "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
-    "arch_for", "check_paths", "decoder_layers", "float_only_modules", "head_dim_of",
-    "mapping_paths", "model_type", "mtp_tensors", "output_weight_key", "producer_rows",
-    "routing_problem", "runtime_model_types", "set_embedding_scale", "sparse_layers",
+    "arch_for", "check_paths", "decoder_layers", "dense_view", "float_only_modules",
+    "head_dim_of", "is_sparse", "layer_arch", "mapping_paths", "model_type", "mtp_tensors",
+    "output_weight_key", "producer_rows", "routing_problem", "runtime_model_types",
+    "set_embedding_scale", "sparse_layers",
 ]  # fmt: skip
 
 
@@ -159,14 +165,49 @@ def sparse_layers(model: nn.Module, arch: Arch) -> list[int]:
     hold a plain MLP of Linears, which the passes treat as any dense layer's."""
     if arch.moe is None:
         return []
-    found = []
-    for index, layer in enumerate(model.get_submodule(arch.layers)):
-        try:
-            layer.get_submodule(arch.moe.fused)
-        except AttributeError:
-            continue
-        found.append(index)
-    return found
+    return [i for i, layer in enumerate(model.get_submodule(arch.layers)) if is_sparse(layer, arch)]
+
+
+def is_sparse(layer: nn.Module, arch: Arch) -> bool:
+    """Whether the decoder ``layer`` holds ``arch.moe``'s experts module."""
+    if arch.moe is None:
+        return False
+    try:
+        layer.get_submodule(arch.moe.fused)
+    except AttributeError:
+        return False
+    return True
+
+
+@functools.cache
+def dense_view(arch: Arch) -> Arch:
+    """``arch`` (an MoE family's entry) for its layers with a dense MLP: the same attention and
+    its mappings, ``arch.moe.dense``'s gated MLP with Llama's MLP mappings (the MLP norm feeds
+    gate and up, up feeds down) and prune group; no experts, no shared expert."""
+    gate, up, down = arch.moe.dense
+    shared = {arch.moe.shared_gate, arch.moe.shared_up, arch.moe.shared_down} - {""}
+    mlp_in, up_down = Mapping(arch.mlp_norm, (gate, up)), Mapping(up, (down,))
+
+    def attention_only(mappings: tuple[Mapping, ...]) -> tuple[Mapping, ...]:
+        return tuple(m for m in mappings if not {m.producer, *m.consumers} & shared)
+
+    return dataclasses.replace(
+        arch,
+        gate=gate, up=up, down=down,
+        awq_mappings=attention_only(arch.awq_mappings) + (mlp_in, up_down),
+        smoothquant_mappings=attention_only(arch.smoothquant_mappings) + (mlp_in, up_down),
+        mlp_channels=PruneGroup(rows=(gate, up), cols=(down,)),
+        scale_gaps=tuple(g for g in arch.scale_gaps if not set(g.consumers) & shared),
+        moe=None,
+    )
+
+
+def layer_arch(arch: Arch, layer: nn.Module) -> Arch:
+    """The entry that describes the decoder ``layer``: ``arch`` itself, or for an MoE family's
+    layer with a dense MLP (``sparse_layers`` leaves it out) its ``dense_view``."""
+    if arch.moe is None or is_sparse(layer, arch):
+        return arch
+    return dense_view(arch)
 
 
 def routing_problem(model: nn.Module) -> str | None:
@@ -263,14 +304,20 @@ def check_paths(model: nn.Module, arch: Arch, paths: tuple[str, ...], what: str)
                 "(quantize.gptq and the RTN passes do not depend on it)"
             )
     # an MoE model's paths are checked on a sparse layer (Qwen2/3-MoE configs may make layer 0
-    # dense: mlp_only_layers)
-    layer = decoder_layers(model, what)[(sparse_layers(model, arch) or [0])[0]]
+    # dense: mlp_only_layers), the dense MLP's (layer_arch) on a dense layer if there is one
+    layers = decoder_layers(model, what)
+    sparse = sparse_layers(model, arch)
+    checks = [(layers[(sparse or [0])[0]], paths)]
+    dense = [layer for i, layer in enumerate(layers) if i not in sparse]
+    if arch.moe is not None and dense:
+        checks.append((dense[0], arch.moe.dense))
     missing = []
-    for path in dict.fromkeys(paths):
-        try:
-            layer.get_submodule(path)
-        except AttributeError:
-            missing.append(path)
+    for layer, wanted in checks:
+        for path in dict.fromkeys(wanted):
+            try:
+                layer.get_submodule(path)
+            except AttributeError:
+                missing.append(path)
     if missing:
         raise ConfigError(
             f"{what}: model_type {arch.model_type!r} ({type(model).__name__}): the decoder layer "

@@ -111,6 +111,7 @@ _MOE = Moe(
     act="act_fn",
     checkpoint_block="mlp",
     checkpoint_projections=("gate_proj", "up_proj", "down_proj"),
+    dense=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 )
 MIXTRAL = _moe_arch(
     "mixtral",

@@ -77,6 +77,10 @@ class Moe:
     shared_up: str = ""
     shared_down: str = ""
     shared_scalar_gate: str = ""
+    # (gate, up, down) of the gated MLP of Linears in the layers whose MLP is dense (Qwen2/3-MoE's
+    # mlp_only_layers, GLM-4-MoE's and DeepSeek's first_k_dense_replace, ERNIE-4.5-MoE's
+    # moe_layer_start_index): ``compress.arch.layer_arch`` describes those layers with it
+    dense: tuple[str, str, str] = ("", "", "")
 
     @property
     def shared_readers(self) -> tuple[str, ...]:

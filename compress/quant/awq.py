@@ -55,6 +55,7 @@ from compress.arch import (
     arch_for,
     check_paths,
     head_dim_of,
+    layer_arch,
     mapping_paths,
     producer_rows,
 )
@@ -296,6 +297,7 @@ def scale_layer(
     Returns each consumer's input second moment ``H [K, K]`` as the consumer sees it after the
     fold (for the clipping search); per-group metrics and notes go to ``notes``."""
     notes = {} if notes is None else notes
+    arch = layer_arch(arch, layer)  # an MoE model's dense layer: its own mappings
     mappings, unscaled = _layer_groups(arch, mine, prefix, notes)
     points = [m.consumers[0] for m in mappings] + [g[0] for g in unscaled]
     stats = _InputStats(layer, list(dict.fromkeys(points)))

@@ -9,7 +9,8 @@ export and every loader see an ordinary checkpoint):
 * **Residual stream (R1).** With ``Q`` [H, H] orthogonal the model is rewritten to carry
   ``x Q`` instead of ``x`` in the residual stream: the embedding rows become ``E Q``, every
   linear that writes to the stream (attention output, MLP down; MoE experts' down) gets
-  ``Q^T W`` (and ``b Q``), every linear that reads it gets ``W Q``. RMSNorm commutes with ``Q``
+  ``Q^T W`` (and ``b Q``), every linear that reads it gets ``W Q`` (an MoE model's layers with
+  a dense MLP, DeepSeek-V3's and GLM-4.5's first ones, as a dense family's: ``layer_arch``). RMSNorm commutes with ``Q``
   only without its per-channel weight, so each norm's weight is first folded into the columns
   of the linears it feeds (the norm then keeps weight 1, or 0 in the ``(1 + w)`` form), the
   final norm's into the output head. A tied head must then be untied (the embedding is ``E Q``,
@@ -58,8 +59,8 @@ from compress.arch import (
     check_paths,
     decoder_layers,
     head_dim_of,
+    layer_arch,
     producer_rows,
-    sparse_layers,
 )
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassConfig, PassReport, register_pass
@@ -252,15 +253,6 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
             f"{NAME}: {len(quantized)} layers are already quantized ({quantized[0]}, ...): the "
             "rotation needs float weights. Put rotate.hadamard before the quantization passes"
         )
-    if arch.moe is not None:
-        sparse, count = sparse_layers(model, arch), len(decoder_layers(model, NAME))
-        if len(sparse) != count:
-            dense = sorted(set(range(count)) - set(sparse))
-            raise ConfigError(
-                f"{NAME}: layers {dense} of this {arch.model_type!r} model have a dense MLP "
-                "(mlp_only_layers / decoder_sparse_step), the others a sparse one; rotating "
-                "such a mix is not implemented. Remove this pass for this model"
-            )
     paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
     if arch.moe is not None:
         paths += (arch.moe.router, arch.moe.fused, *arch.moe.shared_readers, arch.moe.shared_down)
@@ -387,7 +379,7 @@ def rotate_hadamard(model: nn.Module, cfg: RotateConfig, state: CompressionState
     for index, layer in enumerate(layers):
         if stream is not None:
             stream.load_layer(index)
-        _rotate_layer(layer, arch, q, r)
+        _rotate_layer(layer, layer_arch(arch, layer), q, r)
         report.changed.append(f"{arch.layer_prefix}{index}")
         if stream is not None:
             stream.finish_layer(index)

@@ -25,7 +25,15 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compress.arch import Arch, Mapping, arch_for, check_paths, mapping_paths, producer_rows
+from compress.arch import (
+    Arch,
+    Mapping,
+    arch_for,
+    check_paths,
+    layer_arch,
+    mapping_paths,
+    producer_rows,
+)
 from compress.core.matcher import set_submodule, target_modules
 from compress.core.registry import (
     DTYPES,
@@ -139,6 +147,7 @@ def smooth_layer(
     (paths inside it). ``notes`` gets ``max(s) / min(s)`` per producer, or why a group was left
     unsmoothed."""
     notes = {} if notes is None else notes
+    arch = layer_arch(arch, layer)  # an MoE model's dense layer: its own mappings
     mappings = _layer_mappings(layer, arch, mine, cfg, prefix, notes)
     hooks = _MaxHooks(layer, list(dict.fromkeys(m.consumers[0] for m in mappings)))
     try:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch import Arch, RuntimeSpec
+from compress.arch import Arch, RuntimeSpec, layer_arch
 from compress.kernels import cpu_elementwise, cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
@@ -530,6 +530,8 @@ class _Layer(nn.Module):
         release: bool = False,
     ):
         super().__init__()
+        # an MoE model's layer with a dense MLP runs it as a dense family's, through our kernels
+        arch = layer_arch(arch, layer)
         self.n_heads, self.n_kv = config.num_attention_heads, kv_heads_of(config, arch)
         # the fused qkv output is [q_h; k_h; v_h] per head (GPT-NeoX), not [q; k; v]
         self.qkv_per_head = arch.qkv_per_head

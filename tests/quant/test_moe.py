@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.arch import arch_for
+from compress.arch import arch_for, sparse_layers
 from compress.core.errors import RecipeError
 from compress.core.registry import CompressionState, PassConfig, PassReport
 from compress.io.export import export_checkpoint
@@ -493,29 +492,57 @@ def test_dense_layers_of_an_moe_config_are_quantized_as_dense(model_type, tmp_pa
         assert float((theirs - ours).norm() / ours.norm()) < 3e-2
 
 
-@pytest.mark.parametrize("dense", [[0], [1]])
-def test_dense_and_sparse_layers_mixed_scale_with_awq_and_refuse_the_rotation(dense):
-    """A Qwen2-MoE config with one dense layer, first or second: AWQ checks its mappings on a
-    layer with experts (a dense layer 0 made it refuse the model as another variant) and
-    quantizes every layer; the rotation, which turns experts and dense MLPs differently,
-    refuses the mix by name before any work (a dense layer 1 raised AttributeError)."""
-    from compress.core.errors import ConfigError
+MIXED = [("qwen2_moe", dict(mlp_only_layers=[0])), ("qwen2_moe", dict(mlp_only_layers=[1])),
+         ("glm4_moe", dict(first_k_dense_replace=1)),
+         ("deepseek_v3", dict(first_k_dense_replace=1))]
+
+
+@pytest.mark.parametrize(("model_type", "dense"), MIXED,
+                         ids=[f"{t}-{next(iter(d.values()))}" for t, d in MIXED])
+def test_dense_and_sparse_layers_mixed_scale_and_rotate_each_as_its_own(model_type, dense):
+    """An MoE config with a dense layer, first or second (Qwen2-MoE's mlp_only_layers, the
+    released GLM-4.5's and DeepSeek-V3's dense first layers): AWQ checks its mappings on a layer
+    with experts (a dense layer 0 made it refuse the model as another variant), scales the
+    dense layer's MLP as a dense family's (its norm into gate/up, up into down: it went
+    unscaled) and quantizes every layer; the rotation turns the dense MLP and the experts each
+    as its own and leaves the logits unchanged (it refused the mix)."""
+    from compress.arch import dense_view
     from compress.core.registry import run_passes
     from compress.quant.awq import AwqConfig
     from compress.quant.rotate import RotateConfig
 
-    model = make_tiny_moe("qwen2_moe", mlp_only_layers=dense)
+    model = make_tiny_moe(model_type, **dense)
+    arch = arch_for(model, "test")
+    [index] = [i for i in range(2) if i not in sparse_layers(model, arch)]
     state = _calibration()
     run_passes(model, [AwqConfig(group_size=32)], state)
-    assert state.reports[-1].metrics["quantized_share"] == 1.0
+    metrics = state.reports[-1].metrics
+    assert metrics["quantized_share"] == 1.0
+    gate, up, down = arch.moe.dense
+    prefix = f"{arch.layer_prefix}{index}."
+    for producer in (arch.mlp_norm, up):  # scaled: the metrics of a searched scale
+        assert "awq_error" in metrics["per_group"][prefix + producer]
+    assert dense_view(arch).moe is None and (gate, up) in [m.consumers for m in
+                                                            dense_view(arch).awq_mappings]
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 5, 9, 33]])).logits).all()
-    fresh = make_tiny_moe("qwen2_moe", mlp_only_layers=dense)
-    before = copy.deepcopy(fresh.state_dict())
-    with pytest.raises(ConfigError, match=re.escape(f"layers {dense} of this 'qwen2_moe' "
-                                                    "model have a dense MLP")):
-        run_passes(fresh, [RotateConfig()], _calibration())
-    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+    fresh = make_tiny_moe(model_type, **dense)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norm weights away from 1: a fold that dropped one would show
+        for name, p in fresh.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12, 64, 33]])
+    with torch.no_grad():
+        before = fresh(ids).logits.double()
+    dense_down = fresh.get_submodule(prefix + down).weight.detach().clone()
+    latent = arch.latent_attention is not None
+    run_passes(fresh, [RotateConfig(value_output=not latent)], _calibration())
+    with torch.no_grad():
+        after = fresh(ids).logits.double()
+    assert float((after - before).abs().max() / before.abs().max()) < 1e-4
+    assert not torch.allclose(fresh.get_submodule(prefix + down).weight, dense_down)
 
 
 def test_expert_hessian_summed_sample_by_sample_equals_the_stacked_one():

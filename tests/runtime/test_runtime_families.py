@@ -17,7 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, runtime_model_types
+from compress.arch import (
+    ARCHS,
+    RUNTIME_SPECS,
+    arch_for,
+    decoder_layers,
+    layer_arch,
+    runtime_model_types,
+)
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
 from compress.testing import TINY_MOE_TYPES, hf_greedy, make_tiny_model, make_tiny_moe
@@ -102,6 +109,8 @@ FAMILIES = {
     "deepseek_v3": dict(tie_word_embeddings=False),
     "deepseek_v3_q_proj": dict(q_lora_rank=None, rope_interleave=False,
                                tie_word_embeddings=False),
+    # the released models' dense first layers (first_k_dense_replace): our gated MLP there
+    "deepseek_v3_dense_first": dict(first_k_dense_replace=1, tie_word_embeddings=False),
     # DeepSeek-V2-Lite's layout: no low-rank query, a softmax router, complex rotary angles
     "deepseek_v2": dict(q_lora_rank=None, tie_word_embeddings=False),
     # the released V3's YaRN (factor 40, mscale in the tables and in the softmax scale)
@@ -130,7 +139,7 @@ FAMILIES = {
 # a FAMILIES key that is a configuration of another model_type
 VARIANTS = {"phi4": "phi3", "hunyuan_alpha": "hunyuan_v1_dense", "qwen2_gelu": "qwen2",
             "gpt_neox_sequential": "gpt_neox", "deepseek_v3_q_proj": "deepseek_v3",
-            "deepseek_v3_yarn": "deepseek_v3"}
+            "deepseek_v3_yarn": "deepseek_v3", "deepseek_v3_dense_first": "deepseek_v3"}
 
 
 def arch_of(family: str):
@@ -239,11 +248,14 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
                  keep_model_weights=True)  # fmt: skip
     # MoE: the experts are QuantExperts in the block; Phi-3: qkv_proj and gate_up_proj are one
     # linear each in the checkpoint
-    arch = arch_for(model, "test")  # MoE: the attention's (the block runs transformers')
-    linears = len([p for p in arch.linears if p.startswith(arch.attention + ".")]
-                  if arch.moe else arch.linears)
-    linears -= bool(arch.latent_attention)  # its latent's expansion is absorbed, in fp32
-    assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == 2 * linears
+    # (an MoE model's dense layer: its MLP's too, layer_arch)
+    linears = 0
+    for layer in decoder_layers(model):
+        arch = layer_arch(arch_for(model, "test"), layer)
+        linears += len([p for p in arch.linears if p.startswith(arch.attention + ".")]
+                       if arch.moe else arch.linears)
+        linears -= bool(arch.latent_attention)  # its latent's expansion is absorbed, in fp32
+    assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == linears
     for prompt in PROMPTS[:2]:
         assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
 
