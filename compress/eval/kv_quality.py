@@ -60,6 +60,7 @@ def kv_cache_quality(
             compute_dtype=runtime.kv_dtype if name in ("int8", "fp8") else KV_DTYPES[name],
             device=runtime.device,
             kv_scales=runtime.kv_scales if name == "fp8" else None,
+            values_in_keys=first.values_in_keys,
         )
         for name in (reference, *kv_dtypes)
     }
@@ -85,7 +86,7 @@ def kv_cache_quality(
     for name in caches:
         ppl = math.exp(nll[name] / scored)
         per_token = kv_bytes_per_token(
-            len(runtime.layers), first.n_kv, first.head_dim, KV_DTYPES[name]
+            len(runtime.layers), first.n_kv, first.head_dim, KV_DTYPES[name], first.values_in_keys
         )
         per_dtype[name] = {
             "ppl": ppl,

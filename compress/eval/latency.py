@@ -411,14 +411,19 @@ def summarize(timings: list[RequestTiming], duration_s: float, slo: Slo) -> dict
 
 # ---- resources and roofline ---------------------------------------------------------------
 def kv_bytes_per_token(model: nn.Module) -> int:
-    """K and V bytes one token adds to the cache: 2 * layers * kv_heads * head_dim * dtype."""
+    """K and V bytes one token adds to the cache: 2 * layers * kv_heads * head_dim * dtype;
+    latent attention (DeepSeek): layers * (latent + rotary key) * dtype, what transformers and
+    our runtime (``compress.runtime.latent``) cache."""
     from compress.arch import ARCHS
     from compress.runtime.families import head_dim_of_config, kv_heads_of
 
     cfg = model.config
     arch = ARCHS.get(getattr(cfg, "model_type", None), ARCHS["llama"])
-    kv_heads, head_dim = kv_heads_of(cfg, arch), head_dim_of_config(cfg)
     elem = next(model.parameters()).element_size()
+    if arch.latent_attention:
+        _, rope, _, rank = (int(getattr(cfg, k)) for k in arch.latent_attention.widths)
+        return cfg.num_hidden_layers * (rank + rope) * elem
+    kv_heads, head_dim = kv_heads_of(cfg, arch), head_dim_of_config(cfg)
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
 
 

@@ -10,12 +10,13 @@ export and every loader see an ordinary checkpoint):
   ``x Q`` instead of ``x`` in the residual stream: the embedding rows become ``E Q``, every
   linear that writes to the stream (attention output, MLP down; MoE experts' down) gets
   ``Q^T W`` (and ``b Q``), every linear that reads it gets ``W Q`` (an MoE model's layers with
-  a dense MLP, DeepSeek-V3's and GLM-4.5's first ones, as a dense family's: ``layer_arch``). RMSNorm commutes with ``Q``
-  only without its per-channel weight, so each norm's weight is first folded into the columns
-  of the linears it feeds (the norm then keeps weight 1, or 0 in the ``(1 + w)`` form), the
-  final norm's into the output head. A tied head must then be untied (the embedding is ``E Q``,
-  the head ``E diag(w) Q``): the checkpoint gains one float ``[vocab, H]`` matrix, which the
-  report states; keep the head tied only when the final norm's weight is exactly 1.
+  a dense MLP, DeepSeek-V3's and GLM-4.5's first ones, as a dense family's: ``layer_arch``).
+  RMSNorm commutes with ``Q`` only without its per-channel weight, so each norm's weight is
+  first folded into the columns of the linears it feeds (the norm then keeps weight 1, or 0 in
+  the ``(1 + w)`` form), the final norm's into the output head. A tied head must then be untied
+  (the embedding is ``E Q``, the head ``E diag(w) Q``): the checkpoint gains one float
+  ``[vocab, H]`` matrix, which the report states; keep the head tied only when the final
+  norm's weight is exactly 1.
 * **Values to output, per head (R2, ``value_output``).** Each value head's rows get ``R^T W``
   and the output projection's columns of each query head ``W R`` with one ``R`` [D, D]: the
   attention mixes value vectors linearly, so the product is unchanged.

@@ -143,10 +143,11 @@ def _check_cache_fits(config, arch, max_batch_size: int, max_seq_len: int,
     """Refuse a static KV cache larger than the free memory where it goes: allocated and
     zeroed at once, it would fail in the allocator or get the process killed for memory."""
     kv_heads, head_dim = kv_heads_of(config, arch), head_dim_of_config(config)
-    if arch.latent_attention:  # one head of latent and rotary key (compress.runtime.latent)
+    if arch.latent_attention:  # one head of latent and rotary key, no values (runtime.latent)
         kv_heads, head_dim = 1, cached_head_dim(config, arch)
     layers = config.num_hidden_layers
-    need = 2 * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
+    sides = 1 if arch.latent_attention else 2
+    need = sides * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
     free = available_memory_bytes(device)
     if free is not None and need > free:  # a ValueError that the CLI prints as a user's error
         raise ConfigError(
@@ -354,7 +355,7 @@ class Runtime:
             )
         self.device = device
         self.static_cache = static_cache
-        self.k_cache, self.v_cache = self._new_cache(), self._new_cache()
+        self.k_cache, self.v_cache = self._new_caches()
         self.valid = torch.zeros(max_batch_size, max_seq_len, dtype=torch.bool, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
         self.compile_prefill = compile_prefill
@@ -462,7 +463,7 @@ class Runtime:
         without repacking the weights again."""
         other = copy.copy(self)
         if self.fallback_reason is None:  # the fallback keeps no cache
-            other.k_cache, other.v_cache = self._new_cache(), self._new_cache()
+            other.k_cache, other.v_cache = self._new_caches()
             other.valid, other._slot = torch.zeros_like(self.valid), torch.zeros_like(self._slot)
             # graphs replay fixed addresses: this runtime's read the other cache and slot
             other._graphs = None if self._graphs is None else self._graphs.fresh()
@@ -485,19 +486,24 @@ class Runtime:
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     weights += t.numel() * t.element_size()
-        cache = 2 * sum(c.numel() * c.element_size() for c in self.k_cache)
+        cache = sum(c.numel() * c.element_size() for c in {id(c): c for c in
+                                                            self.k_cache + self.v_cache}.values())
         return {"weights": weights, "kv_cache": cache}
 
-    def _new_cache(self) -> list[torch.Tensor]:
-        """One zeroed [B_max, Hkv, S, D] buffer per layer (none without ``static_cache``).
-        Separate tensors, not views of one: the compiled step writes each in place, where it
-        copied a view's slice out and back (measured: a KV-slice copy per layer per token, torch
-        2.13)."""
+    def _new_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values: one zeroed [B_max, Hkv, S, D] buffer per layer each (none without
+        ``static_cache``; a layer whose values are its keys, ``values_in_keys``, has one for
+        both). Separate tensors, not views of one: the compiled step writes each in place, where
+        it copied a view's slice out and back (measured: a KV-slice copy per layer per token,
+        torch 2.13)."""
         if not self.static_cache:
-            return []
+            return [], []
         first = self.layers[0]
         shape = (self.max_batch_size, first.n_kv, self.max_seq_len, first.head_dim)
-        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        values = [k if layer.values_in_keys else torch.zeros_like(k)
+                  for k, layer in zip(keys, self.layers, strict=True)]
+        return keys, values
 
     # ---- one row, step by step (speculative decoding) ------------------------------------
     position = 0  # tokens in row 0's cache for prefill/score/rewind

@@ -9,11 +9,12 @@ Here the expansion is absorbed instead (DeepSeek-V2's own inference form): the q
 against the expanded key, exactly; the attention-weighted sum of ``c`` then goes through
 ``W_v,h``, which equals weighting the expanded values. So each token caches ``[c; k_rope]``
 once for all heads, as one KV head (``kv_lora_rank + qk_rope_head_dim`` values: 576 at V3's
-widths, against 2 x 128 x 192 expanded), and the cache is both the keys and the values (the
-values' last ``rope`` channels are read and dropped). The contiguous and paged caches, the
-paged decode kernel (one KV head shared by every query head) and the int8 pages take it as
-any GQA layer's. ``W_k`` and ``W_v`` are kv_b_proj's weight in the model's float dtype (a
-quantized kv_b_proj's dequantized once); the two products run in it.
+widths, against 2 x 128 x 192 expanded), and the cache is both the keys and the values: one
+tensor per layer (``values_in_keys``), whose last ``rope`` channels the values read and drop.
+The contiguous and paged caches, the paged decode kernel (one KV head shared by every query
+head) and the int8 pages take it as any GQA layer's. ``W_k`` and ``W_v`` are kv_b_proj's weight
+in the model's float dtype (a quantized kv_b_proj's dequantized once); the two products run in
+it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class LatentLayer(_Layer):
     """``_Layer`` with latent attention's projections (``project_qkv``: the absorbed query and
     the cached ``[latent; rotary key]``) and the value expansion after attention (``finish``);
     the MLP or sparse block is the base's."""
+
+    values_in_keys = True  # the cache holds [latent; rotary key] once: keys and values
 
     def __init__(self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int,
                  kernels, arch, *, spec, release: bool = False):

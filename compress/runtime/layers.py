@@ -515,6 +515,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Layer(nn.Module):
+    values_in_keys = False  # True: the cached values are the keys (one tensor; runtime.latent)
+
     def __init__(
         self,
         layer: nn.Module,
@@ -657,7 +659,8 @@ class _Layer(nn.Module):
         # input costs a copy of the view
         full = b == k_cache.shape[0]
         (k_cache if full else k_cache[:b]).index_copy_(2, slots, k.to(k_cache.dtype))
-        (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
+        if not self.values_in_keys:  # else v_cache is k_cache
+            (v_cache if full else v_cache[:b]).index_copy_(2, slots, v.to(v_cache.dtype))
         # Prefill attends to its own fresh (prefill-dtype) keys: the cache holds nothing older.
         keys, values = (k_cache[:b, :, :length], v_cache[:b, :, :length]) if decode else (k, v)
         return self.finish(x, self.attend(q, keys, values, mask), decode)

@@ -4,7 +4,8 @@
 Storage: per layer, keys and values in one pool of ``num_blocks * block_size`` token slots,
 ``[slots, kv_heads, head_dim]``; slot ``block * block_size + offset`` holds one token. A
 request's block table (``runtime/blocks.py``) lists its blocks in token order, so its keys are
-its blocks' rows. PagedAttention's layout and vLLM's block-major slot mapping. Decode steps on a
+its blocks' rows (a layer whose values are its keys, latent attention's, has one pool for
+both). PagedAttention's layout and vLLM's block-major slot mapping. Decode steps on a
 CPU attend where the keys lie (``kernels/cpu_attention.py``, a C++ loop per row and KV head;
 int8 pages as code x scale in fp32). Elsewhere (other devices, prefill chunks that follow cached
 keys, or when asked) attention copies a batch's blocks into a contiguous ``[B, kv_heads, L,
@@ -42,11 +43,13 @@ KV_DTYPES = {
 }  # fmt: skip
 
 
-def kv_bytes_per_token(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                       values_in_keys: bool = False) -> int:
     """Bytes of K and V one token takes over all layers in ``dtype`` (int8: codes + scales;
-    fp8's two scales per layer are not per token)."""
+    fp8's two scales per layer are not per token); ``values_in_keys``: K alone (latent
+    attention's cache, ``_Layer.values_in_keys``)."""
     per_head = head_dim + 4 if dtype == torch.int8 else head_dim * dtype.itemsize
-    return 2 * n_layers * n_kv * per_head
+    return (1 if values_in_keys else 2) * n_layers * n_kv * per_head
 
 
 class PagedKVCache:
@@ -64,8 +67,11 @@ class PagedKVCache:
         compute_dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_scales: list[tuple[float, float]] | None = None,
+        values_in_keys: bool = False,
     ) -> None:
-        """``kv_scales``: fp8 pages' (key, value) scale of each layer; None: 1.0 each."""
+        """``kv_scales``: fp8 pages' (key, value) scale of each layer; None: 1.0 each.
+        ``values_in_keys``: the values are the keys (latent attention): one pool for both, the
+        value side's tensors the key side's."""
         if not (dtype.is_floating_point or dtype == torch.int8):  # float: the runtime's own
             raise ValueError(f"kv dtype {dtype} is neither a float dtype nor int8")
         if kv_scales is not None and (dtype != FP8 or len(kv_scales) != n_layers):
@@ -75,36 +81,42 @@ class PagedKVCache:
         self.dtype, self.compute_dtype = dtype, compute_dtype
         slots = num_blocks * block_size
         shape = (slots, n_kv, head_dim)
+        self.values_in_keys = values_in_keys
+        shared = values_in_keys  # short
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = self.k if shared else [torch.zeros_like(k) for k in self.k]
         self.k_scale = self.v_scale = None
         if dtype == torch.int8:
-            scale = (slots, n_kv)
-            self.k_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
-            self.v_scale = [torch.zeros(scale, device=device) for _ in range(n_layers)]
+            self.k_scale = [torch.zeros(shape[:2], device=device) for _ in range(n_layers)]
+            self.v_scale = self.k_scale if shared else [torch.zeros_like(s) for s in self.k_scale]
         elif dtype == FP8:  # one scale per layer: [1] each, as the attention kernel takes it
             pairs = kv_scales if kv_scales is not None else [(1.0, 1.0)] * n_layers
             for k_s, v_s in pairs:
                 if not (k_s > 0 and v_s > 0 and k_s < float("inf") and v_s < float("inf")):
                     raise ValueError(f"fp8 KV scales must be finite and > 0, got {k_s}, {v_s}")
             self.k_scale = [torch.tensor([float(k_s)], device=device) for k_s, _ in pairs]
-            self.v_scale = [torch.tensor([float(v_s)], device=device) for _, v_s in pairs]
-        self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype)
+            self.v_scale = self.k_scale if shared else [
+                torch.tensor([float(v_s)], device=device) for _, v_s in pairs]
+        self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype,
+                                                               values_in_keys)
         # fp32/bf16 pages written by one C++ call per layer (kernels.cpu_elementwise.write_kv)
         # instead of two casts and two index_copy_: the scheduler turns it on for eager CPU
         # runtimes (the same bytes: .to(bf16) rounds to nearest even as the op does)
         self.fused_writes = False
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [N, kv_heads, D] of N tokens at pool ``slots`` [N]."""
-        if self.k_scale is None and self.fused_writes:
+        """Store k/v [N, kv_heads, D] of N tokens at pool ``slots`` [N] (``values_in_keys``:
+        k alone, v is the same)."""
+        if self.k_scale is None and self.fused_writes and not self.values_in_keys:
             cpu_elementwise.write_kv(self.k[layer], self.v[layer], slots, k, v)
             return
+        sides = ((self.k, self.k_scale, k),) + (
+            () if self.values_in_keys else ((self.v, self.v_scale, v),))
         if self.k_scale is None:
-            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+            for pool, _, x in sides:
+                pool[layer].index_copy_(0, slots, x.to(self.dtype))
             return
-        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+        for codes, scales, x in sides:
             if self.dtype == FP8:  # index_copy_ has no fp8 kernel: copy the bytes
                 q = quantize_fp8(x, scales[layer])
                 codes[layer].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
@@ -120,7 +132,9 @@ class PagedKVCache:
         b, nb = blocks.shape
         flat = blocks.reshape(-1)
         out = []
-        for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+        sides = ((self.k, self.k_scale),) + (() if self.values_in_keys else
+                                             ((self.v, self.v_scale),))
+        for codes, scales in sides:
             pages = codes[layer].view(self.num_blocks, self.block_size, *codes[layer].shape[1:])
             x = pages.index_select(0, flat)  # [B * nb, bs, Hkv, D]
             if self.dtype == FP8:
@@ -130,7 +144,7 @@ class PagedKVCache:
                 x = dequantize_int8(x, s)
             x = x.to(self.compute_dtype).view(b, nb * self.block_size, *x.shape[2:])[:, :length]
             out.append(x.transpose(1, 2))  # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        return out[0], out[1]
+        return out[0], out[-1]
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

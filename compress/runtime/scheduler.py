@@ -211,7 +211,7 @@ class Scheduler:
         first = runtime.layers[0]
         dtype = runtime.kv_dtype if kv_dtype is None else KV_DTYPES[kv_dtype]
         per_block = block_size * kv_bytes_per_token(
-            len(runtime.layers), first.n_kv, first.head_dim, dtype
+            len(runtime.layers), first.n_kv, first.head_dim, dtype, first.values_in_keys
         )
         if num_blocks is None:
             if kv_memory is None:
@@ -241,6 +241,7 @@ class Scheduler:
             compute_dtype=compute,
             device=runtime.device,
             kv_scales=kv_scales,
+            values_in_keys=first.values_in_keys,
         )
         self.cache.fused_writes = (
             runtime.layers[0].fused and dtype in (torch.float32, torch.bfloat16)

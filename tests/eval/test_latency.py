@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from compress.eval.latency import (
     RequestTiming,
@@ -125,6 +126,23 @@ def test_summarize_throughput():
 def test_kv_bytes_per_token(tiny_model):
     # 2 (K, V) * 2 layers * 2 kv heads * head_dim 16 * 4 bytes
     assert kv_bytes_per_token(tiny_model) == 2 * 2 * 2 * 16 * 4
+
+
+def test_kv_bytes_per_token_of_latent_attention_is_what_each_engine_caches():
+    """DeepSeek's latent attention: transformers' cache (measured: its tensors after a forward)
+    and our runtime's hold the latent and the rotary key once per token (the formula of every
+    other family gave 2 x 4 KV heads x head_dim 16 per layer)."""
+    from compress.runtime.engine import Runtime
+    from compress.testing import make_tiny_moe
+
+    model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False)
+    with torch.no_grad():
+        cache = model(torch.tensor([list(range(1, 11))]), use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(model) == held // 10
+    runtime = Runtime(model, max_seq_len=16, compile=False)
+    assert kv_bytes_per_token(model) == runtime.decode_bytes()["kv_cache"] // 16
 
 
 def test_roofline_verdicts():

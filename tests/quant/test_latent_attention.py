@@ -79,3 +79,41 @@ def test_a_bf16_model_keeps_its_absorbed_expansion_in_bf16():
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1].float()
     assert float((got - expected).norm() / expected.norm()) < 3e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_the_latent_is_cached_once_for_keys_and_values(kv_dtype):
+    """The values are the cached keys (the latent and the rotary key): the contiguous cache and
+    the paged pool hold one tensor per layer for both (they held the latent twice), so a KV
+    budget holds twice the blocks; the scheduler's tokens are still the contiguous runtime's,
+    and a Llama's caches stay two."""
+    from compress.runtime.engine import Runtime
+    from compress.runtime.paged import kv_bytes_per_token
+    from compress.runtime.scheduler import Scheduler
+    from compress.testing import make_tiny_model
+
+    model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False, initializer_range=0.3).eval()
+    runtime = Runtime(model, max_seq_len=48, compile=False)
+    assert all(k is v for k, v in zip(runtime.k_cache, runtime.v_cache, strict=True))
+    layers, width = len(runtime.layers), 64 + 16  # one head of rank + rope
+    assert runtime.decode_bytes()["kv_cache"] == layers * 48 * width * 4  # fp32, batch 1
+    per_token = kv_bytes_per_token(layers, 1, width, torch.float32, values_in_keys=True)
+    assert per_token == layers * width * 4
+    scheduler = Scheduler(runtime, kv_memory=32 * 4 * per_token, block_size=4, kv_dtype=kv_dtype)
+    cache = scheduler.cache
+    assert cache.v is cache.k and cache.v_scale is cache.k_scale
+    assert scheduler.pool.num_blocks == (32 if kv_dtype == "float32" else 32 * width * 4 //
+                                         (width + 4))
+    prompts = [[5, 17, 42, 99, 7, 3], [250, 12, 64, 33, 21, 8, 90]]
+    ids = [scheduler.add(p, 8) for p in prompts]
+    got = {i: [] for i in ids}
+    while scheduler.has_work:
+        for event in scheduler.step():
+            got[event.id].append(event.token)
+    expected = [runtime.generate([p], 8)[0] for p in prompts]
+    if kv_dtype == "float32":
+        assert [got[i] for i in ids] == expected
+    else:  # int8 pages round the latent: the first token comes from the prefill's own keys
+        assert [got[i][0] for i in ids] == [e[0] for e in expected]
+    llama = Runtime(make_tiny_model("llama"), max_seq_len=16, compile=False)
+    assert not any(k is v for k, v in zip(llama.k_cache, llama.v_cache, strict=True))
