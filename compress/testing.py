@@ -160,7 +160,8 @@ def make_char_tokenizer():
 
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
-                                   "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2")
+                                   "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
+                                   "glm4_moe_lite")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -168,7 +169,8 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     2 layers, hidden 64, 4 heads (2 KV), 4 experts (intermediate 64), top-2, vocab 320
     (Qwen2-MoE, GLM-4-MoE, dots.llm1: a shared expert of intermediate 64 too; OLMoE: q/k
     norms over all heads; GLM-4-MoE and dots.llm1 route by sigmoid scores and would make their
-    first layers dense: ``first_k_dense_replace`` 0 here, an override sets it).
+    first layers dense: ``first_k_dense_replace`` 0 here, an override sets it, as
+    ``mlp_layer_types`` does for GLM-4.7-Flash's glm4_moe_lite).
     Experts are the fused 3-D parameters transformers 5 builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -191,6 +193,12 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
                         n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                         norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=16,
+                        num_key_value_heads=TINY_SIZES["num_attention_heads"])
+    elif model_type == "glm4_moe_lite":  # DeepSeek-V3's layout (released: layer 0 dense)
+        settings.update(mlp_layer_types=["sparse"] * 2, n_routed_experts=4,
+                        moe_intermediate_size=64, intermediate_size=128, n_shared_experts=1,
+                        n_group=1, topk_group=1, norm_topk_prob=True, q_lora_rank=64,
+                        kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                         num_key_value_heads=TINY_SIZES["num_attention_heads"])
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
         settings.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=64,

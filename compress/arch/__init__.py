@@ -50,7 +50,8 @@ How each family's peculiarities are handled (scale folds:
   names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
   first_k_dense_replace, moe_layer_start_index) is described by ``layer_arch``: AWQ and
   SmoothQuant scale its MLP, the rotation turns it and the runtime runs it as a dense family's.
-* DeepSeek-V3 (R1, Kimi K2, Moonlight) and DeepSeek-V2: GLM-4-MoE's experts around multi-head
+* DeepSeek-V3 (R1, Kimi K2, Moonlight), DeepSeek-V2 and GLM-4.7-Flash (glm4_moe_lite, whose
+  dense layers are a per-layer list): GLM-4-MoE's experts around multi-head
   latent attention (``Arch.latent_attention``): the attention norm feeds q_a_proj (q_proj where
   the config has no ``q_lora_rank``: ``CONFIG_VARIANTS``, which ``arch_for`` applies) and
   kv_a_proj_with_mqa; q_b_proj and kv_b_proj (``Arch.inner_linears``) read their own latent

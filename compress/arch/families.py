@@ -193,11 +193,14 @@ def _mla_arch(model_type: str, q_lora: bool) -> Arch:
     )
 
 
-DEEPSEEK_V3, DEEPSEEK_V2 = (_mla_arch(t, q_lora=True) for t in ("deepseek_v3", "deepseek_v2"))
+# GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's modules and data flow; which layers are dense is
+# a per-layer list (mlp_layer_types: PER_LAYER_CONFIG_KEYS), the first by default.
+_LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE = (_mla_arch(t, q_lora=True) for t in _LATENT_TYPES)
 # Entries for configs whose modules differ from their family's (model_type -> (config
 # attribute, value, entry)): ``arch_for`` picks the entry by the model's config.
 CONFIG_VARIANTS: dict[str, tuple[tuple[str, object, Arch], ...]] = {
-    t: (("q_lora_rank", None, _mla_arch(t, q_lora=False)),) for t in ("deepseek_v3", "deepseek_v2")
+    t: (("q_lora_rank", None, _mla_arch(t, q_lora=False)),) for t in _LATENT_TYPES
 }
 
 # Qwen2 (q/k/v biases), Mistral and Granite: Llama's module names and data flow.
@@ -509,6 +512,7 @@ ARCHS: dict[str, Arch] = {
         ERNIE4_5_MOE,
         DEEPSEEK_V3,
         DEEPSEEK_V2,
+        GLM4_MOE_LITE,
     )
 }
 
@@ -550,7 +554,7 @@ MTP_MODULE_PREFIX = "mtp"  # a module name component starting with it is an MTP 
 
 # Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
 # kept layers' entries (else a reload would give a kept layer a dropped one's type).
-PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers")
+PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers", "mlp_layer_types")
 
 # The default ``ignore`` of every pass config: the output head is never compressed by default.
 DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
@@ -620,12 +624,13 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
     "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
     # partial RoPE (half of each head, rotated as halves) from the config; the dense first
-    # layers' MLPs are called as the block is
+    # layers run as a dense family's (compress.arch.layer_arch)
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),
+    "glm4_moe_lite": RuntimeSpec(rope_interleave_key="rope_interleave"),
     # interleaved pairs always; its rotary module's complex angles are the tables (rope_tables)
     "deepseek_v2": RuntimeSpec(rope_interleaved=True),
     # per-head fused qkv (Arch.qkv_per_head), partial RoPE from the config, LayerNorms

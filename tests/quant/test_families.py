@@ -62,7 +62,7 @@ def _one_thread():
 
 # DeepSeek's latent attention (MoE around it), with and without the query's low-rank path
 # (q_lora_rank unset: DeepSeek-V2-Lite, Moonlight): its norm -> linear folds
-LATENT = ["deepseek_v3", "deepseek_v2", "deepseek_v3-q_proj"]
+LATENT = ["deepseek_v3", "deepseek_v2", "deepseek_v3-q_proj", "glm4_moe_lite"]
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from compress.runtime.engine import Runtime
 from compress.runtime.paged import FP8, dequantize_fp8, kv_bytes_per_token, quantize_fp8
 from compress.runtime.scheduler import Scheduler
 
+from ..runtime.test_runtime_families import arch_of
 from ..runtime.test_scheduler import ALL_FAMILIES, family_model, kl_against_contiguous
 
 
@@ -52,7 +53,8 @@ def cache_amax(model, ids: torch.Tensor) -> list[tuple[float, float]]:
 
 # latent attention caches a latent, not keys and values: the pass refuses it (its own test in
 # tests/quant/test_latent_attention.py)
-@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES if not f.startswith("deepseek")])
+@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES
+                                    if not arch_of(f).latent_attention])
 def test_scales_map_the_largest_cached_key_and_value_onto_448(family):
     model = family_model(family)
     ids, state = calibration()

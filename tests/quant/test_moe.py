@@ -69,11 +69,11 @@ def _element_counts(model) -> tuple[int, int]:
 
 
 def _attention_elements(model) -> int:
-    """Weight elements of one layer's q/k/v/o (head_dim 16); DeepSeek's latent attention from
-    its ranks and head widths."""
+    """Weight elements of one layer's q/k/v/o (head_dim 16); latent attention (DeepSeek,
+    GLM-4.7-Flash) from its ranks and head widths."""
     cfg = model.config
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, 16
-    if cfg.model_type.startswith("deepseek"):
+    if getattr(cfg, "kv_lora_rank", None):
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         q = (h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk) if cfg.q_lora_rank else (
             h * heads * qk)
@@ -494,11 +494,12 @@ def test_dense_layers_of_an_moe_config_are_quantized_as_dense(model_type, tmp_pa
 
 MIXED = [("qwen2_moe", dict(mlp_only_layers=[0])), ("qwen2_moe", dict(mlp_only_layers=[1])),
          ("glm4_moe", dict(first_k_dense_replace=1)),
-         ("deepseek_v3", dict(first_k_dense_replace=1))]
+         ("deepseek_v3", dict(first_k_dense_replace=1)),
+         ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"]))]
 
 
 @pytest.mark.parametrize(("model_type", "dense"), MIXED,
-                         ids=[f"{t}-{next(iter(d.values()))}" for t, d in MIXED])
+                         ids=[f"{t}-{i}" for i, (t, _) in enumerate(MIXED)])
 def test_dense_and_sparse_layers_mixed_scale_and_rotate_each_as_its_own(model_type, dense):
     """An MoE config with a dense layer, first or second (Qwen2-MoE's mlp_only_layers, the
     released GLM-4.5's and DeepSeek-V3's dense first layers): AWQ checks its mappings on a layer

@@ -111,6 +111,10 @@ FAMILIES = {
                                tie_word_embeddings=False),
     # the released models' dense first layers (first_k_dense_replace): our gated MLP there
     "deepseek_v3_dense_first": dict(first_k_dense_replace=1, tie_word_embeddings=False),
+    # GLM-4.7-Flash: DeepSeek-V3's layout, a dense first layer, values wider than the keys'
+    # non-rotary part, biases on the projections that read the residual stream
+    "glm4_moe_lite": dict(tie_word_embeddings=False, attention_bias=True, v_head_dim=32,
+                          mlp_layer_types=["dense", "sparse"]),
     # DeepSeek-V2-Lite's layout: no low-rank query, a softmax router, complex rotary angles
     "deepseek_v2": dict(q_lora_rank=None, tie_word_embeddings=False),
     # the released V3's YaRN (factor 40, mscale in the tables and in the softmax scale)
