@@ -111,7 +111,8 @@ __all__ = [
     "ARCHS", "DEFAULT_IGNORE", "LLAMA", "PER_LAYER_CONFIG_KEYS", "PHI3", "RUNTIME_SPECS",
     "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
-    "arch_for", "check_paths", "decoder_layers", "dense_view", "float_only_modules",
+    "arch_for", "check_paths", "decoder_layers", "dense_layer_settings", "dense_view",
+    "float_only_modules",
     "head_dim_of", "is_sparse", "layer_arch", "mapping_paths", "model_type", "mtp_tensors",
     "output_weight_key", "producer_rows", "routing_problem", "runtime_model_types",
     "set_embedding_scale", "sparse_layers",
@@ -209,6 +210,31 @@ def layer_arch(arch: Arch, layer: nn.Module) -> Arch:
     if arch.moe is None or is_sparse(layer, arch):
         return arch
     return dense_view(arch)
+
+
+def dense_layer_settings(config, sparse: list[bool]) -> dict[str, object]:
+    """Settings of an MoE family's ``config`` that make it build the layers ``sparse`` flags as
+    sparse and the others dense, for a config whose layers were dropped (``prune.layers``):
+    Qwen2/3-MoE's dense indices (mlp_only_layers, every layer a candidate), DeepSeek's,
+    GLM-4-MoE's and dots.llm1's count of dense first layers, ERNIE-4.5-MoE's range of sparse
+    ones. A per-layer list (glm4_moe_lite's mlp_layer_types) is a ``PER_LAYER_CONFIG_KEYS``
+    entry instead. The caller checks the result: a pattern a family's keys cannot express (a
+    dense layer after a sparse one under first_k_dense_replace) builds other layers."""
+    count = len(sparse)
+    sparse_at = [i for i, s in enumerate(sparse) if s]
+    settings: dict[str, object] = {}
+    if hasattr(config, "mlp_only_layers"):
+        settings.update(mlp_only_layers=[i for i in range(count) if not sparse[i]],
+                        decoder_sparse_step=1)
+    if hasattr(config, "first_k_dense_replace"):
+        settings["first_k_dense_replace"] = sparse_at[0] if sparse_at else count
+        if hasattr(config, "moe_layer_freq"):
+            settings["moe_layer_freq"] = 1
+    if hasattr(config, "moe_layer_start_index"):
+        settings.update(moe_layer_start_index=sparse_at[0] if sparse_at else count,
+                        moe_layer_end_index=sparse_at[-1] if sparse_at else count - 1,
+                        moe_layer_interval=1)
+    return settings
 
 
 def routing_problem(model: nn.Module) -> str | None:

@@ -4,10 +4,21 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from compress.arch import PER_LAYER_CONFIG_KEYS, arch_for
+from compress.arch import (
+    PER_LAYER_CONFIG_KEYS,
+    Arch,
+    arch_for,
+    decoder_layers,
+    dense_layer_settings,
+    is_sparse,
+    layer_arch,
+)
+from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassReport, register_pass
 from compress.prune.config import (
     LayersConfig,
@@ -28,13 +39,8 @@ def layer_scores(
 ) -> torch.Tensor:
     """[n_layers] importance; low = the layer changes its input least (safest to drop)."""
     if cfg.importance == "magnitude":
-        writers = arch_for(model, "prune.layers").hidden_writers
-        return torch.stack(
-            [
-                sum(lin.weight.detach().pow(2).sum() for lin in submodules(layer, writers)).sqrt()
-                for layer in layers
-            ]
-        ).double()
+        return torch.stack([_writer_norm(layer, arch_for(model, "prune.layers"))
+                            for layer in layers]).double()
     sums = torch.zeros(len(layers), dtype=torch.float64)
 
     def hook_for(i):
@@ -49,6 +55,50 @@ def layer_scores(
     hooks = [(layer, hook_for(i), "post") for i, layer in enumerate(layers)]
     calibrate(model, state, hooks, "prune.layers")
     return sums
+
+
+def _writer_norm(layer: nn.Module, arch: Arch) -> torch.Tensor:
+    """Frobenius norm of everything ``layer`` writes to the residual stream with: its
+    (``layer_arch``'s) writers' weights, an MoE block's every expert's down projection."""
+    arch = layer_arch(arch, layer)
+    total = torch.zeros((), dtype=torch.float64)
+    for path, module in zip(arch.hidden_writers, submodules(layer, arch.hidden_writers),
+                            strict=True):
+        weight = getattr(module, arch.moe.down) if arch.moe and path == arch.moe.fused \
+            else module.weight
+        total += weight.detach().double().pow(2).sum()
+    return total.sqrt()
+
+
+def _kept_config(model: nn.Module, arch: Arch, blocks: nn.ModuleList,
+                 kept: list[int]) -> dict[str, object]:
+    """The config changes that describe the ``kept`` layers: their per-layer entries
+    (``PER_LAYER_CONFIG_KEYS``), their count and, for an MoE model, the settings that say which
+    of them are dense (``dense_layer_settings``). A ConfigError before anything changes when
+    the family's own modeling, built from them (on meta), would make other layers dense."""
+    changes: dict[str, object] = {"num_hidden_layers": len(kept)}
+    for key in PER_LAYER_CONFIG_KEYS:
+        values = getattr(model.config, key, None)
+        if values:
+            changes[key] = [values[i] for i in kept]
+    if arch.moe is None:
+        return changes
+    wanted = [is_sparse(blocks[i], arch) for i in kept]
+    changes.update(dense_layer_settings(model.config, wanted))
+    config = copy.deepcopy(model.config)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        built = [is_sparse(layer, arch) for layer in decoder_layers(type(model)(config))]
+    if built != wanted:
+        dense = [i for i, s in zip(kept, wanted, strict=True) if not s]
+        raise ConfigError(
+            f"prune.layers: keeping layers {kept} leaves dense layers {dense} in an order that "
+            f"this {arch.model_type!r} config cannot describe (its layers would be rebuilt with "
+            "other MLPs and the checkpoint would not reload). Drop other layers (a smaller "
+            "sparsity, or importance: magnitude) or keep its dense layers"
+        )
+    return changes
 
 
 @register_pass("prune.layers", LayersConfig)
@@ -70,17 +120,14 @@ def prune_layers(model: nn.Module, cfg: LayersConfig, state: CompressionState) -
     scores = layer_scores(model, blocks, cfg, state)
     kept = scores.topk(keep).indices.sort().values.tolist()
     removed = [i for i in range(current) if i not in kept]
+    changes = _kept_config(model, arch, blocks, kept)  # every refusal before any change
     new_blocks = [blocks[i] for i in kept]
     for new_idx, block in enumerate(new_blocks):
         block.get_submodule(arch.attention).layer_idx = new_idx  # KV-cache slot
     parent, _, child = arch.layers.rpartition(".")
     setattr(model.get_submodule(parent), child, nn.ModuleList(new_blocks))
-    config = model.config
-    for key in PER_LAYER_CONFIG_KEYS:
-        values = getattr(config, key, None)
-        if values:
-            setattr(config, key, [values[i] for i in kept])
-    config.num_hidden_layers = keep
+    for key, value in changes.items():
+        setattr(model.config, key, value)
     report.changed.extend(f"{arch.layer_prefix}{i}" for i in removed)
     report.metrics.update(
         layers_before=current,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.arch import Arch, arch_for, check_paths, decoder_layers
+from compress.arch import Arch, arch_for, check_paths, decoder_layers, layer_arch
 from compress.core.errors import ConfigError
 from compress.core.registry import CompressionState, PassReport
 from compress.prune.config import (
@@ -40,16 +40,21 @@ def checked_layers(
         )
     paths = arch.linears + arch.layer_norms + arch.qk_norms + (arch.attention,)
     check_paths(model, arch, paths, what)
-    for name in arch.linears:
-        if arch.moe is not None and name == arch.moe.fused:
-            continue  # dropped whole with its layer
-        module = layers[0].get_submodule(name)
-        if type(module) is not nn.Linear:
-            raise ConfigError(
-                f"{what}: {name} is a {type(module).__name__}, not nn.Linear: prune before "
-                "quantize (put prune.* passes first in the recipe)"
-            )
+    for layer in layers[:1] if arch.moe is None else layers:  # an MoE model's dense layers too
+        own = layer_arch(arch, layer)
+        for name in own.linears:
+            if own.moe is not None and name == own.moe.fused:
+                continue  # dropped whole with its layer
+            _check_float_linear(layer.get_submodule(name), name, what)
     return arch, layers
+
+
+def _check_float_linear(module: nn.Module, name: str, what: str) -> None:
+    if type(module) is not nn.Linear:
+        raise ConfigError(
+            f"{what}: {name} is a {type(module).__name__}, not nn.Linear: prune before "
+            "quantize (put prune.* passes first in the recipe)"
+        )
 
 
 def submodules(layer: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:

@@ -464,6 +464,67 @@ def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, 
                        _calibration(n=2))  # fmt: skip
 
 
+DENSE_LAYOUTS = [  # 3 layers, dense and sparse as each family's config says, and the layer dropped
+    ("qwen2_moe", dict(mlp_only_layers=[2]), 0),  # indices shift: [2] -> [1]
+    ("deepseek_v3", dict(first_k_dense_replace=2), 0),  # the count: 2 -> 1
+    ("ernie4_5_moe", dict(moe_layer_start_index=1), 0),  # the range: 1..2 -> 0..1
+    ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"]), 1),  # per layer
+]
+
+
+@pytest.mark.parametrize(("model_type", "layout", "drop"), DENSE_LAYOUTS,
+                         ids=[t for t, _, _ in DENSE_LAYOUTS])
+def test_dropping_layers_rewrites_which_layers_are_dense(model_type, layout, drop, tmp_path):
+    """prune.layers on an MoE model with dense layers: the config that says which layers are
+    dense is rewritten for the kept ones (it was left as it was: the family rebuilt a kept
+    sparse layer dense, or the reverse, and the pass failed its own check after changing the
+    model); plain transformers reloads the result with the same logits. The magnitude score
+    (which read an experts module's missing .weight) picks the layer made smallest."""
+    from transformers import AutoModelForCausalLM
+
+    import compress.prune.depth  # noqa: F401  (registers the pass)
+    from compress.core.registry import get_pass, run_passes
+
+    model = make_tiny_moe(model_type, num_hidden_layers=3, **layout)
+    arch = arch_for(model, "test")
+    sparse = [i in sparse_layers(model, arch) for i in range(3)]
+    with torch.no_grad():  # the dropped layer writes least
+        for p in model.get_submodule(f"{arch.layer_prefix}{drop}").parameters():
+            p.mul_(0.01)
+    config = get_pass("prune.layers").config_cls(sparsity=0.34, importance="magnitude")
+    run_passes(model, [config], _calibration(n=2))
+    kept = [i for i in range(3) if i != drop]
+    assert [i in sparse_layers(model, arch) for i in range(2)] == [sparse[i] for i in kept]
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert sparse_layers(reloaded, arch) == sparse_layers(model, arch)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_dense_pattern_the_config_cannot_say_is_refused_before_any_change():
+    """ERNIE-4.5-MoE's sparse layers are every other one (moe_layer_interval 2): dropping the
+    first leaves sparse, dense, sparse, which a start/end/interval range cannot describe."""
+    import compress.prune.depth  # noqa: F401  (registers the pass)
+    from compress.core.errors import ConfigError
+    from compress.core.registry import get_pass, run_passes
+
+    model = make_tiny_moe("ernie4_5_moe", num_hidden_layers=4, moe_layer_start_index=0,
+                          moe_layer_interval=2)
+    arch = arch_for(model, "test")
+    assert sparse_layers(model, arch) == [1, 3]
+    with torch.no_grad():
+        for p in model.get_submodule(f"{arch.layer_prefix}0").parameters():
+            p.mul_(0.01)
+    before = copy.deepcopy(model.state_dict())
+    config = get_pass("prune.layers").config_cls(sparsity=0.25, importance="magnitude")
+    with pytest.raises(ConfigError, match=r"keeping layers \[1, 2, 3\] leaves dense layers \[2\]"):
+        run_passes(model, [config], _calibration(n=2))
+    assert model.config.num_hidden_layers == 4
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
 def test_dense_layers_of_an_moe_config_are_quantized_as_dense(model_type, tmp_path):
     """``mlp_only_layers`` leaves layer 0 a plain gated MLP of Linears: GPTQ quantizes it as a
