@@ -161,7 +161,7 @@ def make_char_tokenizer():
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
-                                   "glm4_moe_lite")
+                                   "glm4_moe_lite", "minimax_m2")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -177,6 +177,8 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     settings = dict(TINY_SIZES, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=True)
     if model_type == "mixtral":
         settings.update(num_local_experts=4, intermediate_size=64)
+    elif model_type == "minimax_m2":  # RoPE on half of each head, given as released
+        settings.update(num_local_experts=4, intermediate_size=64, rotary_dim=8)
     elif model_type == "olmoe":
         settings.update(num_experts=4, intermediate_size=64, norm_topk_prob=True)
     elif model_type in ("qwen3_moe", "qwen2_moe"):

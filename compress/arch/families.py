@@ -123,6 +123,10 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
 # OLMoE: Qwen3-MoE's layout with OLMo2's q/k norms over all heads.
 OLMOE = dataclasses.replace(_moe_arch("olmoe", _MOE), qk_norms=_QK_NORMS, qk_norm_span="heads")
+# MiniMax-M2 (M2.1): OLMoE's q/k norms over all heads, Mixtral's checkpoint names, a sigmoid
+# router whose score-correction bias is a buffer of the block, partial RoPE (rotary_dim).
+MINIMAX_M2 = dataclasses.replace(
+    _moe_arch("minimax_m2", MIXTRAL.moe), qk_norms=_QK_NORMS, qk_norm_span="heads")
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routed experts without q/k norms, q/k/v
 # biases, and a shared expert.
 QWEN2_MOE = _moe_arch(
@@ -513,6 +517,7 @@ ARCHS: dict[str, Arch] = {
         DEEPSEEK_V3,
         DEEPSEEK_V2,
         GLM4_MOE_LITE,
+        MINIMAX_M2,
     )
 }
 
@@ -623,6 +628,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen3_moe": _LLAMA_RT,
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
     "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
+    "minimax_m2": _LLAMA_RT,  # OLMoE's q/k norms; partial RoPE (rotary_dim) from the config
     # partial RoPE (half of each head, rotated as halves) from the config; the dense first
     # layers run as a dense family's (compress.arch.layer_arch)
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),

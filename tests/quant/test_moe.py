@@ -7,6 +7,7 @@ transformers reload."""
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import subprocess
@@ -48,6 +49,18 @@ def _experts(model, index: int = 0):
 def _router(model, index: int = 0):
     arch = arch_for(model, "test")
     return model.get_submodule(f"{arch.layer_prefix}{index}.{arch.moe.router}")
+
+
+def _route(model, x, index: int = 0):
+    """The router of layer ``index`` on ``x``: (logits, weights, top-k); MiniMax-M2's router
+    takes its score-correction bias, a buffer of the block, as an argument."""
+    arch = arch_for(model, "test")
+    router = _router(model, index)
+    extra = ()
+    if "e_score_correction_bias" in inspect.signature(router.forward).parameters:
+        block = model.get_submodule(f"{arch.layer_prefix}{index}.{arch.moe.block}")
+        extra = (block.e_score_correction_bias,)
+    return router(x, *extra)
 
 
 def _element_counts(model) -> tuple[int, int]:
@@ -174,7 +187,7 @@ def test_quant_experts_forward_matches_float64_reference(moe, backend, tolerance
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(24, model.config.hidden_size, generator=gen)
     with torch.no_grad():
-        _, weights, top_k = _router(model)(x)
+        _, weights, top_k = _route(model, x)
         ours = experts(x, top_k, weights).double()
     gate_up, down = experts.dequantized_weights(torch.float64)
     ref = _reference_experts(x, top_k, weights, gate_up, down, torch.nn.functional.silu)
@@ -195,8 +208,8 @@ def _never_route(router, expert: int) -> None:
     calibration token reaches, as happens with real routers and little data)."""
     forward = router.forward
 
-    def masked(hidden):
-        logits, _, _ = forward(hidden)
+    def masked(hidden, *extra):
+        logits, _, _ = forward(hidden, *extra)
         logits = logits.clone()
         logits[:, expert] = float("-inf")
         probs = torch.softmax(logits.float(), dim=-1)
@@ -622,12 +635,23 @@ def test_expert_hessian_summed_sample_by_sample_equals_the_stacked_one():
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "dots1"])
-def test_a_trained_router_bias_is_read_by_every_loader(model_type, tmp_path):
-    """GLM-4-MoE's and dots.llm1's routers pick experts by sigmoid scores plus a trained
-    correction bias, a persistent buffer the meta skeleton builds as zeros: the streamed job,
-    the whole job and load_compressed all read the stored one (a missed read routes tokens to
-    other experts). The first layer is dense (first_k_dense_replace), as in the real models."""
+ROUTER_BIASES = [  # (model_type, the bias's module name, its stored name), layer 1
+    ("glm4_moe", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("dots1", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    # MiniMax-M2: the block's buffer, stored under the released checkpoint's block name
+    ("minimax_m2", "mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "module_name", "stored_name"), ROUTER_BIASES,
+                         ids=[t for t, _, _ in ROUTER_BIASES])
+def test_a_trained_router_bias_is_read_by_every_loader(model_type, module_name, stored_name,
+                                                       tmp_path):
+    """GLM-4-MoE's, dots.llm1's and MiniMax-M2's routers pick experts by sigmoid scores plus a
+    trained correction bias, a persistent buffer the meta skeleton builds as zeros: the
+    streamed job, the whole job and load_compressed all read the stored one (a missed read
+    routes tokens to other experts) and the export stores it under the checkpoint's name. The
+    first layer is dense (first_k_dense_replace) where the real models' is."""
     import textwrap
 
     import yaml
@@ -639,9 +663,11 @@ def test_a_trained_router_bias_is_read_by_every_loader(model_type, tmp_path):
     from compress.recipe import parse_recipe
     from compress.testing import make_char_tokenizer
 
-    model = make_tiny_moe(model_type, first_k_dense_replace=1)
+    dense = {} if model_type == "minimax_m2" else {"first_k_dense_replace": 1}
+    model = make_tiny_moe(model_type, **dense)
     biases = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
-    assert list(biases) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    biases = {n: b for n, b in biases.items() if n.startswith("model.layers.1.")}
+    assert list(biases) == [f"model.layers.1.{module_name}"]
     for bias in biases.values():
         bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     model.save_pretrained(tmp_path / "source")
@@ -661,8 +687,8 @@ def test_a_trained_router_bias_is_read_by_every_loader(model_type, tmp_path):
         outputs[stream] = {n: reader.read(n) for n in reader.names()}
     assert outputs[True].keys() == outputs[False].keys()
     assert all(torch.equal(outputs[True][n], outputs[False][n]) for n in outputs[True])
-    for name, bias in biases.items():
-        assert torch.equal(outputs[True][name], bias)
+    for bias in biases.values():
+        assert torch.equal(outputs[True][f"model.layers.1.{stored_name}"], bias)
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     streamed = load_compressed(tmp_path / "stream-True")
     assert torch.equal(streamed.get_buffer(next(iter(biases))), next(iter(biases.values())))

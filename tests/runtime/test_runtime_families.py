@@ -104,6 +104,9 @@ FAMILIES = {
     "qwen3_moe": dict(),
     "qwen2_moe": dict(),  # ... with a shared expert (gated by sigmoid)
     "olmoe": dict(),  # ... with q/k norms over all heads
+    # ... and sigmoid routing with a bias, RoPE on half of each head (untied: with the tied head
+    # one decode step's two best tokens were 3e-6 apart, a tie the kernel's rounding flips)
+    "minimax_m2": dict(tie_word_embeddings=False),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
