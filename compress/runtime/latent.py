@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from compress.quant.linear import QuantLinear
-from compress.runtime.layers import _convert_linear, _FloatLinear, _Layer, _rotate
+from compress.runtime.layers import (
+    _convert_linear,
+    _FloatLinear,
+    _Layer,
+    _rotate,
+    release_weights,
+)
 from compress.runtime.norms import _norm, _norm_weight, _rms_norm
 
 
@@ -44,6 +50,7 @@ class LatentLayer(_Layer):
     the MLP or sparse block is the base's."""
 
     values_in_keys = True  # the cache holds [latent; rotary key] once: keys and values
+    absorbed = ("v",)  # kv_b_proj: w_k and w_v below, no holder of its own
 
     def __init__(self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int,
                  kernels, arch, *, spec, release: bool = False):
@@ -60,6 +67,8 @@ class LatentLayer(_Layer):
         super().__init__(layer, config, prefill, decode, notes, i, kernels, arch, spec=spec,
                          release=release)
         self.v = None  # the expansion is absorbed (w_k, w_v): no projection of its own
+        if release and isinstance(expand, QuantLinear):  # its float copy is w_k and w_v
+            release_weights(expand, f"layers.{i}.{arch.v}")
         self.w_k = nn.Buffer(weight[:, :nope].contiguous(), persistent=False)  # [H, nope, rank]
         self.w_v = nn.Buffer(weight[:, nope:].contiguous(), persistent=False)  # [H, v, rank]
         self.nope, self.rope, self.v_dim, self.kv_rank = nope, rope, v_dim, rank

@@ -516,21 +516,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Layer(nn.Module):
     values_in_keys = False  # True: the cached values are the keys (one tensor; runtime.latent)
+    absorbed: tuple[str, ...] = ()  # projections a subclass computes itself (not converted)
 
-    def __init__(
-        self,
-        layer: nn.Module,
-        config,
-        prefill,
-        decode,
-        notes: list[str],
-        i: int,
-        kernels: _IntKernels,
-        arch: Arch,
-        *,
-        spec: RuntimeSpec,
-        release: bool = False,
-    ):
+    def __init__(self, layer: nn.Module, config, prefill, decode, notes: list[str], i: int,
+                 kernels: _IntKernels, arch: Arch, *, spec: RuntimeSpec, release: bool = False):
         super().__init__()
         # an MoE model's layer with a dense MLP runs it as a dense family's, through our kernels
         arch = layer_arch(arch, layer)
@@ -587,7 +576,8 @@ class _Layer(nn.Module):
             weight = None if path is None else _norm_weight(layer.get_submodule(path), form)
             setattr(self, name, weight)
         # The projections, in the order forward uses them: the runtime's own short names.
-        paths = {"q": arch.q, "k": arch.k, "v": arch.v, "o": arch.o}
+        paths = {n: p for n, p in zip("qkvo", (arch.q, arch.k, arch.v, arch.o), strict=True)
+                 if n not in self.absorbed}
         if arch.moe is None:  # a non-gated MLP (Arcee) has no gate path: down(act(up(x)))
             mlp = {"gate": arch.gate, "up": arch.up, "down": arch.down}
             paths.update({name: path for name, path in mlp.items() if path})
@@ -596,7 +586,7 @@ class _Layer(nn.Module):
         # [gate; up]) names one linear for every part: it is the stacked call itself.
         stacks = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
         for stack, parts in stacks.items():
-            if parts[0] in paths and len({paths[p] for p in parts}) == 1:
+            if parts[0] in paths and len({paths.get(p) for p in parts}) == 1:
                 paths[stack] = paths[parts[0]]
                 for part in parts:
                     del paths[part]

@@ -117,3 +117,35 @@ def test_the_latent_is_cached_once_for_keys_and_values(kv_dtype):
         assert [got[i][0] for i in ids] == [e[0] for e in expected]
     llama = Runtime(make_tiny_model("llama"), max_seq_len=16, compile=False)
     assert not any(k is v for k, v in zip(llama.k_cache, llama.v_cache, strict=True))
+
+
+def test_an_absorbed_int4_expansion_is_not_repacked_and_its_weights_are_released():
+    """kv_b_proj is absorbed (w_k, w_v): the layer builds no int4 holder for it (it built one
+    and dropped it), and a runtime that releases the model's quantized weights releases its
+    codes too; the tokens equal a runtime that keeps them."""
+    from compress.quant.linear import QuantLinear
+    from compress.quant.rtn import Int4RtnConfig, quantize_linears
+    from compress.runtime import layers
+    from compress.runtime.engine import Runtime
+
+    model = make_tiny_moe("deepseek_v3", tie_word_embeddings=False, initializer_range=0.3).eval()
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    arch = arch_for(model, "test")
+    prompt = [5, 17, 42, 99, 7, 3]
+    kept = Runtime(model, max_seq_len=32, compile=False, keep_model_weights=True)
+    expected = kept.generate([prompt], 8)
+    built = []
+    convert = layers._convert_linear
+    try:
+        layers._convert_linear = lambda module, name, *a, **k: built.append(name) or convert(
+            module, name, *a, **k)
+        import compress.runtime.latent as latent
+
+        latent._convert_linear = layers._convert_linear
+        runtime = Runtime(model, max_seq_len=32, compile=False)
+    finally:
+        layers._convert_linear = latent._convert_linear = convert
+    assert built and not any(name.endswith(arch.v) for name in built)
+    expand = model.get_submodule(f"{arch.layer_prefix}0.{arch.v}")
+    assert isinstance(expand, QuantLinear) and expand.weight_scale.is_meta
+    assert runtime.generate([prompt], 8) == expected
