@@ -114,6 +114,18 @@ MOE_SHAPE = {
                         # as the released config.json says (transformers' config has no such
                         # keys; vLLM builds the router's correction bias only with noaux_tc)
                         topk_method="noaux_tc", scoring_func="sigmoid"),
+    # GLM-4.7-Flash: V3's layout, its released dense first layer (mlp_layer_types' default).
+    # vLLM reads the dense count and V3's routing keys, which transformers' config keeps but
+    # does not set (vLLM's defaults: softmax scores, no correction bias)
+    "glm4_moe_lite": dict(moe_intermediate_size=128, intermediate_size=512, n_group=1,
+                          topk_group=1, q_lora_rank=128, **_MLA_DIMS, num_key_value_heads=4,
+                          tie_word_embeddings=False, mlp_layer_types=None,
+                          first_k_dense_replace=1, topk_method="noaux_tc",
+                          scoring_func="sigmoid"),
+    # MiniMax-M2: RoPE on half of each head; vLLM reads the router's correction bias only with
+    # use_routing_bias and its scoring from scoring_func, as the released config.json says
+    "minimax_m2": dict(intermediate_size=128, rotary_dim=32, tie_word_embeddings=False,
+                       scoring_func="sigmoid", use_routing_bias=True),
     "deepseek_v2": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
                         q_lora_rank=None, **_MLA_DIMS, num_key_value_heads=4,
                         tie_word_embeddings=False),
