@@ -161,7 +161,7 @@ def make_char_tokenizer():
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
-                                   "glm4_moe_lite", "minimax_m2")
+                                   "glm4_moe_lite", "minimax_m2", "phimoe")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -179,6 +179,14 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
         settings.update(num_local_experts=4, intermediate_size=64)
     elif model_type == "minimax_m2":  # RoPE on half of each head, given as released
         settings.update(num_local_experts=4, intermediate_size=64, rotary_dim=8)
+    elif model_type == "phimoe":  # default RoPE (the released longrope falls back), biases;
+        # sparsemixer's eval weights jump where a score crosses 2 x router_jitter_noise (0.01
+        # as released) below the best: at 0 each picked expert weighs 1, and a kernel's
+        # rounding cannot flip this random model's outputs (it did at one position in twelve)
+        settings.update(num_local_experts=4, intermediate_size=64, attention_bias=True,
+                        router_jitter_noise=0.0,
+                        lm_head_bias=True, rope_parameters={"rope_type": "default",
+                                                            "rope_theta": 1e4})
     elif model_type == "olmoe":
         settings.update(num_experts=4, intermediate_size=64, norm_topk_prob=True)
     elif model_type in ("qwen3_moe", "qwen2_moe"):

@@ -43,7 +43,8 @@ How each family's peculiarities are handled (scale folds:
   (tests/quant/test_moe.py); prune.layers drops their layers, the passes that would slice
   the fused experts refuse them; the runtime runs its attention around the family's own sparse
   block (Qwen3-MoE with its q/k norms; MiniMax-M2 with OLMoE's, Mixtral's checkpoint names
-  and a sigmoid router whose correction bias is the block's buffer). GLM-4-MoE (GLM-4.5/4.6)
+  and a sigmoid router whose correction bias is the block's buffer; Phi-3.5-MoE with
+  LayerNorms and its router a Linear named gate in checkpoints). GLM-4-MoE (GLM-4.5/4.6)
   and dots.llm1 add a shared
   expert without a gate, sigmoid routing with a trained score-correction bias (a persistent
   buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers;

@@ -123,6 +123,10 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 QWEN3_MOE = dataclasses.replace(_moe_arch("qwen3_moe", _MOE), qk_norms=_QK_NORMS)
 # OLMoE: Qwen3-MoE's layout with OLMo2's q/k norms over all heads.
 OLMOE = dataclasses.replace(_moe_arch("olmoe", _MOE), qk_norms=_QK_NORMS, qk_norm_span="heads")
+# Phi-3.5-MoE (phimoe): Mixtral's checkpoint names (the router stored as gate, a module named
+# router), LayerNorms with biases, q/k/v/o biases, a sparsemixer router (the block's own).
+PHIMOE = dataclasses.replace(
+    _moe_arch("phimoe", dataclasses.replace(MIXTRAL.moe, router="mlp.router")), norm_kind="layer")
 # MiniMax-M2 (M2.1): OLMoE's q/k norms over all heads, Mixtral's checkpoint names, a sigmoid
 # router whose score-correction bias is a buffer of the block, partial RoPE (rotary_dim).
 MINIMAX_M2 = dataclasses.replace(
@@ -518,6 +522,7 @@ ARCHS: dict[str, Arch] = {
         DEEPSEEK_V2,
         GLM4_MOE_LITE,
         MINIMAX_M2,
+        PHIMOE,
     )
 }
 
@@ -629,6 +634,8 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen2_moe": _LLAMA_RT,  # the shared expert is inside the sparse block
     "olmoe": RuntimeSpec(unsupported_flags=("clip_qkv",)),  # q/k norms over all heads: Arch
     "minimax_m2": _LLAMA_RT,  # OLMoE's q/k norms; partial RoPE (rotary_dim) from the config
+    # LayerNorms (Arch.norm_kind) with rms_norm_eps; its released longrope falls back
+    "phimoe": _LLAMA_RT,
     # partial RoPE (half of each head, rotated as halves) from the config; the dense first
     # layers run as a dense family's (compress.arch.layer_arch)
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),

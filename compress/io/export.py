@@ -112,12 +112,16 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
     rename, wrapped = checkpoint_renamer(model), wrapped_of(model)
+    modules = dict(model.named_modules())  # (per-expert names of fused experts are not in it)
 
     def names(name: str) -> list[str]:
         # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
         # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other;
-        # a multimodal wrapper's text module under the wrapper's two names (wrapper_names)
-        own = [rename(name)] if moe_arch(model) is not None else sorted({name, rename(name)})
+        # an MoE model's too where its tree has a Linear by that name (Phi-3.5-MoE's router,
+        # stored as gate: renamings match weight names); a wrapper's text module under its two
+        both = moe_arch(model) is None or isinstance(modules.get(name), nn.Linear)
+        stored = rename(name + ".weight").removesuffix(".weight")
+        own = sorted({name, stored}) if both else [stored]
         return own if wrapped is None else sorted({w for n in own
                                                   for w in wrapper_names(wrapped, n)})
 
@@ -151,7 +155,8 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": groups,
-        "ignore": sorted(plain_linears) + ignore_patterns(exported_passthrough(model).values()),
+        "ignore": sorted(set(plain_linears)) + ignore_patterns(
+            exported_passthrough(model).values()),
         # fp8 KV-cache scales (quantize.kv_cache_fp8): self_attn.k_scale / v_scale per layer
         "kv_cache_scheme": kv_scheme,
         "global_compression_ratio": None,
@@ -754,7 +759,7 @@ def load_compressed(
             f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
             f"unexpected {unexpected[:10]}; re-export it"
         )
-    return model
+    return model.eval()  # as from_pretrained returns it (a model built from a config trains)
 
 
 def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
@@ -787,4 +792,4 @@ def _load_whole(path: Path, quant: dict[str, Any], dtype: torch.dtype,
             f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
             f"unexpected {unexpected[:10]}; re-export it"
         )
-    return model
+    return model.eval()

@@ -131,7 +131,9 @@ def causal_lm_config(path: str | os.PathLike[str]):
 
 def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
     """The causal LM that ``path``'s config.json describes, every parameter on the meta device
-    (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``)."""
+    (its ``quantization_config``, if any, dropped: the layers are plain ``nn.Linear``), in eval
+    mode as ``from_pretrained`` returns a model (``from_config`` builds it training: dropout
+    and Phi-3.5-MoE's router jitter were live in streamed calibration)."""
     from transformers import AutoModelForCausalLM
 
     config, wrapped = causal_lm_config(path)
@@ -141,7 +143,7 @@ def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:
             if _unties_on_load(model, path):
                 config.tie_word_embeddings = False
                 model = AutoModelForCausalLM.from_config(config)
-            return mark(model, wrapped)
+            return mark(model.eval(), wrapped)
     except (*_config_errors(), RuntimeError) as exc:
         raise ModelLoadError(
             f"{path}/config.json does not describe a model transformers can build ({exc}); fix it"

@@ -185,3 +185,19 @@ def test_an_moe_export_loads_module_by_module_as_the_whole_read(model_type, expe
     whole = _load_whole(folder, export_module._quantization_config(folder), torch.float32,
                         "auto").eval()
     assert torch.equal(_logits(lazy), _logits(whole))
+
+
+def test_models_built_from_a_config_come_back_in_eval_mode(tmp_path):
+    """The streamed job's skeleton and both readers of an export build the model from its
+    config, which transformers builds training: OPT's dropout 0.1 then changed every forward
+    (streamed calibration, the reloaded model's logits). Each comes back in eval mode, as
+    from_pretrained's does, and two forwards agree."""
+    model = make_tiny_model("opt", dropout=0.1)
+    assert model.config.dropout == 0.1
+    folder = _export(model, tmp_path)
+    skeleton = stream_module.meta_skeleton(folder)
+    for built in (skeleton, load_compressed(folder), _load_whole(
+            folder, export_module._quantization_config(folder), torch.float32, "auto")):
+        assert not any(m.training for m in built.modules())
+    loaded = load_compressed(folder)
+    torch.testing.assert_close(_logits(loaded), _logits(loaded), rtol=0, atol=0)

@@ -28,9 +28,9 @@ IDS = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12, 64, 33, 21, 8, 90, 111, 4, 60
 # norms after the blocks (Gemma 2/3, OLMo2/3, EXAONE 4, GLM-4)
 REFUSED = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].post_norms)
 # LayerNorms: the mean and the bias do not commute with a rotation (StableLM, Starcoder2,
-# Cohere, Phi)
-LAYER_NORMS = tuple(t for t in TINY_MODEL_TYPES if ARCHS[t].norm_kind == "layer")
-ROTATABLE = [t for t in TINY_MODEL_TYPES if t not in REFUSED + LAYER_NORMS] + list(TINY_MOE_TYPES)
+# Cohere, Phi, Phi-3.5-MoE)
+LAYER_NORMS = tuple(t for t in TINY_MODEL_TYPES + TINY_MOE_TYPES if ARCHS[t].norm_kind == "layer")
+ROTATABLE = [t for t in TINY_MODEL_TYPES + TINY_MOE_TYPES if t not in REFUSED + LAYER_NORMS]
 
 
 def _model(family: str):

@@ -107,6 +107,8 @@ FAMILIES = {
     # ... and sigmoid routing with a bias, RoPE on half of each head (untied: with the tied head
     # one decode step's two best tokens were 3e-6 apart, a tie the kernel's rounding flips)
     "minimax_m2": dict(tie_word_embeddings=False),
+    # ... LayerNorms with biases, biases everywhere (the head's too), a sparsemixer router
+    "phimoe": dict(tie_word_embeddings=False),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
