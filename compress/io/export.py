@@ -117,15 +117,18 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     def names(name: str) -> list[str]:
         # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
         # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other;
-        # an MoE model's too where its tree has a Linear by that name (Phi-3.5-MoE's router,
-        # stored as gate: renamings match weight names); a wrapper's text module under its two
-        both = moe_arch(model) is None or isinstance(modules.get(name), nn.Linear)
+        # an MoE model's float routers and experts too (vLLM's MiniMax-M2 names its block mlp,
+        # stored block_sparse_moe; Phi-3.5-MoE's router is a Linear named router, stored gate:
+        # renamings match weight names); a wrapper's text module under the wrapper's two
+        both = moe_arch(model) is None or name in float_moe or isinstance(modules.get(name),
+                                                                           nn.Linear)
         stored = rename(name + ".weight").removesuffix(".weight")
         own = sorted({name, stored}) if both else [stored]
         return own if wrapped is None else sorted({w for n in own
                                                   for w in wrapper_names(wrapped, n)})
 
-    plain_linears = [w for n in moe_float_linears(model) for w in names(n)]  # routers, experts
+    float_moe = set(moe_float_linears(model))  # routers, float experts
+    plain_linears = [w for n in float_moe for w in names(n)]
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):

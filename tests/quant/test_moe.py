@@ -306,6 +306,10 @@ def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(tmp_p
         assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
         quant = config["quantization_config"]
         assert f"model.layers.0.{block}.gate" in quant["ignore"]
+        # the router under the module tree's name too (the name transformers 5 and vLLM's
+        # MiniMax-M2 match; Phi-3.5-MoE's router is a Linear that transformers would quantize)
+        assert f"model.layers.0.{arch.moe.router}" in quant["ignore"]
+        assert len(set(quant["ignore"])) == len(quant["ignore"])
         assert quant["config_groups"]["group_0"]["targets"] == ["Linear"]
         with torch.no_grad():
             ours.append(model(ids).logits)
@@ -697,3 +701,21 @@ def test_a_trained_router_bias_is_read_by_every_loader(model_type, module_name, 
     with torch.no_grad():
         assert torch.equal(streamed(ids).logits,
                            load_model(str(tmp_path / "stream-False")).model(ids).logits)
+
+
+def test_float_experts_are_ignored_under_the_checkpoint_and_the_tree_block_names(tmp_path):
+    """W4 attention with float experts: each expert's projections are listed under the
+    checkpoint's block (Mixtral's and MiniMax-M2's ``block_sparse_moe``, what vLLM's Mixtral
+    matches) and the module tree's (``mlp``, what vLLM's MiniMax-M2 matches: with the first
+    alone it built its int4 MoE method for float experts and refused to load)."""
+    model = make_tiny_moe("minimax_m2")
+    int4_rtn(model, Int4RtnConfig(group_size=32, ignore=("lm_head", "re:.*experts")),
+             CompressionState())
+    export_checkpoint(model, None, tmp_path, dtype="float32")
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    arch = arch_for(model, "test")
+    for layer in (0, 1):
+        for e in range(4):
+            for proj in arch.moe.checkpoint_projections:
+                for block in (arch.moe.checkpoint_block, arch.moe.block):
+                    assert f"model.layers.{layer}.{block}.experts.{e}.{proj}" in ignore
