@@ -161,7 +161,7 @@ def make_char_tokenizer():
 
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
-                                   "glm4_moe_lite", "minimax_m2", "phimoe")
+                                   "glm4_moe_lite", "minimax_m2", "phimoe", "exaone_moe")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -210,6 +210,9 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
                         n_group=1, topk_group=1, norm_topk_prob=True, q_lora_rank=64,
                         kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                         num_key_value_heads=TINY_SIZES["num_attention_heads"])
+    elif model_type == "exaone_moe":  # dots.llm1's block (released: layer 0 dense)
+        settings.update(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
+                        num_shared_experts=1, mlp_layer_types=["sparse"] * 2, norm_topk_prob=True)
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
         settings.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
                         intermediate_size=128, moe_num_shared_experts=1, moe_layer_start_index=0)

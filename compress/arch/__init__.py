@@ -48,6 +48,7 @@ How each family's peculiarities are handled (scale folds:
   and dots.llm1 add a shared
   expert without a gate, sigmoid routing with a trained score-correction bias (a persistent
   buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers;
+  K-EXAONE (exaone_moe) dots.llm1's block with EXAONE 4's NoPE global layers;
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
   names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,

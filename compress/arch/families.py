@@ -160,6 +160,10 @@ GLM4_MOE = _moe_arch("glm4_moe", _SHARED_EXPERTS)
 # renames, which checkpoint_renamer applies), ERNIE's interleaved RoPE (RuntimeSpec).
 ERNIE4_5_MOE = _moe_arch("ernie4_5_moe", _SHARED_EXPERTS)
 DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
+# K-EXAONE (exaone_moe): dots.llm1's block (its correction bias stored beside the router, renamed
+# by transformers), q/k norms over one head, EXAONE 4's global layers without RoPE (RuntimeSpec),
+# dense layers per mlp_layer_types.
+EXAONE_MOE = dataclasses.replace(_moe_arch("exaone_moe", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
 
 # DeepSeek-V3/R1, Kimi K2 and Moonlight (deepseek_v3), DeepSeek-V2 (deepseek_v2): GLM-4-MoE's
 # experts, shared expert and dense first layers (V3's router: sigmoid scores and a correction
@@ -523,6 +527,7 @@ ARCHS: dict[str, Arch] = {
         GLM4_MOE_LITE,
         MINIMAX_M2,
         PHIMOE,
+        EXAONE_MOE,
     )
 }
 
@@ -640,6 +645,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # layers run as a dense family's (compress.arch.layer_arch)
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
+    "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),

@@ -71,7 +71,7 @@ def _element_counts(model) -> tuple[int, int]:
                or getattr(cfg, "n_routed_experts", None) or cfg.moe_num_experts)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     gated = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen2-MoE's, with a gate
-    shared = gated or (getattr(cfg, "n_shared_experts", 0)
+    shared = gated or (getattr(cfg, "n_shared_experts", 0) or getattr(cfg, "num_shared_experts", 0)
                        or getattr(cfg, "moe_num_shared_experts", 0) or 0) * inter
     h = cfg.hidden_size
     per_layer = _attention_elements(model) + experts * 3 * h * inter + 3 * h * shared
@@ -646,6 +646,8 @@ ROUTER_BIASES = [  # (model_type, the bias's module name, its stored name), laye
     ("dots1", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
     # MiniMax-M2: the block's buffer, stored under the released checkpoint's block name
     ("minimax_m2", "mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
+    # K-EXAONE: the router's buffer, stored beside the router (transformers renames it)
+    ("exaone_moe", "mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"),
 ]
 
 

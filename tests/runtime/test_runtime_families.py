@@ -109,6 +109,10 @@ FAMILIES = {
     "minimax_m2": dict(tie_word_embeddings=False),
     # ... LayerNorms with biases, biases everywhere (the head's too), a sparsemixer router
     "phimoe": dict(tie_word_embeddings=False),
+    # K-EXAONE: a dense first layer, a windowed layer with RoPE, a global one without
+    "exaone_moe": dict(tie_word_embeddings=False, sliding_window=WINDOW,
+                       layer_types=["sliding_attention", "full_attention"],
+                       mlp_layer_types=["dense", "sparse"]),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
@@ -288,9 +292,10 @@ def test_stacked_projections_equal_separate_calls(family, monkeypatch):
     quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
     settings = dict(max_seq_len=48, decode_dtype=torch.float32, compile=False, int4_kernel="q4q8")
     stacked = Runtime(model, **settings, keep_model_weights=True)  # a second one follows
-    for layer in stacked.layers:
+    for layer, source in zip(stacked.layers, decoder_layers(model), strict=True):
         assert layer.qkv is not None and (layer.q, layer.k, layer.v) == (None, None, None)
-        assert (layer.gate_up is None) == (family in MOE or not arch_of(family).gate)
+        own = layer_arch(arch_of(family), source)  # an MoE model's dense layer: its gated MLP
+        assert (layer.gate_up is None) == (own.moe is not None or not own.gate)
         layer.fused = False  # the fused elementwise ops need stacked calls: compare torch's
     monkeypatch.setattr(layers._IntLinear, "stacked", classmethod(lambda cls, parts: None))
     separate = Runtime(model, **settings)
