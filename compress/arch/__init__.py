@@ -116,10 +116,9 @@ __all__ = [
     "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "dense_layer_settings", "dense_view",
-    "float_only_modules",
-    "head_dim_of", "is_sparse", "layer_arch", "mapping_paths", "model_type", "mtp_tensors",
-    "output_weight_key", "producer_rows", "routing_problem", "runtime_model_types",
-    "set_embedding_scale", "sparse_layers",
+    "float_only_modules", "head_dim_of", "is_sparse", "layer_arch", "mapping_paths",
+    "model_type", "mtp_tensors", "output_weight_key", "producer_rows", "routing_problem",
+    "runtime_model_types", "set_embedding_scale", "sparse_layers",
 ]  # fmt: skip
 
 

@@ -112,23 +112,18 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
     """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
     by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
     rename, wrapped = checkpoint_renamer(model), wrapped_of(model)
-    modules = dict(model.named_modules())  # (per-expert names of fused experts are not in it)
 
     def names(name: str) -> list[str]:
         # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
         # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other;
-        # an MoE model's float routers and experts too (vLLM's MiniMax-M2 names its block mlp,
-        # stored block_sparse_moe; Phi-3.5-MoE's router is a Linear named router, stored gate:
+        # an MoE model's renamed block too (vLLM's MiniMax-M2 names it mlp, stored
+        # block_sparse_moe; Phi-3.5-MoE's router is a Linear named router, stored gate:
         # renamings match weight names); a wrapper's text module under the wrapper's two
-        both = moe_arch(model) is None or name in float_moe or isinstance(modules.get(name),
-                                                                           nn.Linear)
-        stored = rename(name + ".weight").removesuffix(".weight")
-        own = sorted({name, stored}) if both else [stored]
+        own = sorted({name, rename(name + ".weight").removesuffix(".weight")})
         return own if wrapped is None else sorted({w for n in own
                                                   for w in wrapper_names(wrapped, n)})
 
-    float_moe = set(moe_float_linears(model))  # routers, float experts
-    plain_linears = [w for n in float_moe for w in names(n)]
+    plain_linears = [w for n in moe_float_linears(model) for w in names(n)]  # routers, experts
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):

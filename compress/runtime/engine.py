@@ -69,6 +69,7 @@ from compress.runtime.layers import (
     _Layer,
     _Q8Kernel,
 )
+from compress.runtime.paged import kv_bytes_per_token
 from compress.runtime.sampling import _make_sampling, _sample, _Sampling
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,8 @@ def _check_cache_fits(config, arch, max_batch_size: int, max_seq_len: int,
     if arch.latent_attention:  # one head of latent and rotary key, no values (runtime.latent)
         kv_heads, head_dim = 1, cached_head_dim(config, arch)
     layers = config.num_hidden_layers
-    sides = 1 if arch.latent_attention else 2
-    need = sides * layers * max_batch_size * kv_heads * max_seq_len * head_dim * kv_dtype.itemsize
+    need = max_batch_size * max_seq_len * kv_bytes_per_token(
+        layers, kv_heads, head_dim, kv_dtype, values_in_keys=bool(arch.latent_attention))
     free = available_memory_bytes(device)
     if free is not None and need > free:  # a ValueError that the CLI prints as a user's error
         raise ConfigError(
