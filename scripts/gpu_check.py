@@ -236,17 +236,9 @@ def section_quant(ctx: dict) -> dict:
                            f"{str(exc)[:200]})"}  # fmt: skip
     results = {"column walk": _gptq_walk_timing(ctx)}
     model_dir = _synthetic(ctx)
-    for name, (calibration, step) in QUANT_RECIPES.items():
-        if ctx["dry_run"]:  # on the CPU: two short sequences, groups the tiny width has
-            calibration = re.sub(r"num_samples: \d+, seq_len: \d+", "num_samples: 2, seq_len: 32",
-                                 calibration)  # fmt: skip
-            step = step.replace("group_size: 128", "group_size: 32")
+    for name in QUANT_RECIPES:
         recipe = ctx["work"] / f"quant-{name}.yaml"  # not in --out: 8 files come back at most
-        recipe.write_text(
-            f"name: gpu-check-{name}\ndevice: {'cpu' if ctx['dry_run'] else 'cuda'}"
-            f"\ncalibration: {calibration}\npasses: [{step}]\n"
-            "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n"
-        )
+        recipe.write_text(quant_recipe(name, dry_run=ctx["dry_run"]))
         export = ctx["work"] / f"export-{name}"
         cmd = [sys.executable, "-m", "compress.cli", "run", str(recipe), "--model", str(model_dir),
                "--out", str(export), "--overwrite", "--no-progress"]  # fmt: skip
@@ -259,6 +251,19 @@ def section_quant(ctx: dict) -> dict:
             ctx.setdefault("exports", []).append(str(export))
         results[name] = row
     return results
+
+
+def quant_recipe(name: str, *, dry_run: bool) -> str:
+    """Section 4's recipe ``name`` (a QUANT_RECIPES key) on the GPU, or for the dry run on the
+    CPU with two short sequences and groups the tiny width has."""
+    calibration, step = QUANT_RECIPES[name]
+    if dry_run:
+        calibration = re.sub(r"num_samples: \d+, seq_len: \d+", "num_samples: 2, seq_len: 32",
+                             calibration)  # fmt: skip
+        step = step.replace("group_size: 128", "group_size: 32")
+    return (f"name: gpu-check-{name}\ndevice: {'cpu' if dry_run else 'cuda'}"
+            f"\ncalibration: {calibration}\npasses: [{step}]\n"
+            "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
 
 
 def _gptq_walk_timing(ctx: dict) -> dict:
@@ -324,9 +329,7 @@ def section_ppl(ctx: dict) -> dict:
     if not exports:
         return {"skipped": "no export from section 4"}
     out = {"export": exports[0]}
-    runs = {"cuda": ["--device", "cuda"], "cpu": ["--device", "cpu"],
-            "cuda layer by layer": ["--device", "cuda", "--layer-by-layer"]}  # fmt: skip
-    for name, flags in runs.items():
+    for name, flags in EVAL_RUNS.items():
         if ctx["dry_run"]:  # every run on the CPU: the plumbing, not the numbers
             flags = [f if f != "cuda" else "cpu" for f in flags]
         cmd = [sys.executable, "-m", "compress.cli", "eval", exports[0], *flags, "--limit", "4"]
@@ -345,6 +348,9 @@ def section_ppl(ctx: dict) -> dict:
     return out
 
 
+# section 5's `compress eval` runs of the first export (with `--limit 4`)
+EVAL_RUNS = {"cuda": ["--device", "cuda"], "cpu": ["--device", "cpu"],
+             "cuda layer by layer": ["--device", "cuda", "--layer-by-layer"]}  # fmt: skip
 PPL_TOLERANCE = 0.01  # relative; bf16 weights and activations against the CPU's numbers
 
 
