@@ -27,7 +27,9 @@ decoder linear weight is counted at the export dtype and subtracted); or TPOT on
 (decode is bandwidth-bound, so TPOT is modelled as ``a + b * linear bytes``, fitted from two
 uniform models measured through the runtime, then checked on the result). A quality ceiling
 (Δppl) is checked on the result, not searched for: a miss is reported with the numbers.
-Not done: searching the algorithm per layer (one pass for all), activation quantization.
+MoE models: each sparse layer's fused experts module is one unit with one format for all its
+experts (``compress.pipeline.tune_units``). Not done: searching the algorithm per layer (one
+pass for all), activation quantization.
 """
 
 from __future__ import annotations
@@ -48,9 +50,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.arch import ARCHS, DEFAULT_IGNORE, model_type
+from compress.arch import DEFAULT_IGNORE
 from compress.core.errors import ConfigError
-from compress.core.matcher import matches
+from compress.core.matcher import matches, set_submodule
+from compress.pipeline.tune_units import (
+    Unit,
+    checkpoint_unit_bytes,
+    measured_linears,
+    stored_owners,
+    tune_units,
+    unit_tables,
+)
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.quant.primitives import GRIDS
 
@@ -79,7 +89,11 @@ class Format:
         return WeightScheme(self.n_bits, self.group_size, self.symmetric, torch.float16, self.grid)
 
     def fits(self, linear: nn.Linear) -> bool:
-        return self.is_float or self.group_size is None or linear.in_features % self.group_size == 0
+        return self.fits_widths((linear.in_features,))
+
+    def fits_widths(self, widths: tuple[int, ...]) -> bool:
+        return self.is_float or self.group_size is None or all(
+            w % self.group_size == 0 for w in widths)
 
 
 def parse_format(name: str) -> Format:
@@ -197,10 +211,9 @@ def sensitivity_bytes(where, formats: list[Format], batch_tokens: int) -> int | 
     skeleton = meta_skeleton(where)
     params = sum(p.numel() for p in skeleton.parameters())
     errors = 0
-    for name in decoder_linears(skeleton):
-        linear = skeleton.get_submodule(name)
-        fits = sum(1 for f in formats if not f.is_float and f.fits(linear))
-        errors += fits * linear.weight.numel() * FLOAT32
+    for unit in tune_units(skeleton).values():
+        fits = sum(1 for f in formats if not f.is_float and f.fits_widths(unit.input_widths))
+        errors += fits * unit.numel * FLOAT32
     cfg = skeleton.config
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     intermediate = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
@@ -331,12 +344,15 @@ def recipe_dict(
     description: str,
     symmetric_grid: str = "restricted",
     pass_options: dict[str, Any] | None = None,
+    scheme_names: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """The recipe (as a dict, for ``parse_recipe`` / YAML) that quantizes each layer of
     ``assignment`` to its format: the most chosen integer format is the pass default, the other
     integer formats are per-layer overrides, float layers are added to ``ignore``.
     ``pass_options``: more keys of the pass (e.g. AutoRound's ``iters``), checked by the
-    pass's config when the recipe is parsed."""
+    pass's config when the recipe is parsed. ``scheme_names``: the names an override must
+    match to reach a unit (``Unit.scheme_names``; default the unit's own name)."""
+    scheme_names = scheme_names or {}
     formats = {n: parse_format(f) for n, f in assignment.items()}
     integer = Counter(f.name for f in formats.values() if not f.is_float)
     if not integer:
@@ -350,7 +366,8 @@ def recipe_dict(
         fmt = parse_format(fmt_name)
         if fmt.is_float or fmt == default:
             continue
-        for pattern in _grouped_patterns(layers):
+        named = [n for layer in layers for n in scheme_names.get(layer, (layer,))]
+        for pattern in _grouped_patterns(named):
             entry: dict[str, Any] = {"layers": pattern, "n_bits": fmt.n_bits,
                                      "group_size": fmt.group_size or "channel"}  # fmt: skip
             if fmt.symmetric != default.symmetric:
@@ -395,6 +412,7 @@ def check_recipe_matches(
     from compress.quant.scheme import scheme_for_layer
 
     cfg = recipe.passes[0]
+    units = tune_units(model)
     for layer, fmt_name in assignment.items():
         fmt = parse_format(fmt_name)
         ignored = any(matches(layer, None, p) for p in cfg.ignore)
@@ -403,34 +421,18 @@ def check_recipe_matches(
                                  f"{layer} (assigned {fmt_name})")  # fmt: skip
         if fmt.is_float:
             continue
-        scheme = scheme_for_layer(model.get_submodule(layer), cfg, cfg.n_bits, layer)
-        got = (scheme.n_bits, scheme.group_size, scheme.symmetric, scheme.grid)
-        if got != (fmt.n_bits, fmt.group_size, fmt.symmetric, grid):
-            raise AssertionError(f"tune wrote a recipe giving {layer} {got}, assigned {fmt_name}")
+        unit = units[layer]
+        for name, width in zip(unit.scheme_names, unit.input_widths, strict=True):
+            # scheme_for_layer reads the input width; an experts module's as plan_experts does
+            probe = nn.Linear(width, 1, bias=False, device="meta")
+            scheme = scheme_for_layer(probe, cfg, cfg.n_bits, name)
+            got = (scheme.n_bits, scheme.group_size, scheme.symmetric, scheme.grid)
+            if got != (fmt.n_bits, fmt.group_size, fmt.symmetric, grid):
+                raise AssertionError(f"tune wrote a recipe giving {name} {got}, assigned "
+                                     f"{fmt_name}")  # fmt: skip
 
 
 # ---- measurement of what was written ------------------------------------------------------
-def checkpoint_linear_bytes(folder: Path, layers: list[str]) -> dict[str, int]:
-    """Bytes the exported safetensors hold for each layer's weight (codes, scales, zero points,
-    or the float weight), read from the files' headers."""
-    from safetensors import safe_open
-
-    stored = dict.fromkeys(layers, 0)
-    keys = {"weight", "weight_packed", "weight_scale", "weight_zero_point"}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            for key in handle.keys():
-                layer, _, leaf = key.rpartition(".")
-                if layer in stored and leaf in keys:
-                    tensor = handle.get_slice(key)
-                    shape, dtype = tensor.get_shape(), tensor.get_dtype()
-                    stored[layer] += math.prod(shape) * _DTYPE_BYTES[dtype]
-    return stored
-
-
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "I64": 8}
-
-
 def _cache_key(**parts: Any) -> str:
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -461,13 +463,9 @@ def read_sensitivities(cache: Path, names: list[str]) -> tuple[dict, dict] | Non
 
 
 def decoder_linears(model: nn.Module) -> list[str]:
-    """Every ``nn.Linear`` of the model except the default-ignored output head."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and not any(matches(name, module, p) for p in DEFAULT_IGNORE)
-    ]
+    """Every ``nn.Linear`` unit of the model (``tune_units``): all but the default-ignored
+    output head and the MoE routers."""
+    return [name for name, unit in tune_units(model).items() if not unit.experts]
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -498,10 +496,11 @@ class TuneTarget:
             raise ConfigError("tune: targets must be positive numbers")
 
 
-def other_export_bytes(model: nn.Module, names: list[str]) -> int:
-    """Bytes of everything the export holds besides the decoder linear weights ``names``
-    (embedding, norms, biases, an untied head): floats at 16 bits, tied tensors once."""
-    skip = {f"{n}.weight" for n in names}
+def other_export_bytes(model: nn.Module, units: dict[str, Unit]) -> int:
+    """Bytes of everything the export holds besides the weights of the tune's ``units``
+    (embedding, norms, biases, routers, an untied head): floats at 16 bits, tied tensors
+    once."""
+    skip = {k for unit in units.values() for k in unit.weight_keys}
     seen, total = set(), 0
     for key, tensor in model.state_dict().items():
         if key in skip or tensor.data_ptr() in seen:
@@ -513,8 +512,11 @@ def other_export_bytes(model: nn.Module, names: list[str]) -> int:
 
 
 def _uniform_variant(model: nn.Module, names: list[str], formats: list[Format], sizes) -> tuple:
-    """A copy with every layer in its smallest candidate format, and its linear bytes."""
+    """A copy with every unit in its smallest candidate format, and its linear bytes."""
+    from compress.quant.experts import rtn_experts
+
     variant = copy.deepcopy(model)
+    units = tune_units(variant)
     total = 0
     for name in names:
         smallest = min(sizes[name], key=lambda f: sizes[name][f])
@@ -522,10 +524,11 @@ def _uniform_variant(model: nn.Module, names: list[str], formats: list[Format], 
         fmt = parse_format(smallest)
         if fmt.is_float:
             continue
-        linear = variant.get_submodule(name)
-        parent, _, child = name.rpartition(".")
-        quant = QuantLinear.from_linear(linear, fmt.scheme())
-        setattr(variant.get_submodule(parent) if parent else variant, child, quant)
+        module = variant.get_submodule(name)
+        if units[name].experts:
+            rtn_experts(variant, name, module, (fmt.scheme(), fmt.scheme()), "auto")
+        else:
+            set_submodule(variant, name, QuantLinear.from_linear(module, fmt.scheme()))
     return variant, total
 
 
@@ -611,16 +614,9 @@ def run_tune(
 
     loaded = load_model(model_id)
     model = loaded.model.float().eval()
-    arch = ARCHS.get(model_type(model))
-    if arch is not None and arch.moe is not None:
-        # fused experts are not nn.Linear: the sensitivity and the budget would miss them
-        raise ConfigError(
-            f"tune: {arch.model_type} is a mixture-of-expert model; tune measures nn.Linear "
-            "layers only and would leave the fused expert weights out of the budget. Write "
-            "the recipe by hand"
-        )
-    names = decoder_linears(model)
-    numels = {n: model.get_submodule(n).weight.numel() for n in names}
+    units = tune_units(model)
+    names = list(units)
+    numels = {n: unit.numel for n, unit in units.items()}
     grid_key = {} if symmetric_grid == "restricted" else {"grid": symmetric_grid}
     key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
                      layers=names, version=1, **grid_key)  # fmt: skip
@@ -632,7 +628,11 @@ def run_tune(
     else:
         ids = draw_calibration(mix, loaded.tokenizer, num_samples=num_samples, seq_len=seq_len,
                                seed=0, data_dir=data_dir)  # fmt: skip
-        scores, sizes = measure_sensitivity(model, names, candidates, list(ids.split(4)), progress)
+        with measured_linears(model, units) as members:
+            linears = [n for group in members.values() for n in group]
+            scores, sizes = measure_sensitivity(model, linears, candidates, list(ids.split(4)),
+                                                progress)  # fmt: skip
+        scores, sizes = unit_tables(scores, sizes, members)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(json.dumps({"scores": scores, "sizes": sizes}))
@@ -642,7 +642,7 @@ def run_tune(
     if target.bits_per_weight is not None:
         budget = int(target.bits_per_weight * sum(numels.values()) / 8)
     elif target.max_bytes is not None:
-        budget = target.max_bytes - other_export_bytes(model, names)
+        budget = target.max_bytes - other_export_bytes(model, units)
     else:
         prompt = loaded.tokenizer("The history of the city", return_tensors=None)["input_ids"]
         tpot_fit = fit_tpot(model, names, candidates, sizes, prompt)
@@ -659,16 +659,17 @@ def run_tune(
         name=tag, model=model_id, assignment=assignment, algorithm=algorithm,
         calibration=calibration, perplexity=perplexity, description=f"compress tune: {target}",
         symmetric_grid=symmetric_grid, pass_options=pass_options,
+        scheme_names={n: unit.scheme_names for n, unit in units.items()},
     )  # fmt: skip
     recipe = replace(parse_recipe(raw, source="compress tune"), device=device)
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
-    tokenizer = loaded.tokenizer
+    tokenizer, owners = loaded.tokenizer, stored_owners(model, units)
     # the job loads the model itself (whole or layer by layer): this copy goes first
     del model, loaded
     gc.collect()
     result = run_planned(with_recipe(plan, recipe), out,
                          JobOptions(data_dir=data_dir, progress=progress, overwrite=overwrite))
-    stored = checkpoint_linear_bytes(out, names)
+    stored = checkpoint_unit_bytes(out, owners, units)
     measured_bits = 8 * sum(stored.values()) / sum(numels.values())
     report: dict[str, Any] = {
         "target": target.__dict__, "algorithm": algorithm, "pass_options": pass_options or {},

@@ -50,6 +50,7 @@ from compress.core.errors import DataError, NumericsError, OutputError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
 from compress.memory import MemoryMonitor, file_backed_copy, return_freed_memory
+from compress.quant.experts import override_names
 from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
 
@@ -325,7 +326,7 @@ def plan_layers(
     prefix = arch_for(model, report.name).layer_prefix
     plan: dict[str, WeightScheme] = {}
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
-    warn_unused_overrides(cfg, [n for n, _ in targeted], report.name)
+    warn_unused_overrides(cfg, [n for n, _ in targeted] + override_names(model, cfg), report.name)
     for name, module in targeted:
         if not name.startswith(prefix):
             report.skipped[name] = "outside the decoder layers (sequential calibration only)"

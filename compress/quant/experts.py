@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from compress.arch import ARCHS, Moe, arch_for, model_type, sparse_layers
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches, set_submodule
 from compress.core.registry import PassConfig, PassReport
-from compress.quant.linear import QuantExperts, WeightScheme
+from compress.quant.linear import QuantExperts, WeightScheme, routed_experts_forward
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer
 
 
@@ -38,6 +39,16 @@ def target_experts(model: nn.Module, cfg: PassConfig) -> list[tuple[str, nn.Modu
             found.append((name, module))
     return found
 
+
+
+def override_names(model: nn.Module, cfg: PassConfig) -> list[str]:
+    """The names per-layer ``overrides`` match for the targeted experts modules (``plan_experts``:
+    ``<experts>.<gate_up>`` and ``<experts>.<down>``)."""
+    found = target_experts(model, cfg)
+    if not found:
+        return []
+    moe = _moe(model, "overrides")
+    return [f"{name}.{param}" for name, _ in found for param in (moe.gate_up, moe.down)]
 
 
 ExpertPlan = dict[str, tuple[nn.Module, tuple[WeightScheme, WeightScheme]]]
@@ -136,3 +147,35 @@ def refuse_targeted_experts(model: nn.Module, cfg: PassConfig, what: str, why: s
         f"'re:.*{re.escape(moe.fused)}$' to `ignore`; or use quantize.gptq / quantize.int4_rtn "
         "/ quantize.int8_rtn, which quantize every expert"
     )
+
+
+class FloatExpertsView(nn.Module):
+    """A float fused-experts module (``compress.arch.Moe``) as one ``nn.Linear`` per expert and
+    projection, named as ``QuantExperts`` names them, whose weights are views of the fused
+    parameters (no copy), computing the same (``routed_experts_forward``). ``compress tune``
+    measures each expert's linears through it: hooks see only ``nn.Linear`` calls, and the
+    fused module computes with slices of its parameters."""
+
+    def __init__(self, module: nn.Module, moe: Moe) -> None:
+        super().__init__()
+        gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
+        self.num_experts, rows, self.hidden = gate_up.shape
+        self.intermediate = rows // 2
+        self.names, self.activation = moe.checkpoint_projections, getattr(module, moe.act)
+        for e in range(self.num_experts):
+            weights = (gate_up[e, : self.intermediate], gate_up[e, self.intermediate :], down[e])
+            linears = {}
+            for name, weight in zip(self.names, weights, strict=True):
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                linear.weight = nn.Parameter(weight, requires_grad=False)  # a view, not a copy
+                linears[name] = linear
+            self.add_module(str(e), nn.ModuleDict(linears))
+
+    def projections(self, e: int) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        block = self.get_submodule(str(e))
+        return tuple(block[n] for n in self.names)  # type: ignore[return-value]
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return routed_experts_forward(self, hidden, top_k_index, top_k_weights)

@@ -541,18 +541,7 @@ class QuantExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
-        for e in range(self.num_experts):
-            token_idx, pos = torch.where(top_k_index == e)
-            if token_idx.numel() == 0:
-                continue
-            gate, up, down = self.projections(e)
-            x = hidden[token_idx]
-            y = down(self.activation(gate(x)) * up(x)) * top_k_weights[token_idx, pos, None]
-            # index_put_ (a token meets each expert once): index_add_ measured 0.15 s per call
-            # on CPU threads here, index_put_ 0.02 ms; the sums are the same.
-            out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
-        return out
+        return routed_experts_forward(self, hidden, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
         q = self.projections(0)
@@ -561,6 +550,28 @@ class QuantExperts(nn.Module):
             f"intermediate={self.intermediate}, schemes=({q[0].scheme.describe()}, "
             f"{q[2].scheme.describe()})"
         )
+
+
+def routed_experts_forward(
+    experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_j w_j * down_e(act(gate_e(x)) * up_e(x))`` over the k experts ``e`` each token
+    picked, for a module with ``num_experts``, ``activation`` and ``projections(e)`` (the
+    (gate, up, down) layers of expert ``e``): ``QuantExperts``, and the float per-expert view
+    ``compress.pipeline.tune`` measures through."""
+    out = torch.zeros_like(hidden)
+    for e in range(experts.num_experts):
+        token_idx, pos = torch.where(top_k_index == e)
+        if token_idx.numel() == 0:
+            continue
+        gate, up, down = experts.projections(e)
+        x = hidden[token_idx]
+        y = down(experts.activation(gate(x)) * up(x)) * top_k_weights[token_idx, pos, None]
+        # index_put_ (a token meets each expert once): index_add_ measured 0.15 s per call
+        # on CPU threads here, index_put_ 0.02 ms; the sums are the same.
+        out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
+    return out
 
 
 # ---- sizes --------------------------------------------------------------------------------

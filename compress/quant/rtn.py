@@ -27,7 +27,7 @@ from compress.core.registry import (
 )
 from compress.kernels import reference
 from compress.quant.coverage import report_coverage
-from compress.quant.experts import plan_experts, rtn_experts
+from compress.quant.experts import override_names, plan_experts, rtn_experts
 from compress.quant.linear import QuantLinear, WeightScheme, quantization_coverage
 from compress.quant.scheme import (
     WeightQuantConfig,
@@ -83,7 +83,7 @@ def quantize_linears(
     report = PassReport(name)
     plan: list[tuple[str, nn.Linear, WeightScheme]] = []
     targeted = [(n, m) for n, m in target_modules(model, cfg) if isinstance(m, nn.Linear)]
-    warn_unused_overrides(cfg, [n for n, _ in targeted], name)
+    warn_unused_overrides(cfg, [n for n, _ in targeted] + override_names(model, cfg), name)
     for layer_name, module in targeted:
         scheme = scheme_for_layer(module, cfg, n_bits, layer_name)
         if isinstance(scheme, str):

@@ -1,0 +1,145 @@
+"""What ``compress tune`` gives a format to (a *unit*): each decoder ``nn.Linear`` the passes
+target, and each sparse layer's fused experts module of an MoE model, all its experts' gate, up
+and down in one format. One format per experts module because that is what a recipe can say:
+a pass's ``ignore`` keeps the whole module float, and its per-layer ``overrides`` name the
+module's ``<experts>.<gate_up>`` and ``<experts>.<down>`` (``compress.quant.experts``).
+
+The sensitivity of an experts module is the sum of its experts' linears' (measured through
+``FloatExpertsView``: one ``nn.Linear`` per expert and projection, views of the fused weights,
+so the hooks of ``compress.pipeline.tune.measure_sensitivity`` see each expert's inputs and
+output gradients), its stored bytes the sum of theirs; a format fits when its group size
+divides both input widths (hidden and intermediate). MoE routers and shared-expert gates are
+never quantized (``compress.arch.float_only_modules``) and are no unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from compress.arch import (
+    ARCHS,
+    DEFAULT_IGNORE,
+    float_only_modules,
+    model_type,
+    sparse_layers,
+)
+from compress.core.matcher import matches, set_submodule
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str  # the module's path: a Linear, or a fused experts module
+    numel: int  # weights it holds
+    input_widths: tuple[int, ...]  # what a format's group size must divide
+    scheme_names: tuple[str, ...]  # the names the pass's per-layer overrides match
+    weight_keys: tuple[str, ...]  # its weights' state-dict keys
+    experts: int = 0  # experts in the module (0: a Linear)
+
+
+def tune_units(model: nn.Module) -> dict[str, Unit]:
+    """The units of ``model`` in module order: every ``nn.Linear`` outside the default-ignored
+    head and the float-only modules, and every sparse layer's experts module."""
+    arch = ARCHS.get(model_type(model))
+    experts = {}
+    if arch is not None and arch.moe is not None:
+        moe = arch.moe
+        for index in sparse_layers(model, arch):
+            name = f"{arch.layer_prefix}{index}.{moe.fused}"
+            module = model.get_submodule(name)
+            count, rows, hidden = getattr(module, moe.gate_up).shape
+            keys = (f"{name}.{moe.gate_up}", f"{name}.{moe.down}")
+            experts[name] = Unit(name, count * rows * hidden + getattr(module, moe.down).numel(),
+                                 (hidden, rows // 2), keys, keys, count)  # fmt: skip
+    fixed = float_only_modules(model)
+    units = {}
+    for name, module in model.named_modules():
+        if name in experts:
+            units[name] = experts[name]
+        elif (isinstance(module, nn.Linear) and name not in fixed
+              and not any(name.startswith(f"{e}.") for e in experts)
+              and not any(matches(name, module, p) for p in DEFAULT_IGNORE)):  # fmt: skip
+            units[name] = Unit(name, module.weight.numel(), (module.in_features,), (name,),
+                               (f"{name}.weight",))  # fmt: skip
+    return units
+
+
+@contextlib.contextmanager
+def measured_linears(model: nn.Module, units: dict[str, Unit]) -> Iterator[dict[str, list[str]]]:
+    """Within: each experts unit of ``model`` is its ``FloatExpertsView`` (the same function,
+    per-expert ``nn.Linear`` views); yields ``{unit: the nn.Linear names measured for it}``.
+    The fused modules are put back on exit."""
+    from compress.quant.experts import FloatExpertsView
+
+    moe = ARCHS[model_type(model)].moe if any(u.experts for u in units.values()) else None
+    fused, members = {}, {}
+    try:
+        for name, unit in units.items():
+            if not unit.experts:
+                members[name] = [name]
+                continue
+            fused[name] = model.get_submodule(name)
+            view = FloatExpertsView(fused[name], moe)
+            set_submodule(model, name, view)
+            members[name] = [f"{name}.{e}.{p}" for e in range(unit.experts) for p in view.names]
+        yield members
+    finally:
+        for name, module in fused.items():
+            set_submodule(model, name, module)
+
+
+def unit_tables(
+    scores: dict[str, dict[str, float]], sizes: dict[str, dict[str, int]],
+    members: dict[str, list[str]],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
+    """Per-linear (scores, sizes) summed into per-unit ones over the formats every member
+    linear fits."""
+    unit_scores, unit_sizes = {}, {}
+    for unit, names in members.items():
+        fits = [f for f in sizes[names[0]] if all(f in sizes[n] for n in names)]
+        unit_scores[unit] = {f: sum(scores[n][f] for n in names) for f in fits}
+        unit_sizes[unit] = {f: sum(sizes[n][f] for n in names) for f in fits}
+    return unit_scores, unit_sizes
+
+
+def stored_owners(model: nn.Module, units: dict[str, Unit]) -> dict[str, str]:
+    """``{stored linear name: unit}``: the names the export of ``model`` stores each unit's
+    linears under (``checkpoint_renamer``; an experts module's per expert and projection)."""
+    from compress.io.names import checkpoint_renamer
+
+    rename, owners = checkpoint_renamer(model), {}
+    for name, unit in units.items():
+        if not unit.experts:
+            owners[rename(name)] = name
+            continue
+        projections = ARCHS[model_type(model)].moe.checkpoint_projections
+        for e in range(unit.experts):
+            owners.update({rename(f"{name}.{e}.{p}"): name for p in projections})
+    return owners
+
+
+def checkpoint_unit_bytes(folder: Path, owners: dict[str, str], units) -> dict[str, int]:
+    """Bytes the exported safetensors in ``folder`` hold for each unit's weights (codes,
+    scales, zero points, or the float weights; an experts module's linears summed), read from
+    the files' headers; ``owners`` from ``stored_owners``."""
+    from safetensors import safe_open
+
+    stored = dict.fromkeys(units, 0)
+    leaves = {"weight", "weight_packed", "weight_scale", "weight_zero_point"}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for key in handle.keys():
+                layer, _, leaf = key.rpartition(".")
+                if layer in owners and leaf in leaves:
+                    tensor = handle.get_slice(key)
+                    shape, dtype = tensor.get_shape(), tensor.get_dtype()
+                    stored[owners[layer]] += math.prod(shape) * _DTYPE_BYTES[dtype]
+    return stored
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "I64": 8}
