@@ -465,7 +465,7 @@ def read_sensitivities(cache: Path, names: list[str]) -> tuple[dict, dict] | Non
 def decoder_linears(model: nn.Module) -> list[str]:
     """Every ``nn.Linear`` unit of the model (``tune_units``): all but the default-ignored
     output head and the MoE routers."""
-    return [name for name, unit in tune_units(model).items() if not unit.experts]
+    return [name for name, unit in tune_units(model).items() if not unit.expert_count]
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -525,7 +525,7 @@ def _uniform_variant(model: nn.Module, names: list[str], formats: list[Format], 
         if fmt.is_float:
             continue
         module = variant.get_submodule(name)
-        if units[name].experts:
+        if units[name].expert_count:
             rtn_experts(variant, name, module, (fmt.scheme(), fmt.scheme()), "auto")
         else:
             set_submodule(variant, name, QuantLinear.from_linear(module, fmt.scheme()))

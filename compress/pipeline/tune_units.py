@@ -39,7 +39,7 @@ class Unit:
     input_widths: tuple[int, ...]  # what a format's group size must divide
     scheme_names: tuple[str, ...]  # the names the pass's per-layer overrides match
     weight_keys: tuple[str, ...]  # its weights' state-dict keys
-    experts: int = 0  # experts in the module (0: a Linear)
+    expert_count: int = 0  # experts in the module (0: a Linear)
 
 
 def tune_units(model: nn.Module) -> dict[str, Unit]:
@@ -76,17 +76,18 @@ def measured_linears(model: nn.Module, units: dict[str, Unit]) -> Iterator[dict[
     The fused modules are put back on exit."""
     from compress.quant.experts import FloatExpertsView
 
-    moe = ARCHS[model_type(model)].moe if any(u.experts for u in units.values()) else None
+    moe = ARCHS[model_type(model)].moe if any(u.expert_count for u in units.values()) else None
     fused, members = {}, {}
     try:
         for name, unit in units.items():
-            if not unit.experts:
+            if not unit.expert_count:
                 members[name] = [name]
                 continue
             fused[name] = model.get_submodule(name)
             view = FloatExpertsView(fused[name], moe)
             set_submodule(model, name, view)
-            members[name] = [f"{name}.{e}.{p}" for e in range(unit.experts) for p in view.names]
+            members[name] = [f"{name}.{e}.{p}" for e in range(unit.expert_count)
+                             for p in view.names]  # fmt: skip
         yield members
     finally:
         for name, module in fused.items():
@@ -114,11 +115,11 @@ def stored_owners(model: nn.Module, units: dict[str, Unit]) -> dict[str, str]:
 
     rename, owners = checkpoint_renamer(model), {}
     for name, unit in units.items():
-        if not unit.experts:
+        if not unit.expert_count:
             owners[rename(name)] = name
             continue
         projections = ARCHS[model_type(model)].moe.checkpoint_projections
-        for e in range(unit.experts):
+        for e in range(unit.expert_count):
             owners.update({rename(f"{name}.{e}.{p}"): name for p in projections})
     return owners
 

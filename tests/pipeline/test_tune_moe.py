@@ -49,7 +49,7 @@ def test_the_per_expert_view_computes_what_the_fused_experts_compute(family):
     with torch.no_grad():
         want = model(ids).logits
     units = tune_units(model)
-    fused = {n: model.get_submodule(n) for n, u in units.items() if u.experts}
+    fused = {n: model.get_submodule(n) for n, u in units.items() if u.expert_count}
     assert set(fused) == {f"{arch.layer_prefix}{i}.{arch.moe.fused}"
                           for i in sparse_layers(model, arch)}  # fmt: skip
     assert not float_only_modules(model) & set(units)  # routers and shared gates: never a unit
@@ -57,7 +57,7 @@ def test_the_per_expert_view_computes_what_the_fused_experts_compute(family):
         got = model(ids).logits
         for name, names in members.items():
             assert all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in names)
-            if units[name].experts:  # views of the fused weights, not copies
+            if units[name].expert_count:  # views of the fused weights, not copies
                 assert model.get_submodule(names[0]).weight.data_ptr() == getattr(
                     fused[name], arch.moe.gate_up).data_ptr()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -76,7 +76,7 @@ def test_experts_sensitivity_equals_an_independent_float64_fisher():
         linears = [n for group in members.values() for n in group]
         scores, sizes = measure_sensitivity(model, linears, formats, [batch])
     unit_scores, unit_sizes = unit_tables(scores, sizes, members)
-    experts = [n for n, u in units.items() if u.experts]
+    experts = [n for n, u in units.items() if u.expert_count]
     assert experts and all(set(unit_sizes[n]) == {"float", "int8", "int4-g32"} for n in experts)
     assert "int4-g64" in unit_sizes["model.layers.0.self_attn.q_proj"]
     assert all(unit_sizes[n]["float"] == 2 * units[n].numel for n in experts)
@@ -88,7 +88,7 @@ def test_experts_sensitivity_equals_an_independent_float64_fisher():
     outputs, inputs = {}, {}
     for name in experts:
         set_submodule(reference, name, FloatExpertsView(reference.get_submodule(name), moe))
-    for name in (n for n in members for n in members[n] if ".experts." in n):
+    for name in (linear for unit in experts for linear in members[unit]):
         def keep(mod, args, out, name=name):
             inputs[name] = args[0].detach()
             out.retain_grad()
@@ -180,7 +180,7 @@ def test_tune_on_an_moe_model_meets_the_budget_on_the_export(family, bits, tmp_p
         report["predicted_bits_per_weight"], rel=1e-9)
     units = tune_units(model)
     assert set(report["assignment"]) == set(units)
-    experts = [n for n, u in units.items() if u.experts]
+    experts = [n for n, u in units.items() if u.expert_count]
     assert experts and all(report["assignment"][n] != "float" for n in experts)
     assert all(c["ok"] for c in report["checks"])
     rerun = parse_recipe((tmp_path / "out" / "recipe.yaml").read_text())
