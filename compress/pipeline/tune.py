@@ -56,6 +56,7 @@ from compress.core.matcher import matches, set_submodule
 from compress.pipeline.tune_units import (
     Unit,
     checkpoint_unit_bytes,
+    header_bytes_bound,
     measured_linears,
     stored_owners,
     tune_units,
@@ -497,18 +498,20 @@ class TuneTarget:
 
 
 def other_export_bytes(model: nn.Module, units: dict[str, Unit]) -> int:
-    """Bytes of everything the export holds besides the weights of the tune's ``units``
-    (embedding, norms, biases, routers, an untied head): floats at 16 bits, tied tensors
-    once."""
+    """Bytes of everything the export's safetensors hold besides the weights of the tune's
+    ``units`` (embedding, norms, biases, routers, an untied head: floats at 16 bits, tied
+    tensors once), and a bound on their JSON headers (``header_bytes_bound``: the file sizes
+    the target is checked on include them)."""
     skip = {k for unit in units.values() for k in unit.weight_keys}
-    seen, total = set(), 0
+    seen, total, others = set(), 0, []
     for key, tensor in model.state_dict().items():
         if key in skip or tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
+        others.append(key)
         bits = FLOAT_BITS if tensor.is_floating_point() else 8 * tensor.element_size()
         total += tensor.numel() * bits // 8
-    return total
+    return total + header_bytes_bound(model, units, others)
 
 
 def _uniform_variant(model: nn.Module, names: list[str], formats: list[Format], sizes) -> tuple:

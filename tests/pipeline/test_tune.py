@@ -326,3 +326,17 @@ def test_a_damaged_sensitivity_cache_is_measured_again(text, tmp_path):
     assert read_sensitivities(cache, ["a"]) is None
     cache.write_text('{"scores": {"a": {"int4": 0.5}}, "sizes": {"a": {"int4": 10}}}')
     assert read_sensitivities(cache, ["a"]) == ({"a": {"int4": 0.5}}, {"a": {"int4": 10}})
+
+
+def test_tune_meets_a_checkpoint_bytes_target_on_disk(tiny_model, tiny_tokenizer, tmp_path,
+                                                      monkeypatch):
+    """The files' sizes hold the headers too (JSON of every tensor's name, dtype, shape and
+    offsets): the budget leaves room for them (it missed by the header before)."""
+    model_dir, text = _tiny_dir(tmp_path, tiny_model, tiny_tokenizer, monkeypatch)
+    float_bytes = sum(t.numel() * 2 for t in tiny_model.state_dict().values())
+    target = int(0.6 * float_bytes)
+    report = _tune(model_dir, text, tmp_path / "out", max_bytes=target)
+    (check,) = report["checks"]
+    files = sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
+    assert check["ok"] and check["got"] == files <= target, check
+    assert "int4-g32" in report["format_counts"] or "int8" in report["format_counts"]

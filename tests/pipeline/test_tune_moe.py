@@ -189,3 +189,22 @@ def test_tune_on_an_moe_model_meets_the_budget_on_the_export(family, bits, tmp_p
     stored = checkpoint_unit_bytes(tmp_path / "out", stored_owners(model, units), units)
     assert all(stored[n] > 0 for n in units) and sum(stored.values()) == report[
         "measured_linear_bytes"]
+
+
+def test_tune_on_an_moe_model_meets_a_checkpoint_bytes_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    model = _moe("mixtral")
+    model.save_pretrained(tmp_path / "model")
+    make_char_tokenizer().save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox {i * 7 % 13} jumps over {i % 5}.\n"
+                            for i in range(80)))
+    float_bytes = sum(t.numel() * 2 for t in model.state_dict().values())
+    report = run_tune(
+        str(tmp_path / "model"), TuneTarget(max_bytes=int(0.6 * float_bytes)),
+        formats=("float", "int8", "int4-g32"), num_samples=4, seq_len=32,
+        calibration_mix={str(text): 1.0}, limit=2, eval_dataset=str(text), context_length=64,
+        out_dir=tmp_path / "out", progress=False,
+    )  # fmt: skip
+    (check,) = report["checks"]
+    assert check["ok"], check  # the per-expert export's longer header included
