@@ -135,7 +135,7 @@ def _tune_pass_options(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from compress.pipeline.tune import DEFAULT_FORMATS, TuneTarget, run_tune
+    from compress.pipeline.tune import DEFAULT_FORMATS, TuneTarget, run_tune, tune_markdown
 
     target = TuneTarget(bits_per_weight=args.bits_per_weight, max_bytes=args.max_bytes,
                         tpot_ms=args.tpot_ms, max_dppl_pct=args.max_dppl,
@@ -146,9 +146,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         symmetric_grid=args.symmetric_grid, num_samples=args.num_samples, seq_len=args.seq_len,
         limit=None if args.full_eval else args.limit, out_dir=args.out, data_dir=args.data_dir,
         progress=not args.no_progress, overwrite=args.overwrite, device=args.device,
+        layer_by_layer=args.layer_by_layer or None,
     )  # fmt: skip
-    from compress.pipeline.tune import tune_markdown
-
     print(tune_markdown(report))
     for row in report["rows"]:
         print(f"{row['variant']}: perplexity {row.get('perplexity')}, "
@@ -498,6 +497,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: draft tokens per target forward (default 4)")
 
 
+DATA_DIR_HELP = "data folder (default: $COMPRESS_DATA_DIR or ../shared/data)"
 OVERWRITE_HELP = (
     "replace --out even when it holds files compress did not write (they are deleted once the "
     "new checkpoint is complete); without it such a folder is an error. The model's own folder "
@@ -539,8 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--model", help="model to compress (directory, hub id, or smollm2-135m); "
                        "default: the recipe's `model`")
     p_run.add_argument("--out", help="output checkpoint directory (default: out/<recipe name>)")
-    p_run.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
-                       "../shared/data)")
+    p_run.add_argument("--data-dir", help=DATA_DIR_HELP)
     p_run.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p_run.add_argument("--full-eval", action="store_true",
@@ -574,8 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "which must agree)")
     p_sweep.add_argument("--out", default="out/sweep",
                          help="folder for sweep.md / sweep.json (default: out/sweep)")
-    p_sweep.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
-                         "../shared/data)")
+    p_sweep.add_argument("--data-dir", help=DATA_DIR_HELP)
     p_sweep.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_sweep.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p_sweep.add_argument("--full-eval", action="store_true",
@@ -616,13 +614,14 @@ def build_parser() -> argparse.ArgumentParser:
                         default="restricted",
                         help="grid of the symmetric int candidates, in the measurement and the "
                         "recipe: amax/7, amax/7.5 or signed +-amax/8 (llama.cpp's)")
+    p_tune.add_argument("--layer-by-layer", action="store_true", help="measure the sensitivities "
+                        "one decoder layer at a time (default: when the whole model won't fit)")
     p_tune.add_argument("--num-samples", type=int, default=32, help="calibration sequences")
     p_tune.add_argument("--seq-len", type=int, default=512, help="calibration sequence length")
     p_tune.add_argument("--limit", type=int, default=16, help="perplexity windows to verify on")
     p_tune.add_argument("--full-eval", action="store_true", help="verify on the whole test split")
     p_tune.add_argument("--out", help="output folder (default: out/tune-<model>)")
-    p_tune.add_argument("--data-dir", help="data folder (default: $COMPRESS_DATA_DIR or "
-                        "../shared/data)")
+    p_tune.add_argument("--data-dir", help=DATA_DIR_HELP)
     p_tune.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p_tune.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_device_arg(p_tune)

@@ -53,11 +53,20 @@ from torch import nn
 from compress.arch import DEFAULT_IGNORE
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches, set_submodule
+from compress.pipeline.tune_layerwise import (
+    layerwise_sensitivity_bytes,
+    measure_sensitivity_layerwise,
+    use_layer_by_layer,
+)
 from compress.pipeline.tune_units import (
+    FLOAT_BITS,
     Unit,
     checkpoint_unit_bytes,
+    fisher_hooks,
     header_bytes_bound,
     measured_linears,
+    measured_names,
+    quantized_variants,
     stored_owners,
     tune_units,
     unit_tables,
@@ -67,7 +76,6 @@ from compress.quant.primitives import GRIDS
 
 log = logging.getLogger(__name__)
 
-FLOAT_BITS = 16  # kept-float layers are exported in a 16-bit dtype (export dtype auto)
 
 
 @dataclass(frozen=True)
@@ -122,19 +130,10 @@ ALGORITHMS = ("gptq", "awq", "autoround")  # the weight pass the written recipe 
 # ---- 1. sensitivity -----------------------------------------------------------------------
 def layer_costs(linear: nn.Linear, formats: list[Format]) -> tuple[dict[str, int], dict]:
     """Stored bytes per format that fits ``linear``, and the RTN weight error ``W_q - W``
-    (float32) per integer format (what the pass would store, built by ``QuantLinear``)."""
-    sizes, deltas = {}, {}
+    (float32) per integer format."""
+    sizes, quants = quantized_variants(linear, formats)
     weight = linear.weight.detach().float()
-    for fmt in formats:
-        if not fmt.fits(linear):
-            continue
-        if fmt.is_float:
-            sizes[fmt.name] = weight.numel() * FLOAT_BITS // 8
-            continue
-        quant = QuantLinear.from_linear(linear, fmt.scheme(), backend="reference")
-        sizes[fmt.name] = quant.weight_bytes()
-        deltas[fmt.name] = quant.dequantized_weight(torch.float32) - weight
-    return sizes, deltas
+    return sizes, {f: q.dequantized_weight(torch.float32) - weight for f, q in quants.items()}
 
 
 def measure_sensitivity(
@@ -146,49 +145,27 @@ def measure_sensitivity(
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
     """Fisher estimate of the loss increase (``scores[layer][format]``, float format 0) and the
     stored bytes (``sizes[layer][format]``) of each named linear of ``model`` (module docstring,
-    step 1). ``batches``: token ids ``[B, T]``; the loss is their next-token cross-entropy."""
+    step 1). ``batches``: token ids ``[B, T]``; the loss is their next-token cross-entropy.
+    ``compress.pipeline.tune_layerwise`` computes the same one decoder layer at a time."""
     modules = {name: model.get_submodule(name) for name in names}
     sizes, deltas = {}, {}
     for name, linear in modules.items():
         sizes[name], deltas[name] = layer_costs(linear, formats)
     scores = {name: dict.fromkeys(sizes[name], 0.0) for name in names}
-    inputs: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def keep_input(name):
-        def hook(module, args):
-            inputs[name] = args[0].detach()
-
-        return hook
-
-    def score_output_grad(name):
-        def hook(module, grad_input, grad_output):
-            grad = grad_output[0].detach().float().flatten(0, -2)  # [tokens, N]
-            x = inputs.pop(name).float().flatten(0, -2)  # [tokens, K]
-            for fmt, delta in deltas[name].items():
-                dy = x @ delta.t()  # [tokens, N]: output change of this layer alone
-                scores[name][fmt] += float((grad * dy).square().sum(dtype=torch.float64))
-
-        return hook
-
-    for name, linear in modules.items():
-        handles.append(linear.register_forward_pre_hook(keep_input(name)))
-        handles.append(linear.register_full_backward_hook(score_output_grad(name)))
     requires = {p: p.requires_grad for p in model.parameters()}
     try:
         for p in model.parameters():
             p.requires_grad_(False)  # gradients w.r.t. activations only
         embed = model.get_input_embeddings()
-        for index, ids in enumerate(batches):
-            hidden = embed(ids).detach().requires_grad_(True)
-            loss = model(inputs_embeds=hidden, labels=ids).loss
-            loss.backward()
-            if progress:
-                log.info("tune: sensitivity batch %d/%d (loss %.3f)", index + 1, len(batches),
-                         loss.item())  # fmt: skip
+        with fisher_hooks(modules, lambda name, fmt: deltas[name][fmt], scores):
+            for index, ids in enumerate(batches):
+                hidden = embed(ids).detach().requires_grad_(True)
+                loss = model(inputs_embeds=hidden, labels=ids).loss
+                loss.backward()
+                if progress:
+                    log.info("tune: sensitivity batch %d/%d (loss %.3f)", index + 1,
+                             len(batches), loss.item())  # fmt: skip
     finally:
-        for handle in handles:
-            handle.remove()
         for p, flag in requires.items():
             p.requires_grad_(flag)
     return scores, sizes
@@ -504,10 +481,12 @@ def other_export_bytes(model: nn.Module, units: dict[str, Unit]) -> int:
     the target is checked on include them)."""
     skip = {k for unit in units.values() for k in unit.weight_keys}
     seen, total, others = set(), 0, []
-    for key, tensor in model.state_dict().items():
-        if key in skip or tensor.data_ptr() in seen:
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        # tied tensors share storage; a layer-by-layer tune's skeleton is on meta: the object
+        same = id(tensor) if tensor.device.type == "meta" else tensor.data_ptr()
+        if key in skip or same in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(same)
         others.append(key)
         bits = FLOAT_BITS if tensor.is_floating_point() else 8 * tensor.element_size()
         total += tensor.numel() * bits // 8
@@ -575,16 +554,20 @@ def run_tune(
     progress: bool = True,
     overwrite: bool = False,
     device: str = "auto",
+    layer_by_layer: bool | None = None,
 ) -> dict[str, Any]:
     """Measure, solve, write the recipe, run it and verify (module docstring). Returns the tune
     report (also written as ``tune.json`` / ``tune.md`` beside the run's results). ``device``:
     the written recipe's (its passes and evaluation); the sensitivities are measured on the
-    CPU."""
+    CPU, with the model loaded whole or, ``layer_by_layer`` (None: when the whole model's
+    measurement would not fit in memory), one decoder layer at a time
+    (``compress.pipeline.tune_layerwise``: the same numbers)."""
     import gc
 
     from compress.calibration import calibration_mix as draw_calibration
     from compress.eval.report import environment, write_results
-    from compress.io.load import load_model
+    from compress.io.export import layerwise_model
+    from compress.io.load import load_model, load_tokenizer
     from compress.output_dir import check_output_dir
     from compress.pipeline.job import JobOptions, model_folders, plan_job, run_planned, with_recipe
     from compress.pipeline.preflight import check_phase
@@ -611,17 +594,28 @@ def run_tune(
     planned = replace(parse_recipe(frame, source="compress tune"), device=device)
     check_output_dir(out, overwrite=overwrite, protect=model_folders(planned, model_id))
     plan = plan_job(planned, model=model_id, data_dir=data_dir)
-    check_phase("sensitivity (model loaded whole)",
-                sensitivity_bytes(plan.where, candidates, min(num_samples, 4) * seq_len),
-                "fewer candidate formats (--formats) or a shorter --seq-len")
-
-    loaded = load_model(model_id)
-    model = loaded.model.float().eval()
+    batch_tokens = min(num_samples, 4) * seq_len
+    whole = sensitivity_bytes(plan.where, candidates, batch_tokens)
+    if use_layer_by_layer(plan.where, whole, layer_by_layer):
+        if target.tpot_ms is not None:
+            raise ConfigError("tune: a TPOT target times the model in memory, which the layer-by-"
+                              "layer measurement avoids; give --bits-per-weight or --max-bytes")
+        check_phase("sensitivity (layer by layer)", layerwise_sensitivity_bytes(
+            plan.where, candidates, batch_tokens, num_samples * seq_len),
+            "fewer candidate formats (--formats) or fewer, shorter calibration samples")
+        stream = layerwise_model(plan.where)
+        model, tokenizer = stream.model, load_tokenizer(plan.where)
+    else:
+        check_phase("sensitivity (model loaded whole)", whole,
+                    "fewer candidate formats (--formats) or a shorter --seq-len")
+        stream, loaded = None, load_model(model_id)
+        model, tokenizer = loaded.model.float().eval(), loaded.tokenizer
+        del loaded
     units = tune_units(model)
     names = list(units)
     numels = {n: unit.numel for n, unit in units.items()}
     grid_key = {} if symmetric_grid == "restricted" else {"grid": symmetric_grid}
-    key = _cache_key(model=str(loaded.path), formats=formats, calibration=calibration,
+    key = _cache_key(model=str(plan.where), formats=formats, calibration=calibration,
                      layers=names, version=1, **grid_key)  # fmt: skip
     cache = sensitivity_cache(key)
     stored = read_sensitivities(cache, names)
@@ -629,12 +623,18 @@ def run_tune(
         scores, sizes = stored
         log.info("tune: sensitivities read back from %s", cache)
     else:
-        ids = draw_calibration(mix, loaded.tokenizer, num_samples=num_samples, seq_len=seq_len,
+        ids = draw_calibration(mix, tokenizer, num_samples=num_samples, seq_len=seq_len,
                                seed=0, data_dir=data_dir)  # fmt: skip
-        with measured_linears(model, units) as members:
-            linears = [n for group in members.values() for n in group]
-            scores, sizes = measure_sensitivity(model, linears, candidates, list(ids.split(4)),
-                                                progress)  # fmt: skip
+        if stream is not None:
+            scores, sizes = measure_sensitivity_layerwise(
+                stream, units, candidates, list(ids.split(4)), progress=progress,
+                spill_near=sensitivity_cache(key).parent)
+            members = measured_names(model, units)  # what measured_linears names
+        else:
+            with measured_linears(model, units) as members:
+                linears = [n for group in members.values() for n in group]
+                scores, sizes = measure_sensitivity(model, linears, candidates,
+                                                    list(ids.split(4)), progress)  # fmt: skip
         scores, sizes = unit_tables(scores, sizes, members)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
@@ -647,7 +647,7 @@ def run_tune(
     elif target.max_bytes is not None:
         budget = target.max_bytes - other_export_bytes(model, units)
     else:
-        prompt = loaded.tokenizer("The history of the city", return_tensors=None)["input_ids"]
+        prompt = tokenizer("The history of the city", return_tensors=None)["input_ids"]
         tpot_fit = fit_tpot(model, names, candidates, sizes, prompt)
         if tpot_fit["b_ms_per_byte"] <= 0:
             raise ConfigError(f"tune: TPOT did not grow with bytes on this machine ({tpot_fit}); "
@@ -666,9 +666,9 @@ def run_tune(
     )  # fmt: skip
     recipe = replace(parse_recipe(raw, source="compress tune"), device=device)
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
-    tokenizer, owners = loaded.tokenizer, stored_owners(model, units)
+    owners = stored_owners(model, units)
     # the job loads the model itself (whole or layer by layer): this copy goes first
-    del model, loaded
+    del model, stream
     gc.collect()
     result = run_planned(with_recipe(plan, recipe), out,
                          JobOptions(data_dir=data_dir, progress=progress, overwrite=overwrite))

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from compress.arch import (
@@ -30,6 +31,9 @@ from compress.arch import (
     sparse_layers,
 )
 from compress.core.matcher import matches, set_submodule
+from compress.quant.linear import QuantLinear
+
+FLOAT_BITS = 16  # kept-float layers are exported in a 16-bit dtype (export dtype auto)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,72 @@ def tune_units(model: nn.Module) -> dict[str, Unit]:
     return units
 
 
+# ---- measurement -------------------------------------------------------------------------
+def quantized_variants(linear: nn.Linear, formats: list) -> tuple[dict[str, int], dict]:
+    """Stored bytes per format (``compress.pipeline.tune.Format``) that fits ``linear``, and its
+    RTN ``QuantLinear`` per integer format (what the pass would store)."""
+    sizes, quants = {}, {}
+    for fmt in formats:
+        if not fmt.fits(linear):
+            continue
+        if fmt.is_float:
+            sizes[fmt.name] = linear.weight.numel() * FLOAT_BITS // 8
+            continue
+        quants[fmt.name] = QuantLinear.from_linear(linear, fmt.scheme(), backend="reference")
+        sizes[fmt.name] = quants[fmt.name].weight_bytes()
+    return sizes, quants
+
+
+@contextlib.contextmanager
+def fisher_hooks(modules: dict[str, nn.Linear], delta: Callable[[str, str], torch.Tensor],
+                 scores: dict[str, dict[str, float]]) -> Iterator[None]:
+    """Within: each backward through a linear of ``modules`` adds, for each integer format of
+    ``scores[name]``, ``sum_t sum_n (dL/dy_tn * dy_tn)^2`` with ``dy = x delta(name, fmt)^T``
+    (the output change of quantizing that layer alone) to ``scores[name][fmt]``."""
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep_input(name):
+        def hook(module, args):
+            inputs[name] = args[0].detach()
+
+        return hook
+
+    def score_output_grad(name):
+        def hook(module, grad_input, grad_output):
+            grad = grad_output[0].detach().float().flatten(0, -2)  # [tokens, N]
+            x = inputs.pop(name).float().flatten(0, -2)  # [tokens, K]
+            for fmt in scores[name]:
+                if fmt == "float":
+                    continue
+                dy = x @ delta(name, fmt).t()  # [tokens, N]: output change of this layer alone
+                scores[name][fmt] += float((grad * dy).square().sum(dtype=torch.float64))
+
+        return hook
+
+    handles = []
+    try:
+        for name, linear in modules.items():
+            handles.append(linear.register_forward_pre_hook(keep_input(name)))
+            handles.append(linear.register_full_backward_hook(score_output_grad(name)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def measured_names(model: nn.Module, units: dict[str, Unit]) -> dict[str, list[str]]:
+    """``{unit: the nn.Linear names measured for it}``: a Linear's own, an experts module's
+    ``<experts>.<e>.<projection>`` (``FloatExpertsView``'s children)."""
+    names = {}
+    for name, unit in units.items():
+        if not unit.expert_count:
+            names[name] = [name]
+            continue
+        projections = ARCHS[model_type(model)].moe.checkpoint_projections
+        names[name] = [f"{name}.{e}.{p}" for e in range(unit.expert_count) for p in projections]
+    return names
+
+
 @contextlib.contextmanager
 def measured_linears(model: nn.Module, units: dict[str, Unit]) -> Iterator[dict[str, list[str]]]:
     """Within: each experts unit of ``model`` is its ``FloatExpertsView`` (the same function,
@@ -77,17 +147,13 @@ def measured_linears(model: nn.Module, units: dict[str, Unit]) -> Iterator[dict[
     from compress.quant.experts import FloatExpertsView
 
     moe = ARCHS[model_type(model)].moe if any(u.expert_count for u in units.values()) else None
-    fused, members = {}, {}
+    fused = {}
     try:
         for name, unit in units.items():
-            if not unit.expert_count:
-                members[name] = [name]
-                continue
-            fused[name] = model.get_submodule(name)
-            view = FloatExpertsView(fused[name], moe)
-            set_submodule(model, name, view)
-            members[name] = [f"{name}.{e}.{p}" for e in range(unit.expert_count)
-                             for p in view.names]  # fmt: skip
+            if unit.expert_count:
+                fused[name] = model.get_submodule(name)
+                set_submodule(model, name, FloatExpertsView(fused[name], moe))
+        members = measured_names(model, units)
         yield members
     finally:
         for name, module in fused.items():
@@ -113,15 +179,9 @@ def stored_owners(model: nn.Module, units: dict[str, Unit]) -> dict[str, str]:
     linears under (``checkpoint_renamer``; an experts module's per expert and projection)."""
     from compress.io.names import checkpoint_renamer
 
-    rename, owners = checkpoint_renamer(model), {}
-    for name, unit in units.items():
-        if not unit.expert_count:
-            owners[rename(name)] = name
-            continue
-        projections = ARCHS[model_type(model)].moe.checkpoint_projections
-        for e in range(unit.expert_count):
-            owners.update({rename(f"{name}.{e}.{p}"): name for p in projections})
-    return owners
+    rename = checkpoint_renamer(model)
+    return {rename(linear): unit for unit, linears in measured_names(model, units).items()
+            for linear in linears}
 
 
 # A header entry is '"<name>":{"dtype":"BF16","shape":[..],"data_offsets":[a,b]},': the name

@@ -259,9 +259,12 @@ def test_tune_refuses_an_impossible_job_before_loading_and_writes_nothing(
         patch.setattr(preflight, "available_memory_bytes", lambda: 10 * 2**20)
         with pytest.raises(InsufficientMemoryError, match="nothing was written"):
             _tune(model_dir, text, tmp_path / "out", bits_per_weight=6.0)
-    # the job fits, the sensitivity measurement (the model and every format's error) does not
+    # the job fits, the sensitivity measurement (the model and every format's error) does not,
+    # whole (then it goes layer by layer) nor layer by layer
     monkeypatch.setattr(tune_module, "sensitivity_bytes", lambda *a: 2**60)
-    with pytest.raises(InsufficientMemoryError, match=r"phase 'sensitivity .*--formats"):
+    monkeypatch.setattr(tune_module, "layerwise_sensitivity_bytes", lambda *a: 2**60)
+    with pytest.raises(InsufficientMemoryError,
+                       match=r"phase 'sensitivity \(layer by layer\)'.*--formats"):
         _tune(model_dir, text, tmp_path / "out", bits_per_weight=6.0)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache" / "tune").exists()
 
@@ -340,3 +343,54 @@ def test_tune_meets_a_checkpoint_bytes_target_on_disk(tiny_model, tiny_tokenizer
     files = sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
     assert check["ok"] and check["got"] == files <= target, check
     assert "int4-g32" in report["format_counts"] or "int8" in report["format_counts"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
+def test_layer_by_layer_measures_what_the_whole_model_measures(family, tmp_path):
+    """The layer-by-layer Fisher (forward through each layer read from the checkpoint, the
+    gradient pushed back one layer at a time) against the whole model's: the same scores
+    (dense, MoE experts, latent attention with a dense first layer) and sizes."""
+    from compress.io.export import layerwise_model
+    from compress.pipeline.tune_layerwise import measure_sensitivity_layerwise
+    from compress.pipeline.tune_units import measured_linears, measured_names, tune_units
+    from compress.testing import make_tiny_llama, make_tiny_moe
+
+    model = (make_tiny_llama(seed=0) if family == "llama" else make_tiny_moe(
+        family, seed=0, **({"first_k_dense_replace": 1} if family == "deepseek_v3" else {})))
+    model.save_pretrained(tmp_path / "model")
+    formats = [parse_format(f) for f in ("float", "int8", "int4-g32")]
+    batches = list(torch.randint(3, 300, (4, 24), generator=torch.Generator().manual_seed(0))
+                   .split(2))  # fmt: skip
+    stream = layerwise_model(tmp_path / "model")
+    units = tune_units(stream.model)
+    scores, sizes = measure_sensitivity_layerwise(stream, units, formats, batches,
+                                                  spill_near=tmp_path / "spill")  # fmt: skip
+    assert not list((tmp_path / "spill").iterdir())  # the layers' inputs are removed
+    model.float().eval()
+    with measured_linears(model, tune_units(model)) as members:
+        names = [n for group in members.values() for n in group]
+        want_scores, want_sizes = measure_sensitivity(model, names, formats, batches)
+    assert members == measured_names(stream.model, units)
+    assert sizes == want_sizes and set(scores) == set(want_scores)
+    for name, row in want_scores.items():
+        assert scores[name] == pytest.approx(row, rel=1e-5), name
+    assert all(param.device.type == "meta" for param in stream.model.model.layers.parameters())
+
+
+def test_tune_layer_by_layer_writes_the_recipe_the_whole_model_gives(
+        tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    model_dir, text = _tiny_dir(tmp_path, tiny_model, tiny_tokenizer, monkeypatch)
+    whole = _tune(model_dir, text, tmp_path / "whole", bits_per_weight=6.0)
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache2"))  # measured again
+    layered = run_tune(
+        str(model_dir), TuneTarget(bits_per_weight=6.0), formats=("float", "int8", "int4-g32"),
+        num_samples=4, seq_len=32, calibration_mix={str(text): 1.0}, limit=2,
+        eval_dataset=str(text), context_length=64, out_dir=tmp_path / "layered",
+        progress=False, layer_by_layer=True,
+    )  # fmt: skip
+    assert layered["assignment"] == whole["assignment"]
+    assert layered["measured_bits_per_weight"] == whole["measured_bits_per_weight"]
+    with pytest.raises(ConfigError, match="TPOT"):
+        run_tune(str(model_dir), TuneTarget(tpot_ms=5.0), out_dir=tmp_path / "t",
+                 calibration_mix={str(text): 1.0}, eval_dataset=str(text), progress=False,
+                 layer_by_layer=True)  # fmt: skip

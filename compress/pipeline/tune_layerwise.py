@@ -1,0 +1,203 @@
+"""``compress tune``'s sensitivity measurement one decoder layer at a time, for a checkpoint
+whose float32 copy (and every format's error) does not fit in memory: the same empirical
+Fisher as ``compress.pipeline.tune.measure_sensitivity``, computed as backpropagation with
+layer-sized checkpoints.
+
+1. Forward: the calibration batches through each layer in turn (read from the checkpoint in
+   float32, run, freed), each layer's inputs kept in files (``LayerInputs.keep``: paged by the
+   kernel, not held in memory).
+2. The loss: the model's own forward from the final norm on (norm, head, loss), the decoder
+   stack replaced by the last layer's outputs; its gradient there.
+3. Backward, last layer first: the layer read again, each batch's inputs recomputed through it
+   with autograd and the incoming gradient pushed back through it; the hooks score each of its
+   linears as the whole-model measurement does, the error ``W_q - W`` of each format rebuilt
+   from its RTN codes per call (codes are 1 byte a weight or less, where the float32 errors of
+   every format of a 7B layer are 4.8 GB). The gradient at the layer's input goes on.
+
+Memory: one layer in float32 and its codes in every format, the embedding and head for the
+loss, one gradient per calibration token (hidden wide), a batch's activations. Disk: every
+layer's inputs (layers x tokens x hidden x 4 bytes). Each layer is read twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.arch import decoder_layers
+from compress.pipeline.tune_units import Unit, fisher_hooks, measured_linears, quantized_variants
+
+log = logging.getLogger(__name__)
+
+
+def measure_sensitivity_layerwise(
+    stream, units: dict[str, Unit], formats: list, batches: list[torch.Tensor], *,
+    spill_near: Path, progress: bool = False,
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
+    """``measure_sensitivity``'s per-linear (scores, sizes) for the linears ``measured_linears``
+    gives for ``units``, from ``stream`` (``compress.io.export.layerwise_model``: a read-only
+    ``StreamedModel`` computing in float32). ``spill_near``: the folder the layers' inputs wait
+    in (a temporary folder inside it, removed at the end)."""
+    from compress.quant.calibrated import capture_first_layer_inputs, run_layer
+
+    model, cpu = stream.model, torch.device("cpu")
+    layers = decoder_layers(model, "compress tune")
+    spill_near.mkdir(parents=True, exist_ok=True)
+    scores: dict[str, dict[str, float]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory(prefix=".compress-tune-", dir=spill_near) as folder:
+        with stream.outside(cpu):
+            inputs = capture_first_layer_inputs(model, batches, cpu, Path(folder))
+        entering: list[list[torch.Tensor]] = []
+        for index in range(len(layers)):  # 1. forward
+            stream.load_layer(index, cpu)
+            entering.append(inputs.hidden)
+            inputs.kwargs = inputs.per_layer[index]
+            inputs.hidden = run_layer(layers[index], inputs, check=f"decoder layer {index}")
+            stream.finish_layer(index)
+            if progress:
+                log.info("tune: forward through layer %d/%d", index + 1, len(layers))
+        grads = _loss_gradients(stream, layers, batches, inputs.hidden, progress)  # 2.
+        for index in reversed(range(len(layers))):  # 3. backward
+            layer = stream.load_layer(index, cpu)
+            prefix = f"{stream.layer_prefix}{index}."
+            here = {n: u for n, u in units.items() if n.startswith(prefix)}
+            with measured_linears(model, here) as members:
+                names = [n for group in members.values() for n in group]
+                modules = {n: model.get_submodule(n) for n in names}
+                quants = {}
+                for name, linear in modules.items():
+                    sizes[name], quants[name] = quantized_variants(linear, formats)
+                    scores[name] = dict.fromkeys(sizes[name], 0.0)
+
+                with fisher_hooks(modules, _rebuilt_error(modules, quants), scores):
+                    grads = _backward_through(layer, entering[index], inputs.per_layer[index],
+                                              grads)  # fmt: skip
+            entering[index] = []  # its files are read for the last time
+            stream.finish_layer(index)
+            if progress:
+                log.info("tune: sensitivity of layer %d/%d", index + 1, len(layers))
+        del inputs, entering
+    return scores, sizes
+
+
+def _rebuilt_error(modules: dict[str, nn.Linear], quants: dict[str, dict]):
+    """``delta(name, fmt)``: ``W_q - W`` in float32 from the format's codes, per call."""
+
+    def delta(name: str, fmt: str) -> torch.Tensor:
+        weight = modules[name].weight.detach().float()
+        return quants[name][fmt].dequantized_weight(torch.float32) - weight
+
+    return delta
+
+
+def _loss_gradients(stream, layers: nn.ModuleList, batches: list[torch.Tensor],
+                    last: list[torch.Tensor], progress: bool) -> list[torch.Tensor]:
+    """The next-token loss of each batch (the model's own forward from the final norm on, the
+    decoder stack replaced by ``last``, its outputs) and its gradient at ``last``."""
+    model, grads = stream.model, []
+    with stream.outside(torch.device("cpu"), head=True):
+        for ids, hidden in zip(batches, last, strict=True):
+            hidden = hidden.detach().clone().requires_grad_(True)
+            with _stack_returning(layers, hidden):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            grads.append(hidden.grad)
+            if progress:
+                log.info("tune: sensitivity batch loss %.3f", loss.item())
+    return grads
+
+
+@contextlib.contextmanager
+def _stack_returning(layers: nn.ModuleList, hidden: torch.Tensor):
+    """The decoder stack's forward replaced: the first layer returns ``hidden``, the others
+    pass it on (the embedding lookup aside, nothing of the stack runs)."""
+
+    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
+
+    def passthrough(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    try:
+        for index, layer in enumerate(layers):
+            layer.forward = first if index == 0 else passthrough  # shadows the class method
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+def _backward_through(layer: nn.Module, entering: list[torch.Tensor], kwargs: list[dict],
+                      grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each batch's inputs through ``layer`` again with autograd, its output gradient pushed
+    back (the hooks score its linears on the way); the gradients at its inputs."""
+    for param in layer.parameters():
+        param.requires_grad_(False)  # gradients w.r.t. activations only
+    out_grads = []
+    for hidden, extra, grad in zip(entering, kwargs, grads, strict=True):
+        hidden = hidden.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = layer(hidden, **extra)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.backward(out, grad)
+        out_grads.append(hidden.grad)
+    return out_grads
+
+
+def layerwise_sensitivity_bytes(where, formats: list, batch_tokens: int,
+                                total_tokens: int) -> int | None:
+    """Estimated peak resident bytes of ``measure_sensitivity_layerwise`` on the checkpoint
+    folder ``where`` (None where it cannot be read without loading), from its meta skeleton:
+    the largest decoder layer in float32 with its RTN codes in every integer format (a byte a
+    weight at most) and one float32 error of its largest linear, the embedding and head in
+    float32, a gradient and an input per calibration token (``total_tokens``, hidden wide), and
+    one batch's activations and logits (``batch_tokens``; the per-token term is
+    ``sensitivity_bytes``' guess for one layer)."""
+    from compress.io.load import is_compressed_checkpoint
+    from compress.io.stream import meta_skeleton
+    from compress.pipeline.preflight import BASE_BYTES, FLOAT32
+    from compress.pipeline.tune_units import tune_units
+
+    if not isinstance(where, Path) or is_compressed_checkpoint(where):
+        return None
+    skeleton = meta_skeleton(where)
+    layers = decoder_layers(skeleton, "compress tune")
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    integer = sum(1 for f in formats if not f.is_float)
+    biggest = max((u.numel // max(u.expert_count * 3, 1) for u in tune_units(skeleton).values()),
+                  default=0)  # one expert's projection of an experts module
+    outside = sum(p.numel() for p in skeleton.parameters()) - sum(
+        p.numel() for p in layers.parameters())
+    cfg = skeleton.config
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    intermediate = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    per_token = 8 * hidden + 4 * intermediate + 3 * int(getattr(cfg, "vocab_size", 0) or 0)
+    return (BASE_BYTES + largest * (FLOAT32 + integer) + 2 * biggest * FLOAT32
+            + outside * FLOAT32 + 2 * total_tokens * hidden * FLOAT32
+            + batch_tokens * per_token * FLOAT32)
+
+
+def use_layer_by_layer(where, whole_bytes: int | None, forced: bool | None) -> bool:
+    """Whether tune measures layer by layer: as ``forced`` when given (True needs a plain
+    checkpoint folder), else when the whole-model measurement's estimate ``whole_bytes`` is
+    over the available memory and the source is such a folder."""
+    from compress.core.errors import ConfigError
+    from compress.io.load import is_compressed_checkpoint
+    from compress.memory import available_memory_bytes
+
+    readable = isinstance(where, Path) and not is_compressed_checkpoint(where)
+    if forced is not None:
+        if forced and not readable:
+            raise ConfigError(f"tune: measuring layer by layer reads a checkpoint folder of float "
+                              f"weights; {where} is not one (a compressed checkpoint or a hub "
+                              "id): drop --layer-by-layer")  # fmt: skip
+        return forced
+    available = available_memory_bytes()
+    return readable and None not in (whole_bytes, available) and whole_bytes > available
