@@ -394,3 +394,17 @@ def test_tune_layer_by_layer_writes_the_recipe_the_whole_model_gives(
         run_tune(str(model_dir), TuneTarget(tpot_ms=5.0), out_dir=tmp_path / "t",
                  calibration_mix={str(text): 1.0}, eval_dataset=str(text), progress=False,
                  layer_by_layer=True)  # fmt: skip
+
+
+def test_layer_by_layer_is_chosen_when_the_whole_measurement_does_not_fit(tmp_path, monkeypatch):
+    import compress.memory
+    from compress.pipeline.tune_layerwise import use_layer_by_layer
+
+    monkeypatch.setattr(compress.memory, "available_memory_bytes", lambda: 10 * 2**30)
+    assert use_layer_by_layer(tmp_path, 11 * 2**30, None)  # over: layer by layer
+    assert not use_layer_by_layer(tmp_path, 9 * 2**30, None)
+    assert not use_layer_by_layer(tmp_path, None, None)  # unknown: whole, as before
+    assert not use_layer_by_layer("org/hub-id", 11 * 2**30, None)  # nothing to read a layer of
+    assert not use_layer_by_layer(tmp_path, 11 * 2**30, False)  # asked
+    with pytest.raises(ConfigError, match="layer by layer reads a checkpoint folder"):
+        use_layer_by_layer("org/hub-id", None, True)
