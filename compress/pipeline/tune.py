@@ -628,7 +628,7 @@ def run_tune(
         if stream is not None:
             scores, sizes = measure_sensitivity_layerwise(
                 stream, units, candidates, list(ids.split(4)), progress=progress,
-                spill_near=sensitivity_cache(key).parent)
+                spill_near=cache.parent, resume=cache.with_suffix(".partial.safetensors"))
             members = measured_names(model, units)  # what measured_linears names
         else:
             with measured_linears(model, units) as members:

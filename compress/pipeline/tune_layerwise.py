@@ -22,7 +22,10 @@ layer's inputs (layers x tokens x hidden x 4 bytes). Each layer is read twice.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,24 +41,31 @@ log = logging.getLogger(__name__)
 
 def measure_sensitivity_layerwise(
     stream, units: dict[str, Unit], formats: list, batches: list[torch.Tensor], *,
-    spill_near: Path, progress: bool = False,
+    spill_near: Path, progress: bool = False, resume: Path | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
     """``measure_sensitivity``'s per-linear (scores, sizes) for the linears ``measured_linears``
     gives for ``units``, from ``stream`` (``compress.io.export.layerwise_model``: a read-only
     ``StreamedModel`` computing in float32). ``spill_near``: the folder the layers' inputs wait
-    in (a temporary folder inside it, removed at the end)."""
+    in (a temporary folder inside it, removed at the end). ``resume``: a file where the work
+    done is saved after each layer's backward (the scores so far and the gradient where it
+    stopped) and read back by a run cut short: it redoes the forward up to that layer, not the
+    layers it had finished; removed when the measurement is complete."""
     from compress.quant.calibrated import capture_first_layer_inputs, run_layer
 
     model, cpu = stream.model, torch.device("cpu")
     layers = decoder_layers(model, "compress tune")
     spill_near.mkdir(parents=True, exist_ok=True)
-    scores: dict[str, dict[str, float]] = {}
-    sizes: dict[str, dict[str, int]] = {}
+    fingerprint = _fingerprint(units, formats, batches)
+    saved = _read_progress(resume, fingerprint) if resume is not None else None
+    scores: dict[str, dict[str, float]] = saved["scores"] if saved else {}
+    sizes: dict[str, dict[str, int]] = saved["sizes"] if saved else {}
+    # the layers the forward runs: all of them, or those before where a cut run stopped
+    forward = saved["next"] if saved else len(layers)
     with tempfile.TemporaryDirectory(prefix=".compress-tune-", dir=spill_near) as folder:
         with stream.outside(cpu):
             inputs = capture_first_layer_inputs(model, batches, cpu, Path(folder))
         entering: list[list[torch.Tensor]] = []
-        for index in range(len(layers)):  # 1. forward
+        for index in range(forward):  # 1. forward
             stream.load_layer(index, cpu)
             entering.append(inputs.hidden)
             inputs.kwargs = inputs.per_layer[index]
@@ -63,8 +73,14 @@ def measure_sensitivity_layerwise(
             stream.finish_layer(index)
             if progress:
                 log.info("tune: forward through layer %d/%d", index + 1, len(layers))
-        grads = _loss_gradients(stream, layers, batches, inputs.hidden, progress)  # 2.
-        for index in reversed(range(len(layers))):  # 3. backward
+        if saved:
+            entering.append(inputs.hidden)  # the input of the layer it stopped at
+            grads = saved["grads"]
+            log.info("tune: resuming the sensitivity at layer %d of %d from %s", forward + 1,
+                     len(layers), resume)  # fmt: skip
+        else:
+            grads = _loss_gradients(stream, layers, batches, inputs.hidden, progress)  # 2.
+        for index in reversed(range(len(entering))):  # 3. backward
             layer = stream.load_layer(index, cpu)
             prefix = f"{stream.layer_prefix}{index}."
             here = {n: u for n, u in units.items() if n.startswith(prefix)}
@@ -81,10 +97,60 @@ def measure_sensitivity_layerwise(
                                               grads)  # fmt: skip
             entering[index] = []  # its files are read for the last time
             stream.finish_layer(index)
+            if resume is not None and index > 0:
+                _save_progress(resume, fingerprint, index - 1, scores, sizes, grads)
             if progress:
                 log.info("tune: sensitivity of layer %d/%d", index + 1, len(layers))
         del inputs, entering
+    if resume is not None:
+        resume.unlink(missing_ok=True)
     return scores, sizes
+
+
+def _fingerprint(units: dict[str, Unit], formats: list, batches: list[torch.Tensor]) -> str:
+    """What a saved measurement must have been made for: the units, formats and token ids."""
+    digest = hashlib.sha256(json.dumps([list(units), [f.name for f in formats]]).encode())
+    for ids in batches:
+        digest.update(str(tuple(ids.shape)).encode())
+        digest.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_progress(path: Path, fingerprint: str, next_layer: int, scores: dict, sizes: dict,
+                   grads: list[torch.Tensor]) -> None:
+    """The work done (scores and sizes of the layers finished, the gradient at the input of
+    the last one) in one file, replaced atomically: a cut leaves the previous save whole."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"fingerprint": fingerprint, "next": str(next_layer),
+            "tables": json.dumps({"scores": scores, "sizes": sizes})}  # fmt: skip
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({f"grad{i}": g.contiguous() for i, g in enumerate(grads)}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _read_progress(path: Path, fingerprint: str) -> dict | None:
+    """A save of ``_save_progress`` made for ``fingerprint``, or None (none, another
+    measurement's, or unreadable: measured from the start, saying so)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata() or {}
+            if meta.get("fingerprint") != fingerprint:
+                log.warning("tune: %s was saved for another measurement; starting over", path)
+                return None
+            grads = [handle.get_tensor(f"grad{i}") for i in range(len(handle.keys()))]
+        tables = json.loads(meta["tables"])
+        return {"next": int(meta["next"]), "grads": grads, "scores": tables["scores"],
+                "sizes": tables["sizes"]}  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        log.warning("tune: ignoring the damaged saved measurement %s (%s); starting over", path,
+                    exc)  # fmt: skip
+        return None
 
 
 def _rebuilt_error(modules: dict[str, nn.Linear], quants: dict[str, dict]):

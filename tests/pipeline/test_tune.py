@@ -408,3 +408,50 @@ def test_layer_by_layer_is_chosen_when_the_whole_measurement_does_not_fit(tmp_pa
     assert not use_layer_by_layer(tmp_path, 11 * 2**30, False)  # asked
     with pytest.raises(ConfigError, match="layer by layer reads a checkpoint folder"):
         use_layer_by_layer("org/hub-id", None, True)
+
+
+def test_a_cut_layer_by_layer_measurement_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Cut during the backward of the third layer from the top: the rerun reads the save,
+    redoes the forward up to that layer only, and gives the uninterrupted run's scores; a
+    save made for other tokens is not used; the save is gone once the measurement is done."""
+    from compress.io.export import layerwise_model
+    from compress.pipeline import tune_layerwise
+    from compress.pipeline.tune_layerwise import measure_sensitivity_layerwise
+    from compress.pipeline.tune_units import tune_units
+    from compress.testing import make_tiny_llama
+
+    make_tiny_llama(seed=0, num_hidden_layers=4).save_pretrained(tmp_path / "model")
+    formats = [parse_format(f) for f in ("float", "int8", "int4-g32")]
+    batches = list(torch.randint(3, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+                   .split(2))  # fmt: skip
+
+    def measure(resume, batches=batches):
+        stream = layerwise_model(tmp_path / "model")
+        result = measure_sensitivity_layerwise(stream, tune_units(stream.model), formats,
+                                               batches, spill_near=tmp_path / "spill",
+                                               resume=resume)  # fmt: skip
+        return result, stream.loads
+
+    (want, _), full_loads = measure(None)
+    assert full_loads == 8  # 4 layers forward, 4 backward
+    save = tmp_path / "partial.safetensors"
+    through, calls = tune_layerwise._backward_through, []
+
+    def cut(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return through(*args)
+
+    monkeypatch.setattr(tune_layerwise, "_backward_through", cut)
+    with pytest.raises(KeyboardInterrupt):
+        measure(save)
+    assert save.is_file()
+    monkeypatch.setattr(tune_layerwise, "_backward_through", through)
+    other = [b.flip(0) for b in batches]  # another measurement: its save is not this one's
+    stream = layerwise_model(tmp_path / "model")
+    assert tune_layerwise._read_progress(save, tune_layerwise._fingerprint(
+        tune_units(stream.model), formats, other)) is None
+    (got, _), loads = measure(save)
+    assert loads == 1 + 2  # saved after layer 2: layer 0 forward, then 1 and 0 back
+    assert got == want and not save.exists()
