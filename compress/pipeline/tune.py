@@ -667,6 +667,7 @@ def run_tune(
     recipe = replace(parse_recipe(raw, source="compress tune"), device=device)
     check_recipe_matches(recipe, model, assignment, symmetric_grid)
     owners = stored_owners(model, units)
+    how = "layer by layer" if stream is not None else "model loaded whole"
     # the job loads the model itself (whole or layer by layer): this copy goes first
     del model, stream
     gc.collect()
@@ -677,6 +678,7 @@ def run_tune(
     report: dict[str, Any] = {
         "target": target.__dict__, "algorithm": algorithm, "pass_options": pass_options or {},
         "formats": list(formats),
+        "sensitivity": how,
         "symmetric_grid": symmetric_grid,
         "budget_linear_bytes": budget, "predicted_bits_per_weight": predicted_bits,
         "measured_bits_per_weight": measured_bits,
@@ -729,7 +731,8 @@ def tune_markdown(report: dict) -> str:
         "## compress tune", "",
         f"target: {report['target']}; algorithm {report['algorithm']}; symmetric grid "
         f"{report.get('symmetric_grid', 'restricted')}; candidates "
-        f"{', '.join(report['formats'])}", "",
+        f"{', '.join(report['formats'])}; sensitivity measured with the "
+        f"{report.get('sensitivity', 'model loaded whole')}", "",
         "| check | target | measured | ok |", "|---|---:|---:|---|",
     ]  # fmt: skip
     for check in report["checks"]:

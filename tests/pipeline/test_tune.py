@@ -389,6 +389,9 @@ def test_tune_layer_by_layer_writes_the_recipe_the_whole_model_gives(
         progress=False, layer_by_layer=True,
     )  # fmt: skip
     assert layered["assignment"] == whole["assignment"]
+    assert (whole["sensitivity"], layered["sensitivity"]) == ("model loaded whole",
+                                                              "layer by layer")
+    assert "measured with the layer by layer" in (tmp_path / "layered" / "tune.md").read_text()
     assert layered["measured_bits_per_weight"] == whole["measured_bits_per_weight"]
     with pytest.raises(ConfigError, match="TPOT"):
         run_tune(str(model_dir), TuneTarget(tpot_ms=5.0), out_dir=tmp_path / "t",
