@@ -547,22 +547,11 @@ FLOAT32_BYTES = 4
 def _logits_from_last_hidden(model: nn.Module, layers: nn.ModuleList, batch_ids: torch.Tensor,
                              hidden: torch.Tensor) -> torch.Tensor:
     """The model's logits for ``batch_ids`` whose last decoder layer output ``hidden``: its own
-    forward runs with the first decoder layer returning ``hidden`` and the others passing it
-    through (embedding lookups aside, nothing of the stack is recomputed)."""
+    forward with the stack replaced (``stack_returning``)."""
+    from compress.quant.calibrated import stack_returning
 
-    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden
-
-    def passthrough(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return args[0] if args else kwargs["hidden_states"]
-
-    try:
-        for index, layer in enumerate(layers):
-            layer.forward = first if index == 0 else passthrough  # shadows the class method
+    with stack_returning(layers, hidden):
         return model(batch_ids, use_cache=False).logits
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
 
 
 def _attach_kl_base(scores: _Scores, folder: Path, saved: dict[str, Any], digest: str,

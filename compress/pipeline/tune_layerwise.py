@@ -21,14 +21,12 @@ layer's inputs (layers x tokens x hidden x 4 bytes). Each layer is read twice.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -167,37 +165,19 @@ def _loss_gradients(stream, layers: nn.ModuleList, batches: list[torch.Tensor],
                     last: list[torch.Tensor], progress: bool) -> list[torch.Tensor]:
     """The next-token loss of each batch (the model's own forward from the final norm on, the
     decoder stack replaced by ``last``, its outputs) and its gradient at ``last``."""
+    from compress.quant.calibrated import stack_returning
+
     model, grads = stream.model, []
     with stream.outside(torch.device("cpu"), head=True):
         for ids, hidden in zip(batches, last, strict=True):
             hidden = hidden.detach().clone().requires_grad_(True)
-            with _stack_returning(layers, hidden):
+            with stack_returning(layers, hidden):
                 loss = model(ids, labels=ids, use_cache=False).loss
             loss.backward()
             grads.append(hidden.grad)
             if progress:
                 log.info("tune: sensitivity batch loss %.3f", loss.item())
     return grads
-
-
-@contextlib.contextmanager
-def _stack_returning(layers: nn.ModuleList, hidden: torch.Tensor):
-    """The decoder stack's forward replaced: the first layer returns ``hidden``, the others
-    pass it on (the embedding lookup aside, nothing of the stack runs)."""
-
-    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden
-
-    def passthrough(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return args[0] if args else kwargs["hidden_states"]
-
-    try:
-        for index, layer in enumerate(layers):
-            layer.forward = first if index == 0 else passthrough  # shadows the class method
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
 
 
 def _backward_through(layer: nn.Module, entering: list[torch.Tensor], kwargs: list[dict],

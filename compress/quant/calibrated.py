@@ -163,6 +163,28 @@ def capture_first_layer_inputs(
     return captured
 
 
+@contextlib.contextmanager
+def stack_returning(layers: nn.ModuleList, hidden: torch.Tensor) -> Iterator[None]:
+    """Within: the decoder stack's forward replaced, its first layer returning ``hidden`` and the
+    others passing it on, so that the model's own forward runs from the final norm on (norm,
+    head, logit scaling, loss) on the last layer's output (the embedding lookup aside,
+    nothing of the stack runs)."""
+
+    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
+
+    def passthrough(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    try:
+        for index, layer in enumerate(layers):
+            layer.forward = first if index == 0 else passthrough  # shadows the class method
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs, *, check: str = "",
               keep: bool = True) -> list[torch.Tensor]:
