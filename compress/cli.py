@@ -251,10 +251,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from compress.core.device import place_for_eval
     from compress.io.load import load_model
+    from compress.pipeline.preflight import check_whole_loads
     from compress.runtime.engine import Runtime
 
     started = time.perf_counter()
     device = _device(args)
+    check_whole_loads("generate (model loaded whole, float32)", [args.model], "compress it first "
+                      "(W4/W8 exports load as stored) or serve a bf16 one: compress serve")
     loaded = load_model(args.model, backend=args.backend)
     placed = place_for_eval(loaded.model, device)
     loaded_at = time.perf_counter()
@@ -305,9 +308,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """Load, build the runtime and the scheduler, then serve until Ctrl-C."""
     import torch
 
+    from compress.cli_flags import serve_dtypes
     from compress.io.load import load_model
     from compress.io.stream import parse_size
-    from compress.pipeline.preflight import check_phase
+    from compress.pipeline.preflight import check_phase, check_whole_loads
     from compress.runtime.engine import Runtime
     from compress.runtime.scheduler import Scheduler
     from compress.runtime.server import Engine, Server, serve
@@ -325,15 +329,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise RecipeError(f"--{flag.replace('_', '-')} {value}: give a number above 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, backend=args.backend)
-    dtype = args.dtype
-    if dtype == "auto":  # the checkpoint's stored float dtype (load_model computes in fp32)
-        import json
-        from pathlib import Path
-
-        config = json.loads((Path(loaded.path) / "config.json").read_text())
-        stored = config.get("dtype", config.get("torch_dtype"))
-        dtype = "bfloat16" if stored == "bfloat16" else "float32"
+    dtype, load_dtype = serve_dtypes(args.model, args.dtype)
+    check_whole_loads("serve (model loaded whole)", [args.model], "compress it first (W4/W8 "
+                      "exports load as stored)", dtype=load_dtype, extra=kv_memory)  # fmt: skip
+    loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
     matmul = {"float32": None, "bfloat16": torch.bfloat16}[dtype]
     # The model's quantized layers are released as the runtime takes them (one copy of the
     # weights); the scheduler brings its paged cache, so no contiguous one is allocated.

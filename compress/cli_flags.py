@@ -74,3 +74,27 @@ def reader_left() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     return 141  # 128 + SIGPIPE, what a tool killed by the signal reports
+
+
+def serve_dtypes(model: str, asked: str):
+    """``compress serve``'s matmul dtype for the float layers (``asked``; auto: the
+    checkpoint's stored one, bfloat16 or float32) and the dtype the model loads in: bfloat16
+    for a plain bf16 checkpoint computed in bf16 (the same values as a float32 load, which the
+    runtime casts to bf16 anyway, in half the memory: a 7B model 13.5 GB instead of 27),
+    float32 otherwise (compressed checkpoints keep their codes as stored either way)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from compress.io.load import is_compressed_checkpoint, resolve_model_path
+
+    where = resolve_model_path(model)
+    stored = None
+    if isinstance(where, Path) and (where / "config.json").is_file():
+        config = json.loads((where / "config.json").read_text())
+        stored = config.get("dtype", config.get("torch_dtype"))
+    dtype = asked if asked != "auto" else ("bfloat16" if stored == "bfloat16" else "float32")
+    plain = isinstance(where, Path) and not is_compressed_checkpoint(where)
+    narrow = dtype == stored == "bfloat16" and plain
+    return dtype, torch.bfloat16 if narrow else torch.float32

@@ -124,3 +124,47 @@ def test_generate_on_the_transformers_fallback_reports_no_per_token_times(tmp_pa
                  "--max-new-tokens", "3"]) == 0
     err = capsys.readouterr().err
     assert "transformers generate: no per-token times" in err and "tokens/s" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "compare"])
+def test_a_model_too_large_to_load_whole_is_refused_before_loading(command, plain, tmp_path,
+                                                                   capsys, monkeypatch):
+    """generate, serve and compare load models whole: past the available memory they were
+    killed for memory (a 7B bf16 checkpoint loads as 27 GB of float32); now refused first."""
+    import compress.io.load
+    from compress.pipeline import preflight
+
+    monkeypatch.delenv("COMPRESS_SKIP_MEMORY_CHECK", raising=False)
+    need = preflight.whole_load_bytes(plain)
+    if command == "compare":  # baseline and variant at once, one process's base
+        need = 2 * need - preflight.BASE_BYTES
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(compress.io.load, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    argv = {"generate": ["generate", "hi", "--model", str(plain)],
+            "serve": ["serve", str(plain), "--kv-memory", "1MB"],
+            "compare": ["compare", str(plain), str(plain), "--out", str(tmp_path / "cmp")]}
+    assert main(argv[command]) == 2
+    err = capsys.readouterr().err
+    assert f"phase '{command} (" in err and "nothing was written" in err, err
+
+
+def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path):
+    import torch
+
+    from compress.cli_flags import serve_dtypes
+    from compress.pipeline.preflight import whole_load_bytes
+    from compress.testing import make_char_tokenizer, make_tiny_llama
+
+    for dtype in (torch.bfloat16, torch.float32):
+        make_tiny_llama(seed=0).to(dtype).save_pretrained(tmp_path / str(dtype))
+        make_char_tokenizer().save_pretrained(tmp_path / str(dtype))
+    bf16, fp32 = str(tmp_path / str(torch.bfloat16)), str(tmp_path / str(torch.float32))
+    assert serve_dtypes(bf16, "auto") == ("bfloat16", torch.bfloat16)
+    assert serve_dtypes(bf16, "float32") == ("float32", torch.float32)
+    assert serve_dtypes(fp32, "auto") == ("float32", torch.float32)
+    assert serve_dtypes(fp32, "bfloat16") == ("bfloat16", torch.float32)  # not rounded on load
+    base = whole_load_bytes(tmp_path / "none")  # no checkpoint: None
+    assert base is None
+    wide, narrow = (whole_load_bytes(tmp_path / str(torch.bfloat16), d)
+                    for d in (None, torch.bfloat16))  # fmt: skip
+    assert narrow < wide

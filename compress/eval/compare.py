@@ -189,6 +189,7 @@ def compare(
     unless ``overwrite``; never a model's folder). Returns the JSON payload."""
     from compress.io.load import load_model, local_model_dir
     from compress.output_dir import check_output_dir
+    from compress.pipeline.preflight import check_whole_loads
 
     check_settings(settings)
     device = resolve_device(settings.device, where="--device")  # before any model loads
@@ -200,6 +201,9 @@ def compare(
     if settings.dataset is not None:
         path = resolve_text_path(settings.dataset, settings.data_dir)
         text, source = read_text(path), str(path)
+    # every model is loaded whole at once (latency rounds interleave them): checked first
+    check_whole_loads("compare (every model loaded whole at once)", models, "compare fewer "
+                      "variants at once, or score each alone: compress eval --layer-by-layer")
     loaded = [load_model(n, backend=settings.backend) for n in names]
     sizes = [_sizes(lm.model) for lm in loaded]  # as stored, before a GPU's bf16 copy
     placed = [place_for_eval(lm.model, device) for lm in loaded]

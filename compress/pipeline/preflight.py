@@ -436,12 +436,13 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
     _refuse(phase, peak, available, ways)
 
 
-def whole_load_bytes(where) -> int | None:
+def whole_load_bytes(where, dtype=None) -> int | None:
     """Peak resident bytes of loading the checkpoint at ``where`` whole (``compress.load``), from
-    its headers: a plain checkpoint's floating tensors as float32; a compressed one's as
-    ``load_compressed`` keeps them (``keeps_stored_dtype``: codes, scales and large dense bf16
-    tensors as stored, the rest as float32; a tensor beside a ``weight_scale`` belongs to a
-    quantized layer). None for a hub id or a folder without safetensors."""
+    its headers: a plain checkpoint's floating tensors as float32 (``dtype``: in that dtype); a
+    compressed one's as ``load_compressed`` keeps them (``keeps_stored_dtype``: codes, scales
+    and large dense bf16 tensors as stored, the rest as float32; a tensor beside a
+    ``weight_scale`` belongs to a quantized layer). None for a hub id or a folder without
+    safetensors."""
     if not isinstance(where, Path):
         return None
     import torch
@@ -466,11 +467,26 @@ def whole_load_bytes(where) -> int | None:
         quantized = f"{name.rpartition('.')[0]}.weight_scale" in names
         kept = (keeps_stored_dtype(name, stored, numel, torch.float32, quantized=quantized)
                 if compressed else not stored.is_floating_point or name.endswith("weight_scale"))
-        total += reader.nbytes(name) if kept else numel * FLOAT32
+        wide = FLOAT32 if dtype is None or compressed else torch.finfo(dtype).bits // 8
+        total += reader.nbytes(name) if kept else numel * wide
     # transformers fuses a plain MoE checkpoint's experts as it loads; load_compressed reads a
     # compressed one module by module, as a dense one
     moe = not compressed and _is_moe(where, None)
     return BASE_BYTES + int(total * (MOE_LOAD_FACTOR if moe else LOAD_FACTOR))
+
+
+def check_whole_loads(phase: str, models: list[str], way_out: str, *, dtype=None,
+                      extra: int = 0) -> None:
+    """``check_phase`` for loading ``models`` (names, folders) whole, all at once (``dtype``:
+    a plain checkpoint's, ``whole_load_bytes``), before the first loads: their peaks summed, the
+    process's base counted once, plus ``extra`` bytes (serve's KV cache); a model whose size
+    cannot be read (a hub id) adds nothing."""
+    from compress.io.load import resolve_model_path
+
+    needs = [n for n in (whole_load_bytes(resolve_model_path(m), dtype) for m in models)
+             if n is not None]  # fmt: skip
+    if needs:
+        check_phase(phase, sum(needs) - BASE_BYTES * (len(needs) - 1) + extra, way_out)
 
 
 def check_phase(phase: str, need: int | None, way_out: str) -> None:
