@@ -13,7 +13,15 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.cli_flags import check_flags, check_generate_length, reader_left, torch_threads
+from compress.cli_flags import (
+    add_device_arg,
+    add_dtype_arg,
+    check_flags,
+    check_generate_length,
+    reader_left,
+    runtime_dtypes,
+    torch_threads,
+)
 from compress.core.errors import (
     DataError,
     KernelConstraintError,
@@ -256,9 +264,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     device = _device(args)
-    check_whole_loads("generate (model loaded whole, float32)", [args.model], "compress it first "
-                      "(W4/W8 exports load as stored) or serve a bf16 one: compress serve")
-    loaded = load_model(args.model, backend=args.backend)
+    _, matmul, load_dtype = runtime_dtypes(args.model, args.dtype)
+    check_whole_loads("generate (model loaded whole)", [args.model], "compress it first (W4/W8 "
+                      "exports load as stored), or --dtype auto for a bf16 one", dtype=load_dtype)
+    loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
     placed = place_for_eval(loaded.model, device)
     loaded_at = time.perf_counter()
     print(f"loaded {args.model} in {loaded_at - started:.1f} s on {placed['device']}",
@@ -274,6 +283,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         steps.append("each new key length's first step is captured in a CUDA graph")
     print(f"preparing the runtime ({'; '.join(steps)})...", file=sys.stderr)
     runtime = Runtime(loaded.model, max_seq_len=slots, compile=args.compile,
+                      prefill_dtype=matmul, decode_dtype=matmul,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
                       lm_head_bits=args.lm_head_bits,
                       cuda_graphs=False if args.no_cuda_graphs else None)
@@ -308,7 +318,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """Load, build the runtime and the scheduler, then serve until Ctrl-C."""
     import torch
 
-    from compress.cli_flags import serve_dtypes
     from compress.io.load import load_model
     from compress.io.stream import parse_size
     from compress.pipeline.preflight import check_phase, check_whole_loads
@@ -329,11 +338,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise RecipeError(f"--{flag.replace('_', '-')} {value}: give a number above 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, load_dtype = serve_dtypes(args.model, args.dtype)
+    dtype, matmul, load_dtype = runtime_dtypes(args.model, args.dtype)
     check_whole_loads("serve (model loaded whole)", [args.model], "compress it first (W4/W8 "
                       "exports load as stored)", dtype=load_dtype, extra=kv_memory)  # fmt: skip
     loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
-    matmul = {"float32": None, "bfloat16": torch.bfloat16}[dtype]
     # The model's quantized layers are released as the runtime takes them (one copy of the
     # weights); the scheduler brings its paged cache, so no contiguous one is allocated.
     runtime = Runtime(loaded.model, max_seq_len=args.max_model_len, compile=False,
@@ -512,13 +520,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
-        p.add_argument("--device", default=None if recipe else "auto", metavar="DEVICE",
-                       help="where the work runs: auto (the first GPU when there is one, else "
-                       "the CPU), cpu, cuda or cuda:N; on a GPU evaluation runs in bf16 "
-                       + ("(default: the recipe's `device` key, auto)" if recipe
-                          else "(default: auto)"))
 
     def add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
         p.add_argument("recipe", nargs="?" if optional else None,
@@ -725,6 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--lm-head-bits", type=int, choices=[4, 8],
                        help="quantize a copy of the output head for decode (8: +0.01-0.1%% ppl "
                        "measured on SmolLM2, the largest matrix of small models)")
+    add_dtype_arg(p_gen, "float32")
     p_gen.add_argument("--no-cuda-graphs", action="store_true",
                        help="on a GPU, launch every kernel of every decode step instead of "
                        "replaying each step from a CUDA graph (the default there)")
@@ -741,9 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_srv.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
     p_srv.add_argument("--max-model-len", type=int, default=2048,
                        help="longest prompt + output in tokens")
-    p_srv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="matmul dtype of the float layers (auto: the checkpoint's stored "
-                       "dtype; quantized layers run their int kernels either way)")
+    add_dtype_arg(p_srv, "auto")
     p_srv.add_argument("--kv-memory", default="1GB",
                        help="memory for the paged KV cache, e.g. 512MB or 2GiB")
     p_srv.add_argument("--kv-dtype", default="auto",

@@ -76,12 +76,13 @@ def reader_left() -> int:
     return 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 
 
-def serve_dtypes(model: str, asked: str):
-    """``compress serve``'s matmul dtype for the float layers (``asked``; auto: the
-    checkpoint's stored one, bfloat16 or float32) and the dtype the model loads in: bfloat16
-    for a plain bf16 checkpoint computed in bf16 (the same values as a float32 load, which the
-    runtime casts to bf16 anyway, in half the memory: a 7B model 13.5 GB instead of 27),
-    float32 otherwise (compressed checkpoints keep their codes as stored either way)."""
+def runtime_dtypes(model: str, asked: str):
+    """``compress serve``'s and ``generate``'s float-layer dtype for ``asked`` (auto: the
+    checkpoint's stored one, bfloat16 or float32): its name, the runtime's matmul dtype (None:
+    float32) and the dtype the model loads in: bfloat16 for a plain bf16 checkpoint computed in
+    bf16 (the same values as a float32 load, which the runtime casts to bf16 anyway, in half the
+    memory: a 7B model 13.5 GB instead of 27), float32 otherwise (compressed checkpoints keep
+    their codes as stored either way)."""
     import json
     from pathlib import Path
 
@@ -97,4 +98,20 @@ def serve_dtypes(model: str, asked: str):
     dtype = asked if asked != "auto" else ("bfloat16" if stored == "bfloat16" else "float32")
     plain = isinstance(where, Path) and not is_compressed_checkpoint(where)
     narrow = dtype == stored == "bfloat16" and plain
-    return dtype, torch.bfloat16 if narrow else torch.float32
+    matmul = torch.bfloat16 if dtype == "bfloat16" else None
+    return dtype, matmul, torch.bfloat16 if narrow else torch.float32
+
+
+def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
+    p.add_argument("--device", default=None if recipe else "auto", metavar="DEVICE",
+                   help="where the work runs: auto (the first GPU when there is one, else "
+                   "the CPU), cpu, cuda or cuda:N; on a GPU evaluation runs in bf16 "
+                   + ("(default: the recipe's `device` key, auto)" if recipe
+                      else "(default: auto)"))
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--dtype", default=default, choices=["auto", "float32", "bfloat16"],
+                   help=f"matmul dtype of the float layers (auto: the checkpoint's stored dtype; "
+                   f"a bf16 checkpoint computed in bf16 loads in bf16; default {default}); "
+                   "quantized layers run their int kernels either way")

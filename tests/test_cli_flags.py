@@ -151,7 +151,7 @@ def test_a_model_too_large_to_load_whole_is_refused_before_loading(command, plai
 def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path):
     import torch
 
-    from compress.cli_flags import serve_dtypes
+    from compress.cli_flags import runtime_dtypes
     from compress.pipeline.preflight import whole_load_bytes
     from compress.testing import make_char_tokenizer, make_tiny_llama
 
@@ -159,12 +159,35 @@ def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path
         make_tiny_llama(seed=0).to(dtype).save_pretrained(tmp_path / str(dtype))
         make_char_tokenizer().save_pretrained(tmp_path / str(dtype))
     bf16, fp32 = str(tmp_path / str(torch.bfloat16)), str(tmp_path / str(torch.float32))
-    assert serve_dtypes(bf16, "auto") == ("bfloat16", torch.bfloat16)
-    assert serve_dtypes(bf16, "float32") == ("float32", torch.float32)
-    assert serve_dtypes(fp32, "auto") == ("float32", torch.float32)
-    assert serve_dtypes(fp32, "bfloat16") == ("bfloat16", torch.float32)  # not rounded on load
+    assert runtime_dtypes(bf16, "auto") == ("bfloat16", torch.bfloat16, torch.bfloat16)
+    assert runtime_dtypes(bf16, "float32") == ("float32", None, torch.float32)
+    assert runtime_dtypes(fp32, "auto") == ("float32", None, torch.float32)
+    assert runtime_dtypes(fp32, "bfloat16") == ("bfloat16", torch.bfloat16, torch.float32)
     base = whole_load_bytes(tmp_path / "none")  # no checkpoint: None
     assert base is None
     wide, narrow = (whole_load_bytes(tmp_path / str(torch.bfloat16), d)
                     for d in (None, torch.bfloat16))  # fmt: skip
     assert narrow < wide
+
+
+def test_generate_in_bf16_from_a_bf16_load_gives_the_float32_loads_tokens(tmp_path, capsys):
+    """`generate --dtype auto` on a bf16 checkpoint loads it in bf16: the same tokens as the
+    runtime computing in bf16 from a float32 load (the values are the same)."""
+    import torch
+
+    from compress.io.load import load_model
+    from compress.runtime.engine import Runtime
+    from compress.testing import make_char_tokenizer, make_tiny_llama
+
+    make_tiny_llama(seed=3).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    make_char_tokenizer().save_pretrained(tmp_path / "bf16")
+    assert main(["generate", "the cat", "--model", str(tmp_path / "bf16"), "--dtype", "auto",
+                 "--max-new-tokens", "8"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out.rstrip("\n")
+    loaded = load_model(str(tmp_path / "bf16"))
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    runtime = Runtime(loaded.model, max_seq_len=64, compile=False,
+                      prefill_dtype=torch.bfloat16, decode_dtype=torch.bfloat16)  # fmt: skip
+    ids = loaded.tokenizer("the cat")["input_ids"]
+    tokens = runtime.generate([ids], 8, stop_tokens=[loaded.tokenizer.eos_token_id])[0]
+    assert printed == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
