@@ -6,6 +6,7 @@ values; the token ids are random.
 
     python scripts/bench_tune_layerwise.py --shapes 7b --formats float int4-g128 \
         --samples 2 --seq-len 128 --out out/bench_tune_layerwise
+    python scripts/bench_tune_layerwise.py --shapes --checkpoints DIR ...  # folders as they are
 
 Checkpoints are written once under --models (default .cache/compress/synthetic, the one
 scripts/bench_memory.py uses) and reused.
@@ -51,7 +52,9 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["7b"])
+    p.add_argument("--shapes", nargs="*", default=["7b"])
+    p.add_argument("--checkpoints", nargs="*", default=[],
+                   help="checkpoint folders measured too (e.g. bench_memory's synthetic MoE)")
     p.add_argument("--formats", nargs="+", default=["float", "int4-g128"])
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
@@ -73,9 +76,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     formats = [parse_format(f) for f in args.formats]
     rows = []
-    for shape in args.shapes:
-        model = Path(args.models) / f"llama-{shape}-bf16"
-        write_synthetic_llama(model, shape, max_position_embeddings=4096, shard_size="2GB")
+    todo = [(shape, Path(args.models) / f"llama-{shape}-bf16") for shape in args.shapes]
+    todo += [(Path(folder).name, Path(folder)) for folder in args.checkpoints]
+    for shape, model in todo:
+        if shape in args.shapes:
+            write_synthetic_llama(model, shape, max_position_embeddings=4096, shard_size="2GB")
         tokens = args.samples * args.seq_len
         cmd = [sys.executable, __file__, "--child", "--model", str(model), "--spill", str(out),
                "--formats", *args.formats, "--samples", str(args.samples),

@@ -201,11 +201,14 @@ def layerwise_sensitivity_bytes(where, formats: list, batch_tokens: int,
                                 total_tokens: int) -> int | None:
     """Estimated peak resident bytes of ``measure_sensitivity_layerwise`` on the checkpoint
     folder ``where`` (None where it cannot be read without loading), from its meta skeleton:
-    the largest decoder layer in float32 with its RTN codes in every integer format (a byte a
-    weight at most) and one float32 error of its largest linear, the embedding and head in
-    float32, a gradient and an input per calibration token (``total_tokens``, hidden wide), and
-    one batch's activations and logits (``batch_tokens``; the per-token term is
-    ``sensitivity_bytes``' guess for one layer)."""
+    the larger of its two phases, plus a gradient and an input per calibration token
+    (``total_tokens``, hidden wide). A layer's: the largest decoder layer read in float32 beside
+    its stored copy (the layer-by-layer evaluation's term, ``_layerwise_eval_bytes``: fused
+    experts are stacked as they are read), its RTN codes in every integer format (a byte a
+    weight at most), one float32 error of its largest linear and a batch's activations. The
+    loss's: the modules outside the stack, read the same way, and a batch's logits three
+    times. Measured against it (docs/results.md, "compress tune on 7B"):
+    the 7B shape 2.53 and 3.67 GB, the 1.1B 1.64 GB, two Mixtral-8x7B layers 15.2 GB."""
     from compress.io.load import is_compressed_checkpoint
     from compress.io.stream import meta_skeleton
     from compress.pipeline.preflight import BASE_BYTES, FLOAT32
@@ -224,10 +227,11 @@ def layerwise_sensitivity_bytes(where, formats: list, batch_tokens: int,
     cfg = skeleton.config
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     intermediate = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
-    per_token = 8 * hidden + 4 * intermediate + 3 * int(getattr(cfg, "vocab_size", 0) or 0)
-    return (BASE_BYTES + largest * (FLOAT32 + integer) + 2 * biggest * FLOAT32
-            + outside * FLOAT32 + 2 * total_tokens * hidden * FLOAT32
-            + batch_tokens * per_token * FLOAT32)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    layer = (int(1.5 * largest * (FLOAT32 + 2)) + largest * integer + 2 * biggest * FLOAT32
+             + batch_tokens * (8 * hidden + 4 * intermediate) * FLOAT32)
+    loss = int(1.5 * outside * (FLOAT32 + 2)) + 3 * batch_tokens * vocab * FLOAT32
+    return BASE_BYTES + max(layer, loss) + 2 * total_tokens * hidden * FLOAT32
 
 
 def use_layer_by_layer(where, whole_bytes: int | None, forced: bool | None) -> bool:
