@@ -83,18 +83,15 @@ def runtime_dtypes(model: str, asked: str):
     bf16 (the same values as a float32 load, which the runtime casts to bf16 anyway, in half the
     memory: a 7B model 13.5 GB instead of 27), float32 otherwise (compressed checkpoints keep
     their codes as stored either way)."""
-    import json
     from pathlib import Path
 
     import torch
 
+    from compress.io.checkpoint import stored_dtype_name
     from compress.io.load import is_compressed_checkpoint, resolve_model_path
 
     where = resolve_model_path(model)
-    stored = None
-    if isinstance(where, Path) and (where / "config.json").is_file():
-        config = json.loads((where / "config.json").read_text())
-        stored = config.get("dtype", config.get("torch_dtype"))
+    stored = stored_dtype_name(where) if isinstance(where, Path) else None
     dtype = asked if asked != "auto" else ("bfloat16" if stored == "bfloat16" else "float32")
     plain = isinstance(where, Path) and not is_compressed_checkpoint(where)
     narrow = dtype == stored == "bfloat16" and plain

@@ -401,6 +401,20 @@ def _config_errors() -> tuple[type[BaseException], ...]:
     return (*errors, StrictDataclassError)
 
 
+def stored_dtype_name(path) -> str | None:
+    """The float dtype name (``bfloat16``, ``float16``...) ``path``/config.json says the
+    checkpoint is stored in (``dtype``, or transformers 4's ``torch_dtype``); None without a
+    readable one (a hub id, no or a damaged config.json: the loaders report those)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (TypeError, OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return stored if isinstance(stored, str) else None
+
+
 def read_config_json(path: str | os.PathLike[str]) -> dict:
     """``path``/config.json as a mapping, or a ModelLoadError naming what is wrong with it (not
     JSON, not an object, a ``quantization_config`` that is not an object)."""

@@ -34,6 +34,7 @@ from compress.arch import output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
+from compress.io.checkpoint import stored_dtype_name
 from compress.io.names import (
     MoeTreeReader,
     checkpoint_renamer,
@@ -85,11 +86,7 @@ def resolve_export_dtype(dtype: str, source: str | os.PathLike[str] | None = Non
     embedding would outweigh int4 layers; measured on SmolLM2 W4 in docs/results.md)."""
     if dtype != "auto":
         return dtype
-    try:
-        config = json.loads((Path(source) / "config.json").read_text())
-    except (TypeError, OSError, ValueError):
-        config = {}
-    stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    stored = stored_dtype_name(source) if source is not None else None
     return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
