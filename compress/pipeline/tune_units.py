@@ -15,7 +15,6 @@ never quantized (``compress.arch.float_only_modules``) and are no unit.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,20 +209,15 @@ def header_bytes_bound(model: nn.Module, units: dict[str, Unit], others: list[st
 def checkpoint_unit_bytes(folder: Path, owners: dict[str, str], units) -> dict[str, int]:
     """Bytes the exported safetensors in ``folder`` hold for each unit's weights (codes,
     scales, zero points, or the float weights; an experts module's linears summed), read from
-    the files' headers; ``owners`` from ``stored_owners``."""
-    from safetensors import safe_open
+    the files' headers (``read_header``); ``owners`` from ``stored_owners``."""
+    from compress.io.checkpoint import read_header
 
     stored = dict.fromkeys(units, 0)
     leaves = {"weight", "weight_packed", "weight_scale", "weight_zero_point"}
     for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            for key in handle.keys():
-                layer, _, leaf = key.rpartition(".")
-                if layer in owners and leaf in leaves:
-                    tensor = handle.get_slice(key)
-                    shape, dtype = tensor.get_shape(), tensor.get_dtype()
-                    stored[owners[layer]] += math.prod(shape) * _DTYPE_BYTES[dtype]
+        for key, entry in read_header(path)[1].items():
+            layer, _, leaf = key.rpartition(".")
+            if layer in owners and leaf in leaves:
+                begin, end = entry["data_offsets"]
+                stored[owners[layer]] += end - begin
     return stored
-
-
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "I64": 8}
