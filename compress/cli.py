@@ -185,11 +185,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     device = _device(args)
     if args.layer_by_layer:
         return _eval_layer_by_layer(args, path, tasks, device)
-    from compress.io.load import resolve_model_path
-    from compress.pipeline.preflight import check_phase, whole_load_bytes
+    from compress.pipeline.preflight import check_whole_loads
 
-    check_phase("eval (model loaded whole)", whole_load_bytes(resolve_model_path(args.model)),
-                "score perplexity one decoder layer at a time: compress eval --layer-by-layer")
+    check_whole_loads("eval (model loaded whole)", [args.model], "score perplexity one "
+                      "decoder layer at a time: compress eval --layer-by-layer")
     loaded = load_model(args.model, backend=args.backend)
     placed = place_for_eval(loaded.model, device)  # bf16 on a GPU; the CPU: as loaded
     out: dict = {}

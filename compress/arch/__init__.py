@@ -49,6 +49,8 @@ How each family's peculiarities are handled (scale folds:
   expert without a gate, sigmoid routing with a trained score-correction bias (a persistent
   buffer: ``compress.io.stream.materialize`` reads it as stored) and dense first layers;
   K-EXAONE (exaone_moe) dots.llm1's block with EXAONE 4's NoPE global layers;
+  HunYuan-MoE (hunyuan_v1_moe) HunYuan dense's attention around a shared expert without a
+  gate and a softmax router whose Linear sits inside the gate module (``Moe.router_linear``);
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
   names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
@@ -246,13 +248,12 @@ def routing_problem(model: nn.Module) -> str | None:
     computes an MLP of zeros, only at the first forward)."""
     arch = ARCHS.get(model_type(model))
     layers = sparse_layers(model, arch) if arch is not None else []
-    if not layers:
-        return None
-    router = model.get_submodule(arch.layers)[layers[0]].get_submodule(arch.moe.router)
-    picked, count = getattr(router, "top_k", None), getattr(router, "num_experts", None)
-    if isinstance(picked, int) and isinstance(count, int) and not 1 <= picked <= count:
-        return (f"each token is routed to {picked} of {count} experts; the number per token "
-                f"must be 1 to {count}")
+    for index in layers:  # per layer: HunYuan-MoE's moe_topk may be a list
+        router = model.get_submodule(arch.layers)[index].get_submodule(arch.moe.router)
+        picked, count = getattr(router, "top_k", None), getattr(router, "num_experts", None)
+        if isinstance(picked, int) and isinstance(count, int) and not 1 <= picked <= count:
+            return (f"each token is routed to {picked} of {count} experts; the number per "
+                    f"token must be 1 to {count} (layer {index})")
     return None
 
 
@@ -262,7 +263,7 @@ def float_only_modules(model: nn.Module) -> set[str]:
     arch = ARCHS.get(model_type(model))
     if arch is None or arch.moe is None:
         return set()
-    paths = [p for p in (arch.moe.router, arch.moe.shared_scalar_gate) if p]
+    paths = [p for p in (arch.moe.router_weights, arch.moe.shared_scalar_gate) if p]
     return {f"{arch.layer_prefix}{i}.{p}" for i in sparse_layers(model, arch) for p in paths}
 
 

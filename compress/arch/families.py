@@ -305,6 +305,22 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     model_type="hunyuan_v1_dense",
     qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm"),
 )
+# HunYuan-MoE (Hunyuan-A13B): HunYuan dense's attention around Qwen2-MoE's routed experts (a
+# softmax router, its Linear ``wg`` inside the gate module, kept in float32 by the family) and a
+# shared expert named shared_mlp, summed in without a gate.
+HUNYUAN_V1_MOE = dataclasses.replace(
+    _moe_arch(
+        "hunyuan_v1_moe",
+        dataclasses.replace(
+            _MOE,
+            router_linear="wg",
+            shared_gate="mlp.shared_mlp.gate_proj",
+            shared_up="mlp.shared_mlp.up_proj",
+            shared_down="mlp.shared_mlp.down_proj",
+        ),
+    ),
+    qk_norms=HUNYUAN_V1_DENSE.qk_norms,
+)
 
 def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Arch:
     """``base``'s attention with a non-gated MLP ``down(act(up(x)))``: down's input is a
@@ -528,6 +544,7 @@ ARCHS: dict[str, Arch] = {
         MINIMAX_M2,
         PHIMOE,
         EXAONE_MOE,
+        HUNYUAN_V1_MOE,
     )
 }
 
@@ -646,6 +663,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
     "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
+    "hunyuan_v1_moe": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),

@@ -77,10 +77,19 @@ class Moe:
     shared_up: str = ""
     shared_down: str = ""
     shared_scalar_gate: str = ""
+    # the Linear inside ``router`` that holds its weights, where the router is a module around
+    # one (HunYuan-MoE's gate.wg: an nn.Linear a pass would otherwise target); "" where the
+    # router holds its own weight
+    router_linear: str = ""
     # (gate, up, down) of the gated MLP of Linears in the layers whose MLP is dense (Qwen2/3-MoE's
     # mlp_only_layers, GLM-4-MoE's and DeepSeek's first_k_dense_replace, ERNIE-4.5-MoE's
     # moe_layer_start_index): ``compress.arch.layer_arch`` describes those layers with it
     dense: tuple[str, str, str] = ("", "", "")
+
+    @property
+    def router_weights(self) -> str:
+        """The path of the module that holds the router's weight (never quantized)."""
+        return f"{self.router}.{self.router_linear}" if self.router_linear else self.router
 
     @property
     def shared_readers(self) -> tuple[str, ...]:

@@ -126,7 +126,7 @@ def moe_float_linears(model: nn.Module) -> list[str]:
     names = []
     for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}."
-        names.append(prefix + arch.moe.router)
+        names.append(prefix + arch.moe.router_weights)
         experts = model.get_submodule(prefix + arch.moe.fused)
         if not isinstance(experts, QuantExperts):
             count = getattr(experts, arch.moe.down).shape[0]

@@ -205,7 +205,8 @@ def _readers_after(layer: nn.Module, arch: Arch, norm: str) -> list[torch.Tensor
     elif arch.moe is not None:
         experts = layer.get_submodule(arch.moe.fused)
         shared = [layer.get_submodule(p).weight for p in arch.moe.shared_readers]
-        return [layer.get_submodule(arch.moe.router).weight, getattr(experts, arch.moe.gate_up),
+        return [layer.get_submodule(arch.moe.router_weights).weight,
+                getattr(experts, arch.moe.gate_up),
                 *shared]  # fmt: skip
     else:
         paths = arch.mlp_channels.rows + arch.mlp_channels.fused
@@ -256,7 +257,8 @@ def _check_supported(model: nn.Module, arch: Arch) -> None:
         )
     paths = (arch.attn_norm, arch.mlp_norm) + arch.linears
     if arch.moe is not None:
-        paths += (arch.moe.router, arch.moe.fused, *arch.moe.shared_readers, arch.moe.shared_down)
+        paths += (arch.moe.router_weights, arch.moe.fused, *arch.moe.shared_readers,
+                  arch.moe.shared_down)
     check_paths(model, arch, tuple(p for p in paths if p), NAME)
     for index, layer in enumerate(decoder_layers(model, NAME)):
         for norm_path in (arch.attn_norm, arch.mlp_norm):

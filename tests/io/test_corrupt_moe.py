@@ -186,3 +186,21 @@ def test_a_broken_quantized_moe_export_is_one_line(kind, moe_w4_export, tmp_path
             read()
         assert "\n" not in str(caught.value), name
     assert load_model(str(moe_w4_export)).model is not None  # the intact export loads
+
+
+def test_a_per_layer_routing_setting_is_checked_in_every_layer(tmp_path):
+    """HunYuan-MoE's moe_topk may be a list, one entry per layer: a later layer that routes to
+    more than all of its experts is refused with the layer named (only layer 0 was checked)."""
+    folder = tmp_path / "ck"
+    make_tiny_moe("hunyuan_v1_moe", tie_word_embeddings=False).to(torch.bfloat16).save_pretrained(
+        folder)
+    make_char_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["moe_topk"] = [2, 5]
+    (folder / "config.json").write_text(json.dumps(config))
+    for read in (lambda: load_model(str(folder)), lambda: layerwise_model(folder)):
+        with pytest.raises(ModelLoadError, match=r"routed to 5 of 4 experts.*\(layer 1\)"):
+            read()
+    config["moe_topk"] = [2, 3]  # within range in every layer: it loads
+    (folder / "config.json").write_text(json.dumps(config))
+    assert [layer.mlp.gate.top_k for layer in load_model(str(folder)).model.model.layers] == [2, 3]

@@ -10,6 +10,7 @@ import copy
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,13 @@ def _router(model, index: int = 0):
     return model.get_submodule(f"{arch.layer_prefix}{index}.{arch.moe.router}")
 
 
+def _router_weights(model, index: int = 0):
+    """The module holding layer ``index``'s router weight (the router itself, or HunYuan-MoE's
+    Linear inside its gate)."""
+    arch = arch_for(model, "test")
+    return model.get_submodule(f"{arch.layer_prefix}{index}.{arch.moe.router_weights}")
+
+
 def _route(model, x, index: int = 0):
     """The router of layer ``index`` on ``x``: (logits, weights, top-k); MiniMax-M2's router
     takes its score-correction bias, a buffer of the block, as an argument."""
@@ -73,6 +81,8 @@ def _element_counts(model) -> tuple[int, int]:
     gated = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen2-MoE's, with a gate
     shared = gated or (getattr(cfg, "n_shared_experts", 0) or getattr(cfg, "num_shared_experts", 0)
                        or getattr(cfg, "moe_num_shared_experts", 0) or 0) * inter
+    if cfg.model_type == "hunyuan_v1_moe":  # one shared expert (shared_mlp), always there
+        shared = cfg.intermediate_size
     h = cfg.hidden_size
     per_layer = _attention_elements(model) + experts * 3 * h * inter + 3 * h * shared
     # ERNIE-4.5-MoE keeps a [1, E] selection bias under its router: a matrix, kept float with it
@@ -101,7 +111,7 @@ def _attention_elements(model) -> int:
 )
 def test_rtn_quantizes_every_expert_and_counts_every_weight(moe, bits, group):
     model = copy.deepcopy(moe)
-    router_before = _router(model).weight.detach().clone()
+    router_before = _router_weights(model).weight.detach().clone()
     if bits == 4:
         report = int4_rtn(model, Int4RtnConfig(group_size=group), CompressionState())
     else:
@@ -117,8 +127,8 @@ def test_rtn_quantizes_every_expert_and_counts_every_weight(moe, bits, group):
         for linear in experts.quant_linears():
             assert torch.isfinite(linear.weight_scale).all() and (linear.weight_scale > 0).all()
     # the router is untouched, float
-    assert type(_router(model)).__name__.endswith("Router")
-    assert torch.equal(_router(model).weight, router_before)
+    assert type(_router_weights(model)) is type(_router_weights(moe))
+    assert torch.equal(_router_weights(model).weight, router_before)
     # bits/weight over every weight matrix: codes + fp16 scales, and the fp32 router
     scale_bits = 16 / (group or 64)
     expected = (targets * (bits + scale_bits) + routers * 32) / (targets + routers)
@@ -130,7 +140,10 @@ def test_rtn_quantizes_every_expert_and_counts_every_weight(moe, bits, group):
 def test_before_the_fix_the_report_would_have_lied(moe):
     """Experts left alone (ignored): the share and bits/weight say so; strict refuses."""
     model = copy.deepcopy(moe)
-    cfg = Int4RtnConfig(group_size=32, ignore=("lm_head", "re:.*experts", "re:.*shared_expert\\."))
+    moe_spec = arch_for(model, "test").moe  # the shared expert's module, by this family's name
+    shared = ("re:.*" + re.escape(moe_spec.shared_down.rpartition(".")[0]) + r"\.",) * bool(
+        moe_spec.shared_down)
+    cfg = Int4RtnConfig(group_size=32, ignore=("lm_head", "re:.*experts", *shared))
     report = int4_rtn(model, cfg, CompressionState())
     targets, routers = _element_counts(model)
     attention = report.metrics["quantized_elements"]
@@ -225,7 +238,7 @@ def gptq_run(moe):
     layer-0 expert inputs over the calibration set (x [T, H], top_k [T, k])."""
     float_model = copy.deepcopy(moe)
     _never_route(_router(float_model, 0), 3)
-    state = _calibration()
+    state = _calibration(n=8)  # >= 64 tokens for every reached expert of every family
     captured = []
     handle = _experts(float_model).register_forward_hook(lambda m, a, o: captured.append(a[:2]))
     with torch.no_grad():
@@ -302,13 +315,15 @@ def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(tmp_p
             for proj in (gate, up, down):
                 for suffix in ("weight_packed", "weight_scale", "weight_shape"):
                     assert f"model.layers.1.{block}.experts.{e}.{proj}.{suffix}" in keys, family
-        assert f"model.layers.0.{block}.gate.weight" in keys  # the router, float
+        # the router, float (HunYuan-MoE's is the Linear wg inside its gate)
+        router = f"{block}.gate" + (f".{arch.moe.router_linear}" if arch.moe.router_linear else "")
+        assert f"model.layers.0.{router}.weight" in keys
         assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
         quant = config["quantization_config"]
-        assert f"model.layers.0.{block}.gate" in quant["ignore"]
+        assert f"model.layers.0.{router}" in quant["ignore"]
         # the router under the module tree's name too (the name transformers 5 and vLLM's
         # MiniMax-M2 match; Phi-3.5-MoE's router is a Linear that transformers would quantize)
-        assert f"model.layers.0.{arch.moe.router}" in quant["ignore"]
+        assert f"model.layers.0.{arch.moe.router_weights}" in quant["ignore"]
         assert len(set(quant["ignore"])) == len(quant["ignore"])
         assert quant["config_groups"]["group_0"]["targets"] == ["Linear"]
         with torch.no_grad():
@@ -371,7 +386,7 @@ def test_weight_matrices_see_float_fused_experts(moe):
     arch = arch_for(moe, "test")
     name = f"{arch.layer_prefix}0.{arch.moe.fused}.{arch.moe.gate_up}"
     assert name in found and not found[name].quantized and found[name].target
-    router = f"{arch.layer_prefix}0.{arch.moe.router}"
+    router = f"{arch.layer_prefix}0.{arch.moe.router_weights}"
     # a router that is an nn.Linear (Phi-3.5-MoE's) counts as a linear layer, else its weight
     router += "" if isinstance(moe.get_submodule(router), torch.nn.Linear) else ".weight"
     assert router in found and not found[router].target
