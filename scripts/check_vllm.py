@@ -129,6 +129,9 @@ MOE_SHAPE = {
     "deepseek_v2": dict(moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
                         q_lora_rank=None, **_MLA_DIMS, num_key_value_heads=4,
                         tie_word_embeddings=False),
+    # HunYuan-MoE: the shared expert as wide as the routed ones (transformers' modeling);
+    # vLLM runs it through its transformers backend (TransformersMoEForCausalLM)
+    "hunyuan_v1_moe": dict(intermediate_size=128, tie_word_embeddings=False),
 }
 
 
