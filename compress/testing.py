@@ -162,7 +162,7 @@ def make_char_tokenizer():
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
                                    "glm4_moe_lite", "minimax_m2", "phimoe", "exaone_moe",
-                                   "hunyuan_v1_moe")
+                                   "hunyuan_v1_moe", "granitemoe")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -214,6 +214,9 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     elif model_type == "exaone_moe":  # dots.llm1's block (released: layer 0 dense)
         settings.update(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         num_shared_experts=1, mlp_layer_types=["sparse"] * 2, norm_topk_prob=True)
+    elif model_type == "granitemoe":  # Granite's multipliers
+        settings.update(num_local_experts=4, intermediate_size=64, embedding_multiplier=4.0,
+                        attention_multiplier=0.125, residual_multiplier=0.5, logits_scaling=2.0)
     elif model_type == "hunyuan_v1_moe":  # a shared expert as wide as the experts (64)
         settings.update(num_experts=4, moe_topk=2, intermediate_size=64)
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse

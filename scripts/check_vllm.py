@@ -132,6 +132,8 @@ MOE_SHAPE = {
     # HunYuan-MoE: the shared expert as wide as the routed ones (transformers' modeling);
     # vLLM runs it through its transformers backend (TransformersMoEForCausalLM)
     "hunyuan_v1_moe": dict(intermediate_size=128, tie_word_embeddings=False),
+    # GraniteMoE: Granite's multipliers (make_tiny_moe's); checkpoints store experts fused
+    "granitemoe": dict(intermediate_size=128, tie_word_embeddings=False),
 }
 
 

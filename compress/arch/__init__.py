@@ -51,6 +51,8 @@ How each family's peculiarities are handled (scale folds:
   K-EXAONE (exaone_moe) dots.llm1's block with EXAONE 4's NoPE global layers;
   HunYuan-MoE (hunyuan_v1_moe) HunYuan dense's attention around a shared expert without a
   gate and a softmax router whose Linear sits inside the gate module (``Moe.router_linear``);
+  GraniteMoE (granitemoe) Granite's multipliers around Mixtral's block name, its checkpoints
+  storing the experts fused (``compress.io.names.checkpoints_store_experts_fused``);
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
   names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,

@@ -165,6 +165,16 @@ DOTS1 = dataclasses.replace(_moe_arch("dots1", _SHARED_EXPERTS), qk_norms=_QK_NO
 # dense layers per mlp_layer_types.
 EXAONE_MOE = dataclasses.replace(_moe_arch("exaone_moe", _SHARED_EXPERTS), qk_norms=_QK_NORMS)
 
+# GraniteMoE (Granite 3.0/3.1 1B-A400M, 3B-A800M): Granite's multipliers (RuntimeSpec) around
+# Mixtral's block name with the router a module of its own; checkpoints store each layer's
+# experts fused (input_linear [E, 2I, H], output_linear [E, H, I]: transformers' renames).
+GRANITEMOE = _moe_arch(
+    "granitemoe",
+    dataclasses.replace(_MOE, block="block_sparse_moe", fused="block_sparse_moe.experts",
+                        router="block_sparse_moe.router", checkpoint_block="block_sparse_moe",
+                        dense=("", "", "")),
+)
+
 # DeepSeek-V3/R1, Kimi K2 and Moonlight (deepseek_v3), DeepSeek-V2 (deepseek_v2): GLM-4-MoE's
 # experts, shared expert and dense first layers (V3's router: sigmoid scores and a correction
 # bias; V2's: softmax) around multi-head latent attention (MLA). The residual stream is read by
@@ -545,6 +555,7 @@ ARCHS: dict[str, Arch] = {
         PHIMOE,
         EXAONE_MOE,
         HUNYUAN_V1_MOE,
+        GRANITEMOE,
     )
 }
 
@@ -593,6 +604,12 @@ DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
 
 
 _LLAMA_RT = RuntimeSpec()
+# attention_multiplier is the attention module's own scaling
+_GRANITE_RT = RuntimeSpec(
+    embed_multiplier="embedding_multiplier",
+    residual_multiplier="residual_multiplier",
+    logits_divisor="logits_scaling",
+)
 _COHERE_RT = RuntimeSpec(
     norm_eps_key="layer_norm_eps",
     logits_multiplier="logit_scale",
@@ -612,12 +629,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "ministral": _LLAMA_RT,  # sliding and full layers (layer_types)
     "ministral3": _LLAMA_RT,  # YaRN tables; llama_4_scaling_beta falls back (runtime.families)
     "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
-    # attention_multiplier is the attention module's own scaling
-    "granite": RuntimeSpec(
-        embed_multiplier="embedding_multiplier",
-        residual_multiplier="residual_multiplier",
-        logits_divisor="logits_scaling",
-    ),
+    "granite": _GRANITE_RT,
     "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
     # q/k norms after RoPE; NTK-alpha RoPE labelled "dynamic"
@@ -664,6 +676,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "dots1": _LLAMA_RT,
     "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
     "hunyuan_v1_moe": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
+    "granitemoe": _GRANITE_RT,
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.arch import output_weight_key, sparse_layers
+from compress.arch import model_type, output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
@@ -38,6 +38,7 @@ from compress.io.checkpoint import stored_dtype_name
 from compress.io.names import (
     MoeTreeReader,
     checkpoint_renamer,
+    checkpoints_store_experts_fused,
     model_name_aliases,
     moe_arch,
     moe_float_linears,
@@ -121,6 +122,12 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
                                                   for w in wrapper_names(wrapped, n)})
 
     plain_linears = [w for n in moe_float_linears(model) for w in names(n)]  # routers, experts
+    if checkpoints_store_experts_fused(model) and any(
+            isinstance(m, QuantExperts) for m in model.modules()):
+        log.warning("%s checkpoints store the expert weights fused and transformers reads "
+                    "them only so: the quantized expert weights are written per expert, which "
+                    "vLLM and compress.load read and plain transformers does not (it would "
+                    "initialize them anew)", model_type(model))
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):

@@ -135,11 +135,33 @@ def moe_float_linears(model: nn.Module) -> list[str]:
     return names
 
 
-def split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
-    and projection, the layout checkpoints (and vLLM) read."""
+def checkpoints_store_experts_fused(model: nn.Module) -> bool:
+    """Whether this MoE family's checkpoints store each layer's experts fused (GraniteMoE's
+    input_linear/output_linear): transformers' own conversion only renames them and builds no
+    fused experts from per-expert weights, so plain transformers cannot read per-expert ones
+    (vLLM and compress read both). False on transformers 4 and for families it merges."""
+    try:
+        from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
+    except ImportError:  # transformers 4: per-expert modules, read per expert
+        return False
     arch = moe_arch(model)
     if arch is None or arch.moe is None:
+        return False
+    try:
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001  (transformers' internals: per expert is the usual layout)
+        return False
+    merged = [t for t in transforms if isinstance(t, WeightConverter)
+              and any(p.endswith(arch.moe.gate_up) for p in t.target_patterns)]
+    return not merged
+
+
+def split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace float fused expert tensors in ``tensors`` by one ``[out, in]`` weight per expert
+    and projection, the layout checkpoints (and vLLM) read; kept fused where the family's
+    checkpoints store them so (``checkpoints_store_experts_fused``)."""
+    arch = moe_arch(model)
+    if arch is None or arch.moe is None or checkpoints_store_experts_fused(model):
         return
     gate, up, down = arch.moe.checkpoint_projections
     for index in range(len(model.get_submodule(arch.layers))):
@@ -187,11 +209,23 @@ class MoeTreeReader:
         self._part_shapes: dict[str, list[tuple[int, ...]]] = {}  # tree name -> each part's
         gate, up, down = moe.checkpoint_projections
         blocks = []  # the checkpoint names of the experts modules read per expert
-        for index in sparse_layers(model, arch):
+        layers = sparse_layers(model, arch)
+        # a checkpoint that stores experts fused (GraniteMoE's input_linear) stores every
+        # layer's so: one without them is missing that tensor, not per-expert weights
+        fused = [i for i in layers if f"{arch.layer_prefix}{i}.{moe.fused}.{moe.gate_up}" in reader]
+        for index in layers:
             prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
-            if f"{prefix}.{moe.gate_up}" in reader or isinstance(
-                    model.get_submodule(prefix), QuantExperts):
-                continue  # stored fused, or quantized (read per expert under its own names)
+            if index in fused:  # stored fused: read as stored, its shapes checked here
+                self._check_fused(model, prefix, moe, rename)
+                continue
+            if isinstance(model.get_submodule(prefix), QuantExperts):
+                continue  # quantized: read per expert under its own names
+            if fused:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {rename(f'{prefix}.{moe.gate_up}')} is missing: layer "
+                    f"{fused[0]} stores its expert weights fused, layer {index} does not; the "
+                    "download "
+                    "or export is incomplete: fetch or write it again")
             experts = model.get_submodule(prefix)
             count, rows, hidden = getattr(experts, moe.gate_up).shape
             stored = rename(prefix)
@@ -209,6 +243,19 @@ class MoeTreeReader:
         used = set(self._plain.values()) | {n for parts in self._fused.values()
                                             for expert in parts for n in expert}  # fmt: skip
         self._plain.update({n: n for n in reader.names() if n not in used})
+
+    def _check_fused(self, model: nn.Module, prefix: str, moe, rename) -> None:
+        """Refuse, naming it as stored, a fused experts tensor whose shape is not the one
+        config.json implies (read from the header)."""
+        experts = model.get_submodule(prefix)
+        for attr in (moe.gate_up, moe.down):
+            want = tuple(getattr(experts, attr).shape)
+            got = tuple(self._reader.shape(f"{prefix}.{attr}"))
+            if got != want:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {rename(f'{prefix}.{attr}')} has shape {list(got)} "
+                    f"but config.json implies {list(want)}; the config does not match the "
+                    "weights, fix config.json or re-export the checkpoint")
 
     def _check_parts(self, blocks: list[str]) -> None:
         """Refuse, naming the tensor, a checkpoint whose per-expert weights do not make the

@@ -204,3 +204,47 @@ def test_a_per_layer_routing_setting_is_checked_in_every_layer(tmp_path):
     config["moe_topk"] = [2, 3]  # within range in every layer: it loads
     (folder / "config.json").write_text(json.dumps(config))
     assert [layer.mlp.gate.top_k for layer in load_model(str(folder)).model.model.layers] == [2, 3]
+
+
+def _fused_granite_checkpoint(folder):
+    """A tiny bf16 GraniteMoE checkpoint: each layer's experts stored fused (input_linear,
+    output_linear), as released."""
+    make_tiny_moe("granitemoe", tie_word_embeddings=False).to(torch.bfloat16).save_pretrained(
+        folder)
+    make_char_tokenizer().save_pretrained(folder)
+    return load_file(folder / "model.safetensors")
+
+
+FUSED = "model.layers.0.block_sparse_moe.input_linear.weight"
+
+
+@pytest.mark.parametrize("kind", ["missing", "shape"])
+def test_a_broken_fused_expert_checkpoint_is_one_line_for_every_reader(kind, tmp_path,
+                                                                      monkeypatch):
+    """A checkpoint storing experts fused (GraniteMoE) with one layer's fused tensor missing
+    or misshapen: every reader refuses with one line; the missing one is named as stored
+    (it was reported as a per-expert weight of a layout the checkpoint does not use)."""
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "ck"
+    tensors = _fused_granite_checkpoint(folder)
+    if kind == "missing":
+        del tensors[FUSED]
+        message = rf"tensor {re.escape(FUSED)} is missing: layer 1 stores its expert weights fused"
+    else:
+        tensors[FUSED] = tensors[FUSED][:, :100].contiguous()
+        message = rf"tensor {re.escape(FUSED)} has shape \[4, 100, 64\] but config.json implies"
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    recipe = parse_recipe({"name": "broken-fused",
+                           "passes": [{"pass": "quantize.int4_rtn", "group_size": 32}],
+                           "eval": {"baseline": False, "perplexity": None}})
+    readers = {
+        "whole load": lambda: load_model(str(folder)),
+        "layer by layer": lambda: layerwise_model(folder),
+        "streamed job": lambda: run_job(recipe, model=str(folder), out_dir=tmp_path / "out",
+                                        stream=True, progress=False),
+    }
+    for name, read in readers.items():
+        with pytest.raises(ModelLoadError, match=message) as caught:
+            read()
+        assert "\n" not in str(caught.value), name
+    assert not (tmp_path / "out").exists()

@@ -116,6 +116,8 @@ FAMILIES = {
     # HunYuan-MoE: HunYuan dense's attention (q/k norms after RoPE, biases), a softmax router
     # that is a Linear inside the gate module and a shared expert without a gate
     "hunyuan_v1_moe": dict(tie_word_embeddings=False, attention_bias=True),
+    # GraniteMoE: Granite's multipliers around Mixtral's block name, the router its own module
+    "granitemoe": dict(tie_word_embeddings=False),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
