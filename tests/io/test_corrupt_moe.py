@@ -104,21 +104,27 @@ def test_a_broken_moe_checkpoint_is_one_line_for_every_reader(kind, moe_checkpoi
             (folder / file.name).write_bytes(file.read_bytes())
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config))
+    _every_reader_refuses(folder, message, tmp_path / "out")
+
+
+def _every_reader_refuses(folder, message: str, out) -> None:
+    """A whole load, a layer-by-layer read and a streamed job of ``folder`` each stop with one
+    ModelLoadError line matching ``message`` that says what to do, writing nothing at ``out``."""
     recipe = parse_recipe({"name": "broken-moe",
                            "passes": [{"pass": "quantize.int4_rtn", "group_size": 32}],
                            "eval": {"baseline": False, "perplexity": None}})
     readers = {
         "whole load": lambda: load_model(str(folder)),
         "layer by layer": lambda: layerwise_model(folder),
-        "streamed job": lambda: run_job(recipe, model=str(folder), out_dir=tmp_path / "out",
-                                        stream=True, progress=False),
+        "streamed job": lambda: run_job(recipe, model=str(folder), out_dir=out, stream=True,
+                                        progress=False),
     }
     for name, read in readers.items():
         with pytest.raises(ModelLoadError, match=message) as caught:
             read()
         assert "\n" not in str(caught.value), name
-        assert re.search(r"fix|fetch|re-export", str(caught.value)), name
-    assert not (tmp_path / "out").exists()  # refused before anything was written
+        assert re.search(r"fix|fetch|re-export|write it again", str(caught.value)), name
+    assert not out.exists()  # refused before anything was written
 
 
 def test_an_intact_moe_checkpoint_reads_as_transformers_loads_it(moe_checkpoint):
@@ -234,17 +240,4 @@ def test_a_broken_fused_expert_checkpoint_is_one_line_for_every_reader(kind, tmp
         tensors[FUSED] = tensors[FUSED][:, :100].contiguous()
         message = rf"tensor {re.escape(FUSED)} has shape \[4, 100, 64\] but config.json implies"
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    recipe = parse_recipe({"name": "broken-fused",
-                           "passes": [{"pass": "quantize.int4_rtn", "group_size": 32}],
-                           "eval": {"baseline": False, "perplexity": None}})
-    readers = {
-        "whole load": lambda: load_model(str(folder)),
-        "layer by layer": lambda: layerwise_model(folder),
-        "streamed job": lambda: run_job(recipe, model=str(folder), out_dir=tmp_path / "out",
-                                        stream=True, progress=False),
-    }
-    for name, read in readers.items():
-        with pytest.raises(ModelLoadError, match=message) as caught:
-            read()
-        assert "\n" not in str(caught.value), name
-    assert not (tmp_path / "out").exists()
+    _every_reader_refuses(folder, message, tmp_path / "out")
