@@ -24,22 +24,32 @@ from compress.io.wrapped import wrapped_of
 from compress.quant.linear import QuantExperts
 
 
+def _conversion_transforms(model: nn.Module, *, add_legacy: bool, reverse: bool) -> list:
+    """transformers' own ``conversion_mapping`` for this model (each transform reversed, as
+    ``save_pretrained`` applies them, with ``reverse``); none on transformers 4, whose modules
+    keep the stored names, or where transformers cannot build it."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers 4
+        return []
+    try:
+        transforms = get_model_conversion_mapping(model, add_legacy=add_legacy)
+        return [t.reverse_transform() for t in transforms] if reverse else list(transforms)
+    except Exception:  # noqa: BLE001  (transformers' internals: none is the safe side)
+        return []
+
+
 def transformers_renamings(model: nn.Module, *, to_checkpoint: bool) -> list[tuple[str, str]]:
     """(pattern, replacement) pairs of the tensor renames transformers applies to this model's
     checkpoints: on load (``to_checkpoint=False``: GPT-NeoX's ``embed_out`` -> ``lm_head`` in
     transformers 5, legacy LayerNorm ``gamma``/``beta``), or reversed as ``save_pretrained``
     writes them (``to_checkpoint=True``, legacy ones left out). Renames only, from transformers'
-    own ``conversion_mapping``; none on transformers 4, whose modules keep the stored names."""
-    try:
-        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
-    except ImportError:  # transformers 4
+    own ``conversion_mapping``."""
+    transforms = _conversion_transforms(model, add_legacy=not to_checkpoint, reverse=to_checkpoint)
+    if not transforms:
         return []
-    try:
-        transforms = get_model_conversion_mapping(model, add_legacy=not to_checkpoint)
-        if to_checkpoint:
-            transforms = [t.reverse_transform() for t in transforms]
-    except Exception:  # noqa: BLE001  (transformers' internals: no renames is the safe side)
-        return []
+    from transformers.conversion_mapping import WeightRenaming
+
     return [(source, target) for t in transforms if isinstance(t, WeightRenaming)
             for source, target in zip(t.source_patterns, t.target_patterns, strict=False)]
 
@@ -140,20 +150,17 @@ def checkpoints_store_experts_fused(model: nn.Module) -> bool:
     input_linear/output_linear): transformers' own conversion only renames them and builds no
     fused experts from per-expert weights, so plain transformers cannot read per-expert ones
     (vLLM and compress read both). False on transformers 4 and for families it merges."""
-    try:
-        from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
-    except ImportError:  # transformers 4: per-expert modules, read per expert
-        return False
     arch = moe_arch(model)
     if arch is None or arch.moe is None:
         return False
-    try:
-        transforms = get_model_conversion_mapping(model)
-    except Exception:  # noqa: BLE001  (transformers' internals: per expert is the usual layout)
+    transforms = _conversion_transforms(model, add_legacy=True, reverse=False)
+    if not transforms:  # transformers 4 (per-expert modules) or no mapping: the usual layout
         return False
-    merged = [t for t in transforms if isinstance(t, WeightConverter)
-              and any(p.endswith(arch.moe.gate_up) for p in t.target_patterns)]
-    return not merged
+    from transformers.conversion_mapping import WeightConverter
+
+    return not any(isinstance(t, WeightConverter)
+                   and any(p.endswith(arch.moe.gate_up) for p in t.target_patterns)
+                   for t in transforms)
 
 
 def split_float_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -224,8 +231,7 @@ class MoeTreeReader:
                 raise ModelLoadError(
                     f"{self.path}: tensor {rename(f'{prefix}.{moe.gate_up}')} is missing: layer "
                     f"{fused[0]} stores its expert weights fused, layer {index} does not; the "
-                    "download "
-                    "or export is incomplete: fetch or write it again")
+                    "download or export is incomplete: fetch or write it again")
             experts = model.get_submodule(prefix)
             count, rows, hidden = getattr(experts, moe.gate_up).shape
             stored = rename(prefix)
