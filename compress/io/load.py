@@ -101,12 +101,30 @@ def _gguf_location(spec: EmbeddedModel) -> Path:
     return path
 
 
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
 def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
-    """The cached safetensors directory of an embedded model, converting it on first use."""
-    spec = EMBEDDED[name]
+    """The cached safetensors directory of an embedded model, converting it on first use.
+    Processes that start at once (two commands, parallel test workers) convert it once: the
+    conversion holds a lock file beside the folder, and whoever waited on it finds the folder
+    made (a later conversion replacing the folder under a reader would break its load)."""
+    import fcntl
+
     target = (cache or cache_dir()) / "models" / name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _is_converted(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not _is_converted(target):
+            _convert_embedded(name, target)
+    return target
+
+
+def _convert_embedded(name: str, target: Path) -> None:
+    spec = EMBEDDED[name]
     gguf = _gguf_location(spec)
     log.info("converting %s from GGUF once into %s", gguf.name, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,11 +145,10 @@ def embedded_model_dir(name: str, cache: Path | None = None) -> Path:
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)  # an earlier, interrupted conversion
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def is_compressed_checkpoint(path: Path, method: str = "compressed-tensors") -> bool:

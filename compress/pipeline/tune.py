@@ -637,7 +637,7 @@ def run_tune(
                                                     list(ids.split(4)), progress)  # fmt: skip
         scores, sizes = unit_tables(scores, sizes, members)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")  # two runs: two files
         tmp.write_text(json.dumps({"scores": scores, "sizes": sizes}))
         os.replace(tmp, cache)  # the measurement survives an interrupted run
 

@@ -123,7 +123,7 @@ def _save_progress(path: Path, fingerprint: str, next_layer: int, scores: dict, 
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"fingerprint": fingerprint, "next": str(next_layer),
             "tables": json.dumps({"scores": scores, "sizes": sizes})}  # fmt: skip
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # two runs: two files
     save_file({f"grad{i}": g.contiguous() for i, g in enumerate(grads)}, str(tmp), metadata=meta)
     os.replace(tmp, path)
 

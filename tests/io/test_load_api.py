@@ -63,3 +63,34 @@ def test_load_passes_the_backend_on(tiny_model, tiny_tokenizer, tmp_path):
     q = loaded.model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         torch.testing.assert_close(q(x), x @ q.dequantized_weight().T, rtol=1e-5, atol=1e-6)
+
+
+def test_the_embedded_model_is_converted_once_when_two_start_at_once(tmp_path, monkeypatch):
+    """Two processes (or test workers) asking for the embedded model at once: one converts, the
+    other waits on the lock and finds the folder made (it would convert again and replace the
+    folder under the first one's reads without it). flock locks of two open() calls conflict
+    within one process too, so two threads stand in for two processes."""
+    import threading
+    import time
+
+    from compress.io import load as load_module
+
+    calls = []
+
+    def slow_convert(name, target):
+        calls.append(name)
+        time.sleep(0.3)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(load_module, "_convert_embedded", slow_convert)
+    found = []
+    workers = [threading.Thread(target=lambda: found.append(
+        load_module.embedded_model_dir("smollm2-135m", tmp_path))) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert calls == ["smollm2-135m"]
+    assert found == [tmp_path / "models" / "smollm2-135m"] * 2
