@@ -98,6 +98,11 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # non-gated relu2 MLP
+    # non-gated MLP, xIELU with learned scalars per layer; q/k norms; its own norm names
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
+        "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}}),  # its llama3 RoPE, scaled past 64 positions
     # LayerNorms with biases; Starcoder2's gelu MLP not gated, StableLM's partial RoPE
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True}),

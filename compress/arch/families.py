@@ -358,6 +358,20 @@ def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Ar
 # partial RoPE (its config's partial_rotary_factor).
 ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
 STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
+# Apertus (Swiss AI, 8B and 70B): Llama's attention with q/k norms over one head, its norms named
+# attention_layernorm / feedforward_layernorm, a non-gated MLP whose activation (xIELU) holds
+# learned scalars per layer (RuntimeSpec.activation_module).
+_APERTUS_INPUTS = _mapping("attention_layernorm", *_QKV)
+APERTUS = _not_gated(
+    dataclasses.replace(
+        LLAMA,
+        attn_norm="attention_layernorm",
+        mlp_norm="feedforward_layernorm",
+        awq_mappings=(_APERTUS_INPUTS, LLAMA.awq_mappings[1]),
+        smoothquant_mappings=(_APERTUS_INPUTS,),
+    ),
+    "apertus", "mlp.up_proj", "mlp.down_proj", qk_norms=_QK_NORMS,
+)
 STABLELM = dataclasses.replace(LLAMA, model_type="stablelm", norm_kind="layer")
 # Nemotron: LayerNorms with biases applied as (1 + w) (LayerNorm1P), a relu2 MLP not gated,
 # partial RoPE.
@@ -530,6 +544,7 @@ ARCHS: dict[str, Arch] = {
         HUNYUAN_V1_DENSE,
         HELIUM,
         ARCEE,
+        APERTUS,
         STARCODER2,
         STABLELM,
         NEMOTRON,
@@ -641,6 +656,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "ernie4_5": RuntimeSpec(rope_interleaved=True),
     "helium": RuntimeSpec(rope_interleaved=True),
     "arcee": _LLAMA_RT,  # the non-gated MLP: Arch.gate is "" (relu2: families.ACTIVATIONS)
+    "apertus": RuntimeSpec(activation_module="mlp.act_fn"),  # xIELU: learned, per layer
     # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
     "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
     # parallel blocks (Arch.parallel), LayerNorms; per-head q/k LayerNorms fall back

@@ -215,6 +215,10 @@ class RuntimeSpec:
     """
 
     activation_key: str = "hidden_act"  # config attribute naming the gated MLP's activation
+    # the MLP's activation as a module of the layer, called as it is: one with learned
+    # parameters of its own per layer (Apertus's xIELU), which no function by name computes;
+    # "" where ``activation_key`` names a plain function (runtime.families.ACTIVATIONS)
+    activation_module: str = ""
     embed_multiplier: str | None = None  # config attribute multiplying the embeddings
     residual_multiplier: str | None = None  # config attribute scaling each block's output
     logits_divisor: str | None = None  # config attribute dividing the logits

@@ -35,7 +35,7 @@ def config_unsupported_reason(config, spec: RuntimeSpec,
     """Why the runtime cannot run a supported family with this ``config``, or None; with
     ``max_seq_len``, also what it cannot run at that many positions (None: not checked)."""
     act = getattr(config, spec.activation_key, "silu")
-    if act not in ACTIVATIONS:
+    if act not in ACTIVATIONS and not spec.activation_module:
         return f"{spec.activation_key} {act!r} is not one of {tuple(ACTIVATIONS)}"
     for rope in rope_settings(config):
         kind = rope.get("rope_type", rope.get("type"))

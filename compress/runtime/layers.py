@@ -540,7 +540,8 @@ class _Layer(nn.Module):
         # Read by Runtime._apply, not by forward: which rope table and mask this layer takes.
         self.window = layer_window(config, i)
         self.rope_key = layer_rope_key(config, arch, spec, i)
-        self.act = ACTIVATIONS[getattr(config, spec.activation_key, "silu")]
+        self.act = (layer.get_submodule(spec.activation_module) if spec.activation_module
+                    else ACTIVATIONS[getattr(config, spec.activation_key, "silu")])
         # Eager CPU runtimes set this: norms, RoPE and SiLU x up through the fused ops of
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
         self.fused = False

@@ -3,7 +3,7 @@ norms), Mistral (sliding window on every layer), Granite (embedding/attention/re
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
 (q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), Arcee (non-gated relu2
-MLP), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
+MLP), Apertus (non-gated MLP through xIELU's learned per-layer scalars), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
 OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
 The reference is transformers itself in fp32: greedy tokens and the logits of each prefill and
 decode step, float and int4-RTN quantized.
@@ -72,6 +72,9 @@ FAMILIES = {
     "ernie4_5": dict(use_bias=True),  # interleaved RoPE pairs
     "helium": dict(),  # interleaved RoPE pairs, Llama's layout
     "arcee": dict(),  # non-gated relu2 MLP
+    # non-gated MLP through xIELU, whose learned scalars differ per layer (randomised with the
+    # 1-d parameters); q/k norms, llama3 RoPE; norms of its own names
+    "apertus": dict(tie_word_embeddings=False),  # tied, prompt 0 repeats 5 tokens
     "qwen2_gelu": dict(hidden_act="gelu"),  # a gated MLP on exact (erf) gelu
     # LayerNorms with biases: Starcoder2 (biases everywhere, gelu MLP not gated, a window),
     # StableLM (q/k/v biases, RoPE on a quarter of each head)
