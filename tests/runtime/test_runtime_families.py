@@ -3,7 +3,8 @@ norms), Mistral (sliding window on every layer), Granite (embedding/attention/re
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
 (q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), Arcee (non-gated relu2
-MLP), Apertus (non-gated MLP through xIELU's learned per-layer scalars), HunYuan dense (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
+MLP), Apertus (non-gated MLP through xIELU's learned per-layer scalars), HunYuan dense
+(per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
 OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
 The reference is transformers itself in fp32: greedy tokens and the logits of each prefill and
 decode step, float and int4-RTN quantized.
