@@ -70,6 +70,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 8}),
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {"sliding_window": 8}),
     "gemma3_text": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

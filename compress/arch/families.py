@@ -249,6 +249,8 @@ GEMMA2 = dataclasses.replace(
     embed_scaling="sqrt_hidden",
 )
 GEMMA3_TEXT = dataclasses.replace(GEMMA2, model_type="gemma3_text", qk_norms=_QK_NORMS)
+# VaultGemma (Google's differentially private 1B): Gemma 2 without the post-norms.
+VAULTGEMMA = dataclasses.replace(GEMMA2, model_type="vaultgemma", post_norms=())
 
 PHI3 = dataclasses.replace(
     LLAMA,
@@ -534,6 +536,7 @@ ARCHS: dict[str, Arch] = {
         GRANITE,
         GEMMA2,
         GEMMA3_TEXT,
+        VAULTGEMMA,
         PHI3,
         OLMO2,
         OLMO3,
@@ -677,6 +680,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "olmo3": RuntimeSpec(rope_per_layer_type=True),
     "exaone4": RuntimeSpec(rope_only_sliding=True),
     "gemma2": _GEMMA2_RT,
+    "vaultgemma": _GEMMA2_RT,
     "gemma3_text": dataclasses.replace(_GEMMA2_RT, rope_per_layer_type=True),
     # attention as Llama (Qwen3-MoE: q/k norms); the MLP is the family's own sparse block
     "mixtral": _LLAMA_RT,

@@ -5,7 +5,8 @@ logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without 
 (q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), Arcee (non-gated relu2
 MLP), Apertus (non-gated MLP through xIELU's learned per-layer scalars), HunYuan dense
 (per-head q/k norms after RoPE), Phi-3 (fused qkv_proj and gate_up_proj),
-OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one).
+OLMo2/3 and EXAONE 4 (no pre-norms, post-norms, q/k norms over all heads or one), VaultGemma
+(Gemma 2 without post-norms).
 The reference is transformers itself in fp32: greedy tokens and the logits of each prefill and
 decode step, float and int4-RTN quantized.
 
@@ -60,6 +61,15 @@ FAMILIES = {
         query_pre_attn_scalar=16,
         tie_word_embeddings=False,
         attn_logit_softcapping=5.0,  # small caps so that tanh bends the numbers
+        final_logit_softcapping=3.0,
+    ),
+    # VaultGemma: Gemma 2 without the post-norms (sliding and global layers, the softcaps)
+    "vaultgemma": dict(
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        tie_word_embeddings=False,
+        attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0,
     ),
     # Gemma (1): (1 + w) norms and the scaled embedding without Gemma 2's post-norms
