@@ -59,6 +59,8 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "ministral": ("MinistralConfig", "MinistralForCausalLM",
                   {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {}),  # YaRN, llama_4 scaling
+    "cwm": ("CwmConfig", "CwmForCausalLM",  # full layers first as released (layer 0 full)
+            {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]}),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",

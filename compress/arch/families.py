@@ -234,6 +234,9 @@ QWEN2, MISTRAL, GRANITE = (
 # llama_4_scaling_beta): Llama's names and data flow.
 MINISTRAL, MINISTRAL3 = (dataclasses.replace(LLAMA, model_type=t)
                          for t in ("ministral", "ministral3"))
+# CWM (Meta's Code World Model, 32B): Llama's names and data flow, sliding and full layers by
+# layer_types (every fourth full as released).
+CWM = dataclasses.replace(LLAMA, model_type="cwm")
 QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3", qk_norms=_QK_NORMS)
 
 # Gemma2: (1 + w) norms; attention -> post_attention_layernorm -> residual,
@@ -533,6 +536,7 @@ ARCHS: dict[str, Arch] = {
         MISTRAL,
         MINISTRAL,
         MINISTRAL3,
+        CWM,
         GRANITE,
         GEMMA2,
         GEMMA3_TEXT,
@@ -645,6 +649,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "qwen2": _LLAMA_RT,  # q/k/v biases are the linears' own
     "mistral": _LLAMA_RT,  # sliding window from the config
     "ministral": _LLAMA_RT,  # sliding and full layers (layer_types)
+    "cwm": _LLAMA_RT,  # sliding and full layers (layer_types)
     "ministral3": _LLAMA_RT,  # YaRN tables; llama_4_scaling_beta falls back (runtime.families)
     "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
     "granite": _GRANITE_RT,

@@ -1,5 +1,6 @@
 """The runtime on every family it runs besides Llama: Qwen2 (q/k/v biases), Qwen3 (per-head q/k
-norms), Mistral (sliding window on every layer), Granite (embedding/attention/residual/logit
+norms), Mistral (sliding window on every layer), CWM (full
+and sliding layers), Granite (embedding/attention/residual/logit
 multipliers), Gemma (1) ((1 + w) norms, scaled embeddings), Gemma 2 (softcapped attention and
 logits), Gemma 3 (local/global rope bases, post-norms), SmolLM3 (layers without RoPE), Seed-OSS
 (q/k/v and o biases), ERNIE 4.5 and Helium (interleaved RoPE pairs), Arcee (non-gated relu2
@@ -44,6 +45,7 @@ FAMILIES = {
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "mistral": dict(sliding_window=WINDOW),
     "ministral": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "cwm": dict(sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
     # YaRN tables (attention factor in cos/sin); queries scaled past position 512 (beyond the
     # tests' sequences: the runtime runs it up to there)
     "ministral3": dict(rope_parameters=dict(
