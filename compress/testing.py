@@ -170,7 +170,7 @@ def make_char_tokenizer():
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
                                    "glm4_moe_lite", "minimax_m2", "phimoe", "exaone_moe",
-                                   "hunyuan_v1_moe", "granitemoe")
+                                   "hunyuan_v1_moe", "granitemoe", "solar_open")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -203,6 +203,9 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
                         norm_topk_prob=True, decoder_sparse_step=1)
         if model_type == "qwen2_moe":  # a shared expert every token takes
             settings.update(shared_expert_intermediate_size=64, mlp_only_layers=[])
+    elif model_type == "solar_open":  # GLM-4-MoE's block in every layer, Llama's attention
+        settings.update(n_routed_experts=4, moe_intermediate_size=64, n_shared_experts=1,
+                        n_group=1, topk_group=1, norm_topk_prob=True)
     elif model_type in ("glm4_moe", "dots1"):  # sigmoid routing, a shared expert (64 wide)
         settings.update(n_routed_experts=4, moe_intermediate_size=64, intermediate_size=128,
                         n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,

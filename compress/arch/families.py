@@ -155,6 +155,10 @@ _SHARED_EXPERTS = dataclasses.replace(
     shared_down="mlp.shared_experts.down_proj",
 )
 GLM4_MOE = _moe_arch("glm4_moe", _SHARED_EXPERTS)
+# Solar Open (Upstage's 100B MoE): GLM-4-MoE's sparse block (sigmoid router with a correction
+# bias, a shared expert) in every layer, around Llama's attention (no biases, RoPE over the
+# whole head, no q/k norms).
+SOLAR_OPEN = _moe_arch("solar_open", _SHARED_EXPERTS)
 # ERNIE-4.5-MoE (21B-A3B, 300B-A47B): the same experts and shared expert under a softmax router
 # whose selection bias is a parameter beside it (renamed in checkpoints: transformers' own
 # renames, which checkpoint_renamer applies), ERNIE's interleaved RoPE (RuntimeSpec).
@@ -568,6 +572,7 @@ ARCHS: dict[str, Arch] = {
         QWEN2_MOE,
         OLMOE,
         GLM4_MOE,
+        SOLAR_OPEN,
         DOTS1,
         ERNIE4_5_MOE,
         DEEPSEEK_V3,
@@ -699,6 +704,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     # layers run as a dense family's (compress.arch.layer_arch)
     "glm4_moe": RuntimeSpec(unsupported_flags=("use_qk_norm",)),
     "dots1": _LLAMA_RT,
+    "solar_open": _LLAMA_RT,  # Llama's attention around GLM-4-MoE's block
     "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
     "hunyuan_v1_moe": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
     "granitemoe": _GRANITE_RT,

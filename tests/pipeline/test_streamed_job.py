@@ -507,7 +507,7 @@ def test_a_tied_config_over_a_head_of_its_own_reads_that_head_everywhere(tmp_pat
 
 
 MOE_CASES = [(family, "int4_rtn") for family in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
-                                                  "hunyuan_v1_moe", "granitemoe")]
+                                                  "hunyuan_v1_moe", "granitemoe", "solar_open")]
 MOE_CASES += [(family, kind) for family in ("mixtral", "qwen2_moe")
               for kind in ("gptq", "awq", "autoround")]  # fmt: skip
 

@@ -700,6 +700,7 @@ def test_expert_hessian_summed_sample_by_sample_equals_the_stacked_one():
 ROUTER_BIASES = [  # (model_type, the bias's module name, its stored name), layer 1
     ("glm4_moe", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
     ("dots1", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("solar_open", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
     # MiniMax-M2: the block's buffer, stored under the released checkpoint's block name
     ("minimax_m2", "mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
     # K-EXAONE: the router's buffer, stored beside the router (transformers renames it)

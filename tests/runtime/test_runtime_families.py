@@ -134,6 +134,9 @@ FAMILIES = {
     "hunyuan_v1_moe": dict(tie_word_embeddings=False, attention_bias=True),
     # GraniteMoE: Granite's multipliers around Mixtral's block name, the router its own module
     "granitemoe": dict(tie_word_embeddings=False),
+    # Solar Open: GLM-4-MoE's block (sigmoid routing with a correction bias, a shared expert)
+    # in every layer around Llama's attention
+    "solar_open": dict(tie_word_embeddings=False),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
