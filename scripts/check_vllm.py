@@ -134,6 +134,8 @@ MOE_SHAPE = {
     "hunyuan_v1_moe": dict(intermediate_size=128, tie_word_embeddings=False),
     # GraniteMoE: Granite's multipliers (make_tiny_moe's); checkpoints store experts fused
     "granitemoe": dict(intermediate_size=128, tie_word_embeddings=False),
+    # Solar Open: GLM-4-MoE's block in every layer (its config has no dense-layer count)
+    "solar_open": dict(moe_intermediate_size=128, tie_word_embeddings=False),
 }
 
 
@@ -333,8 +335,9 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         from compress.arch import ARCHS
 
         shape = dict(SHAPE)
-        if family in ("mistral", "ministral", "cohere2"):  # windows the passage crosses (the
-            shape["sliding_window"] = 128  # tiny config's 8 would leave the sliding layers 8 keys)
+        if family in ("mistral", "ministral", "cohere2", "cwm", "vaultgemma"):  # windows the
+            # passage crosses (the tiny config's 8 would leave the sliding layers 8 keys)
+            shape["sliding_window"] = 128
         if ARCHS[family].kv_heads_key is None:  # GPT-NeoX, OPT: each head its own k and v;
             # their modeling ignores num_key_value_heads, vLLM's transformers backend reads it
             shape["num_key_value_heads"] = SHAPE["num_attention_heads"]
