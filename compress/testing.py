@@ -108,6 +108,7 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
         "high_freq_factor": 4.0}}),  # its llama3 RoPE, scaled past 64 positions
     # LayerNorms with biases; Starcoder2's gelu MLP not gated, StableLM's partial RoPE
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", {}),  # LayerNorms, biases, relu2 not gated
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # (1 + w) LayerNorms, relu2
     # parallel attention and MLP on one LayerNorm

@@ -367,6 +367,9 @@ def _not_gated(base: Arch, model_type: str, up: str, down: str, **changes) -> Ar
 # partial RoPE (its config's partial_rotary_factor).
 ARCEE = _not_gated(LLAMA, "arcee", "mlp.up_proj", "mlp.down_proj")
 STARCODER2 = _not_gated(LLAMA, "starcoder2", "mlp.c_fc", "mlp.c_proj", norm_kind="layer")
+# Jais 2 (Inception, 8B-70B): Llama's names around LayerNorms with biases, biases on every
+# linear, a relu2 MLP not gated (Nemotron's).
+JAIS2 = _not_gated(LLAMA, "jais2", "mlp.up_proj", "mlp.down_proj", norm_kind="layer")
 # Apertus (Swiss AI, 8B and 70B): Llama's attention with q/k norms over one head, its norms named
 # attention_layernorm / feedforward_layernorm, a non-gated MLP whose activation (xIELU) holds
 # learned scalars per layer (RuntimeSpec.activation_module).
@@ -556,6 +559,7 @@ ARCHS: dict[str, Arch] = {
         HELIUM,
         ARCEE,
         APERTUS,
+        JAIS2,
         STARCODER2,
         STABLELM,
         NEMOTRON,
@@ -672,6 +676,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "apertus": RuntimeSpec(activation_module="mlp.act_fn"),  # xIELU: learned, per layer
     # LayerNorms (Arch.norm_kind); StableLM's partial RoPE from its config
     "starcoder2": RuntimeSpec(norm_eps_key="norm_epsilon"),
+    "jais2": RuntimeSpec(norm_eps_key="layer_norm_eps"),
     # parallel blocks (Arch.parallel), LayerNorms; per-head q/k LayerNorms fall back
     "cohere": _COHERE_RT,
     # Cohere's arithmetic; its global layers (no sliding window) do not rotate q/k

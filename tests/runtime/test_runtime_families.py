@@ -92,6 +92,9 @@ FAMILIES = {
     # LayerNorms with biases: Starcoder2 (biases everywhere, gelu MLP not gated, a window),
     # StableLM (q/k/v biases, RoPE on a quarter of each head)
     "starcoder2": dict(sliding_window=WINDOW),
+    # LayerNorms with biases, biases on every linear, relu2 MLP not gated (untied: the tied
+    # head repeats 4-5 tokens)
+    "jais2": dict(tie_word_embeddings=False),
     "stablelm": dict(use_qkv_bias=True, tie_word_embeddings=False),
     "nemotron": dict(),  # (1 + w) LayerNorms with biases, relu2 MLP not gated, partial RoPE
     # parallel attention and MLP on one LayerNorm: Cohere (interleaved RoPE, logits scaled),
