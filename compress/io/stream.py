@@ -126,7 +126,35 @@ def causal_lm_config(path: str | os.PathLike[str]):
         del config.quantization_config
     if wrapped is not None:  # a multimodal checkpoint: its text model
         config = text_config_of(config, wrapped)
+    problem = _config_value_problem(config.to_dict())
+    if problem:
+        raise ModelLoadError(f"{path}/config.json: {problem}; fix it")
     return config, wrapped
+
+
+# Values the modeling takes as they are and turns into NaN at the first forward: RoPE bases
+# (any ``rope_theta``, top level or in a rope settings dict, flat or per layer type) and norm
+# epsilons. Without this a zero base read as corrupt weights ("the logits hold NaN").
+_EPS_KEY = re.compile(r"norm_(eps|epsilon)$")  # rms_norm_eps, layer_norm_epsilon, norm_eps...
+
+
+def _config_value_problem(config: dict) -> str | None:
+    """What in a config's RoPE bases or norm epsilons no model can compute with, or None."""
+    def numbers(tree, key_wanted) -> Iterator[tuple[str, float]]:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from ((f"{key}.{k}", v) for k, v in numbers(value, key_wanted))
+            elif isinstance(key, str) and key_wanted(key) \
+                    and isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield key, float(value)
+
+    for key, value in numbers(config, lambda k: k == "rope_theta"):
+        if not value > 0 or value == float("inf"):
+            return f"{key} is {value}; a RoPE base must be a finite number above 0"
+    for key, value in numbers(config, lambda k: bool(_EPS_KEY.search(k))):
+        if not value >= 0 or value == float("inf"):
+            return f"{key} is {value}; a norm epsilon must be a finite number of 0 or more"
+    return None
 
 
 def meta_skeleton(path: str | os.PathLike[str]) -> nn.Module:

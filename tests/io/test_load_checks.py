@@ -6,6 +6,7 @@ decode non-finite logits."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,28 @@ def test_plain_checkpoint_with_a_mismatched_config_is_one_line(tiny_model, tmp_p
     with pytest.raises(ModelLoadError, match=r"model.safetensors: tensor model.layers.0.mlp"
                                              r".* but config.json implies .*96"):
         load_model(str(folder))
+
+
+CONFIG_VALUES = [  # (a change to a saved tiny Llama's config.json, what the refusal names)
+    (lambda c: c["rope_parameters"].update(rope_theta=0.0), "rope_parameters.rope_theta is 0.0"),
+    (lambda c: c["rope_parameters"].update(rope_theta=-5e5), "rope_theta is -500000.0"),
+    (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps is -1e-06"),
+    (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps is nan"),
+]
+
+
+@pytest.mark.parametrize(("change", "named"), CONFIG_VALUES,
+                         ids=["theta-zero", "theta-negative", "eps-negative", "eps-nan"])
+def test_a_config_value_no_model_computes_with_is_named_at_load(change, named, plain):
+    """A RoPE base of 0 or below, or a negative or NaN norm epsilon, is refused where the
+    config is read, by the whole load and the header-only inspect alike, naming the key; it
+    used to reach the first forward and be reported as NaN logits blamed on the weights."""
+    config = json.loads((plain / "config.json").read_text())
+    change(config)
+    (plain / "config.json").write_text(json.dumps(config))  # json writes nan as NaN
+    for read in (load_model, inspect_checkpoint):
+        with pytest.raises(ModelLoadError, match=re.escape(named)):
+            read(str(plain) if read is load_model else plain)
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
