@@ -258,7 +258,10 @@ def test_inspect_reads_the_shards_the_index_names(plain):
 
 
 def test_cli_layer_by_layer_eval_reports_nan_activations_in_one_line(plain, tmp_path, capsys):
-    _config(rms_norm_eps=float("nan"))(plain)  # finite weights, NaN activations
+    # finite weights whose attention scores overflow fp32 (q.k ~ 1e62): NaN activations in
+    # layer 0 (a NaN norm epsilon did this before the loader refused that config value)
+    for proj in ("q_proj", "k_proj"):
+        _tensor(f"model.layers.0.self_attn.{proj}.weight", lambda w: w * 1e30)(plain)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     argv = ["eval", str(plain), "--dataset", str(text), "--context-length", "32", "--limit",
