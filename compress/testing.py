@@ -171,7 +171,7 @@ def make_char_tokenizer():
 TINY_MOE_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe",
                                    "dots1", "ernie4_5_moe", "deepseek_v3", "deepseek_v2",
                                    "glm4_moe_lite", "minimax_m2", "phimoe", "exaone_moe",
-                                   "hunyuan_v1_moe", "granitemoe", "solar_open")
+                                   "hunyuan_v1_moe", "granitemoe", "solar_open", "gpt_oss")
 
 
 def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
@@ -229,6 +229,10 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     elif model_type == "granitemoe":  # Granite's multipliers
         settings.update(num_local_experts=4, intermediate_size=64, embedding_multiplier=4.0,
                         attention_multiplier=0.125, residual_multiplier=0.5, logits_scaling=2.0)
+    elif model_type == "gpt_oss":  # sinks, a sliding and a full layer, YaRN as released
+        settings.update(num_local_experts=4, intermediate_size=64, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"],
+                        max_position_embeddings=131072)
     elif model_type == "hunyuan_v1_moe":  # a shared expert as wide as the experts (64)
         settings.update(num_experts=4, moe_topk=2, intermediate_size=64)
     elif model_type == "ernie4_5_moe":  # a shared expert (64 wide), every layer sparse
@@ -239,7 +243,13 @@ def make_tiny_moe(model_type: str, seed: int = 0, **overrides):
     settings.update(overrides)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **settings)
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "gpt_oss":  # initialized to zeros and ~0: a path that dropped them would pass
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.005)
+    return model
 
 
 # Multimodal wrappers around a tiny text model (``compress.io.wrapped``): model_type -> (config

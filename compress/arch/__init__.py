@@ -120,8 +120,9 @@ __all__ = [
     "WRAPPED_TEXT_FAMILIES", "WRAPPED_TEXT_LAYOUTS", "WRAPPER_MODEL_PREFIX", "WRAPPER_TREE", "Arch",
     "FusedPart", "Mapping", "Moe", "NormForm", "NormKind", "PruneGroup", "RuntimeSpec", "ScaleGap",
     "arch_for", "check_paths", "decoder_layers", "dense_layer_settings", "dense_view",
-    "float_only_modules", "head_dim_of", "is_sparse", "layer_arch", "mapping_paths",
-    "model_type", "mtp_tensors", "output_weight_key", "producer_rows", "routing_problem",
+    "expert_bias_names", "expert_biases", "expert_shape", "expert_weights", "float_only_modules",
+    "fused_experts", "head_dim_of", "is_sparse", "layer_arch", "mapping_paths", "model_type",
+    "mtp_tensors", "output_weight_key", "producer_rows", "routing_problem",
     "runtime_model_types", "set_embedding_scale", "sparse_layers",
 ]  # fmt: skip
 
@@ -267,6 +268,66 @@ def float_only_modules(model: nn.Module) -> set[str]:
         return set()
     paths = [p for p in (arch.moe.router_weights, arch.moe.shared_scalar_gate) if p]
     return {f"{arch.layer_prefix}{i}.{p}" for i in sparse_layers(model, arch) for p in paths}
+
+
+def expert_shape(experts: nn.Module, moe: Moe) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a float fused experts module of ``moe``'s layout."""
+    count, rows, cols = getattr(experts, moe.down).shape
+    return (count, rows, cols) if moe.fused_layout == "rows" else (count, cols, rows)
+
+
+def expert_weights(experts: nn.Module, moe: Moe, e: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e``'s (gate ``[I, H]``, up ``[I, H]``, down ``[H, I]``) weights, ``[out, in]``
+    as an ``nn.Linear`` holds them: views of the fused parameters (no copy) in either layout
+    (``Moe.fused_layout``; GPT-OSS's are strided: its gate and up columns alternate)."""
+    gate_up, down = getattr(experts, moe.gate_up)[e], getattr(experts, moe.down)[e]
+    if moe.fused_layout == "rows":
+        inter = gate_up.shape[0] // 2
+        return gate_up[:inter], gate_up[inter:], down
+    return gate_up[:, 0::2].T, gate_up[:, 1::2].T, down.T
+
+
+def expert_biases(experts: nn.Module, moe: Moe, e: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Expert ``e``'s (gate ``[I]``, up ``[I]``, down ``[H]``) biases (views), or None where the
+    family's experts have none (``Moe.gate_up_bias``)."""
+    if not moe.gate_up_bias:
+        return None
+    gate_up, down = getattr(experts, moe.gate_up_bias)[e], getattr(experts, moe.down_bias)[e]
+    if moe.fused_layout == "rows":
+        inter = gate_up.shape[0] // 2
+        return gate_up[:inter], gate_up[inter:], down
+    return gate_up[0::2], gate_up[1::2], down
+
+
+def expert_bias_names(model: nn.Module) -> set[str]:
+    """Parameter names of the fused experts' biases (GPT-OSS's ``[E, 2I]`` and ``[E, H]``: a
+    vector per expert in a 2-D parameter, not a weight matrix)."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None or not arch.moe.gate_up_bias:
+        return set()
+    return {f"{arch.layer_prefix}{i}.{arch.moe.fused}.{attr}" for i in sparse_layers(model, arch)
+            for attr in (arch.moe.gate_up_bias, arch.moe.down_bias)}
+
+
+def fused_experts(moe: Moe, weights: list, biases: list | None = None) -> dict[str, torch.Tensor]:
+    """The experts module's parameters (attribute -> tensor) in ``moe``'s layout from each
+    expert's (gate, up, down) weights (``expert_weights``' form) and, where the family has
+    them, biases (``expert_biases``' form): the inverse of those two."""
+    if moe.fused_layout == "rows":
+        out = {moe.gate_up: torch.stack([torch.cat([g, u]) for g, u, _ in weights]),
+               moe.down: torch.stack([d for _, _, d in weights])}
+    else:  # [H, I] gate and up columns -> [H, I, 2] -> [H, 2I]: g0 u0 g1 u1 ...
+        out = {moe.gate_up: torch.stack([torch.stack([g.T, u.T], -1).flatten(-2)
+                                         for g, u, _ in weights]),
+               moe.down: torch.stack([d.T for _, _, d in weights])}
+    if biases is not None and moe.gate_up_bias:
+        join = torch.cat if moe.fused_layout == "rows" else (
+            lambda pair: torch.stack(pair, -1).flatten(-2))
+        out[moe.gate_up_bias] = torch.stack([join([g, u]) for g, u, _ in biases])
+        out[moe.down_bias] = torch.stack([d for _, _, d in biases])
+    return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
 def runtime_model_types() -> tuple[str, ...]:

@@ -179,6 +179,18 @@ GRANITEMOE = _moe_arch(
                         dense=("", "", "")),
 )
 
+# GPT-OSS (OpenAI's 20B/120B): Llama's attention names with biases on q/k/v/o and a learned
+# sink logit per head (RuntimeSpec.attention_sinks), sliding and full layers, YaRN; a router with
+# a bias (softmax over its top k) and experts held transposed, gate and up columns interleaved,
+# with biases, through a clamped SwiGLU (Moe.fused_layout, Moe.glu). Its checkpoints store the
+# experts fused as the module holds them (released as MXFP4 blocks: compress.io.stream).
+GPT_OSS = _moe_arch(
+    "gpt_oss",
+    dataclasses.replace(_MOE, router="mlp.router", act="", dense=("", "", ""),
+                        fused_layout="interleaved_columns", gate_up_bias="gate_up_proj_bias",
+                        down_bias="down_proj_bias", glu="clamped_swiglu"),
+)
+
 # DeepSeek-V3/R1, Kimi K2 and Moonlight (deepseek_v3), DeepSeek-V2 (deepseek_v2): GLM-4-MoE's
 # experts, shared expert and dense first layers (V3's router: sigmoid scores and a correction
 # bias; V2's: softmax) around multi-head latent attention (MLA). The residual stream is read by
@@ -587,6 +599,7 @@ ARCHS: dict[str, Arch] = {
         EXAONE_MOE,
         HUNYUAN_V1_MOE,
         GRANITEMOE,
+        GPT_OSS,
     )
 }
 
@@ -713,6 +726,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
     "hunyuan_v1_moe": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
     "granitemoe": _GRANITE_RT,
+    "gpt_oss": RuntimeSpec(attention_sinks="self_attn.sinks"),  # YaRN over half-width tables
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),

@@ -85,6 +85,18 @@ class Moe:
     # mlp_only_layers, GLM-4-MoE's and DeepSeek's first_k_dense_replace, ERNIE-4.5-MoE's
     # moe_layer_start_index): ``compress.arch.layer_arch`` describes those layers with it
     dense: tuple[str, str, str] = ("", "", "")
+    # How the experts module holds its parameters: "rows" as above; "interleaved_columns"
+    # (GPT-OSS): ``gate_up [E, H, 2I]`` whose columns alternate gate, up, and ``down [E, I, H]``,
+    # read through ``compress.arch.expert_weights`` (every reader of the fused parameters is)
+    fused_layout: Literal["rows", "interleaved_columns"] = "rows"
+    # attributes of the experts module holding per-expert biases (``gate_up_bias [E, 2I]`` in
+    # the layout's column order, ``down_bias [E, H]``); "" for none
+    gate_up_bias: str = ""
+    down_bias: str = ""
+    # the gated unit between gate/up and down: "act": ``act(gate) * up`` with the module's
+    # ``act``; "clamped_swiglu" (GPT-OSS): gate clamped above at the module's ``limit``, up to
+    # +-limit, ``gate * sigmoid(alpha * gate) * (up + 1)`` with its ``alpha``
+    glu: Literal["act", "clamped_swiglu"] = "act"
 
     @property
     def router_weights(self) -> str:
@@ -253,3 +265,6 @@ class RuntimeSpec:
     # config attributes that, set, describe a variant the runtime does not run (then it falls
     # back to transformers): StableLM's parallel residual and per-head q/k LayerNorms
     unsupported_flags: tuple[str, ...] = ()
+    # a learned logit per query head that joins every softmax over the keys and takes its share
+    # of the weight without a value (GPT-OSS's attention sinks): its path in a decoder layer
+    attention_sinks: str = ""

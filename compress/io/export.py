@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.arch import model_type, output_weight_key, sparse_layers
+from compress.arch import expert_shape, fused_experts, model_type, output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, OutputError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
@@ -532,12 +532,15 @@ def _load_moe_experts(
         fused = model.get_submodule(prefix)
         if isinstance(fused, QuantExperts):
             continue
-        count = getattr(fused, moe.down).shape[0]
+        count = expert_shape(fused, moe)[0]
         if f"{prefix}.0.{gate}.weight" in tensors:
             per = [[tensors.pop(f"{prefix}.{e}.{p}.weight") for p in (gate, up, down)]
                    for e in range(count)]
-            tensors[f"{prefix}.{moe.gate_up}"] = torch.stack([torch.cat(w[:2]) for w in per])
-            tensors[f"{prefix}.{moe.down}"] = torch.stack([w[2] for w in per])
+            biases = None
+            if moe.gate_up_bias and f"{prefix}.0.{gate}.bias" in tensors:
+                biases = [[tensors.pop(f"{prefix}.{e}.{p}.bias") for p in (gate, up, down)]
+                          for e in range(count)]
+            tensors.update({f"{prefix}.{k}": v for k, v in fused_experts(moe, per, biases).items()})
     return tensors
 
 
@@ -561,7 +564,7 @@ def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], stored_dtyp
     for index in sparse_layers(model, arch):
         prefix = f"{arch.layer_prefix}{index}.{moe.fused}"
         fused = model.get_submodule(prefix)
-        count = getattr(fused, moe.down).shape[0]
+        count = expert_shape(fused, moe)[0]
         # the first expert stored with its scales: one without them is then named as missing
         first = next((f"{prefix}.{e}." for e in range(count)
                       if stored_dtype(rename(f"{prefix}.{e}.{gate}.weight_scale")) is not None
@@ -572,10 +575,7 @@ def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], stored_dtyp
         schemes = tuple(_expert_scheme(quant, rename(first + p),
                                        stored_dtype(rename(f"{first}{p}.weight_scale")))
                         for p in (gate, down))  # fmt: skip
-        count, hidden, inter = getattr(fused, moe.down).shape
-        with torch.device(getattr(fused, moe.down).device):
-            experts = QuantExperts(count, hidden, inter, schemes, moe.checkpoint_projections,
-                                   getattr(fused, moe.act), dtype=dtype, backend=backend)
+        experts = QuantExperts.like(fused, moe, schemes, dtype, backend)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, experts)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from compress.arch import ARCHS, Arch, model_type, sparse_layers
+from compress.arch import ARCHS, Arch, expert_shape, model_type, sparse_layers
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.stream import expected_tensors
@@ -139,7 +139,7 @@ def moe_float_linears(model: nn.Module) -> list[str]:
         names.append(prefix + arch.moe.router_weights)
         experts = model.get_submodule(prefix + arch.moe.fused)
         if not isinstance(experts, QuantExperts):
-            count = getattr(experts, arch.moe.down).shape[0]
+            count = expert_shape(experts, arch.moe)[0]
             names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
                       for e in range(count) for p in arch.moe.checkpoint_projections]
     return names
@@ -153,6 +153,8 @@ def checkpoints_store_experts_fused(model: nn.Module) -> bool:
     arch = moe_arch(model)
     if arch is None or arch.moe is None:
         return False
+    if arch.moe.fused_layout != "rows":  # GPT-OSS: stored as the module holds them
+        return True
     transforms = _conversion_transforms(model, add_legacy=True, reverse=False)
     if not transforms:  # transformers 4 (per-expert modules) or no mapping: the usual layout
         return False
@@ -232,6 +234,12 @@ class MoeTreeReader:
                     f"{self.path}: tensor {rename(f'{prefix}.{moe.gate_up}')} is missing: layer "
                     f"{fused[0]} stores its expert weights fused, layer {index} does not; the "
                     "download or export is incomplete: fetch or write it again")
+            if moe.fused_layout != "rows":
+                raise ModelLoadError(
+                    f"{self.path}: tensor {rename(f'{prefix}.{moe.gate_up}')} is missing: "
+                    f"{model_type(model)} checkpoints store each layer's float expert weights fused, "
+                    "as transformers holds them, and compress reads no other layout of them; "
+                    "the download or export is incomplete: fetch or write it again")
             experts = model.get_submodule(prefix)
             count, rows, hidden = getattr(experts, moe.gate_up).shape
             stored = rename(prefix)

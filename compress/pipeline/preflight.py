@@ -100,7 +100,7 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
         return None
     from torch import nn
 
-    from compress.arch import arch_for, decoder_layers, sparse_layers
+    from compress.arch import arch_for, decoder_layers, expert_shape, sparse_layers
 
     arch = arch_for(skeleton, "the memory preflight")
     layers = decoder_layers(skeleton, "the memory preflight")
@@ -115,8 +115,8 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
         for i in sparse_layers(skeleton, arch):
             experts = layers[i].get_submodule(arch.moe.fused)
             fused.append(sum(p.numel() for p in experts.parameters()))
-            count = getattr(experts, arch.moe.down).shape[0]
-            projections.append(getattr(experts, arch.moe.down).numel() // count)
+            count, hidden, inter = expert_shape(experts, arch.moe)
+            projections.append(hidden * inter)
     dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
             "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
             "largest_linear": max(linears + fused, default=0),
@@ -356,13 +356,13 @@ def _expert_gptq_bytes(skeleton, dims: dict[str, int], seq_len: int, held: int) 
     twice the even share (``2 k / E`` of the sample's tokens; random routers are uneven)."""
     if not dims["fused_experts"]:
         return 0
-    from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
+    from compress.arch import ARCHS, decoder_layers, expert_shape, model_type, sparse_layers
 
     arch = ARCHS[model_type(skeleton)]
     layer = decoder_layers(skeleton, "the memory preflight")[sparse_layers(skeleton, arch)[0]]
     router = layer.get_submodule(arch.moe.router)
     share = min(1.0, 2 * router.top_k / router.num_experts)
-    inter = getattr(layer.get_submodule(arch.moe.fused), arch.moe.down).shape[2]
+    inter = expert_shape(layer.get_submodule(arch.moe.fused), arch.moe)[2]
     routed = int(share * seq_len * (dims["hidden"] + 4 * inter) * FLOAT32)
     return (int(EXPERT_FORWARD_BYTES * dims["fused_experts"])
             + held * dims["hidden"] * FLOAT32 + routed)
@@ -375,7 +375,7 @@ def _hessian_bytes(skeleton) -> int:
     layer's experts then one at a time (gate/up's [H, H] beside down's [I, I])."""
     from torch import nn
 
-    from compress.arch import ARCHS, decoder_layers, model_type, sparse_layers
+    from compress.arch import ARCHS, decoder_layers, expert_shape, model_type, sparse_layers
 
     arch = ARCHS.get(model_type(skeleton))
     groups = [m.consumers for m in arch.awq_mappings] if arch is not None else []
@@ -389,8 +389,7 @@ def _hessian_bytes(skeleton) -> int:
     if arch is not None and arch.moe is not None and sparse_layers(skeleton, arch):
         fused = decoder_layers(skeleton, "the memory preflight")[
             sparse_layers(skeleton, arch)[0]].get_submodule(arch.moe.fused)
-        _, _, hidden = getattr(fused, arch.moe.gate_up).shape
-        inter = getattr(fused, arch.moe.down).shape[2]
+        _, hidden, inter = expert_shape(fused, arch.moe)
         experts = (hidden * hidden + inter * inter) * FLOAT32
     return sum(inputs.values()) + experts
 

@@ -25,6 +25,7 @@ from torch import nn
 from compress.arch import (
     ARCHS,
     DEFAULT_IGNORE,
+    expert_shape,
     float_only_modules,
     model_type,
     sparse_layers,
@@ -55,10 +56,10 @@ def tune_units(model: nn.Module) -> dict[str, Unit]:
         for index in sparse_layers(model, arch):
             name = f"{arch.layer_prefix}{index}.{moe.fused}"
             module = model.get_submodule(name)
-            count, rows, hidden = getattr(module, moe.gate_up).shape
+            count, hidden, inter = expert_shape(module, moe)
             keys = (f"{name}.{moe.gate_up}", f"{name}.{moe.down}")
-            experts[name] = Unit(name, count * rows * hidden + getattr(module, moe.down).numel(),
-                                 (hidden, rows // 2), keys, keys, count)  # fmt: skip
+            experts[name] = Unit(name, 3 * count * hidden * inter, (hidden, inter), keys, keys,
+                                 count)  # fmt: skip
     fixed = float_only_modules(model)
     units = {}
     for name, module in model.named_modules():

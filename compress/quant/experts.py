@@ -13,11 +13,25 @@ import re
 import torch
 from torch import nn
 
-from compress.arch import ARCHS, Moe, arch_for, model_type, sparse_layers
+from compress.arch import (
+    ARCHS,
+    Moe,
+    arch_for,
+    expert_biases,
+    expert_shape,
+    expert_weights,
+    model_type,
+    sparse_layers,
+)
 from compress.core.errors import ConfigError
 from compress.core.matcher import matches, set_submodule
 from compress.core.registry import PassConfig, PassReport
-from compress.quant.linear import QuantExperts, WeightScheme, routed_experts_forward
+from compress.quant.linear import (
+    QuantExperts,
+    WeightScheme,
+    expert_activation,
+    routed_experts_forward,
+)
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer
 
 
@@ -65,9 +79,9 @@ def plan_experts(model: nn.Module, cfg: WeightQuantConfig, n_bits: int, report: 
     moe = _moe(model, report.name)
     plan: ExpertPlan = {}
     for name, module in found:
-        gate_up, down = getattr(module, moe.gate_up), getattr(module, moe.down)
+        _, hidden, inter = expert_shape(module, moe)
         pair = []
-        for param, width in ((moe.gate_up, gate_up.shape[2]), (moe.down, down.shape[2])):
+        for param, width in ((moe.gate_up, hidden), (moe.down, inter)):
             probe = nn.Linear(width, 1, bias=False, device="meta")  # scheme_for_layer reads K
             pair.append(scheme_for_layer(probe, cfg, n_bits, f"{name}.{param}"))
         params = (moe.gate_up, moe.down)
@@ -112,19 +126,15 @@ def rtn_experts(
     """Swap the fused experts at ``name`` for their RTN ``QuantExperts``; returns it and the
     squared weight error and squared weight norm (for ``relative_weight_error``)."""
     moe = _moe(model, "RTN of MoE layers")
-    gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
-    quant = QuantExperts.from_fused(
-        gate_up, down, schemes, moe.checkpoint_projections, getattr(module, moe.act),
-        backend=backend,
-    )
+    quant = QuantExperts.from_fused(module, moe, schemes, backend=backend)
     # one expert's projection at a time: whole dequantized copies and their differences were
     # ~4x the experts' fp32 weights (measured: a Qwen3-30B-A3B layer, 604M expert weights,
     # peaked at 13.4 GB streamed)
-    inter, num, den = gate_up.shape[1] // 2, 0.0, 0.0
-    for e in range(gate_up.shape[0]):
-        weights = (gate_up[e, :inter], gate_up[e, inter:], down[e])
+    num, den = 0.0, 0.0
+    for e in range(quant.num_experts):
+        weights = expert_weights(module, moe, e)
         for layer, w in zip(quant.projections(e), weights, strict=True):
-            w = w.float()
+            w = w.detach().float()
             num += float((layer.dequantized_weight() - w).pow(2).sum())
             den += float(w.pow(2).sum())
     set_submodule(model, name, quant)
@@ -158,16 +168,18 @@ class FloatExpertsView(nn.Module):
 
     def __init__(self, module: nn.Module, moe: Moe) -> None:
         super().__init__()
-        gate_up, down = getattr(module, moe.gate_up).detach(), getattr(module, moe.down).detach()
-        self.num_experts, rows, self.hidden = gate_up.shape
-        self.intermediate = rows // 2
-        self.names, self.activation = moe.checkpoint_projections, getattr(module, moe.act)
+        self.num_experts, self.hidden, self.intermediate = expert_shape(module, moe)
+        self.names, self.activation = moe.checkpoint_projections, expert_activation(module, moe)
         for e in range(self.num_experts):
-            weights = (gate_up[e, : self.intermediate], gate_up[e, self.intermediate :], down[e])
+            weights = expert_weights(module, moe, e)
+            biases = expert_biases(module, moe, e) or (None,) * 3
             linears = {}
-            for name, weight in zip(self.names, weights, strict=True):
-                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-                linear.weight = nn.Parameter(weight, requires_grad=False)  # a view, not a copy
+            for name, weight, bias in zip(self.names, weights, biases, strict=True):
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                                   device="meta")
+                linear.weight = nn.Parameter(weight.detach(), requires_grad=False)  # a view
+                if bias is not None:
+                    linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
                 linears[name] = linear
             self.add_module(str(e), nn.ModuleDict(linears))
 

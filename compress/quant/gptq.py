@@ -36,7 +36,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from compress.arch import arch_for
+from compress.arch import arch_for, expert_weights
 from compress.core.matcher import set_submodule
 from compress.core.registry import (
     CompressionState,
@@ -575,17 +575,12 @@ def gptq_experts(
         return {}
     fused, schemes = plan[name]
     chunks = _expert_inputs(layer, fused, inputs)
-    gate_up, down = getattr(fused, arch.moe.gate_up).detach(), getattr(fused, arch.moe.down)
-    act = getattr(fused, arch.moe.act)
-    quant = QuantExperts(
-        gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2, schemes,
-        arch.moe.checkpoint_projections, act, dtype=gate_up.dtype, backend="reference",
-    ).to(gate_up.device)
+    dtype = getattr(fused, arch.moe.down).dtype
+    quant = QuantExperts.like(fused, arch.moe, schemes, dtype, backend="reference")
     info = {}
     for e in range(quant.num_experts):
         routed = [(x, (picks == e).any(dim=-1)) for x, picks in chunks]
-        weights = (gate_up[e, : quant.intermediate], gate_up[e, quant.intermediate :],
-                   down[e].detach())
+        weights = tuple(w.detach() for w in expert_weights(fused, arch.moe, e))
         info[f"{name}.{e}"] = _gptq_expert(quant, e, routed, weights, cfg, f"{name}.{e}")
         if info[f"{name}.{e}"]["method"] == "rtn":
             log.warning("quantize.gptq: %s: %s", f"{name}.{e}", info[f"{name}.{e}"]["reason"])
@@ -660,7 +655,7 @@ def _gptq_expert(
         return (x[mask] for x, mask in routed if mask.any())
 
     def down_inputs():  # from the quantized gate/up
-        return (quant.activation(gate(xe)) * up(xe) for xe in rows())
+        return (quant.activation(gate(xe), up(xe)) for xe in rows())
 
     try:
         h = _gram(rows()) * (2.0 / n)

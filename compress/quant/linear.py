@@ -41,7 +41,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.arch import float_only_modules
+from compress.arch import (
+    Moe,
+    expert_bias_names,
+    expert_biases,
+    expert_shape,
+    expert_weights,
+    float_only_modules,
+)
 from compress.core.device import float_dtype
 from compress.kernels import cpu_native, dispatch, reference
 from compress.memory import available_memory_bytes
@@ -471,8 +478,9 @@ class QuantExperts(nn.Module):
         intermediate: int,
         schemes: tuple[WeightScheme, WeightScheme],  # (gate and up, down)
         names: tuple[str, str, str],  # (gate, up, down) child names
-        activation: nn.Module,
+        activation: nn.Module,  # the gated unit: activation(gate, up) (``expert_activation``)
         *,
+        bias: bool = False,  # every projection has one (GPT-OSS)
         dtype: torch.dtype = torch.float32,
         backend: str = "auto",
     ) -> None:
@@ -482,35 +490,42 @@ class QuantExperts(nn.Module):
         gate, up, down = names
         for e in range(num_experts):
             self.add_module(str(e), nn.ModuleDict({
-                gate: QuantLinear(hidden, intermediate, schemes[0], bias=False, dtype=dtype,
+                gate: QuantLinear(hidden, intermediate, schemes[0], bias=bias, dtype=dtype,
                                   backend=backend),
-                up: QuantLinear(hidden, intermediate, schemes[0], bias=False, dtype=dtype,
+                up: QuantLinear(hidden, intermediate, schemes[0], bias=bias, dtype=dtype,
                                 backend=backend),
-                down: QuantLinear(intermediate, hidden, schemes[1], bias=False, dtype=dtype,
+                down: QuantLinear(intermediate, hidden, schemes[1], bias=bias, dtype=dtype,
                                   backend=backend),
             }))
 
     @classmethod
-    def from_fused(
-        cls,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        schemes: tuple[WeightScheme, WeightScheme],
-        names: tuple[str, str, str],
-        activation: nn.Module,
-        *,
-        backend: str = "auto",
-    ) -> QuantExperts:
-        """RTN of the fused ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` weights."""
-        e_count, two_i, hidden = gate_up.shape
-        inter = two_i // 2
-        module = cls(e_count, hidden, inter, schemes, names, activation, dtype=gate_up.dtype,
-                     backend=backend)
-        for e in range(e_count):
-            halves = (gate_up[e, :inter], gate_up[e, inter:], down[e])
-            for layer, w in zip(module.projections(e), halves, strict=True):
+    def like(cls, experts: nn.Module, moe: Moe, schemes: tuple[WeightScheme, WeightScheme],
+             dtype: torch.dtype, backend: str = "auto") -> QuantExperts:
+        """An empty one for the float fused ``experts`` of ``moe``'s family (its shape, names,
+        gated unit and biases, copied), on their device."""
+        count, hidden, inter = expert_shape(experts, moe)
+        with torch.device(getattr(experts, moe.down).device):
+            module = cls(count, hidden, inter, schemes, moe.checkpoint_projections,
+                         expert_activation(experts, moe), bias=bool(moe.gate_up_bias),
+                         dtype=dtype, backend=backend)
+        for e in range(count) if moe.gate_up_bias else ():
+            for layer, b in zip(module.projections(e), expert_biases(experts, moe, e),
+                                strict=True):
+                if b.device.type != "meta":
+                    layer.bias.data.copy_(b.detach())
+        return module
+
+    @classmethod
+    def from_fused(cls, experts: nn.Module, moe: Moe, schemes: tuple[WeightScheme, WeightScheme],
+                   *, backend: str = "auto") -> QuantExperts:
+        """RTN of the float fused ``experts`` of ``moe``'s family."""
+        dtype = getattr(experts, moe.down).dtype
+        module = cls.like(experts, moe, schemes, dtype, backend)
+        for e in range(module.num_experts):
+            weights = expert_weights(experts, moe, e)
+            for layer, w in zip(module.projections(e), weights, strict=True):
                 layer.set_quantized(*rtn_codes(w.detach(), layer.scheme))
-        return module.to(gate_up.device)
+        return module
 
     def projections(self, e: int) -> tuple[QuantLinear, QuantLinear, QuantLinear]:
         """Expert ``e``'s (gate, up, down) layers."""
@@ -552,12 +567,44 @@ class QuantExperts(nn.Module):
         )
 
 
+class GatedActivation(nn.Module):
+    """``act(gate) * up``: the gated unit of most MoE families' experts (``Moe.glu`` "act")."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """GPT-OSS's gated unit (``Moe.glu`` "clamped_swiglu"): gate clamped above at ``limit``, up
+    to ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def expert_activation(experts: nn.Module, moe: Moe) -> nn.Module:
+    """The gated unit ``(gate, up) -> input of down`` of a float fused experts module."""
+    if moe.glu == "clamped_swiglu":
+        return ClampedSwiGLU(experts.alpha, experts.limit)
+    return GatedActivation(getattr(experts, moe.act))
+
+
 def routed_experts_forward(
     experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """``sum_j w_j * down_e(act(gate_e(x)) * up_e(x))`` over the k experts ``e`` each token
-    picked, for a module with ``num_experts``, ``activation`` and ``projections(e)`` (the
+    """``sum_j w_j * down_e(glu(gate_e(x), up_e(x)))`` over the k experts ``e`` each token
+    picked, for a module with ``num_experts``, ``activation`` (the gated unit ``glu``) and
+    ``projections(e)`` (the
     (gate, up, down) layers of expert ``e``): ``QuantExperts``, and the float per-expert view
     ``compress.pipeline.tune`` measures through."""
     out = torch.zeros_like(hidden)
@@ -567,7 +614,7 @@ def routed_experts_forward(
             continue
         gate, up, down = experts.projections(e)
         x = hidden[token_idx]
-        y = down(experts.activation(gate(x)) * up(x)) * top_k_weights[token_idx, pos, None]
+        y = down(experts.activation(gate(x), up(x))) * top_k_weights[token_idx, pos, None]
         # index_put_ (a token meets each expert once): index_add_ measured 0.15 s per call
         # on CPU threads here, index_put_ 0.02 ms; the sums are the same.
         out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
@@ -622,9 +669,10 @@ def weight_matrices(model: nn.Module) -> dict[str, WeightMatrix]:
     linear layers (float, quantized or bitsandbytes), quantized experts (``QuantExperts``), and
     any other parameter of two or more dimensions (fused float experts ``<experts>.gate_up``,
     the MoE router): whatever a pass left alone is counted, so nothing can hide from the
-    bits/weight and coverage numbers. Vectors (norms, biases) are not weight matrices."""
+    bits/weight and coverage numbers. Vectors (norms, biases, GPT-OSS's fused experts' [E, 2I]
+    and [E, H] biases: a vector per expert) are not weight matrices."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    routers = _router_names(model)
+    routers, biases = _router_names(model), expert_bias_names(model)
     found: dict[str, WeightMatrix] = {}
     inside: tuple[str, ...] = ()  # names of QuantExperts already counted whole
     for name, module in model.named_modules():
@@ -646,8 +694,8 @@ def weight_matrices(model: nn.Module) -> dict[str, WeightMatrix]:
         # bias under the router), are kept float as the router is
         in_router = name in routers or any(name.startswith(r + ".") for r in routers)
         for pname, p in module.named_parameters(recurse=False):
-            if p.dim() >= 2:
-                full = f"{name}.{pname}" if name else pname
+            full = f"{name}.{pname}" if name else pname
+            if p.dim() >= 2 and full not in biases:
                 found[full] = WeightMatrix(
                     p.numel(), p.numel() * p.element_size(), False, not in_router
                 )

@@ -56,6 +56,7 @@ from compress.arch import (
     DEFAULT_IGNORE,
     Arch,
     Mapping,
+    Moe,
     arch_for,
     check_paths,
     decoder_layers,
@@ -164,7 +165,11 @@ def rotation_matrix(n: int, kind: str, generator: torch.Generator) -> tuple[torc
 def _rotate_last(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """``weight[..., H] <- (weight * scale) @ q`` in float64, in place, a chunk of rows at a
     time (an embedding of 150k rows would need gigabytes at once)."""
-    flat = weight.view(-1, weight.shape[-1])
+    if weight.dim() > 2 and not weight.is_contiguous():  # a transposed view: per matrix
+        for matrix in weight:
+            _rotate_last(matrix, q, scale)
+        return
+    flat = weight if weight.dim() == 2 else weight.view(-1, weight.shape[-1])
     for start in range(0, flat.shape[0], CHUNK_ROWS):
         rows = flat[start : start + CHUNK_ROWS].double()
         if scale is not None:
@@ -206,11 +211,16 @@ def _readers_after(layer: nn.Module, arch: Arch, norm: str) -> list[torch.Tensor
         experts = layer.get_submodule(arch.moe.fused)
         shared = [layer.get_submodule(p).weight for p in arch.moe.shared_readers]
         return [layer.get_submodule(arch.moe.router_weights).weight,
-                getattr(experts, arch.moe.gate_up),
+                _as_rows(getattr(experts, arch.moe.gate_up), arch.moe),
                 *shared]  # fmt: skip
     else:
         paths = arch.mlp_channels.rows + arch.mlp_channels.fused
     return [layer.get_submodule(p).weight for p in dict.fromkeys(paths)]
+
+
+def _as_rows(fused: torch.Tensor, moe: Moe) -> torch.Tensor:
+    """A fused experts parameter as ``[E, out, in]`` (a view): GPT-OSS's are ``[E, in, out]``."""
+    return fused if moe.fused_layout == "rows" else fused.transpose(1, 2)
 
 
 def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -220,7 +230,9 @@ def _writers(layer: nn.Module, arch: Arch) -> list[tuple[torch.Tensor, torch.Ten
         module = layer.get_submodule(path)
         out.append((module.weight, module.bias))
     if arch.moe is not None:
-        out.append((getattr(layer.get_submodule(arch.moe.fused), arch.moe.down), None))
+        experts = layer.get_submodule(arch.moe.fused)
+        bias = getattr(experts, arch.moe.down_bias) if arch.moe.down_bias else None
+        out.append((_as_rows(getattr(experts, arch.moe.down), arch.moe), bias))
         if arch.moe.shared_down:
             down = layer.get_submodule(arch.moe.shared_down)
             out.append((down.weight, down.bias))

@@ -80,16 +80,24 @@ def rope_settings(config) -> list[dict]:
     return found
 
 
-def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """Attention with ``cap * tanh(scores / cap)`` before masking (Gemma 2), which SDPA cannot
-    do. q [B, H, T, D], k/v [B, Hkv, S, D], mask bool broadcastable to [B, H, T, S]."""
+def explicit_attention(q, k, v, mask, scale: float, cap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with what SDPA cannot do: ``cap * tanh(scores / cap)`` before masking (Gemma
+    2), and ``sinks`` [H], a logit per head that joins each softmax and is dropped after it
+    (GPT-OSS: the weights over the keys sum to less than 1). q [B, H, T, D], k/v
+    [B, Hkv, S, D], mask bool broadcastable to [B, H, T, S]."""
     groups = q.shape[1] // k.shape[1]
     # [B, Hkv, S, D] -> [B, H, S, D]: query head h reads KV head h // groups
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def layer_window(config, i: int) -> int | None:
@@ -202,6 +210,8 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
         cos, sin = cos[0].float(), sin[0].float()
         if spec.rope_table_interleaved:  # [f0, f0, f1, f1, ...] -> cat(f, f)
             cos, sin = (torch.cat([t[:, 0::2]] * 2, 1) for t in (cos, sin))
+        elif cos.shape[-1] * 2 == r:  # one angle per pair (GPT-OSS's tables): f -> cat(f, f)
+            cos, sin = (torch.cat([t] * 2, 1) for t in (cos, sin))
         if cos.shape[-1] != r:
             raise RuntimeError(
                 f"compress runtime: the rotary module's tables cover {cos.shape[-1]} channels of "

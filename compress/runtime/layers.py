@@ -36,12 +36,12 @@ from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
     config_value,
+    explicit_attention,
     head_dim_of_config,
     kv_heads_of,
     layer_rope_key,
     layer_window,
     rope_permutation,
-    softcapped_attention,
 )
 from compress.runtime.norms import _norm, _norm_bias, _norm_eps, _norm_weight, _rms_norm
 
@@ -546,6 +546,8 @@ class _Layer(nn.Module):
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
         self.fused = False
         self.softcap = config_value(config, spec.attn_softcap)
+        self.register_buffer("sinks", layer.get_parameter(spec.attention_sinks).detach().float()
+                             if spec.attention_sinks else None, persistent=False)  # fmt: skip
         self.residual_multiplier = config_value(config, spec.residual_multiplier)
         form = arch.norm_form
         # None: the family has no norm before the block (OLMo2: its norms come after them)
@@ -714,7 +716,7 @@ class _Layer(nn.Module):
         """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
         mask broadcastable to [B, 1, T, L] -> [B, T, heads * D] fp32."""
         b, _, t, _ = q.shape
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             a = F.scaled_dot_product_attention(
                 q.to(keys.dtype),
                 keys,
@@ -724,7 +726,8 @@ class _Layer(nn.Module):
                 enable_gqa=self.n_heads != self.n_kv,
             )
         else:
-            a = softcapped_attention(q.to(keys.dtype), keys, values, mask, self.scale, self.softcap)
+            a = explicit_attention(q.to(keys.dtype), keys, values, mask, self.scale,
+                                   self.softcap, self.sinks)
         # [B, heads, T, D] -> [B, T, heads * D]
         return a.float().transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 

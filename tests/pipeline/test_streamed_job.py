@@ -507,9 +507,11 @@ def test_a_tied_config_over_a_head_of_its_own_reads_that_head_everywhere(tmp_pat
 
 
 MOE_CASES = [(family, "int4_rtn") for family in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
-                                                  "hunyuan_v1_moe", "granitemoe", "solar_open")]
+                                                  "hunyuan_v1_moe", "granitemoe", "solar_open",
+                                                  "gpt_oss")]
 MOE_CASES += [(family, kind) for family in ("mixtral", "qwen2_moe")
               for kind in ("gptq", "awq", "autoround")]  # fmt: skip
+MOE_CASES += [("gpt_oss", "gptq")]  # experts with biases, held transposed
 
 
 @pytest.mark.parametrize(("family", "kind"), MOE_CASES)
@@ -527,7 +529,9 @@ def test_streamed_moe_equals_in_memory(family, kind, tmp_path, monkeypatch, one_
     make_char_tokenizer().save_pretrained(tmp_path / "ck")
     (tmp_path / "text.txt").write_text(TEXT)
     stored = set(CheckpointReader(tmp_path / "ck").names())
-    assert not any(k.endswith("gate_up_proj") for k in stored)  # per expert, as on the hub
+    # per expert, as on the hub (GPT-OSS's hub checkpoints store them fused, as transformers
+    # holds them)
+    assert any(k.endswith("gate_up_proj") for k in stored) == (family == "gpt_oss")
     recipe = _recipe(tmp_path, PASSES[kind])
     runs = {mode: run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / mode,
                           stream=mode == "stream", progress=False)

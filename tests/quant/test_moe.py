@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.arch import arch_for, sparse_layers
+from compress.arch import arch_for, expert_weights, fused_experts, sparse_layers
 from compress.core.errors import RecipeError
 from compress.core.registry import CompressionState, PassConfig, PassReport
 from compress.io.export import export_checkpoint, load_compressed
@@ -32,7 +32,7 @@ from compress.testing import TINY_MOE_TYPES, make_tiny_moe
 FAMILIES = TINY_MOE_TYPES
 
 
-FUSED_IN_CHECKPOINTS = ("granitemoe",)  # checkpoints_store_experts_fused (tested below)
+FUSED_IN_CHECKPOINTS = ("granitemoe", "gpt_oss")  # checkpoints_store_experts_fused (tested below)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -182,16 +182,29 @@ def test_strict_rtn_refuses_experts_it_cannot_group(moe):
     assert report.metrics["unquantized"] == {}
 
 
-def _reference_experts(x, top_k, weights, gate_up, down, act) -> torch.Tensor:
-    """float64, token by token: sum_j w_j * down_e (act(gate_e x) * up_e x)."""
-    x, gate_up, down = x.double(), gate_up.double(), down.double()
-    inter = gate_up.shape[1] // 2
+def _glu(model):
+    """The family's gated unit, written out here: ``silu(gate) * up``, or GPT-OSS's clamped
+    SwiGLU (its released alpha 1.702 and limit 7)."""
+    if model.config.model_type != "gpt_oss":
+        return lambda gate, up: torch.nn.functional.silu(gate) * up
+    alpha, limit = model.config.swiglu_alpha, model.config.swiglu_limit
+
+    def clamped(gate, up):
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return gate * torch.sigmoid(alpha * gate) * (up + 1)
+    return clamped
+
+
+def _reference_experts(x, top_k, weights, experts, glu) -> torch.Tensor:
+    """float64, token by token: sum_j w_j * (down_e glu(gate_e x + b, up_e x + b) + b), with
+    ``experts[e]`` = (gate, up, down) weights and their biases (zeros where there are none)."""
+    x = x.double()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(top_k.shape[1]):
-            e = int(top_k[t, j])
-            h = act(gate_up[e, :inter] @ x[t]) * (gate_up[e, inter:] @ x[t])
-            out[t] += float(weights[t, j]) * (down[e] @ h)
+            (gate, up, down), (bg, bu, bd) = experts[int(top_k[t, j])]
+            h = glu(gate.double() @ x[t] + bg.double(), up.double() @ x[t] + bu.double())
+            out[t] += float(weights[t, j]) * (down.double() @ h + bd.double())
     return out
 
 
@@ -206,16 +219,22 @@ def test_quant_experts_forward_matches_float64_reference(moe, backend, tolerance
     with torch.no_grad():
         _, weights, top_k = _route(model, x)
         ours = experts(x, top_k, weights).double()
-    gate_up, down = experts.dequantized_weights(torch.float64)
-    ref = _reference_experts(x, top_k, weights, gate_up, down, torch.nn.functional.silu)
+    per_expert = []
+    for e in range(experts.num_experts):
+        layers = experts.projections(e)
+        biases = [torch.zeros(q.out_features) if q.bias is None else q.bias.detach()
+                  for q in layers]
+        per_expert.append(([q.dequantized_weight(torch.float64) for q in layers], biases))
+    ref = _reference_experts(x, top_k, weights, per_expert, _glu(model))
     assert ((ours - ref).norm() / ref.norm()) < tolerance
     # and transformers' own (eager) experts module, given the dequantized weights, agrees
     fused = copy.deepcopy(_experts(moe)).double()
     fused.config = copy.deepcopy(fused.config)
     fused.config._experts_implementation = "eager"  # grouped_mm has no float64
     arch = arch_for(model, "test")
-    getattr(fused, arch.moe.gate_up).data.copy_(gate_up)
-    getattr(fused, arch.moe.down).data.copy_(down)
+    params = fused_experts(arch.moe, [w for w, _ in per_expert], [b for _, b in per_expert])
+    for attr, tensor in params.items():
+        getattr(fused, attr).data.copy_(tensor)
     theirs = fused(x.double(), top_k, weights.double())
     assert ((ref - theirs).norm() / theirs.norm()) < 1e-12
 
@@ -242,7 +261,7 @@ def gptq_run(moe):
     layer-0 expert inputs over the calibration set (x [T, H], top_k [T, k])."""
     float_model = copy.deepcopy(moe)
     _never_route(_router(float_model, 0), 3)
-    state = _calibration(n=8)  # >= 64 tokens for every reached expert of every family
+    state = _calibration(n=9)  # >= 64 tokens for every reached expert of every family
     captured = []
     handle = _experts(float_model).register_forward_hook(lambda m, a, o: captured.append(a[:2]))
     with torch.no_grad():
@@ -287,14 +306,15 @@ def test_gptq_expert_beats_rtn_on_its_own_tokens(moe, gptq_run):
     rtn = copy.deepcopy(moe)
     int4_rtn(rtn, Int4RtnConfig(group_size=32), CompressionState())
     arch = arch_for(moe, "test")
-    gate_up = getattr(_experts(moe), arch.moe.gate_up).detach()
     for e in range(3):  # expert 3 saw no token (RTN, checked above)
         xe = x[(top_k == e).any(-1)]
-        exact = xe @ gate_up[e].T
+        gate, up, _ = expert_weights(_experts(moe), arch.moe, e)
+        exact = xe @ torch.cat([gate, up]).detach().T
         errors = []
         for quantized in (model, rtn):
-            w, _ = _experts(quantized).dequantized_weights()
-            errors.append(float((xe @ w[e].T - exact).norm()))
+            g, u, _ = _experts(quantized).projections(e)
+            w = torch.cat([g.dequantized_weight(), u.dequantized_weight()])
+            errors.append(float((xe @ w.T - exact).norm()))
         assert errors[0] < 0.9 * errors[1], (e, errors)
 
 

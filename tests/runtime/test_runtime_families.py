@@ -140,6 +140,10 @@ FAMILIES = {
     # Solar Open: GLM-4-MoE's block (sigmoid routing with a correction bias, a shared expert)
     # in every layer around Llama's attention
     "solar_open": dict(tie_word_embeddings=False),
+    # GPT-OSS: a sink logit per head in every softmax, biases on q/k/v/o, a sliding and a full
+    # layer, YaRN tables of one angle per pair; a biased router and transposed, interleaved
+    # experts with biases through a clamped SwiGLU
+    "gpt_oss": dict(tie_word_embeddings=False),
     # latent attention (compress.runtime.latent) with its low-rank query, interleaved RoPE and
     # GLM-4-MoE's block, and without the low-rank query (Moonlight's layout), RoPE in halves
     "deepseek_v3": dict(tie_word_embeddings=False),
