@@ -237,8 +237,8 @@ class MoeTreeReader:
             if moe.fused_layout != "rows":
                 raise ModelLoadError(
                     f"{self.path}: tensor {rename(f'{prefix}.{moe.gate_up}')} is missing: "
-                    f"{model_type(model)} checkpoints store each layer's float expert weights fused, "
-                    "as transformers holds them, and compress reads no other layout of them; "
+                    f"{model_type(model)} checkpoints store each layer's float expert weights "
+                    "fused, as transformers holds them, and compress reads no other layout; "
                     "the download or export is incomplete: fetch or write it again")
             experts = model.get_submodule(prefix)
             count, rows, hidden = getattr(experts, moe.gate_up).shape

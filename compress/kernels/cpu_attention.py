@@ -42,13 +42,15 @@ def paged_decode_attention(
     window: int | None = None,
     *,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] over each row's first ``lengths[b]`` slots of its block table ``tables[b]``
     in the pools [slots, Hkv, D] -> [B, H, D] fp32. Pools fp32 or bf16, int8 codes with
     ``scales`` (k, v) fp32 [slots, Hkv] (each row is code x scale), or fp8 e4m3fn with
     ``scales`` (k, v) fp32 [1] (value x the layer's scale). ``softcap``: scores become
-    ``cap * tanh(s / cap)`` (Gemma 2); ``window``: only the last ``window`` keys. ``isa``: the
+    ``cap * tanh(s / cap)`` (Gemma 2); ``window``: only the last ``window`` keys; ``sinks``
+    [H]: a logit per head that joins each softmax without a value (GPT-OSS). ``isa``: the
     build level (default: ``cpu_q8.selected_isa``)."""
     k_scale, v_scale = scales if scales is not None else (None, None)
     return cpu_q8.ops(isa).paged_decode_attention(
@@ -63,12 +65,13 @@ def paged_decode_attention(
         scale,
         softcap or 0.0,
         window or 0,
+        None if sinks is None else sinks.float().contiguous(),
     )
 
 
 def paged_decode_attention_reference(
     q, k_pool, v_pool, tables, lengths, block_size, scale, softcap=None, window=None, *,
-    scales=None,
+    scales=None, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_decode_attention`` in float64, row by row with plain torch (for tests)."""
     b, h, d = q.shape
@@ -87,5 +90,8 @@ def paged_decode_attention_reference(
         scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            scores = torch.cat([scores, sinks.double()[:, None]], 1)
+        weights = scores.softmax(-1)[:, :n - first]
+        out[row] = torch.einsum("hn,nhd->hd", weights, values)
     return out

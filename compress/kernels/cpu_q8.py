@@ -212,7 +212,7 @@ def _fake_bf16_tiles(x, w):
 
 
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
-                    softcap, window):  # fmt: skip
+                    softcap, window, sinks=None):  # fmt: skip
     return torch.empty_like(q)
 
 

@@ -89,13 +89,14 @@ def explicit_attention(q, k, v, mask, scale: float, cap: float | None = None,
     groups = q.shape[1] // k.shape[1]
     # [B, Hkv, S, D] -> [B, H, S, D]: query head h reads KV head h // groups
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale
+    scores = torch.matmul(q, k.transpose(2, 3))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(scores.softmax(-1).to(v.dtype), v)
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
     return torch.matmul(weights.to(v.dtype), v)
 

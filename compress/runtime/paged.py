@@ -273,7 +273,7 @@ def forward_step(
                 scales = None if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
                 a = paged_decode_attention(
                     q_rows, cache.k[i], cache.v[i], tables, lengths, cache.block_size,
-                    layer.scale, layer.softcap, layer.window, scales=scales,
+                    layer.scale, layer.softcap, layer.window, scales=scales, sinks=layer.sinks,
                 )  # fmt: skip
             else:
                 keys, values = cache.read(i, tables, length)

@@ -250,8 +250,6 @@ class Scheduler:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
         why_not = cpu_attention.unavailable_reason(dtype, runtime.device,
                                                    runtime.layers[0].head_dim)
-        if why_not is None and getattr(runtime.layers[0], "sinks", None) is not None:
-            why_not = "attention sinks (the kernel's softmax has no sink term)"
         if attention == "kernel" and why_not is not None:
             raise ValueError(f"attention='kernel' cannot run: {why_not}")
         # the reason the decode steps gather instead (None: they run the kernel)

@@ -61,6 +61,45 @@ def test_kernel_equals_the_float64_definition(isa, case, softcap, window, dtype)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8, FP8], ids=["fp32", "bf16", "int8", "fp8"]
+)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_kernel_with_attention_sinks_equals_the_float64_definition(isa, case, window, dtype):
+    """GPT-OSS's sinks: a logit per query head joins each softmax without a value. Sinks of
+    both signs and a few units, as trained ones are, take a visible share of the weight."""
+    b, h, hkv, d, bs, blocks = case
+    q, k, v, tables, lengths, scales = pool_case(b, h, hkv, d, bs, blocks, dtype)
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(1)) * 2
+    args = (q, k, v, tables, lengths, bs, d**-0.5, None, window)
+    got = cpu_attention.paged_decode_attention(*args, scales=scales, sinks=sinks, isa=isa)
+    want = cpu_attention.paged_decode_attention_reference(*args, scales=scales, sinks=sinks)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    plain = cpu_attention.paged_decode_attention(*args, scales=scales, isa=isa)
+    assert (got - plain).abs().max() > 1e-2  # the sinks were applied
+
+
+def test_reference_sinks_are_the_runtimes_sink_attention():
+    """The definition with sinks is the runtime's (``explicit_attention``) over each row's
+    gathered keys: the two computations of GPT-OSS's attention agree."""
+    from compress.runtime.families import explicit_attention
+
+    b, h, hkv, d, bs, blocks = 3, 9, 3, 64, 4, 12
+    q, k, v, tables, lengths, _ = pool_case(b, h, hkv, d, bs, blocks, torch.float32, seed=3)
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(2)) * 2
+    want = cpu_attention.paged_decode_attention_reference(q, k, v, tables, lengths, bs, 0.125,
+                                                          sinks=sinks)  # fmt: skip
+    for row in range(b):
+        n = int(lengths[row])
+        slots = tables[row][torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        keys, values = k[slots].transpose(0, 1)[None], v[slots].transpose(0, 1)[None]
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        a = explicit_attention(q[row][None, :, None].double(), keys.double(), values.double(),
+                               mask, 0.125, sinks=sinks.double())  # fmt: skip
+        torch.testing.assert_close(a[0, :, 0], want[row])
+
+
 def test_fp8_pages_decode_every_code_exactly(isa):
     """Each row attends to one key, so its output is that key's value row as the kernel widens
     it: all 254 finite e4m3fn codes (subnormals, both zeros, +-448) against torch's own

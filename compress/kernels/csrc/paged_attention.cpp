@@ -54,20 +54,22 @@ inline __m256 hsum8(const __m256* a) {
 }
 
 // Softcap and softmax of one head's n scores in place (the padding to `padded` holds -inf and
-// becomes 0); returns 1 / the sum of the exponentials.
-inline float softmax_scores(float* sg, int64_t n, int64_t padded, float softcap) {
+// becomes 0); returns 1 / the sum of the exponentials. `sink` (-inf: none) joins the softmax
+// as one more score without a value (GPT-OSS's attention sinks): its share is in the sum only.
+inline float softmax_scores(float* sg, int64_t n, int64_t padded, float softcap, float sink) {
   if (softcap > 0.f)
     for (int64_t i = 0; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
   __m256 top = _mm256_set1_ps(-INFINITY);
   for (int64_t i = 0; i < padded; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sg + i));
-  const __m256 m = _mm256_set1_ps(hmax(top));
+  const float high = std::max(hmax(top), sink);
+  const __m256 m = _mm256_set1_ps(high);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t i = 0; i < padded; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
     _mm256_storeu_ps(sg + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return 1.f / hsum(sum);
+  return 1.f / (hsum(sum) + std::exp(sink - high));
 }
 
 // The G query heads of one (row, kv head) task over its keys: key t (first <= t < L) lies at
@@ -77,7 +79,7 @@ template <typename T>
 void attend_heads(const float* q, const T* kpool, const T* vpool, const float* kscale,
                   const float* vscale, int64_t per_row, const int64_t* rows, int64_t first,
                   int64_t L, float* out, int64_t G, int64_t D, float scale, float softcap,
-                  float* scores, int64_t padded) {
+                  const float* sinks, float* scores, int64_t padded) {
   const int64_t V = D / 8, row_bytes = D * static_cast<int64_t>(sizeof(T)), n = L - first;
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
@@ -113,7 +115,7 @@ void attend_heads(const float* q, const T* kpool, const T* vpool, const float* k
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), load8(k + 8 * j, ks), acc);
       sg[t - first] = hsum(acc) * scale;
     }
-    const float inv = softmax_scores(sg, n, padded, softcap);
+    const float inv = softmax_scores(sg, n, padded, softcap, sinks ? sinks[g] : -INFINITY);
     float* og = out + g * D;
     // out = sum over keys of p x v: 64 columns at a time, eight accumulators in registers
     // (a loop bound the compiler sees as constant, or they spill); what is left (D % 64)
@@ -284,8 +286,8 @@ void values_heads16(const T* vpool, const float* vscale, int64_t per_row, const 
 template <typename T>
 void attend_heads16(const float* q, const T* kpool, const T* vpool, const float* kscale,
                     const float* vscale, int64_t per_row, const int64_t* rows, int64_t n,
-                    float* out, int64_t G, int64_t D, float scale, float softcap, float* scores,
-                    int64_t padded) {
+                    float* out, int64_t G, int64_t D, float scale, float softcap,
+                    const float* sinks, float* scores, int64_t padded) {
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
     const int gc = static_cast<int>(std::min<int64_t>(3, G - g0));
     const float* qg = q + g0 * D;
@@ -299,7 +301,9 @@ void attend_heads16(const float* q, const T* kpool, const T* vpool, const float*
     else
       scores_heads16<T, 1>(qg, kpool, vpool, kscale, per_row, rows, n, D, scale, sg, padded, prefetch);
     float norm[3];
-    for (int g = 0; g < gc; ++g) norm[g] = softmax_scores(sg + g * padded, n, padded, softcap);
+    for (int g = 0; g < gc; ++g)
+      norm[g] = softmax_scores(sg + g * padded, n, padded, softcap,
+                               sinks ? sinks[g0 + g] : -INFINITY);
     int64_t c0 = 0;
     for (; c0 + 64 <= D; c0 += 64) {
       if (gc == 3)
@@ -325,7 +329,8 @@ template <typename T>
 void decode_attention(const float* q, const T* kpool, const T* vpool, const float* kscale,
                       const float* vscale, const int64_t* tables, const int64_t* lengths,
                       float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb,
-                      int64_t bs, float scale, float softcap, int64_t window) {
+                      int64_t bs, float scale, float softcap, int64_t window,
+                      const float* sinks) {
   const int64_t G = H / Hkv, V = D / 8;
   // int8 pages: a scale per slot and kv head (index `at`); fp8 pages: one per layer (index 0)
   constexpr bool fp8 = std::is_same_v<T, at::Float8_e4m3fn>;
@@ -352,10 +357,11 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
       for (int64_t t = first; t < L; ++t) rows[t - first] = (table[t / bs] * bs + t % bs) * Hkv + h;
       const float* qt = q + (b * H + h * G) * D;
       float* ot = out + (b * H + h * G) * D;
+      const float* st = sinks ? sinks + h * G : nullptr;  // the task's heads' sinks
 #if defined(COMPRESS_AVX512VNNI)
       if (D % 16 == 0) {
         attend_heads16<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), n, ot, G, D,
-                          scale, softcap, scores.data(), padded);
+                          scale, softcap, st, scores.data(), padded);
         continue;
       }
 #endif
@@ -373,10 +379,10 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
           }
         }
         attend_heads<float>(qt, wide_k.data(), wide_v.data(), nullptr, nullptr, 0, order.data(),
-                            first, L, ot, G, D, scale, softcap, scores.data(), padded);
+                            first, L, ot, G, D, scale, softcap, st, scores.data(), padded);
       } else {
         attend_heads<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), first, L, ot, G,
-                        D, scale, softcap, scores.data(), padded);
+                        D, scale, softcap, st, scores.data(), padded);
       }
     }
   });
@@ -386,13 +392,14 @@ void decode_attention(const float* q, const T* kpool, const T* vpool, const floa
 // blocks * block_size; int8 with k_scale, v_scale fp32 [slots, Hkv], fp8 with k_scale, v_scale
 // fp32 [1]); tables [B, nb] int64 block ids;
 // lengths [B] int64 keys per row (its new token's included); softcap <= 0: none; window <= 0:
-// none, else the last `window` keys -> [B, H, D] fp32.
+// none, else the last `window` keys; sinks: none, or fp32 [H], a logit per head that joins
+// each softmax without a value -> [B, H, D] fp32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale,
                                   const at::Tensor& tables, const at::Tensor& lengths,
                                   int64_t block_size, double scale, double softcap,
-                                  int64_t window) {
+                                  int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous fp32 [B, heads, D] tensor");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
@@ -437,6 +444,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       TORCH_CHECK(tab[b * nb + i] >= 0 && tab[b * nb + i] < num_blocks, "row ", b, ": block id ",
                   tab[b * nb + i], " outside the pool's ", num_blocks, " blocks");
   }
+  if (sinks)
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == H,
+                "sinks must be contiguous fp32 [heads]");
+  const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
   auto out = at::empty({B, H, D}, q.options());
   const float cap = static_cast<float>(softcap), s = static_cast<float>(scale);
   const float* ks = codes ? k_scale->data_ptr<float>() : nullptr;
@@ -444,18 +456,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   float* o = out.data_ptr<float>();
   if (dtype == at::kFloat)
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), ks,
-                     vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window);
+                     vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window, sk);
   else if (dtype == at::kBFloat16)
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::BFloat16>(),
                      v_pool.data_ptr<at::BFloat16>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
-                     block_size, s, cap, window);
+                     block_size, s, cap, window, sk);
   else if (fp8)
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::Float8_e4m3fn>(),
                      v_pool.data_ptr<at::Float8_e4m3fn>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
-                     block_size, s, cap, window);
+                     block_size, s, cap, window, sk);
   else
     decode_attention(q.data_ptr<float>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
-                     ks, vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window);
+                     ks, vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window, sk);
   return out;
 }
 
@@ -464,7 +476,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_scale, "
         "Tensor? v_scale, Tensor tables, Tensor lengths, int block_size, float scale, "
-        "float softcap, int window) -> Tensor");
+        "float softcap, int window, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
