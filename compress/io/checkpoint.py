@@ -51,6 +51,11 @@ _DTYPE_NAMES = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")
 _FP8_SCALE = "fp8_scale"  # a header entry's key (added here) for its weight_scale_inv
+# a header entry's key (added here) for an MXFP4 weight read from its blocks and scales
+_MXFP4 = "mxfp4_parts"
+# e2m1 codes 0..15: the values of an MXFP4 block's nibbles before its shared power of two
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def quant_method(config: object) -> str | None:
@@ -172,6 +177,50 @@ class CheckpointReader:
         for file in shard_files(self.path):
             self._index(file)
         self._scale_fp8()
+        self._unpack_mxfp4()
+
+    def _source_config(self) -> dict:
+        return read_config_json(self.path) if (self.path / "config.json").is_file() else {}
+
+    def _unpack_mxfp4(self) -> None:
+        """MXFP4 sources (``quantization_config.quant_method: mxfp4``: GPT-OSS as released):
+        each ``<name>_blocks`` ``[E, R, G, 16]`` (uint8, two e2m1 codes a byte, the low nibble
+        first) with its ``<name>_scales`` ``[E, R, G]`` (uint8 e8m0: a power of two, bias 127,
+        per 32 values) reads as ``<name>``, the weight transformers dequantizes it to:
+        ``[E, 32 G, R]`` (the experts module's [in, out] layout), in the config's 16-bit dtype.
+        Blocks under any other scheme, or without their scales, are refused, naming them."""
+        blocks = [n for n in self._entries if n.endswith("_blocks")]
+        if not blocks:
+            return
+        config = self._source_config()
+        method = quant_method(config)
+        if method != "mxfp4":
+            return  # not MXFP4's names: read as stored (a loader names what does not fit)
+        dtype = {"float16": torch.float16, "float32": torch.float32}.get(
+            config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
+        for name in blocks:
+            base, scales = name.removesuffix("_blocks"), name.removesuffix("_blocks") + "_scales"
+            if scales not in self._entries:
+                raise ModelLoadError(
+                    f"{self._where[name]}: MXFP4 tensor {name} has no {scales} beside it, so "
+                    "its values are unknown; the checkpoint is incomplete: re-download it")
+            (start, entry), (_, scale_entry) = self._entries[name], self._entries[scales]
+            shape = [int(d) for d in entry["shape"]]
+            got = [int(d) for d in scale_entry["shape"]]
+            if entry["dtype"] != "U8" or scale_entry["dtype"] != "U8" or len(shape) != 4 \
+                    or shape[-1] != 16 or got != shape[:-1]:
+                raise ModelLoadError(
+                    f"{self._where[name]}: MXFP4 tensors {name} ({entry['dtype']} {shape}) and "
+                    f"{scales} ({scale_entry['dtype']} {got}) are not uint8 [E, R, G, 16] "
+                    "blocks with uint8 [E, R, G] scales; the checkpoint is corrupt: "
+                    "re-download it")
+            located = (self._where.pop(scales), self._entries.pop(scales), entry, dtype)
+            self._where[base] = self._where.pop(name)
+            del self._entries[name]
+            self._entries[base] = (start, {"dtype": _DTYPE_NAMES[dtype],
+                                           "shape": [shape[0], shape[2] * 32, shape[1]],
+                                           "data_offsets": entry["data_offsets"],
+                                           _MXFP4: located})
 
     def _scale_fp8(self) -> None:
         """Block-scaled fp8 sources (``quantization_config.quant_method: fp8``: DeepSeek-V3/R1,
@@ -182,9 +231,7 @@ class CheckpointReader:
         fp8 = [n for n, (_, entry) in self._entries.items() if entry.get("dtype") in _FP8_NAMES]
         if not fp8:
             return
-        config = {}
-        if (self.path / "config.json").is_file():
-            config = read_config_json(self.path)
+        config = self._source_config()
         method = quant_method(config)
         if method != "fp8":
             raise ModelLoadError(
@@ -267,7 +314,7 @@ class CheckpointReader:
     def nbytes(self, name: str) -> int:
         """Bytes of the tensor ``read`` returns."""
         entry = self._entries[name][1]
-        if _FP8_SCALE in entry:
+        if _FP8_SCALE in entry or _MXFP4 in entry:
             return math.prod(int(d) for d in entry["shape"]) * self.dtype(name).itemsize
         begin, stop = entry["data_offsets"]
         return stop - begin
@@ -279,7 +326,8 @@ class CheckpointReader:
         if self.shape(first) != self.shape(second):
             return False
         if self.dtype(first) != self.dtype(second) or any(
-                _FP8_SCALE in self._entries[n][1] for n in (first, second)):
+                _FP8_SCALE in self._entries[n][1] or _MXFP4 in self._entries[n][1]
+                for n in (first, second)):
             return torch.equal(self.read(first).float(), self.read(second).float())
         (start_a, entry_a), (start_b, entry_b) = self._entries[first], self._entries[second]
         size = self.nbytes(first)
@@ -321,7 +369,13 @@ class CheckpointReader:
                 "match it, re-export it"
             )
         start, entry = self._entries[name]
-        tensor = _read_stored(file, name, start, entry)
+        if _MXFP4 in entry:
+            scale_file, (scale_start, scale_entry), blocks, dequantized = entry[_MXFP4]
+            tensor = _dequantize_mxfp4(
+                _read_stored(file, f"{name}_blocks", start, blocks),
+                _read_stored(scale_file, f"{name}_scales", scale_start, scale_entry), dequantized)
+        else:
+            tensor = _read_stored(file, name, start, entry)
         if _FP8_SCALE in entry:
             scale_file, (scale_start, scale_entry), block, dequantized = entry[_FP8_SCALE]
             scale = _read_stored(scale_file, f"{name}_scale_inv", scale_start, scale_entry)
@@ -346,6 +400,25 @@ def _dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block, dtype: torc
     else:
         scale = scale.reshape(())
     return (values * scale).to(dtype)
+
+
+def _dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    """MXFP4 ``blocks`` [E, R, G, 16] with ``scales`` [E, R, G] -> [E, 32 G, R] in ``dtype``:
+    each byte's low nibble is the even value, its high nibble the odd one, an e2m1 code
+    (``_FP4_VALUES``) times 2 ** (scale - 127). Exact in bf16 (three significant bits at most),
+    one expert at a time (a 120B layer's experts are 6 GB in bf16 at once)."""
+    count, rows, groups, width = blocks.shape
+    values = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    out = torch.empty(count, groups * width * 2, rows, dtype=dtype)
+    for e in range(count):
+        codes = blocks[e].reshape(rows * groups, width)
+        expert = torch.empty(rows * groups, width * 2, dtype=torch.float32)
+        expert[:, 0::2] = values[(codes & 0x0F).long()]
+        expert[:, 1::2] = values[(codes >> 4).long()]
+        exponents = scales[e].reshape(rows * groups, 1).to(torch.int32) - 127
+        expert = torch.ldexp(expert, exponents)
+        out[e] = expert.reshape(rows, groups * width * 2).T.to(dtype)
+    return out
 
 
 def _read_stored(file: Path, name: str, start: int, entry: dict) -> torch.Tensor:

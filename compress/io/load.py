@@ -152,8 +152,9 @@ def _convert_embedded(name: str, target: Path) -> None:
 
 
 def is_compressed_checkpoint(path: Path, method: str = "compressed-tensors") -> bool:
-    """Whether ``path``'s config.json says its weights are quantized by ``method`` (ours; "fp8":
-    a block-scaled fp8 source, which ``CheckpointReader`` dequantizes on read)."""
+    """Whether ``path``'s config.json says its weights are quantized by ``method`` (ours; "fp8",
+    "mxfp4": a block-scaled fp8 or an MXFP4 source, which ``CheckpointReader`` dequantizes on
+    read)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -231,7 +232,8 @@ def load_model(
 
         model = load_compressed(where, dtype=dtype, backend=backend)
     elif isinstance(where, Path) and (wrapped_text(where) is not None
-                                      or is_compressed_checkpoint(where, "fp8")):
+                                      or is_compressed_checkpoint(where, "fp8")
+                                      or is_compressed_checkpoint(where, "mxfp4")):
         model = _load_from_shards(where, dtype)
     else:
         try:
@@ -272,9 +274,9 @@ def _load_from_shards(where: Path, dtype: torch.dtype) -> nn.Module:
     """A float checkpoint read by our own readers, where transformers would read another
     model or cannot read it: a multimodal checkpoint's text model or a text model beside MTP
     modules (``compress.io.wrapped``: built from its text config, every tensor of the causal LM
-    read under its names; the rest is not read, the export copies it), a block-scaled fp8 source
-    (dequantized as read: ``CheckpointReader``). Every tensor cast to ``dtype``, trainable and
-    tied as ``from_pretrained`` leaves a model."""
+    read under its names; the rest is not read, the export copies it), a block-scaled fp8 or an
+    MXFP4 source (dequantized as read: ``CheckpointReader``). Every tensor cast to ``dtype``,
+    trainable and tied as ``from_pretrained`` leaves a model."""
     from compress.arch import output_weight_key
     from compress.io.names import MoeTreeReader, moe_arch, under_model_names
     from compress.io.stream import expected_tensors, materialize, meta_skeleton

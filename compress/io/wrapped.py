@@ -63,8 +63,8 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_te
                    "generation_config.json")
 _MARK = "_compress_wrapped"  # the attribute a text model built from a wrapper carries
 # quantization formats our shard readers read (``quant_method``): none (float), ours, and
-# block-scaled fp8 sources (dequantized as read: ``CheckpointReader``)
-READ_METHODS = (None, "compressed-tensors", "fp8")
+# block-scaled fp8 and MXFP4 sources (dequantized as read: ``CheckpointReader``)
+READ_METHODS = (None, "compressed-tensors", "fp8", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,8 @@ def wrapped_text(path: str | os.PathLike[str],
     if method not in READ_METHODS:
         raise ModelLoadError(
             f"{path}: a multimodal model ({kind!r}) quantized with {method!r}; compress reads "
-            "multimodal checkpoints in float, compressed-tensors or block-scaled fp8: start "
-            "from the float model"
+            "multimodal checkpoints in float, compressed-tensors, block-scaled fp8 or MXFP4: "
+            "start from the float model"
         )
     names = (reader or CheckpointReader(path)).names()
     own_names = text_type in WRAPPED_TEXT_FAMILIES  # Qwen2/2.5-VL: the text model's own names
