@@ -136,6 +136,9 @@ MOE_SHAPE = {
     "granitemoe": dict(intermediate_size=128, tie_word_embeddings=False),
     # Solar Open: GLM-4-MoE's block in every layer (its config has no dense-layer count)
     "solar_open": dict(moe_intermediate_size=128, tie_word_embeddings=False),
+    # GPT-OSS: sinks, biases, a sliding and a full layer (the window the passage crosses),
+    # experts stored fused as the released bf16 checkpoints hold them
+    "gpt_oss": dict(intermediate_size=128, sliding_window=128, tie_word_embeddings=False),
 }
 
 

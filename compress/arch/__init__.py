@@ -55,7 +55,14 @@ How each family's peculiarities are handled (scale folds:
   storing the experts fused (``compress.io.names.checkpoints_store_experts_fused``);
   ERNIE-4.5-MoE the same shared expert, its selection bias a parameter under the router (stored
   beside it: ``compress.io.names.checkpoint_renamer`` applies transformers' renames to MoE
-  names too). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
+  names too). GPT-OSS holds its experts transposed (``gate_up [E, H, 2I]`` with gate and up
+  columns alternating, ``down [E, I, H]``) with biases, through a clamped SwiGLU
+  (``Moe.fused_layout``, ``Moe.glu``): every reader and writer of fused experts goes through
+  ``expert_shape``, ``expert_weights``, ``expert_biases`` and ``fused_experts``, so the passes,
+  the rotation and the export see one ``[out, in]`` weight per expert and projection; its
+  checkpoints store the experts as the module holds them (released in MXFP4:
+  ``compress.io.checkpoint`` dequantizes them as read), and its attention adds a learned sink
+  logit per head to every softmax (``RuntimeSpec.attention_sinks``). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
   first_k_dense_replace, moe_layer_start_index) is described by ``layer_arch``: AWQ and
   SmoothQuant scale its MLP, the rotation turns it and the runtime runs it as a dense family's.
 * DeepSeek-V3 (R1, Kimi K2, Moonlight), DeepSeek-V2 and GLM-4.7-Flash (glm4_moe_lite, whose

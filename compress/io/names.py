@@ -142,6 +142,13 @@ def moe_float_linears(model: nn.Module) -> list[str]:
             count = expert_shape(experts, arch.moe)[0]
             names += [f"{prefix}{arch.moe.fused}.{e}.{p}"
                       for e in range(count) for p in arch.moe.checkpoint_projections]
+            if arch.moe.fused_layout != "rows":
+                # vLLM's GPT-OSS renames a name ending in its down projection's to its fused
+                # parameter's before matching `ignore`, so that entry never matches and vLLM
+                # refuses the layer's mixed schemes (measured: vLLM 0.32): a pattern ending
+                # otherwise names the same experts
+                fused = re.escape(f"{prefix}{arch.moe.fused}.")
+                names.append(f"re:^{fused}\\d+\\.{re.escape(arch.moe.checkpoint_projections[2])}$")
     return names
 
 
