@@ -35,7 +35,7 @@ def checked_layers(
     if arch.moe is not None and not whole_layers:
         raise ConfigError(
             f"{what}: {arch.model_type} is a mixture-of-expert model; slicing its fused expert "
-            "weights (3-D tensors holding all experts) is not implemented, so this pass "
+            "weights (3-D tensors over every expert E) is not implemented, so this pass "
             "refuses it. prune.layers (whole decoder layers) works on it"
         )
     paths = arch.linears + arch.layer_norms + arch.qk_norms + (arch.attention,)
