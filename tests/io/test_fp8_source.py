@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
-from compress.pipeline.job import run_job
 from compress.testing import make_char_tokenizer, make_tiny_model, make_tiny_moe
-from tests.io.io_helpers import tiny_job_recipe
+from tests.io.io_helpers import assert_same_exports_as_the_twin, tiny_job_recipe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 BLOCK = [24, 48]  # blocks that do not divide 64 or 128: ragged last blocks
@@ -94,16 +93,7 @@ def test_an_fp8_source_loads_as_its_dequantized_weights(kind, block, tmp_path):
 def test_a_job_on_an_fp8_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
     fp8, plain = _write(tmp_path, "llama")
     recipe = tiny_job_recipe(tmp_path, "- {pass: quantize.gptq, group_size: 32}", "fp8-source")
-    for source, stream in ((fp8, True), (fp8, False), (plain, True)):
-        run_job(recipe, model=str(source), out_dir=tmp_path / f"{source.name}-{stream}",
-                stream=stream, progress=False)
-    reference = CheckpointReader(tmp_path / "bf16-True")
-    for folder in ("fp8-True", "fp8-False"):
-        got = CheckpointReader(tmp_path / folder)
-        assert set(got.names()) == set(reference.names())
-        for name in reference.names():
-            assert torch.equal(got.read(name), reference.read(name)), (folder, name)
-    config = json.loads((tmp_path / "fp8-True" / "config.json").read_text())
+    config = assert_same_exports_as_the_twin(tmp_path, recipe, fp8, plain)
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["dtype"] == "bfloat16"
 

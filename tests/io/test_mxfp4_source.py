@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.load import load_model
-from compress.pipeline.job import run_job
 from compress.testing import make_char_tokenizer, make_tiny_moe
-from tests.io.io_helpers import tiny_job_recipe
+from tests.io.io_helpers import assert_same_exports_as_the_twin, tiny_job_recipe
 
 IDS = [[1, 5, 17, 33, 60, 61, 7, 90, 91, 3, 200, 201]]
 EXPERTS = ("gate_up_proj", "down_proj")
@@ -83,16 +82,7 @@ def test_an_mxfp4_source_reads_as_transformers_dequantizes_it(tmp_path):
 def test_a_job_on_an_mxfp4_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
     mxfp4, plain = _mxfp4_pair(tmp_path)
     recipe = tiny_job_recipe(tmp_path, "- {pass: quantize.int4_rtn, group_size: 32}", "mxfp4")
-    for source, stream in ((mxfp4, True), (mxfp4, False), (plain, True)):
-        run_job(recipe, model=str(source), out_dir=tmp_path / f"{source.name}-{stream}",
-                stream=stream, progress=False)
-    reference = CheckpointReader(tmp_path / "bf16-True")
-    for folder in ("mxfp4-True", "mxfp4-False"):
-        got = CheckpointReader(tmp_path / folder)
-        assert set(got.names()) == set(reference.names())
-        for name in reference.names():
-            assert torch.equal(got.read(name), reference.read(name)), (folder, name)
-    config = json.loads((tmp_path / "mxfp4-True" / "config.json").read_text())
+    config = assert_same_exports_as_the_twin(tmp_path, recipe, mxfp4, plain)
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
