@@ -343,6 +343,9 @@ def write_tiny_multimodal(folder: str | Path, model_type: str = "gemma3", seed: 
     return folder
 
 
+# Tensors up to this many values are drawn whole (the weights earlier benchmarks measured);
+# larger ones a slice at a time (a whole fp32 draw of GPT-OSS-120B's experts is 8.5 GB)
+_WHOLE_RANDN = 1 << 30
 # Public models' shapes; the vocab is theirs (32000), a benchmark may override it.
 LLAMA_SHAPES = {
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -370,6 +373,16 @@ MOE_SHAPES = {
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                          vocab_size=32000, rope_theta=1e6),
+    # GPT-OSS-120B: 36 layers of 128 experts (2880 wide), 4 per token, sliding and full layers;
+    # 117B parameters, 234 GB in bf16 (released in MXFP4: 65 GB); -20b: 24 layers of 32
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
+                         vocab_size=201088),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                        vocab_size=201088),
 }  # fmt: skip
 
 
@@ -443,6 +456,11 @@ def write_synthetic_llama(
         for key, meta in expected_tensors(skeleton).items():
             if meta.dim() == 1:  # norms: ones, as trained models keep them near
                 tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
+            elif meta.numel() > _WHOLE_RANDN:  # GPT-OSS-120B's fused experts (2.1G values):
+                # drawn a slice at a time, 4 bytes each at most once
+                tensor = torch.empty(meta.shape, dtype=torch.bfloat16)
+                for part in tensor:
+                    part.copy_(torch.randn(part.shape, generator=generator) * 0.02)
             else:
                 tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
             tensors = {key: tensor}
