@@ -62,9 +62,10 @@ How each family's peculiarities are handled (scale folds:
   the rotation and the export see one ``[out, in]`` weight per expert and projection; its
   checkpoints store the experts as the module holds them (released in MXFP4:
   ``compress.io.checkpoint`` dequantizes them as read), and its attention adds a learned sink
-  logit per head to every softmax (``RuntimeSpec.attention_sinks``). A layer an MoE config leaves dense (``Moe.dense``: mlp_only_layers,
-  first_k_dense_replace, moe_layer_start_index) is described by ``layer_arch``: AWQ and
-  SmoothQuant scale its MLP, the rotation turns it and the runtime runs it as a dense family's.
+  logit per head to every softmax (``RuntimeSpec.attention_sinks``). A layer an MoE config
+  leaves dense (``Moe.dense``: mlp_only_layers, first_k_dense_replace, moe_layer_start_index)
+  is described by ``layer_arch``: AWQ and SmoothQuant scale its MLP, the rotation turns it and
+  the runtime runs it as a dense family's.
 * DeepSeek-V3 (R1, Kimi K2, Moonlight), DeepSeek-V2 and GLM-4.7-Flash (glm4_moe_lite, whose
   dense layers are a per-layer list): GLM-4-MoE's experts around multi-head
   latent attention (``Arch.latent_attention``): the attention norm feeds q_a_proj (q_proj where

@@ -37,6 +37,7 @@ whose layers differ from their shapes' sum).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -431,7 +432,17 @@ def check_memory(recipe, where, *, streamed: bool, skeleton=None) -> dict[str, A
                                         available):
             ways.append("set calibration.activations to disk or auto (the hidden states between "
                         "decoder layers then wait in files beside the output; same result)")
-        ways.append("lower calibration.num_samples or seq_len")
+        least = dataclasses.replace(recipe, calibration=recipe.calibration.model_copy(
+            update={"num_samples": 1}))
+        floor = min(estimate(least, where, streamed=streamed, skeleton=skeleton,
+                             spill=spill)["peak_bytes"] for spill in (False, True))
+        if _fits(floor, available):
+            ways.append("lower calibration.num_samples or seq_len")
+        else:  # the layer's own weights and their working copies fill it, not the samples
+            ways.append(f"fewer calibration samples do not help: with one it still needs "
+                        f"about {floor / 2**30:.1f} GiB (one decoder layer's "
+                        "weights and the pass's work on them); a machine with more memory does, "
+                        "or a pass without calibration (quantize.int4_rtn needs less)")
     _refuse(phase, peak, available, ways)
 
 

@@ -6,6 +6,7 @@ a streamed run's peak resident memory follows one layer, not the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 from compress.core.errors import RecipeError
-from compress.io.stream import CheckpointReader
+from compress.io.stream import CheckpointReader, meta_skeleton
 from compress.pipeline.job import run_job
 from compress.recipe import parse_recipe
 from compress.testing import make_char_tokenizer, make_tiny_llama, make_tiny_model
@@ -577,3 +578,27 @@ def test_a_streamed_moe_job_scores_layer_by_layer_as_the_whole_model(tmp_path, m
     assert numbers(runs["mem"]) == numbers(runs["stream"]) and numbers(runs["mem"])[1] > 0
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_preflight_says_whether_fewer_calibration_samples_would_fit(checkpoint, tmp_path,
+                                                                    monkeypatch):
+    """A calibrated pass that does not fit: where one sample would fit, the way out is fewer
+    samples; where even one does not (a layer's own weights fill the memory, as GPT-OSS-120B's
+    6.4 GB of experts under GPTQ), it says that fewer samples do not help."""
+    import compress.pipeline.preflight as preflight
+
+    base = _recipe(tmp_path, PASSES["gptq"])
+    recipe, least = (dataclasses.replace(base, calibration=base.calibration.model_copy(
+        update={"num_samples": n, "activations": "memory"})) for n in (180, 1))
+    skeleton = meta_skeleton(checkpoint)
+    need = {r.calibration.num_samples: preflight.estimate(
+        r, checkpoint, streamed=True, skeleton=skeleton)["peak_bytes"] for r in (recipe, least)}
+    assert need[180] > need[1]
+    for available, way in (((need[180] + need[1]) // 2, r"lower calibration\.num_samples"),
+                           (need[1] - 1, r"fewer calibration samples do not help: with one it "
+                                         r"still needs about")):
+        monkeypatch.setattr(preflight, "available_memory_bytes", lambda a=available: a)
+        with pytest.raises(RecipeError, match=way):
+            run_job(recipe, model=str(checkpoint), out_dir=tmp_path / "out", stream=True,
+                    progress=False)
+        assert not (tmp_path / "out").exists()
