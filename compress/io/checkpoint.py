@@ -189,17 +189,40 @@ class CheckpointReader:
         per 32 values) reads as ``<name>``, the weight transformers dequantizes it to:
         ``[E, 32 G, R]`` (the experts module's [in, out] layout), in the config's 16-bit dtype.
         Blocks under any other scheme, or without their scales, are refused, naming them."""
+        def pair(name: str) -> bool:  # X_blocks beside X_scales, both uint8: MXFP4's layout
+            scales = name.removesuffix("_blocks") + "_scales"
+            return scales in self._entries and all(
+                self._entries[n][1].get("dtype") == "U8" for n in (name, scales))
+
         blocks = [n for n in self._entries if n.endswith("_blocks")]
-        if not blocks:
-            return
-        config = self._source_config()
+        config = self._source_config() if blocks or any(
+            n.endswith("_scales") for n in self._entries) else {}
         method = quant_method(config)
         if method != "mxfp4":
+            if any(pair(n) for n in blocks):
+                name = next(n for n in blocks if pair(n))
+                raise ModelLoadError(
+                    f"{self._where[name]}: tensor {name} and its _scales are MXFP4 blocks, but "
+                    f"config.json's quantization_config.quant_method is {method!r}, not "
+                    "'mxfp4'; the config does not describe the weights: restore its "
+                    "quantization_config (or re-download the checkpoint)")
             return  # not MXFP4's names: read as stored (a loader names what does not fit)
+        orphans = [n for n in self._entries if n.endswith("_scales")
+                   and n.removesuffix("_scales") + "_blocks" not in self._entries]
+        if orphans:
+            raise ModelLoadError(
+                f"{self._where[orphans[0]]}: MXFP4 scales {orphans[0]} have no "
+                f"{orphans[0].removesuffix('_scales')}_blocks beside them; the checkpoint is "
+                "incomplete: re-download it")
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(
             config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
         for name in blocks:
             base, scales = name.removesuffix("_blocks"), name.removesuffix("_blocks") + "_scales"
+            if base in self._entries:
+                raise ModelLoadError(
+                    f"{self._where[base]}: tensor {base} is stored twice, as itself and as "
+                    f"MXFP4 blocks ({name}); the folder mixes two checkpoints, remove the stale "
+                    "shard (or re-download the checkpoint)")
             if scales not in self._entries:
                 raise ModelLoadError(
                     f"{self._where[name]}: MXFP4 tensor {name} has no {scales} beside it, so "

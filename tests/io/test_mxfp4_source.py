@@ -92,7 +92,9 @@ def _edit(folder, change) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_mxfp4_blocks_without_their_scales_or_of_the_wrong_shape_are_named(tmp_path):
+def test_mxfp4_blocks_that_do_not_make_a_weight_are_named(tmp_path):
+    """Blocks without scales, scales without blocks, wrong shapes, a weight stored both ways,
+    blocks under a config that does not say MXFP4: each refused, naming the tensor."""
     mxfp4, _ = _mxfp4_pair(tmp_path)
     name = "model.layers.0.mlp.experts.down_proj"
     original = load_file(mxfp4 / "model.safetensors")
@@ -102,4 +104,21 @@ def test_mxfp4_blocks_without_their_scales_or_of_the_wrong_shape_are_named(tmp_p
     save_file(original, mxfp4 / "model.safetensors", metadata={"format": "pt"})
     _edit(mxfp4, lambda t: t.update({f"{name}_scales": t[f"{name}_scales"][:, :-1].clone()}))
     with pytest.raises(ModelLoadError, match=r"are not uint8 \[E, R, G, 16\] blocks"):
+        load_model(str(mxfp4))
+    save_file(original, mxfp4 / "model.safetensors", metadata={"format": "pt"})
+    _edit(mxfp4, lambda t: t.pop(f"{name}_blocks"))
+    with pytest.raises(ModelLoadError, match=rf"MXFP4 scales {name}_scales have no {name}_blocks"):
+        load_model(str(mxfp4))
+    save_file(original, mxfp4 / "model.safetensors", metadata={"format": "pt"})
+    _edit(mxfp4, lambda t: t.update({name: torch.zeros(4, 64, 64, dtype=torch.bfloat16)}))
+    with pytest.raises(ModelLoadError, match=rf"tensor {name} is stored twice, as itself and as "
+                                             r"MXFP4 blocks"):
+        load_model(str(mxfp4))
+    save_file(original, mxfp4 / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mxfp4 / "config.json").read_text())
+    del config["quantization_config"]
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"_blocks and its _scales are MXFP4 blocks, but "
+                                             r"config.json's quantization_config.quant_method is "
+                                             r"None, not 'mxfp4'"):
         load_model(str(mxfp4))
