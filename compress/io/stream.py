@@ -139,7 +139,8 @@ _EPS_KEY = re.compile(r"norm_(eps|epsilon)$")  # rms_norm_eps, layer_norm_epsilo
 
 
 def _config_value_problem(config: dict) -> str | None:
-    """What in a config's RoPE bases or norm epsilons no model can compute with, or None."""
+    """What in a config's RoPE bases, norm epsilons, sliding windows or expert clamp limits no
+    model can compute with, or None."""
     def numbers(tree, key_wanted) -> Iterator[tuple[str, float]]:
         for key, value in tree.items():
             if isinstance(value, dict):
@@ -154,6 +155,15 @@ def _config_value_problem(config: dict) -> str | None:
     for key, value in numbers(config, lambda k: bool(_EPS_KEY.search(k))):
         if not value >= 0 or value == float("inf"):
             return f"{key} is {value}; a norm epsilon must be a finite number of 0 or more"
+    for key, value in numbers(config, lambda k: k == "sliding_window"):
+        # a window of none is null (or off: Qwen2-MoE's 0 under use_sliding_window false);
+        # one of 0 leaves a query no key to read
+        level = config.get(key.rpartition(".")[0], {}) if "." in key else config
+        if not value >= 1 and level.get("use_sliding_window", True) is not False:
+            return f"{key} is {value}; a sliding window must hold at least 1 key (null: none)"
+    for key, value in numbers(config, lambda k: k == "swiglu_limit"):  # GPT-OSS's clamp
+        if not 0 < value < float("inf"):
+            return f"{key} is {value}; the experts' clamp limit must be a finite number above 0"
     return None
 
 

@@ -110,11 +110,14 @@ CONFIG_VALUES = [  # (a change to a saved tiny Llama's config.json, what the ref
     (lambda c: c["rope_parameters"].update(rope_theta=-5e5), "rope_theta is -500000.0"),
     (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps is -1e-06"),
     (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps is nan"),
+    (lambda c: c.update(sliding_window=0), "sliding_window is 0.0"),
+    (lambda c: c.update(swiglu_limit=float("nan")), "swiglu_limit is nan"),  # GPT-OSS's clamp
 ]
 
 
 @pytest.mark.parametrize(("change", "named"), CONFIG_VALUES,
-                         ids=["theta-zero", "theta-negative", "eps-negative", "eps-nan"])
+                         ids=["theta-zero", "theta-negative", "eps-negative", "eps-nan",
+                              "window-zero", "clamp-nan"])
 def test_a_config_value_no_model_computes_with_is_named_at_load(change, named, plain):
     """A RoPE base of 0 or below, or a negative or NaN norm epsilon, is refused where the
     config is read, by the whole load and the header-only inspect alike, naming the key; it
@@ -125,6 +128,14 @@ def test_a_config_value_no_model_computes_with_is_named_at_load(change, named, p
     for read in (load_model, inspect_checkpoint):
         with pytest.raises(ModelLoadError, match=re.escape(named)):
             read(str(plain) if read is load_model else plain)
+
+
+def test_a_window_of_zero_that_is_switched_off_is_not_refused(plain):
+    """Qwen2-MoE's default config holds sliding_window 0 under use_sliding_window false."""
+    config = json.loads((plain / "config.json").read_text())
+    config.update(sliding_window=0, use_sliding_window=False)
+    (plain / "config.json").write_text(json.dumps(config))
+    assert load_model(str(plain)).model is not None
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
