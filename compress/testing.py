@@ -61,6 +61,11 @@ _FAMILIES: dict[str, tuple[str, str, dict]] = {
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {}),  # YaRN, llama_4 scaling
     "cwm": ("CwmConfig", "CwmForCausalLM",  # full layers first as released (layer 0 full)
             {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]}),
+    # a windowed layer with RoPE, a full one without (its layer_rope_theta 0); sinks (random)
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
+        embedding_multiplier=4.0, attention_multiplier=0.125, residual_multiplier=0.5,
+        logits_scaling=2.0, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        layer_rope_theta=[10000.0, 0.0])),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -147,7 +152,12 @@ def make_tiny_model(model_type: str, seed: int = 0, **overrides):
             settings[key] = [family[key][i % len(family[key])] for i in range(layers)]
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(**settings)
-    return getattr(transformers, model_name)(config).eval()
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # attention sinks start at 0: a path that dropped them would pass
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+    return model
 
 
 def make_char_tokenizer():

@@ -338,8 +338,9 @@ def make_family_model(family: str, tokenizer, folder: Path) -> Path:
         from compress.arch import ARCHS
 
         shape = dict(SHAPE)
-        if family in ("mistral", "ministral", "cohere2", "cwm", "vaultgemma"):  # windows the
-            # passage crosses (the tiny config's 8 would leave the sliding layers 8 keys)
+        if family in ("mistral", "ministral", "cohere2", "cwm", "vaultgemma", "granite_swa"):
+            # windows the passage crosses (the tiny config's 8 would leave the sliding layers 8
+            # keys)
             shape["sliding_window"] = 128
         if ARCHS[family].kv_heads_key is None:  # GPT-NeoX, OPT: each head its own k and v;
             # their modeling ignores num_key_value_heads, vLLM's transformers backend reads it

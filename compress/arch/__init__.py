@@ -12,7 +12,8 @@ How each family's peculiarities are handled (scale folds:
 
 * Llama, Qwen2 (q/k/v biases: divided with their rows), Mistral, Ministral, Ministral 3,
   Granite (embedding, attention, residual and logit multipliers: constants no fold or slice
-  touches), Qwen3 (q_norm/k_norm over
+  touches; Granite SWA adds attention sinks, ``Arch.attention_sinks``, sliced with the heads,
+  and a RoPE base per layer), Qwen3 (q_norm/k_norm over
   one head's ``head_dim``: after the projections, shared by all heads, so neither the folds nor
   head pruning touch them).
 * Gemma2/Gemma3 text: ``(1 + w)`` RMSNorms (``norm_form="1+w"``): dividing the effective weight
@@ -62,7 +63,7 @@ How each family's peculiarities are handled (scale folds:
   the rotation and the export see one ``[out, in]`` weight per expert and projection; its
   checkpoints store the experts as the module holds them (released in MXFP4:
   ``compress.io.checkpoint`` dequantizes them as read), and its attention adds a learned sink
-  logit per head to every softmax (``RuntimeSpec.attention_sinks``). A layer an MoE config
+  logit per head to every softmax (``Arch.attention_sinks``). A layer an MoE config
   leaves dense (``Moe.dense``: mlp_only_layers, first_k_dense_replace, moe_layer_start_index)
   is described by ``layer_arch``: AWQ and SmoothQuant scale its MLP, the rotation turns it and
   the runtime runs it as a dense family's.

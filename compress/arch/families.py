@@ -180,16 +180,16 @@ GRANITEMOE = _moe_arch(
 )
 
 # GPT-OSS (OpenAI's 20B/120B): Llama's attention names with biases on q/k/v/o and a learned
-# sink logit per head (RuntimeSpec.attention_sinks), sliding and full layers, YaRN; a router with
+# sink logit per head (Arch.attention_sinks), sliding and full layers, YaRN; a router with
 # a bias (softmax over its top k) and experts held transposed, gate and up columns interleaved,
 # with biases, through a clamped SwiGLU (Moe.fused_layout, Moe.glu). Its checkpoints store the
 # experts fused as the module holds them (released as MXFP4 blocks: compress.io.stream).
-GPT_OSS = _moe_arch(
+GPT_OSS = dataclasses.replace(_moe_arch(
     "gpt_oss",
     dataclasses.replace(_MOE, router="mlp.router", act="", dense=("", "", ""),
                         fused_layout="interleaved_columns", gate_up_bias="gate_up_proj_bias",
                         down_bias="down_proj_bias", glu="clamped_swiglu"),
-)
+), attention_sinks="self_attn.sinks")
 
 # DeepSeek-V3/R1, Kimi K2 and Moonlight (deepseek_v3), DeepSeek-V2 (deepseek_v2): GLM-4-MoE's
 # experts, shared expert and dense first layers (V3's router: sigmoid scores and a correction
@@ -245,6 +245,11 @@ CONFIG_VARIANTS: dict[str, tuple[tuple[str, object, Arch], ...]] = {
 QWEN2, MISTRAL, GRANITE = (
     dataclasses.replace(LLAMA, model_type=t) for t in ("qwen2", "mistral", "granite")
 )
+# Granite SWA (Granite 4.x's attention-sink variant): Granite's multipliers, a learned sink
+# logit per head, sliding and full layers, and a RoPE base per layer (0: none), each base its
+# own rotary module under ``rotary`` (RuntimeSpec.rope_theta_layers)
+GRANITE_SWA = dataclasses.replace(GRANITE, model_type="granite_swa", rotary="model.rotary_embs",
+                                  attention_sinks="self_attn.sinks")
 # Ministral (8B: sliding and full layers by layer_types) and Ministral 3 (the text model of
 # Mistral 3's 3B-14B releases: YaRN RoPE, queries scaled by position past the original context,
 # llama_4_scaling_beta): Llama's names and data flow.
@@ -557,6 +562,7 @@ ARCHS: dict[str, Arch] = {
         MINISTRAL3,
         CWM,
         GRANITE,
+        GRANITE_SWA,
         GEMMA2,
         GEMMA3_TEXT,
         VAULTGEMMA,
@@ -641,7 +647,8 @@ MTP_MODULE_PREFIX = "mtp"  # a module name component starting with it is an MTP 
 
 # Config attributes holding one entry per decoder layer: a pass that drops layers keeps the
 # kept layers' entries (else a reload would give a kept layer a dropped one's type).
-PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers", "mlp_layer_types")
+PER_LAYER_CONFIG_KEYS: tuple[str, ...] = ("layer_types", "no_rope_layers", "mlp_layer_types",
+                                          "layer_rope_theta")
 
 # The default ``ignore`` of every pass config: the output head is never compressed by default.
 DEFAULT_IGNORE: tuple[str, ...] = (LLAMA.lm_head,)
@@ -675,6 +682,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "ministral3": _LLAMA_RT,  # YaRN tables; llama_4_scaling_beta falls back (runtime.families)
     "qwen3": _LLAMA_RT,  # q/k norms: Arch.qk_norms
     "granite": _GRANITE_RT,
+    "granite_swa": dataclasses.replace(_GRANITE_RT, rope_theta_layers="layer_rope_theta"),
     "smollm3": RuntimeSpec(rope_layers="no_rope_layers"),  # NoPE every 4th layer
     "seed_oss": _LLAMA_RT,  # q/k/v and o biases are the linears' own
     # q/k norms after RoPE; NTK-alpha RoPE labelled "dynamic"
@@ -726,7 +734,7 @@ RUNTIME_SPECS: dict[str, RuntimeSpec] = {
     "exaone_moe": RuntimeSpec(rope_only_sliding=True),  # EXAONE 4's NoPE global layers
     "hunyuan_v1_moe": RuntimeSpec(qk_norm_after_rope=True, dynamic_alpha_is_static=True),
     "granitemoe": _GRANITE_RT,
-    "gpt_oss": RuntimeSpec(attention_sinks="self_attn.sinks"),  # YaRN over half-width tables
+    "gpt_oss": _LLAMA_RT,  # sinks (Arch.attention_sinks); YaRN over half-width tables
     "ernie4_5_moe": RuntimeSpec(rope_interleaved=True),
     # latent attention (Arch.latent_attention: compress.runtime.latent); the MoE block as GLM's
     "deepseek_v3": RuntimeSpec(rope_interleave_key="rope_interleave"),

@@ -185,6 +185,10 @@ class Arch:
     # shared rotary key, not per-head keys and values; values come out of kv_b_proj per head
     # interleaved with keys, so no fold or rotation reaches the value rows
     latent_attention: LatentAttention | None = None
+    # a learned logit per query head that joins every softmax over the keys and takes its share
+    # of the weight without a value (GPT-OSS's and Granite SWA's attention sinks): its path in
+    # a decoder layer; the runtime adds it to its softmax, head pruning slices it with the heads
+    attention_sinks: str = ""
 
     @property
     def layer_prefix(self) -> str:
@@ -238,6 +242,9 @@ class RuntimeSpec:
     final_softcap: str | None = None  # config attribute: logits -> cap * tanh(logits / cap)
     rope_per_layer_type: bool = False  # rotary module takes the layer type (own base per type)
     rope_layers: str | None = None  # config attribute: per layer, 1 rotates q/k, 0 does not
+    # config attribute: per layer, its RoPE base (0: no RoPE); ``Arch.rotary`` then holds one
+    # rotary module per base, each with its config (Granite SWA)
+    rope_theta_layers: str | None = None
     # with a sliding window set, only the sliding layers rotate q/k (EXAONE 4's global: NoPE)
     rope_only_sliding: bool = False
     rope_interleaved: bool = False  # RoPE pairs are channels (2i, 2i + 1), not (i, i + r/2)
@@ -265,6 +272,3 @@ class RuntimeSpec:
     # config attributes that, set, describe a variant the runtime does not run (then it falls
     # back to transformers): StableLM's parallel residual and per-head q/k LayerNorms
     unsupported_flags: tuple[str, ...] = ()
-    # a learned logit per query head that joins every softmax over the keys and takes its share
-    # of the weight without a value (GPT-OSS's attention sinks): its path in a decoder layer
-    attention_sinks: str = ""

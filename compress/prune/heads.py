@@ -83,6 +83,13 @@ def _slice_heads(
     # per-head q/k norms ([head_dim], Qwen3, Gemma3) are shared by the heads: unchanged
     attention = layer.get_submodule(arch.attention)
     head_dim = attention.head_dim
+    if arch.attention_sinks:  # one logit per query head: the kept heads' (GPT-OSS, Granite SWA)
+        owner, _, name = arch.attention_sinks.rpartition(".")
+        module = layer.get_submodule(owner)
+        sinks = getattr(module, name)
+        heads = q_rows.reshape(-1, head_dim)[:, 0] // head_dim
+        setattr(module, name, nn.Parameter(sinks.detach()[heads.to(sinks.device)].clone(),
+                                           requires_grad=sinks.requires_grad))
     attention.num_key_value_groups = len(q_rows) // len(kv_rows)
     if hasattr(attention, "num_key_value_heads"):  # Phi-3 splits its fused output with it
         attention.num_key_value_heads = len(kv_rows) // head_dim

@@ -132,11 +132,15 @@ NO_ROPE = "no_rope"  # the rope key of a layer whose q/k are not rotated (SmolLM
 def layer_rope_key(config, arch: Arch, spec: RuntimeSpec, i: int) -> str | None:
     """Which rope table layer ``i`` takes: ``NO_ROPE`` (every layer of a family without a
     rotary module: OPT), its layer type where each type has its own base (Gemma 3's local vs
-    global), else None (the model's one table)."""
+    global), its own base where the config lists one per layer (Granite SWA), else None (the
+    model's one table)."""
     if not arch.rotary:
         return NO_ROPE
     if spec.rope_layers is not None and not getattr(config, spec.rope_layers)[i]:
         return NO_ROPE
+    if spec.rope_theta_layers is not None:  # its own base, or none
+        theta = getattr(config, spec.rope_theta_layers)[i]
+        return f"rope_theta={float(theta)}" if theta else NO_ROPE
     sliding = getattr(config, "sliding_window", None) is not None
     if spec.rope_only_sliding and sliding and config.layer_types[i] != "sliding_attention":
         return NO_ROPE
@@ -201,8 +205,12 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
             ones = torch.ones(max_seq_len, d, device=device)
             tables[key] = (ones, torch.zeros_like(ones))
             continue
-        rotary = model.get_submodule(arch.rotary)
-        angles = rotary(x, pos) if key is None else rotary(x, pos, key)
+        rotary, kind = model.get_submodule(arch.rotary), key
+        if spec.rope_theta_layers is not None:  # the module of this key's base
+            rotary = next(m for m in rotary if f"rope_theta="
+                          f"{float(m.config.rope_parameters['rope_theta'])}" == key)
+            kind = None
+        angles = rotary(x, pos) if kind is None else rotary(x, pos, kind)
         if isinstance(angles, torch.Tensor) and angles.is_complex():
             # one complex number per pair (DeepSeek-V2's freqs_cis, attention scaling included):
             # its real and imaginary parts are cos and sin, laid out as cat(f, f)

@@ -546,8 +546,8 @@ class _Layer(nn.Module):
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
         self.fused = False
         self.softcap = config_value(config, spec.attn_softcap)
-        self.register_buffer("sinks", layer.get_parameter(spec.attention_sinks).detach().float()
-                             if spec.attention_sinks else None, persistent=False)  # fmt: skip
+        self.register_buffer("sinks", layer.get_parameter(arch.attention_sinks).detach().float()
+                             if arch.attention_sinks else None, persistent=False)  # fmt: skip
         self.residual_multiplier = config_value(config, spec.residual_multiplier)
         form = arch.norm_form
         # None: the family has no norm before the block (OLMo2: its norms come after them)

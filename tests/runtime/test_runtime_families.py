@@ -58,6 +58,9 @@ FAMILIES = {
         residual_multiplier=0.5,
         logits_scaling=4.0,
     ),
+    # Granite SWA: Granite's multipliers, a sink logit per head, a windowed layer with RoPE
+    # and a full one without (layer_rope_theta 0), each base its own rotary module
+    "granite_swa": dict(sliding_window=WINDOW, tie_word_embeddings=False),
     "gemma2": dict(
         sliding_window=WINDOW,
         query_pre_attn_scalar=16,
