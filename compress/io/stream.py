@@ -163,7 +163,7 @@ def _config_value_problem(config: dict) -> str | None:
             return f"{key} is {value}; a sliding window must hold at least 1 key (null: none)"
     for key, value in numbers(config, lambda k: k == "swiglu_limit"):  # GPT-OSS's clamp
         if not 0 < value < float("inf"):
-            return f"{key} is {value}; the experts' clamp limit must be a finite number above 0"
+            return f"{key} is {value}; a SwiGLU clamp limit must be a finite number above 0"
     return None
 
 
