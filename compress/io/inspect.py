@@ -95,9 +95,15 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
             fmt = "fp8 KV-cache scales"
         elif any(t.startswith("weight_scale") for t in tensors) and int8_weight:
             fmt = "int8 int-quantized"
+        elif any(t.endswith("_blocks") and t[:-7] + "_scales" in tensors for t in tensors):
+            fmt = "MXFP4 source (dequantized on read)"  # GPT-OSS as released
+        elif "weight_scale_inv" in tensors:
+            fmt = "fp8 block-scaled source (dequantized on read)"
         else:
             fmt = "dense " + next(iter(tensors.values())).split("[")[0]
-        main = tensors.get("weight_packed") or tensors.get("weight") or next(iter(tensors.values()))
+        blocks = [t for leaf, t in tensors.items() if leaf.endswith("_blocks")]
+        main = (tensors.get("weight_packed") or tensors.get("weight") or next(iter(blocks), None)
+                or next(iter(tensors.values())))
         row = {"module": module, "format": fmt, "main_tensor": main, "bytes": info["bytes"],
                "scheme": None, "group_size": None}
         if fmt.endswith("quantized"):
@@ -109,7 +115,8 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         f"; KV cache: {kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')} "
         "(k_scale / v_scale per layer)"
     )
-    lines = [f"# {path}", "", f"quantization: {quant.get('format', 'none')}{kv_line}", "",
+    method = quant.get("format") or quant.get("quant_method") or "none"  # ours, or a source's
+    lines = [f"# {path}", "", f"quantization: {method}{kv_line}", "",
              "| module | format | scheme | group | tensor | bytes |", "|---|---|---|---:|---|---:|"]
     lines += [
         f"| {r['module']} | {r['format']} | {r['scheme'] or '—'} | {r['group_size'] or '—'} | "

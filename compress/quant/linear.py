@@ -542,17 +542,6 @@ class QuantExperts(nn.Module):
     def weight_bytes(self) -> int:
         return sum(q.weight_bytes() for q in self.quant_linears())
 
-    def dequantized_weights(
-        self, dtype: torch.dtype = torch.float32
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused ``(gate_up [E, 2I, H], down [E, H, I])`` this module computes with."""
-        gate_up, down = [], []
-        for e in range(self.num_experts):
-            g, u, d = self.projections(e)
-            gate_up.append(torch.cat([g.dequantized_weight(dtype), u.dequantized_weight(dtype)]))
-            down.append(d.dequantized_weight(dtype))
-        return torch.stack(gate_up), torch.stack(down)
-
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

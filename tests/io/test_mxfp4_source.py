@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
+from compress.io.inspect import inspect_checkpoint
 from compress.io.load import load_model
 from compress.testing import make_char_tokenizer, make_tiny_moe
 from tests.io.io_helpers import assert_same_exports_as_the_twin, tiny_job_recipe
@@ -77,6 +78,10 @@ def test_an_mxfp4_source_reads_as_transformers_dequantizes_it(tmp_path):
         assert reader.nbytes(name) == reference.nbytes(name)
         assert torch.equal(reader.read(name), reference.read(name)), name
     torch.testing.assert_close(_logits(mxfp4), _logits(plain), rtol=0, atol=0)
+    report = inspect_checkpoint(mxfp4)
+    assert report["markdown"].splitlines()[2] == "quantization: mxfp4"
+    experts = [r for r in report["layers"] if r["module"].endswith("mlp.experts")]
+    assert experts and all(r["format"] == "MXFP4 source (dequantized on read)" for r in experts)
 
 
 def test_a_job_on_an_mxfp4_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
