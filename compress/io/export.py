@@ -126,8 +126,8 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
             isinstance(m, QuantExperts) for m in model.modules()):
         log.warning("%s checkpoints store the expert weights fused and transformers reads "
                     "them only so: the quantized expert weights are written per expert, which "
-                    "vLLM and compress.load read and plain transformers does not (it would "
-                    "initialize them anew)", model_type(model))
+                    "compress.load reads and plain transformers does not (it would initialize "
+                    "them anew); which vLLM reads: docs/results.md", model_type(model))
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
