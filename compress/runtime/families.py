@@ -140,11 +140,16 @@ def layer_rope_key(config, arch: Arch, spec: RuntimeSpec, i: int) -> str | None:
         return NO_ROPE
     if spec.rope_theta_layers is not None:  # its own base, or none
         theta = getattr(config, spec.rope_theta_layers)[i]
-        return f"rope_theta={float(theta)}" if theta else NO_ROPE
+        return _theta_key(theta) if theta else NO_ROPE
     sliding = getattr(config, "sliding_window", None) is not None
     if spec.rope_only_sliding and sliding and config.layer_types[i] != "sliding_attention":
         return NO_ROPE
     return config.layer_types[i] if spec.rope_per_layer_type else None
+
+
+def _theta_key(theta) -> str:
+    """The rope table key of a layer whose RoPE base is ``theta`` (Granite SWA)."""
+    return f"rope_theta={float(theta)}"
 
 
 def head_dim_of_config(config) -> int:
@@ -207,8 +212,8 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
             continue
         rotary, kind = model.get_submodule(arch.rotary), key
         if spec.rope_theta_layers is not None:  # the module of this key's base
-            rotary = next(m for m in rotary if f"rope_theta="
-                          f"{float(m.config.rope_parameters['rope_theta'])}" == key)
+            rotary = next(m for m in rotary
+                          if _theta_key(m.config.rope_parameters["rope_theta"]) == key)
             kind = None
         angles = rotary(x, pos) if kind is None else rotary(x, pos, kind)
         if isinstance(angles, torch.Tensor) and angles.is_complex():
