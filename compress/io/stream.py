@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -572,12 +572,14 @@ class StreamedModel:
         self.loads += 1
         return layer
 
-    def load_part(self, index: int, module: nn.Module, device: torch.device | str = "cpu") -> None:
+    def load_part(self, index: int, module: nn.Module, device: torch.device | str = "cpu", *,
+                  narrow: bool = False) -> None:
         """Fill ``module``, a submodule of decoder layer ``index`` that ``load_layer`` deferred
-        (nothing to do when it is resident)."""
+        (nothing to do when it is resident); ``narrow`` as for ``load_layer``."""
         layer = self.layers[index]
         name = next(n for n, m in layer.named_modules() if m is module)
-        materialize(module, f"{self.layer_prefix}{index}.{name}.", self.reader, self.dtype, device)
+        materialize(module, f"{self.layer_prefix}{index}.{name}.", self.reader, self.dtype, device,
+                    narrow=narrow)
 
     def finish_layer(self, index: int) -> None:
         layer = self.layers[index]
@@ -600,13 +602,15 @@ class StreamedModel:
             return None
         return int(module_name[len(self.layer_prefix):].partition(".")[0])
 
-    def each_linear(self, plan: list[tuple]) -> Iterator[tuple]:
+    def each_linear(self, plan: list[tuple], narrow: Collection[str] = ()) -> Iterator[tuple]:
         """``plan``'s items ``(module name, linear, ...)`` in order, each one's linear resident
         while the caller has it: each decoder layer's targets between reading that layer and
         handing it back (``finish_layer``), then the targets outside the stack (read, kept
         resident). The caller swaps the linear for its quantized module; the float one is
         freed as the next is read, so the peak follows the largest linear, not the layer (a
-        13B layer is 1.3 GB in float32). Used by the passes that quantize one linear alone."""
+        13B layer is 1.3 GB in float32). Used by the passes that quantize one linear alone.
+        The modules named in ``narrow`` are read narrow (``load_layer``): fused experts, which
+        RTN widens one expert's projection at a time."""
         by_layer: dict[int, list[tuple]] = {}
         outside = []
         for item in plan:
@@ -618,7 +622,7 @@ class StreamedModel:
         for index, items in by_layer.items():
             self.load_layer(index, defer=[item[1] for item in items])
             for item in items:
-                self.load_part(index, item[1])
+                self.load_part(index, item[1], narrow=item[0] in narrow)
                 yield item
                 item[1].to("meta")  # swapped out but still referenced by the plan: free it
             self.finish_layer(index)

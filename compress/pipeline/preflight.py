@@ -330,27 +330,26 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
 
 
 def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
-                first: bool, seq_len: int, held: int) -> int:
+               first: bool, seq_len: int, held: int) -> int:
     """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
-    is the first pass, else from an earlier pass's float32 scratch file; with an MoE layer's
-    experts, ``_expert_gptq_bytes``."""
+    is the first pass, else from an earlier pass's float32 scratch file, one weight matrix (a
+    dense linear or one expert's projection: ``viewed_experts``) widened at a time; with an MoE
+    layer's experts, ``_expert_gptq_bytes``."""
     stored = next(skeleton.parameters()).element_size() if first else FLOAT32
-    widened = dims["largest_linear"] * FLOAT32 if stored < FLOAT32 else 0
+    widened = dims["largest_projection"] * FLOAT32 if stored < FLOAT32 else 0
     return (largest * stored + widened + hidden + _hessian_bytes(skeleton)
             + _expert_gptq_bytes(skeleton, dims, seq_len, held))
 
 
-# GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) runs the layer's calibration
-# forward once more to collect the tokens entering its experts; that forward holds this many
-# bytes per expert weight beyond the float32 copy counted as ``widened`` (fitted to the two
-# shapes' measured peaks, 2026-12-05: 13.44 GB for Mixtral-8x7B's, 5.86 GB for Qwen3-30B-A3B's,
-# docs/results.md section 6)
-EXPERT_FORWARD_BYTES = 2.6
+# GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) builds the layer's quantized
+# experts while its float ones are resident: this many bytes per expert weight (4-bit codes
+# and their scales and zero points, and the allocator's slack; fitted below)
+EXPERT_CODES_BYTES = 0.6
 
 
 def _expert_gptq_bytes(skeleton, dims: dict[str, int], seq_len: int, held: int) -> int:
-    """An MoE layer's GPTQ beyond the dense terms: its experts' calibration forward
-    (``EXPERT_FORWARD_BYTES``), the ``held`` calibration tokens entering them in float32
+    """An MoE layer's GPTQ beyond the dense terms: its quantized experts being built
+    (``EXPERT_CODES_BYTES``), the ``held`` calibration tokens entering them in float32
     ``[T, H]`` (kept as the hidden states are: in files with ``activations: disk``), and, one
     expert and one sample at a time (its Hessians are summed sample by sample), that sample's
     routed tokens and down's inputs and their temporaries ``[T_e, H + 4 I]``, ``T_e`` taken as
@@ -365,7 +364,7 @@ def _expert_gptq_bytes(skeleton, dims: dict[str, int], seq_len: int, held: int) 
     share = min(1.0, 2 * router.top_k / router.num_experts)
     inter = expert_shape(layer.get_submodule(arch.moe.fused), arch.moe)[2]
     routed = int(share * seq_len * (dims["hidden"] + 4 * inter) * FLOAT32)
-    return (int(EXPERT_FORWARD_BYTES * dims["fused_experts"])
+    return (int(EXPERT_CODES_BYTES * dims["fused_experts"])
             + held * dims["hidden"] * FLOAT32 + routed)
 
 

@@ -30,7 +30,7 @@ from compress.arch import (
     model_type,
     sparse_layers,
 )
-from compress.core.matcher import matches, set_submodule
+from compress.core.matcher import matches
 from compress.quant.linear import QuantLinear
 
 FLOAT_BITS = 16  # kept-float layers are exported in a 16-bit dtype (export dtype auto)
@@ -144,20 +144,10 @@ def measured_linears(model: nn.Module, units: dict[str, Unit]) -> Iterator[dict[
     """Within: each experts unit of ``model`` is its ``FloatExpertsView`` (the same function,
     per-expert ``nn.Linear`` views); yields ``{unit: the nn.Linear names measured for it}``.
     The fused modules are put back on exit."""
-    from compress.quant.experts import FloatExpertsView
+    from compress.quant.experts import viewed_experts
 
-    moe = ARCHS[model_type(model)].moe if any(u.expert_count for u in units.values()) else None
-    fused = {}
-    try:
-        for name, unit in units.items():
-            if unit.expert_count:
-                fused[name] = model.get_submodule(name)
-                set_submodule(model, name, FloatExpertsView(fused[name], moe))
-        members = measured_names(model, units)
-        yield members
-    finally:
-        for name, module in fused.items():
-            set_submodule(model, name, module)
+    with viewed_experts(model, [name for name, unit in units.items() if unit.expert_count]):
+        yield measured_names(model, units)
 
 
 def unit_tables(

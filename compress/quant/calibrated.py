@@ -50,7 +50,7 @@ from compress.core.errors import DataError, NumericsError, OutputError
 from compress.core.matcher import target_modules
 from compress.core.registry import CompressionState, PassReport
 from compress.memory import MemoryMonitor, file_backed_copy, return_freed_memory
-from compress.quant.experts import override_names
+from compress.quant.experts import float_experts_in, override_names, viewed_experts
 from compress.quant.linear import QuantLinear, WeightScheme, bits_per_weight
 from compress.quant.scheme import WeightQuantConfig, scheme_for_layer, warn_unused_overrides
 
@@ -293,8 +293,13 @@ def run_sequential(
     or a scratch file) after it; ``offload`` is then moot. The capture materializes the
     modules outside the decoder stack (embedding) for its length only. ``narrow``: a streamed
     layer's large bf16 tensors stay bf16, widened per call (``StreamedModel.load_layer``), for
-    a ``process_layer`` that changes no float weight in place (GPTQ)."""
+    a ``process_layer`` that changes no float weight in place (GPTQ); a layer's float fused
+    experts then run one expert at a time (``viewed_experts``: a GPT-OSS-120B layer's widened
+    whole were 12.7 GB), in the streamed and the in-memory run alike (the same bits), and
+    ``process_layer`` finds the view where the experts were (it replaces it, or the fused
+    module comes back after the layer)."""
     layers = decoder_layers(model, "sequential calibration")
+    prefix = arch_for(model, "sequential calibration").layer_prefix
     with MemoryMonitor(device) as monitor, _spill_folder(spill_near) as spill:
         disk = _DiskOffload(layers) if offload == "disk" and stream is None else None
         try:
@@ -314,8 +319,10 @@ def run_sequential(
                     home = model_device(layer)
                 _send(layer, device)
                 inputs.kwargs = inputs.per_layer[index]
-                process_layer(index, layer, inputs)
-                inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
+                experts = float_experts_in(model, f"{prefix}{index}.") if narrow else []
+                with viewed_experts(model, experts):
+                    process_layer(index, layer, inputs)
+                    inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
                 _send(layer, home)  # the export and scratch files take CPU tensors
                 if stream is not None:
                     stream.finish_layer(index)

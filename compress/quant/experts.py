@@ -8,7 +8,9 @@ too few calibration tokens) and AWQ (which has no scale search for routed expert
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -159,12 +161,30 @@ def refuse_targeted_experts(model: nn.Module, cfg: PassConfig, what: str, why: s
     )
 
 
+class ExpertProjection(nn.Linear):
+    """One expert's projection as an ``nn.Linear`` whose weight (and bias) are views of the
+    fused parameters, computed in its input's dtype from a contiguous copy made per call: a
+    streamed layer's bf16 experts are widened one projection at a time (a whole fused module
+    widened at once was 12.7 GB for a GPT-OSS-120B layer), and float32 experts held in either
+    layout give the same copy, so both compute the same bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.weight.stride(0) < self.weight.stride(1):  # held [in, out] (GPT-OSS)
+            # copied as held, rows of the [in, out] view in order: gathering it into [out, in]
+            # strode across the fused tensor and took twice the forward's time
+            y = x @ self.weight.T.to(x.dtype).contiguous()
+            return y if bias is None else y + bias
+        return nn.functional.linear(x, self.weight.to(x.dtype).contiguous(), bias)
+
+
 class FloatExpertsView(nn.Module):
-    """A float fused-experts module (``compress.arch.Moe``) as one ``nn.Linear`` per expert and
-    projection, named as ``QuantExperts`` names them, whose weights are views of the fused
-    parameters (no copy), computing the same (``routed_experts_forward``). ``compress tune``
-    measures each expert's linears through it: hooks see only ``nn.Linear`` calls, and the
-    fused module computes with slices of its parameters."""
+    """A float fused-experts module (``compress.arch.Moe``) as one ``ExpertProjection`` per
+    expert and projection, named as ``QuantExperts`` names them, whose weights are views of the
+    fused parameters (no copy), computing the same (``routed_experts_forward``) one expert at a
+    time. ``compress tune`` measures each expert's linears through it (hooks see only
+    ``nn.Linear`` calls, and the fused module computes with slices of its parameters); the
+    calibrated passes run a layer's experts through it (``viewed_experts``)."""
 
     def __init__(self, module: nn.Module, moe: Moe) -> None:
         super().__init__()
@@ -175,8 +195,8 @@ class FloatExpertsView(nn.Module):
             biases = expert_biases(module, moe, e) or (None,) * 3
             linears = {}
             for name, weight, bias in zip(self.names, weights, biases, strict=True):
-                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                                   device="meta")
+                linear = ExpertProjection(weight.shape[1], weight.shape[0], bias=bias is not None,
+                                          device="meta")
                 linear.weight = nn.Parameter(weight.detach(), requires_grad=False)  # a view
                 if bias is not None:
                     linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
@@ -191,3 +211,32 @@ class FloatExpertsView(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         return routed_experts_forward(self, hidden, top_k_index, top_k_weights)
+
+
+@contextlib.contextmanager
+def viewed_experts(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """Within: each float fused-experts module ``names`` of ``model`` is its
+    ``FloatExpertsView``. On exit, a view still in place gives way to its fused module again
+    (one that a pass replaced meanwhile, by its ``QuantExperts``, stays replaced)."""
+    moe = _moe(model, "the per-expert view") if names else None
+    views = {}
+    try:
+        for name in names:
+            fused = model.get_submodule(name)
+            views[name] = (FloatExpertsView(fused, moe), fused)
+            set_submodule(model, name, views[name][0])
+        yield
+    finally:
+        for name, (view, fused) in views.items():
+            if model.get_submodule(name) is view:
+                set_submodule(model, name, fused)
+
+
+def float_experts_in(model: nn.Module, prefix: str) -> list[str]:
+    """The float fused-experts modules of ``model`` under ``prefix`` (one decoder layer's)."""
+    arch = ARCHS.get(model_type(model))
+    if arch is None or arch.moe is None:
+        return []
+    names = [f"{arch.layer_prefix}{i}.{arch.moe.fused}" for i in sparse_layers(model, arch)]
+    return [n for n in names if n.startswith(prefix)
+            and not isinstance(model.get_submodule(n), QuantExperts)]

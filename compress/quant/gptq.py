@@ -37,6 +37,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from compress.arch import arch_for, expert_weights
+from compress.core.device import float_dtype
 from compress.core.matcher import set_submodule
 from compress.core.registry import (
     CompressionState,
@@ -574,9 +575,8 @@ def gptq_experts(
     if name not in plan:
         return {}
     fused, schemes = plan[name]
-    chunks = _expert_inputs(layer, fused, inputs)
-    dtype = getattr(fused, arch.moe.down).dtype
-    quant = QuantExperts.like(fused, arch.moe, schemes, dtype, backend="reference")
+    chunks = _expert_inputs(layer, model.get_submodule(name), inputs)  # the view (narrow)
+    quant = QuantExperts.like(fused, arch.moe, schemes, float_dtype(fused), backend="reference")
     info = {}
     for e in range(quant.num_experts):
         routed = [(x, (picks == e).any(dim=-1)) for x, picks in chunks]

@@ -518,9 +518,9 @@ class QuantExperts(nn.Module):
     @classmethod
     def from_fused(cls, experts: nn.Module, moe: Moe, schemes: tuple[WeightScheme, WeightScheme],
                    *, backend: str = "auto") -> QuantExperts:
-        """RTN of the float fused ``experts`` of ``moe``'s family."""
-        dtype = getattr(experts, moe.down).dtype
-        module = cls.like(experts, moe, schemes, dtype, backend)
+        """RTN of the float fused ``experts`` of ``moe``'s family (in their compute dtype:
+        stored bf16 and widened per call, they build what their float32 copy would)."""
+        module = cls.like(experts, moe, schemes, float_dtype(experts), backend)
         for e in range(module.num_experts):
             weights = expert_weights(experts, moe, e)
             for layer, w in zip(module.projections(e), weights, strict=True):

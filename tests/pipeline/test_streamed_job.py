@@ -164,6 +164,62 @@ def test_streamed_gptq_on_narrow_bf16_layers_equals_in_memory(passes, reads_sour
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize("kind", ["gptq", "int4_rtn"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])  # experts held [E, 2I, H]; transposed
+def test_streamed_moe_keeps_bf16_experts_and_works_one_expert_at_a_time(family, kind, tmp_path,
+                                                                        monkeypatch, one_thread):
+    """A streamed GPTQ or RTN keeps a layer's bf16 experts bf16: GPTQ runs them one expert's
+    projection at a time (``viewed_experts``), never widening the fused tensors whole (a
+    GPT-OSS-120B layer's were 12.7 GB), and RTN rounds one projection at a time; the checkpoint
+    is the in-memory run's, bit for bit."""
+    from compress.core import device as core_device
+    from compress.io import stream as stream_module
+    from compress.quant.linear import QuantExperts
+    from compress.testing import make_tiny_moe
+
+    monkeypatch.setattr(stream_module, "KEEP_STORED_BYTES", 0)
+    monkeypatch.setenv("COMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    widened = []  # modules whose stored tensors were widened for a call, whole
+    real = core_device._widen_tensors
+
+    def widen(module, args) -> None:  # a pre-hook: returns None, the arguments unchanged
+        widened.append(type(module).__name__)
+        real(module, args)
+
+    monkeypatch.setattr(core_device, "_widen_tensors", widen)
+    rounded = []  # the stored dtype of the fused experts RTN rounds
+    like = QuantExperts.like.__func__
+
+    def record(cls, experts, moe, *args, **kwargs):
+        rounded.append(getattr(experts, moe.down).dtype)
+        return like(cls, experts, moe, *args, **kwargs)
+
+    monkeypatch.setattr(QuantExperts, "like", classmethod(record))
+    make_tiny_moe(family, tie_word_embeddings=False).to(torch.bfloat16).save_pretrained(
+        tmp_path / "ck")
+    make_char_tokenizer().save_pretrained(tmp_path / "ck")
+    (tmp_path / "text.txt").write_text(TEXT)
+    recipe = _recipe(tmp_path, PASSES[kind])
+    # enough tokens that some experts get GPTQ (>= 64 routed), others RTN
+    recipe = dataclasses.replace(recipe, calibration=recipe.calibration.model_copy(
+        update={"num_samples": 8, "seq_len": 32}))
+    runs = {}
+    for mode in ("mem", "stream"):
+        rounded.clear()
+        runs[mode] = run_job(recipe, model=str(tmp_path / "ck"), out_dir=tmp_path / mode,
+                             stream=mode == "stream", progress=False)
+    assert set(rounded) == {torch.bfloat16}  # streamed: the experts as stored
+    assert not [t for t in widened if t.endswith("Experts")], sorted(set(widened))
+    if kind == "gptq":
+        assert "Linear" in widened  # the narrow path was taken (attention, router)
+        per_expert = runs["stream"].payload["passes"][0]["metrics"]["per_expert"]
+        assert {v["method"] for v in per_expert.values()} == {"gptq", "rtn"}  # both taken
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
 def test_stream_reads_the_checkpoint_dtype_and_layers_one_at_a_time(checkpoint, tmp_path,
                                                                    monkeypatch, one_thread):
     """Every decoder layer is read once per pass, in bf16 from the file and float32 only while
