@@ -550,13 +550,15 @@ class StreamedModel:
 
     def load_layer(
         self, index: int, device: torch.device | str = "cpu", *, defer: Iterable[nn.Module] = (),
-        narrow: bool = False,
+        narrow: bool = False, narrow_parts: Iterable[nn.Module] = (),
     ) -> nn.Module:
         """Fill decoder layer ``index``. ``defer``: submodules of it left on meta when read
         from the source checkpoint, for ``load_part`` to read one at a time (a scratch file
         is read whole: it holds an earlier pass's exact state). ``narrow``: read from the
         source, its large bf16 tensors stay bf16 and are widened per call (``materialize``),
-        for a pass that only runs the layer and reads weights through ``.to(dtype)``."""
+        for a pass that only runs the layer and reads weights through ``.to(dtype)``;
+        ``narrow_parts``: only these submodules so (fused experts that a pass runs and rounds
+        but does not change)."""
         layer = self.layers[index]
         if index in self._scratch:
             from safetensors.torch import load_file
@@ -565,10 +567,13 @@ class StreamedModel:
             layer.load_state_dict(state, strict=True, assign=True)
             self._layer_file(index).unlink(missing_ok=True)
         else:
-            deferred = {id(m) for m in defer}
+            parts = list(narrow_parts)
+            deferred = {id(m) for m in (*defer, *parts)}
             skip = tuple(f"{n}." for n, m in layer.named_modules() if id(m) in deferred)
             materialize(layer, f"{self.layer_prefix}{index}.", self.reader, self.dtype, device,
                         skip=skip, narrow=narrow)
+            for part in parts:
+                self.load_part(index, part, device, narrow=True)
         self.loads += 1
         return layer
 

@@ -87,6 +87,9 @@ BNB_BYTES_PER_PARAM = 16.5
 # states in and out, the Hessians (GPTQ's own state for one linear, after it, is smaller).
 # Measured 2026-12-03 (VmHWM, first 2 layers, docs/results.md section 6): see _gptq_bytes.
 GPTQ = "quantize.gptq"
+# passes that read a streamed layer's fused experts as stored (bf16) beside the rest in float32
+# (``run_calibrated(narrow="experts")``: they run and round the experts, change none in place)
+EXPERTS_AS_STORED = ("quantize.awq", "quantize.autoround")
 ROTATION_TEMPORARIES = 5  # float32 copies of what is rotated at once (float64 copy + product)
 
 
@@ -185,6 +188,9 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
             if index == 0 and name == BNB:  # the same, with bitsandbytes' temporaries
                 need = BNB_BASE_BYTES + int(LINEAR_SLACK * BNB_BYTES_PER_PARAM
                                             * dims["largest_linear"])
+            if index == 0 and name in EXPERTS_AS_STORED:  # no float32 copy of the experts
+                need -= dims["fused_experts"] * FLOAT32
+                need += int(EXPERT_CODES_BYTES * dims["fused_experts"])  # RTN's, built beside
             if name == GPTQ:
                 need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
                                    seq_len=cal.seq_len, held=held)

@@ -434,7 +434,9 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
         per_block[f"{layer_prefix}{index}"] = info
         per_expert.update(rtn_layer_experts(model, experts, prefix, why, cfg.backend))
 
-    memory = run_calibrated(model, state, process, "quantize.autoround", offload=cfg.offload)
+    # the experts are only run and rounded: streamed, they stay bf16 (one expert widened at once)
+    memory = run_calibrated(model, state, process, "quantize.autoround", offload=cfg.offload,
+                            narrow="experts")
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_block"] = per_block
     ratios = [v["loss_tuned"] / v["loss_rtn"] for v in per_block.values() if v["loss_rtn"] > 0]

@@ -352,7 +352,9 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
         per_expert.update(rtn_layer_experts(model, experts, prefix, "AWQ: no scale "
                                             "search for a routed expert", cfg.backend))
 
-    memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload)
+    # the experts are only run and rounded: streamed, they stay bf16 (one expert widened at once)
+    memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload,
+                            narrow="experts")
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
     report.metrics["per_expert"] = per_expert

@@ -232,6 +232,8 @@ class _DiskOffload:
 
 
 LayerFn = Callable[[int, nn.Module, LayerInputs], None]
+# what of a streamed layer stays as stored (``run_sequential``): nothing, all, its experts
+Narrow = Literal[False, True, "experts"]
 
 
 def _send(layer: nn.Module, device: torch.device) -> None:
@@ -275,7 +277,7 @@ def run_sequential(
     progress: bool = True,
     desc: str = "layers",
     stream: Any = None,
-    narrow: bool = False,
+    narrow: Narrow = False,
     spill_near: Path | None = None,
 ) -> dict[str, Any]:
     """Call ``process_layer(i, layer, inputs)`` for each decoder layer in order, feeding each
@@ -291,10 +293,12 @@ def run_sequential(
     ``stream`` (a ``compress.io.stream.StreamedModel``): the model is a meta skeleton whose
     layers are read from the checkpoint when their turn comes and handed back (to the export
     or a scratch file) after it; ``offload`` is then moot. The capture materializes the
-    modules outside the decoder stack (embedding) for its length only. ``narrow``: a streamed
-    layer's large bf16 tensors stay bf16, widened per call (``StreamedModel.load_layer``), for
-    a ``process_layer`` that changes no float weight in place (GPTQ); a layer's float fused
-    experts then run one expert at a time (``viewed_experts``: a GPT-OSS-120B layer's widened
+    modules outside the decoder stack (embedding) for its length only. ``narrow`` (``Narrow``):
+    a streamed layer's large bf16 tensors stay bf16, widened per call
+    (``StreamedModel.load_layer``): all of them for a ``process_layer`` that changes no float
+    weight in place (True: GPTQ), its fused experts only for one that changes none of theirs
+    ("experts": AWQ and AutoRound, which round experts by RTN). Either way a layer's float
+    fused experts run one expert at a time (``viewed_experts``: a GPT-OSS-120B layer's widened
     whole were 12.7 GB), in the streamed and the in-memory run alike (the same bits), and
     ``process_layer`` finds the view where the experts were (it replaces it, or the fused
     module comes back after the layer)."""
@@ -311,15 +315,16 @@ def run_sequential(
                 layer = layers[index]
                 # where the layer goes back to: the CPU unless it lived on the device all along
                 home = torch.device("cpu")
+                experts = float_experts_in(model, f"{prefix}{index}.") if narrow else []
                 if stream is not None:
-                    stream.load_layer(index, device, narrow=narrow)
+                    parts = [model.get_submodule(n) for n in experts] if narrow == "experts" else []
+                    stream.load_layer(index, device, narrow=narrow is True, narrow_parts=parts)
                 elif disk is not None:
                     disk.restore(layer, index, device)
                 elif offload == "none":
                     home = model_device(layer)
                 _send(layer, device)
                 inputs.kwargs = inputs.per_layer[index]
-                experts = float_experts_in(model, f"{prefix}{index}.") if narrow else []
                 with viewed_experts(model, experts):
                     process_layer(index, layer, inputs)
                     inputs.hidden = run_layer(layer, inputs, check=f"decoder layer {index}")
@@ -375,7 +380,7 @@ def run_calibrated(
     pass_name: str,
     *,
     offload: OffloadMode,
-    narrow: bool = False,
+    narrow: Narrow = False,
 ) -> dict[str, object]:
     """``run_sequential`` of ``process`` over the calibration batches (``[B, T]`` each), on the
     state's device and progress setting; returns its memory metrics. DataError without data."""

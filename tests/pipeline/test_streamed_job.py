@@ -164,14 +164,15 @@ def test_streamed_gptq_on_narrow_bf16_layers_equals_in_memory(passes, reads_sour
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("kind", ["gptq", "int4_rtn"])
+@pytest.mark.parametrize("kind", ["gptq", "int4_rtn", "awq", "autoround"])
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])  # experts held [E, 2I, H]; transposed
 def test_streamed_moe_keeps_bf16_experts_and_works_one_expert_at_a_time(family, kind, tmp_path,
                                                                         monkeypatch, one_thread):
-    """A streamed GPTQ or RTN keeps a layer's bf16 experts bf16: GPTQ runs them one expert's
-    projection at a time (``viewed_experts``), never widening the fused tensors whole (a
-    GPT-OSS-120B layer's were 12.7 GB), and RTN rounds one projection at a time; the checkpoint
-    is the in-memory run's, bit for bit."""
+    """A streamed pass keeps a layer's bf16 experts bf16: the calibrated passes run them one
+    expert's projection at a time (``viewed_experts``), never widening the fused tensors whole
+    (a GPT-OSS-120B layer's were 12.7 GB), and every pass rounds them (GPTQ's experts with too
+    few tokens, AWQ's and AutoRound's all, RTN's) one projection at a time; the checkpoint is
+    the in-memory run's, bit for bit."""
     from compress.core import device as core_device
     from compress.io import stream as stream_module
     from compress.quant.linear import QuantExperts
