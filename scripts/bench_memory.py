@@ -50,17 +50,36 @@ REPO = Path(__file__).resolve().parents[1]
 
 CALIBRATION = {"source": "wikitext2-valid", "num_samples": 16, "seq_len": 512, "seed": 0}
 RECIPES = {
-    "rtn": "passes: [{pass: quantize.int4_rtn, group_size: 128}]",
-    "gptq": "calibration: {calibration}\npasses: [{{pass: quantize.gptq, group_size: 128}}]",
-    "awq": "calibration: {calibration}\npasses: [{{pass: quantize.awq, group_size: 128}}]",
+    "rtn": "passes: [{pass: quantize.int4_rtn, group_size: GROUP}]",
+    "gptq": "calibration: {calibration}\npasses: [{{pass: quantize.gptq, group_size: GROUP}}]",
+    "awq": "calibration: {calibration}\npasses: [{{pass: quantize.awq, group_size: GROUP}}]",
 }
+# a row whose pass left more of the decoder's weights float than this is not a measurement of
+# that pass: GPT-OSS's widths (2880) take no group of 128, and g128 runs there quantized nothing
+MIN_QUANTIZED_SHARE = 0.9
 # the child's memory limit (--cgroup-limit): a cgroup of its own, v2 or v1, made and removed here
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/memory")
 
 
-def _recipe_text(algorithm: str) -> str:
+def _recipe_text(algorithm: str, group: int = 128) -> str:
     return RECIPES[algorithm].replace("{calibration}", json.dumps(CALIBRATION)).replace(
-        "{{", "{").replace("}}", "}")
+        "{{", "{").replace("}}", "}").replace("GROUP", str(group))
+
+
+def group_size_for(model_dir: Path) -> int:
+    """128, or the largest power of two under it that divides every input width of the
+    checkpoint's weight matrices (hidden, attention output, every MLP and expert width):
+    GPT-OSS's 2880 takes 64 (as "g128 means g64 where 128 does not divide" for SmolLM2)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads, head_dim = config.get("num_attention_heads"), config.get("head_dim")
+    widths = [config.get(k) for k in ("hidden_size", "intermediate_size",
+                                      "moe_intermediate_size", "shared_expert_intermediate_size")]
+    widths.append(heads * head_dim if heads and head_dim else None)
+    group = 128
+    while group > 1 and any(w % group for w in widths if w):
+        group //= 2
+    return group
 
 
 @contextlib.contextmanager
@@ -109,7 +128,8 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     evaluation = ("eval: {baseline: true, perplexity: {dataset: wikitext2, limit: "
                   f"{eval_windows}}}}}\n" if eval_windows
                   else "eval: {baseline: false, perplexity: null}\n")
-    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm)}\n"
+    group = group_size_for(model_dir)
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm, group)}\n"
                       "export: {dtype: bfloat16}\n" + evaluation)
     out = out_root / f"{shape}-{algorithm}-{stream}"
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "compress.cli", "run", str(recipe),
@@ -118,7 +138,8 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     started = time.perf_counter()
     with _limited(command, limit_bytes) as command:
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    row = {"shape": shape, "algorithm": algorithm, "stream": stream, "eval_windows": eval_windows,
+    row = {"shape": shape, "algorithm": algorithm, "group_size": group, "stream": stream,
+           "eval_windows": eval_windows,
            "returncode": proc.returncode, **_parse_time_v(proc.stderr),
            "seconds_measured": round(time.perf_counter() - started, 1)}
     if proc.returncode != 0:  # the child's last words, not time -v's report after them
@@ -134,6 +155,11 @@ def run_one(shape: str, algorithm: str, model_dir: Path, out_root: Path, stream:
     row["activations"] = payload["memory"].get("activations")
     row["parameters"] = payload["memory"]["estimate"]["model_parameters"]
     row["export_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    row["quantized_share"] = payload["passes"][0]["metrics"].get("quantized_share")
+    if (row["quantized_share"] or 0) < MIN_QUANTIZED_SHARE:
+        row["returncode"] = "not quantized"
+        row["error"] = (f"the pass quantized {row['quantized_share']} of the decoder's weights "
+                        f"(group size {group}): not a measurement of it")
     if eval_windows:
         row["perplexity"] = {k: (v or {}).get("perplexity") for k, v in payload["eval"].items()
                              if k in ("baseline", "compressed")}
@@ -163,7 +189,8 @@ def run_first_layers(shape: str, algorithm: str, model_dir: Path, out_root: Path
     the peak over the first layers is the pass's peak (the export writes each finished layer
     and holds nothing more). Nothing lands at the run's --out (it is atomic)."""
     recipe = out_root / f"{shape}-{algorithm}-first{layers}.yaml"
-    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm)}\n"
+    group = group_size_for(model_dir)
+    recipe.write_text(f"name: bench-{shape}-{algorithm}\n{_recipe_text(algorithm, group)}\n"
                       "export: {dtype: bfloat16}\neval: {baseline: false, perplexity: null}\n")
     out = out_root / f"{shape}-{algorithm}-first{layers}"
     command = [sys.executable, "-m", "compress.cli", "run", str(recipe), "--model",
@@ -188,7 +215,8 @@ def run_first_layers(shape: str, algorithm: str, model_dir: Path, out_root: Path
             break
     proc.wait()
     stopped = done >= layers
-    row = {"shape": shape, "algorithm": algorithm, "stream": "auto", "eval_windows": 0,
+    row = {"shape": shape, "algorithm": algorithm, "group_size": group, "stream": "auto",
+           "eval_windows": 0,
            "returncode": 0 if stopped else proc.returncode, "peak_rss_bytes": peak,
            "wall_s": round(time.perf_counter() - started, 1), "first_layers": done,
            "layers": total, "checkpoint_bytes": sum(
@@ -239,6 +267,8 @@ def markdown(rows: list[dict], env: dict) -> str:
              "estimate GB | wall s | s per 1e9 params | peak per phase GB |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        if r.get("group_size"):
+            r = {**r, "algorithm": f"{r['algorithm']} g{r['group_size']}"}
         if r.get("first_layers") is not None and r.get("returncode") == 0:
             lines.append(
                 f"| {r['shape']} | {r['algorithm']} | streamed, stopped after its first "

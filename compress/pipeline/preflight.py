@@ -15,7 +15,8 @@ loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the
   copies: the codes, the dequantized weight and its error), the modules outside the stack
   during the calibration capture (the embedding in float32), the calibration hidden states
   entering and leaving the layer (float32) and, for GPTQ, one Hessian per linear of the layer
-  (float32 ``[in, in]``);
+  (float32 ``[in, in]``); GPTQ keeps the whole layer as stored, and AWQ and AutoRound its fused
+  experts, each widening one weight matrix (an expert's projection) at a time;
 * a streamed ``rotate.hadamard``: one layer in float32 and the largest linear's rotation
   temporaries (5 float32 copies: a float64 copy, its float64 product, the float32 result), then
   the final norm, embedding and head (untied) read and rotated in float32 with one chunk's
