@@ -337,7 +337,7 @@ def _rotation_bytes(skeleton, largest: int, outside: int,
 
 
 def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
-               first: bool, seq_len: int, held: int) -> int:
+                first: bool, seq_len: int, held: int) -> int:
     """GPTQ's streamed layer (see ``GPTQ``): read from the checkpoint in its own dtype when it
     is the first pass, else from an earlier pass's float32 scratch file, one weight matrix (a
     dense linear or one expert's projection: ``viewed_experts``) widened at a time; with an MoE

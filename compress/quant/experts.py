@@ -139,8 +139,17 @@ def rtn_experts(
             w = w.detach().float()
             num += float((layer.dequantized_weight() - w).pow(2).sum())
             den += float(w.pow(2).sum())
-    set_submodule(model, name, quant)
+    replace_experts(model, name, module, quant)
     return quant, num, den
+
+
+def replace_experts(model: nn.Module, name: str, fused: nn.Module, quant: nn.Module) -> None:
+    """Put ``quant`` at ``name`` in place of the float ``fused`` experts, and free those: a
+    pass's plan still holds them (``plan_experts``), so each streamed layer's float experts
+    stayed in memory until the pass ended (two GPT-OSS-120B layers' were 12.7 GB in bf16,
+    and every layer of a deep model adds its own)."""
+    set_submodule(model, name, quant)
+    fused.to("meta")
 
 
 

@@ -55,7 +55,7 @@ from compress.quant.calibrated import (
     run_layer,
 )
 from compress.quant.coverage import report_coverage
-from compress.quant.experts import ExpertPlan, plan_experts
+from compress.quant.experts import ExpertPlan, plan_experts, replace_experts
 from compress.quant.linear import QuantExperts, QuantLinear, WeightScheme, rtn_codes
 from compress.quant.scheme import CalibratedWeightConfig
 
@@ -584,7 +584,7 @@ def gptq_experts(
         info[f"{name}.{e}"] = _gptq_expert(quant, e, routed, weights, cfg, f"{name}.{e}")
         if info[f"{name}.{e}"]["method"] == "rtn":
             log.warning("quantize.gptq: %s: %s", f"{name}.{e}", info[f"{name}.{e}"]["reason"])
-    set_submodule(model, name, quant)
+    replace_experts(model, name, fused, quant)
     return info
 
 
