@@ -13,7 +13,7 @@ loaded whole on the 1.1B shape (7.13), the linear-at-a-time terms below from the
 * other streamed passes (``compress.io.stream``): one decoder layer in float32 beside the stored
   16-bit tensor being cast, the quantizer's temporaries for the largest linear (3.5 float32
   copies: the codes, the dequantized weight and its error), the modules outside the stack
-  during the calibration capture (the embedding in float32), the calibration hidden states
+  during the calibration capture (the embedding as stored, no head), the calibration hidden states
   entering and leaving the layer (float32) and, for GPTQ, one Hessian per linear of the layer
   (float32 ``[in, in]``); GPTQ keeps the whole layer as stored, and AWQ and AutoRound its fused
   experts, each widening one weight matrix (an expert's projection) at a time;
@@ -63,15 +63,15 @@ LINEAR_AT_A_TIME = ("quantize.int4_rtn", "quantize.int8_rtn")
 LINEAR_BASE_BYTES = 450 * 10**6
 LINEAR_BYTES_PER_PARAM = 12.5
 LINEAR_SLACK = 1.1
-# A layer's fused experts (MoE) under RTN as the first streamed pass: read whole in float32 (the
+# A layer's fused experts (MoE) under RTN as the first streamed pass: read as stored (bf16, the
 # per-expert weights stacked in place, ``compress.io.names.MoeTreeReader``), then rounded one
-# expert's projection at a time beside the codes and scales kept. Fitted to two measured peaks
-# (VmHWM, bf16 synthetic, first 2 layers, W4 g128, 2026-12-05, Zen 5 EPYC, docs/results.md
-# section 6): 8.42 GB for Mixtral-8x7B's shape (1.41e9 expert weights a layer), 4.87 GB for
-# Qwen3-30B-A3B's (6.04e8). 5.2 bytes per expert weight puts both inside +0/+20%: the float32
-# copy (4), the 4-bit codes and scales (0.6), the rest the stored pages still mapped from the
-# read; 8-bit codes take half a byte more.
-EXPERT_RTN_BYTES = {4: 5.2, 8: 5.7}
+# expert's projection at a time beside the codes and scales kept: 2 bytes per expert weight
+# stored and 0.53 of 4-bit codes and scales (1.03 at 8 bits), and a little slack, on the base
+# and one projection's temporaries. Measured (VmHWM, bf16 synthetic, first 2 layers, 2026-12-06,
+# Intel Xeon, docs/results.md section 6): 5.15 GB for Mixtral-8x7B's shape (1.41e9 expert
+# weights a layer; estimate 5.23), 2.12 GB for Qwen3-30B-A3B's (6.04e8; 2.44), 8.95 GB for
+# GPT-OSS-120B's (3.19e9, g64; 9.20). (Read in float32 before: 8.42 and 4.87 GB for the first.)
+EXPERT_RTN_BYTES = {4: 2.6, 8: 3.1}
 ROTATION = "rotate.hadamard"
 # quantize.bnb as the first streamed pass reads one linear at a time too: its peak is the float32
 # weight, its dequantized copy, their difference and its square (the error the report gives) and
@@ -89,8 +89,13 @@ BNB_BYTES_PER_PARAM = 16.5
 # Measured 2026-12-03 (VmHWM, first 2 layers, docs/results.md section 6): see _gptq_bytes.
 GPTQ = "quantize.gptq"
 # passes that read a streamed layer's fused experts as stored (bf16) beside the rest in float32
-# (``run_calibrated(narrow="experts")``: they run and round the experts, change none in place)
+# (``run_calibrated(narrow="routed")``: they run and round the experts, change none in place);
+# beyond the stored experts, this many bytes per expert weight: the RTN codes and scales built
+# beside them (0.53) and 0.3 more the fit needs (measured AWQ W4, 2026-12-06, Intel Xeon,
+# docs/results.md section 6: 10.35 GB on GPT-OSS-120B's first 2 layers, 5.54 GB on
+# Mixtral-8x7B's first layer; estimates 10.61 and 6.39)
 EXPERTS_AS_STORED = ("quantize.awq", "quantize.autoround")
+EXPERTS_AS_STORED_BYTES = 0.9
 ROTATION_TEMPORARIES = 5  # float32 copies of what is rotated at once (float64 copy + product)
 
 
@@ -122,7 +127,13 @@ def _shapes(where, skeleton) -> tuple[int, int, dict[str, int]] | None:
             fused.append(sum(p.numel() for p in experts.parameters()))
             count, hidden, inter = expert_shape(experts, arch.moe)
             projections.append(hidden * inter)
+    head = skeleton.get_output_embeddings() if hasattr(skeleton, "get_output_embeddings") else None
+    embed = skeleton.get_input_embeddings() if hasattr(skeleton, "get_input_embeddings") else None
+    untied = head is not None and embed is not None and head.weight is not embed.weight
     dims = {"hidden": int(getattr(cfg, "hidden_size", 0) or 0),
+            # the capture reads the modules outside the stack but an untied head, as stored
+            "capture": (total - in_stack - (head.weight.numel() if untied else 0))
+            * next(skeleton.parameters()).element_size(),
             "vocab": int(getattr(cfg, "vocab_size", 0) or 0),
             "largest_linear": max(linears + fused, default=0),
             "largest_projection": max(projections, default=0),
@@ -191,14 +202,14 @@ def estimate(recipe, where, *, streamed: bool, skeleton=None,
                                             * dims["largest_linear"])
             if index == 0 and name in EXPERTS_AS_STORED:  # no float32 copy of the experts
                 need -= dims["fused_experts"] * FLOAT32
-                need += int(EXPERT_CODES_BYTES * dims["fused_experts"])  # RTN's, built beside
+                need += int(EXPERTS_AS_STORED_BYTES * dims["fused_experts"])
             if name == GPTQ:
                 need = _gptq_bytes(skeleton, largest, dims, hidden, first=index == 0,
                                    seq_len=cal.seq_len, held=held)
             if PASSES[name].needs_calibration:
                 need += _sample_forward_bytes(skeleton, dims, cal.seq_len)
             if PASSES[name].needs_calibration and not resident:
-                need = max(need, outside * FLOAT32 + hidden)  # the capture's embedding
+                need = max(need, dims["capture"] + hidden)  # the capture's embedding
             kept = resident
             if name == ROTATION:
                 need, kept = _rotation_bytes(skeleton, largest, outside, dims)
@@ -250,11 +261,12 @@ def _rtn_first_bytes(dims: dict[str, int], *, bits: int) -> int:
     """RTN as the first streamed pass (see ``LINEAR_AT_A_TIME``): the largest linear read alone,
     or a layer's fused experts (``EXPERT_RTN_BYTES``) with one projection's error
     temporaries."""
-    dense = LINEAR_BYTES_PER_PARAM * max(dims["largest_linear"] - dims["fused_experts"], 0)
+    dense = LINEAR_SLACK * (LINEAR_BASE_BYTES + LINEAR_BYTES_PER_PARAM * max(
+        dims["largest_linear"] - dims["fused_experts"], 0))
     if dims["fused_experts"]:
-        dense = max(dense, LINEAR_BYTES_PER_PARAM * dims["largest_projection"]
+        dense = max(dense, LINEAR_SLACK * LINEAR_BYTES_PER_PARAM * dims["largest_projection"]
                     + EXPERT_RTN_BYTES[bits] * dims["fused_experts"])
-    return int(LINEAR_SLACK * (LINEAR_BASE_BYTES + dense))
+    return int(dense)
 
 
 def layerwise_eval(recipe) -> bool:
@@ -349,8 +361,11 @@ def _gptq_bytes(skeleton, largest: int, dims: dict[str, int], hidden: int, *,
 
 
 # GPTQ of an MoE layer (``compress.quant.gptq.gptq_experts``) builds the layer's quantized
-# experts while its float ones are resident: this many bytes per expert weight (4-bit codes
-# and their scales and zero points, and the allocator's slack; fitted below)
+# experts while its float ones are resident (as stored: ``viewed_experts`` runs them one
+# expert's projection at a time): this many bytes per expert weight, the 4-bit codes and their
+# scales (0.53) and slack. Measured W4 GPTQ, 16 x 512 tokens (VmHWM, first 2 layers,
+# 2026-12-06, Intel Xeon, docs/results.md section 6): GPT-OSS-120B 9.51 GB (estimate 9.69),
+# GPT-OSS-20B 3.14 (3.48), Mixtral-8x7B 5.26 (6.43), Qwen3-30B-A3B 2.42 (2.81).
 EXPERT_CODES_BYTES = 0.6
 
 

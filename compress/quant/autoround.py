@@ -436,7 +436,7 @@ def autoround(model: nn.Module, cfg: AutoroundConfig, state: CompressionState) -
 
     # the experts are only run and rounded: streamed, they stay bf16 (one expert widened at once)
     memory = run_calibrated(model, state, process, "quantize.autoround", offload=cfg.offload,
-                            narrow="experts")
+                            narrow="routed")
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_block"] = per_block
     ratios = [v["loss_tuned"] / v["loss_rtn"] for v in per_block.values() if v["loss_rtn"] > 0]

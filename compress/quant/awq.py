@@ -354,7 +354,7 @@ def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport
 
     # the experts are only run and rounded: streamed, they stay bf16 (one expert widened at once)
     memory = run_calibrated(model, state, process, "quantize.awq", offload=cfg.offload,
-                            narrow="experts")
+                            narrow="routed")
     finish_quant_report(model, report, cfg.backend, memory)
     report.metrics["per_group"] = per_group
     report.metrics["per_expert"] = per_expert

@@ -233,7 +233,7 @@ class _DiskOffload:
 
 LayerFn = Callable[[int, nn.Module, LayerInputs], None]
 # what of a streamed layer stays as stored (``run_sequential``): nothing, all, its experts
-Narrow = Literal[False, True, "experts"]
+Narrow = Literal[False, True, "routed"]
 
 
 def _send(layer: nn.Module, device: torch.device) -> None:
@@ -297,7 +297,7 @@ def run_sequential(
     a streamed layer's large bf16 tensors stay bf16, widened per call
     (``StreamedModel.load_layer``): all of them for a ``process_layer`` that changes no float
     weight in place (True: GPTQ), its fused experts only for one that changes none of theirs
-    ("experts": AWQ and AutoRound, which round experts by RTN). Either way a layer's float
+    ("routed": AWQ and AutoRound, which round experts by RTN). Either way a layer's float
     fused experts run one expert at a time (``viewed_experts``: a GPT-OSS-120B layer's widened
     whole were 12.7 GB), in the streamed and the in-memory run alike (the same bits), and
     ``process_layer`` finds the view where the experts were (it replaces it, or the fused
@@ -317,7 +317,7 @@ def run_sequential(
                 home = torch.device("cpu")
                 experts = float_experts_in(model, f"{prefix}{index}.") if narrow else []
                 if stream is not None:
-                    parts = [model.get_submodule(n) for n in experts] if narrow == "experts" else []
+                    parts = [model.get_submodule(n) for n in experts] if narrow == "routed" else []
                     stream.load_layer(index, device, narrow=narrow is True, narrow_parts=parts)
                 elif disk is not None:
                     disk.restore(layer, index, device)
