@@ -240,22 +240,24 @@ def test_a_streamed_moe_pass_frees_each_layers_float_experts(kind, tmp_path, mon
     make_char_tokenizer().save_pretrained(tmp_path / "ck")
     (tmp_path / "text.txt").write_text(TEXT)
     moe = ARCHS["mixtral"].moe
-    read, alive_at_load = {}, []  # id -> weakref of each layer's experts as read
+    read, alive_at_load = [], []  # a weakref to each layer's experts as read
     real = stream_module.StreamedModel.load_layer
+
+    def note(parameter) -> None:  # once per tensor (a freed one's id may be reused: no ids)
+        if not parameter.is_meta and not any(ref() is parameter for ref in read):
+            read.append(weakref.ref(parameter))
 
     def load_layer(self, index, *args, **kwargs):
         gc.collect()
-        alive_at_load.append(sum(ref() is not None for ref in read.values()))
+        alive_at_load.append(sum(ref() is not None for ref in read))
         layer = real(self, index, *args, **kwargs)
-        parameter = getattr(layer.get_submodule(moe.fused), moe.down)
-        if not parameter.is_meta:  # RTN reads its targets one at a time, after this
-            read.setdefault(id(parameter), weakref.ref(parameter))
+        note(getattr(layer.get_submodule(moe.fused), moe.down))  # RTN reads it later
         return layer
 
     def load_part(self, index, module, *args, **kwargs):
         real_part(self, index, module, *args, **kwargs)
         if hasattr(module, moe.down):
-            read.setdefault(id(getattr(module, moe.down)), weakref.ref(getattr(module, moe.down)))
+            note(getattr(module, moe.down))
 
     real_part = stream_module.StreamedModel.load_part
     monkeypatch.setattr(stream_module.StreamedModel, "load_layer", load_layer)
