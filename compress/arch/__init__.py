@@ -351,9 +351,12 @@ def decoder_layers(model: nn.Module, what: str = "compress") -> nn.ModuleList:
     except AttributeError:
         layers = None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         raise ConfigError(
             f"{what}: {type(model).__name__} (model_type {arch.model_type!r}) has no non-empty "
-            f"{arch.layers} decoder stack"
+            f"{arch.layers} decoder stack" + (
+                f" (its config says num_hidden_layers: {count}; set it to the number of layers "
+                "the checkpoint stores)" if count == 0 else "")
         )
     return layers
 

@@ -8,10 +8,9 @@ resolved ``recipe.yaml`` and ``report.json``. Plain transformers loads it when t
 ``compressed-tensors`` package is installed; ``load_compressed`` loads it with our backends.
 
 A model holding bitsandbytes layers is written in bitsandbytes' own format instead
-(transformers' ``save_pretrained``). This module imports no pass.
-
-Writes go to a temporary sibling directory that is renamed into place at the end, so a crash or
-a bad input never leaves a half-written checkpoint at the target path.
+(transformers' ``save_pretrained``). This module imports no pass. Writes go to a temporary
+sibling directory renamed into place at the end: a crash or a bad input never leaves a
+half-written checkpoint at the target path.
 """
 
 from __future__ import annotations
@@ -665,41 +664,45 @@ def _skeleton(path: Path, quant: dict[str, Any], dtype: torch.dtype, backend: st
     return model
 
 
-def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                    backend: str = "auto"):
-    """A ``compress.io.stream.StreamedModel`` over the checkpoint at ``path`` (plain or
-    compressed), for reading it one decoder layer at a time and nothing else: a finished layer
-    is freed, never saved (layer-by-layer evaluation, ``compress.eval.quality``)."""
-    from compress.arch import arch_for, decoder_layers
-    from compress.io.stream import (
-        StreamedModel,
-        expected_tensors,
-        meta_skeleton,
-        verify_checkpoint,
-    )
+def matched_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                     backend: str = "auto") -> tuple[nn.Module, Any]:
+    """The meta skeleton (plain or compressed) and a reader under its names, once every tensor
+    it holds is stored and nothing else is (a config.json with another layer count would be
+    another model), from the headers alone: what ``load_model`` refuses, refused early."""
+    from compress.io.stream import expected_tensors, is_bnb_state, meta_skeleton
 
     path = Path(path)
-    verify_checkpoint(path)  # headers, shapes against config.json, scales, as a whole load does
     quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
     reader = under_model_names(skeleton, open_checkpoint(path))
     if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
         reader = MoeTreeReader(skeleton, reader)
-    # what load_model refuses, refused here too: scored layer by layer, a config with fewer
-    # layers than the weights would silently be a smaller model
     names, stored = set(expected_tensors(skeleton)), set(reader.names())
     missing = sorted(names - stored - {_tied_head_key(skeleton)})
-    unexpected = sorted(stored - names)
+    unexpected = sorted(n for n in stored - names if not is_bnb_state(n, names))
     if missing or unexpected:
         raise ModelLoadError(
             f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
-            f"unexpected {unexpected[:10]}; re-export it"
+            f"unexpected {unexpected[:10]}; fix config.json or re-export the checkpoint"
         )
+    return skeleton, reader
+
+
+def layerwise_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                    backend: str = "auto"):
+    """A ``compress.io.stream.StreamedModel`` over the checkpoint at ``path`` (plain or
+    compressed), for reading it one decoder layer at a time and nothing else: a finished layer
+    is freed, never saved (layer-by-layer evaluation, ``compress.eval.quality``)."""
+    from compress.arch import arch_for, decoder_layers
+    from compress.io.stream import StreamedModel, verify_checkpoint
+
+    verify_checkpoint(path)  # headers, shapes against config.json, scales, as a whole load does
+    skeleton, reader = matched_skeleton(path, dtype=dtype, backend=backend)
     layers = decoder_layers(skeleton, "layer-by-layer reading")
     stream = StreamedModel(skeleton, reader, dtype, layers,
                            arch_for(skeleton, "layer-by-layer reading").layer_prefix,
-                           scratch_dir=path / ".unused-scratch")
+                           scratch_dir=Path(path) / ".unused-scratch")
     stream.sink = lambda prefix, module: None  # read-only: finished layers are only freed
     return stream
 

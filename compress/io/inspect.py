@@ -59,10 +59,12 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
     from compress.io.checkpoint import read_config_json, shard_files
+    from compress.io.export import matched_skeleton
     from compress.io.stream import verify_checkpoint
 
     config = read_config_json(path)
     verify_checkpoint(path)  # corrupt shards, shapes against config.json, finite scales
+    matched_skeleton(path)  # every tensor config.json implies is stored, and nothing else
     layers: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"bytes": 0, "tensors": {}, "shapes": {}}
     )

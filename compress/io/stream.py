@@ -292,6 +292,15 @@ def _stores_codes(reader: CheckpointReader, name: str) -> bool:
                                      f"{name}.absmax"))
 
 
+def is_bnb_state(name: str, tensors: set[str]) -> bool:
+    """Whether ``name`` is a bitsandbytes weight's quantization state (a 4-bit one's
+    ``weight.absmax``, ``weight.quant_state...``; an 8-bit one's ``SCB``, ``weight_format``),
+    one of ``tensors`` being that weight."""
+    module, _, leaf = name.rpartition(".")
+    return (name.partition(".weight.")[0] + ".weight" in tensors
+            or leaf in ("SCB", "weight_format") and f"{module}.weight" in tensors)
+
+
 def expected_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """What ``module`` holds in a checkpoint: parameters and persistent buffers, by name."""
     return dict(module.state_dict(keep_vars=True))

@@ -232,6 +232,16 @@ def test_layer_by_layer_reading_refuses_a_config_with_fewer_layers(plain):
         layerwise_model(plain)  # it scored a 1-layer model
 
 
+def test_a_job_on_a_config_with_no_layers_names_the_setting(plain, tmp_path, capsys):
+    _config(num_hidden_layers=0)(plain)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("passes:\n  - {pass: quantize.int4_rtn, group_size: 32}\n"
+                      "eval: {baseline: false, perplexity: null}\n")
+    code = main(["run", str(recipe), "--model", str(plain), "--out", str(tmp_path / "out")])
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert "num_hidden_layers: 0; set it to the number" in capsys.readouterr().err
+
+
 def test_a_tokenizer_from_a_bigger_model_is_refused(tiny_tokenizer, tmp_path):
     folder = tmp_path / "small-vocab"
     make_tiny_llama(vocab_size=64).save_pretrained(folder)  # the char tokenizer has more ids

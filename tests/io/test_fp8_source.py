@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
+from compress.io.inspect import inspect_checkpoint
 from compress.io.load import load_model
 from compress.testing import make_char_tokenizer, make_tiny_model, make_tiny_moe
 from tests.io.io_helpers import assert_same_exports_as_the_twin, tiny_job_recipe
@@ -88,6 +89,8 @@ def test_an_fp8_source_loads_as_its_dequantized_weights(kind, block, tmp_path):
     reader = CheckpointReader(fp8)
     assert not any(n.endswith("_scale_inv") for n in reader.names())  # read with the weight
     torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
+    formats = {r["format"] for r in inspect_checkpoint(fp8)["layers"]}
+    assert "fp8 block-scaled source (dequantized on read)" in formats
 
 
 def test_a_job_on_an_fp8_source_exports_what_it_exports_from_the_bf16_one(tmp_path):
@@ -111,9 +114,11 @@ def test_fp8_sources_with_mtp_modules_or_a_vision_tower_load_their_causal_lm(tmp
     assert any(n.startswith("model.layers.2.") and CheckpointReader(fp8).dtype(n) ==
                torch.bfloat16 for n in CheckpointReader(fp8).names())  # MTP, dequantized
     torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
+    inspect_checkpoint(fp8)  # the MTP tensors are the checkpoint's, not a mismatch
     write_tiny_multimodal(tmp_path / "mm", "gemma3")
     fp8, plain = _fp8_pair(tmp_path / "mm", tmp_path / "mm-pair")
     torch.testing.assert_close(_logits(fp8), _logits(plain), rtol=0, atol=0)
+    inspect_checkpoint(fp8)  # nor the vision tower's
 
 
 def _edit(fp8, change) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
-import torch
-from safetensors.torch import save_file
+import pytest
 
 from compress.cli import main
+from compress.core.errors import ModelLoadError
 from compress.core.registry import CompressionState, run_passes
 from compress.io.export import export_checkpoint
 from compress.io.inspect import inspect_checkpoint, natural_key
 from compress.quant.rtn import Int4RtnConfig
+from compress.testing import make_tiny_llama
 
 
 def test_natural_key_orders_numbers_by_value():
@@ -21,13 +22,24 @@ def test_natural_key_orders_numbers_by_value():
 
 
 def test_layers_are_listed_in_natural_order(tmp_path):
-    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.zeros(2, 2) for i in range(12)}
-    save_file(tensors, tmp_path / "model.safetensors")
-    config = {"model_type": "llama", "hidden_size": 2, "intermediate_size": 2,
-              "num_hidden_layers": 12, "num_attention_heads": 1, "vocab_size": 4}
-    (tmp_path / "config.json").write_text(json.dumps(config))  # the shapes must match it
-    modules = [r["module"] for r in inspect_checkpoint(tmp_path)["layers"]]
+    make_tiny_llama(num_hidden_layers=12).save_pretrained(tmp_path)
+    modules = [r["module"] for r in inspect_checkpoint(tmp_path)["layers"]
+               if r["module"].endswith("up_proj")]
     assert modules == [f"model.layers.{i}.mlp.up_proj" for i in range(12)]
+
+
+@pytest.mark.parametrize("layers", [0, 1, 3])
+def test_a_config_with_another_layer_count_than_the_shards_is_refused(tmp_path, layers):
+    """Shapes alone pass: only the names show that config.json's model has more or fewer
+    layers than were written (a truncated download, a config.json from a sibling model)."""
+    make_tiny_llama(num_hidden_layers=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    with pytest.raises(ModelLoadError, match="does not match its config") as err:
+        inspect_checkpoint(tmp_path)
+    named = "missing ['model.layers.2." if layers == 3 else f"'model.layers.{layers}."
+    assert named in str(err.value)
+    assert main(["inspect", str(tmp_path)]) == 2  # an input error, named
 
 
 def test_quantized_layers_show_scheme_and_group_size(tiny_model, tiny_tokenizer, tmp_path,

@@ -93,6 +93,9 @@ def test_loaders_read_the_causal_lm_and_the_export_carries_the_mtp_modules(model
     quantized = [n.removesuffix(".weight_packed") for n in streamed if n.endswith("_packed")]
     assert quantized and not any(matches(m, None, p) for m in quantized for p in ignore
                                  if p.startswith("re:"))
+    from compress.io.inspect import inspect_checkpoint
+
+    assert {r["module"] for r in inspect_checkpoint(tmp_path / "source-True")["layers"]} >= modules
     with torch.no_grad():
         reloaded = load_model(str(tmp_path / "source-True")).model(torch.tensor(IDS)).logits
         reference = load_model(str(tmp_path / "plain-True")).model(torch.tensor(IDS)).logits

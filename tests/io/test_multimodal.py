@@ -75,6 +75,10 @@ def test_w4_export_is_the_multimodal_model_with_its_vision_tower_as_stored(kind,
     assert len(packed) == 2 * 7  # every text linear of the 2 layers, no vision one
     assert all(wrapped.text_name(n).startswith("model.layers.") for n in packed)
     assert all(wrapped.text_name(n) is not None for n in set(ours) - set(vision))
+    from compress.io.inspect import inspect_checkpoint
+
+    assert {r["module"] for r in inspect_checkpoint(streamed)["layers"]
+            if r["format"] == "int4 pack-quantized"} == {n.rsplit(".", 1)[0] for n in packed}
 
     config = json.loads((streamed / "config.json").read_text())
     source_config = json.loads((source / "config.json").read_text())

@@ -168,6 +168,9 @@ def test_streamed_bnb_export_reloads_with_the_in_memory_logits(fmt, tmp_path, mo
             logits[variant] = (plain(ids).logits, ours(ids).logits)
     for got, want in zip(logits["stream"], logits["mem"], strict=True):
         assert torch.isfinite(got).all() and torch.equal(got, want)
+    from compress.io.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(tmp_path / "stream")["total_bytes"] > 0  # its own names match
 
 
 def test_streamed_bnb_job_scores_like_the_in_memory_job(tmp_path, monkeypatch, one_thread):
