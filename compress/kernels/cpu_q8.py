@@ -65,11 +65,11 @@ from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
 # q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op,
-# elementwise.cpp compress.kernels.cpu_elementwise's
+# elementwise.cpp compress.kernels.cpu_elementwise's, gptq_walk.cpp compress.kernels.cpu_gptq's
 SOURCES = tuple(
     CSRC / f
     for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp",
-              "elementwise.cpp")
+              "elementwise.cpp", "gptq_walk.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -158,6 +158,8 @@ def build_reason(isa: str) -> str | None:
     torch.library.register_fake(f"compress_{isa}::add_rms_norm")(_fake_add_rms_norm)
     torch.library.register_fake(f"compress_{isa}::greedy_tokens")(_fake_greedy_tokens)
     torch.library.register_fake(f"compress_{isa}::write_kv")(_fake_write_kv)
+    torch.library.register_fake(f"compress_{isa}::gptq_walk")(_fake_gptq_walk)
+    torch.library.register_fake(f"compress_{isa}::dequantize_int4_exact")(_fake_int4_exact)
     for op, per_byte in (("dequantize_q4", 2), ("dequantize_q8", 1)):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_dequantize(per_byte))
     return None
@@ -239,6 +241,15 @@ def _fake_greedy_tokens(logits):
 
 def _fake_write_kv(k_pool, v_pool, slots, k, v):
     return None
+
+
+def _fake_gptq_walk(w, hinv, scales, zeros, codes, err, losses, cols, groups, start, stop,
+                    qmin, qmax):
+    return None
+
+
+def _fake_int4_exact(packed, scales, zeros, k, group):
+    return scales.new_empty(packed.shape[0], k)
 
 
 def _fake_dequantize(columns_per_byte: int):

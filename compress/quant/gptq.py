@@ -270,7 +270,9 @@ def gptq_quantize(
     is taken out of the list, worked on in place instead of copied, and freed once factored
     (a tensor argument would stay alive through the call: the no_grad wrapper holds it).
     ``walk``: the column walk's implementation (``_walk_columns``)."""
-    w = w.detach().to(torch.float32, copy=True)  # one copy, from bf16 or float32 alike
+    # one copy, from bf16 or float32 alike, rows contiguous (a transposed view, GPT-OSS's
+    # experts held [in, out], would keep its strides: the C++ walk reads rows)
+    w = w.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if h_is_scratch:
         if not (isinstance(h, list) and len(h) == 1):
             raise TypeError("h_is_scratch: pass the Hessian as a one-item list, [h]")
@@ -303,16 +305,8 @@ def gptq_quantize(
     block = max(cfg.block_size // group, 1) * group if not static else cfg.block_size
     order = perm.tolist()
     losses = torch.zeros(n, device=dev)
-    threads = torch.get_num_threads()
-    # The column walk is thousands of tiny ops: on CPU, thread hand-offs cost more than they
-    # save (measured ~3x slower with 2 threads on a loaded machine), so run it on one.
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        _walk_columns(w, hinv, scales, zeros, codes, losses, order, block, group, static, scheme,
-                      walk=walk)
-    finally:
-        torch.set_num_threads(threads)
+    _walk_columns(w, hinv, scales, zeros, codes, losses, order, block, group, static, scheme,
+                  walk=walk)
     loss = float(losses.sum()) / 2
     return codes, scales, zeros, {"dampening": damp, "gptq_loss": loss}
 
@@ -336,8 +330,9 @@ def _walk_columns(
     visiting order, ``order[j]`` is the original index of visited column j. Each block walks
     group by group (a dynamic group's parameters come from the block's updated columns when
     the walk reaches it), then the columns after the block take the block's errors at once.
-    ``walk``: "torch" (``_walk_block``, the reference), "triton" (``kernels.gptq_walk``) or
-    "auto" (Triton on a GPU where it runs, else torch)."""
+    ``walk``: "torch" (``_walk_block``, the reference), "triton" (``kernels.gptq_walk``),
+    "cpu" (``kernels.cpu_gptq``) or "auto" (Triton on a GPU where it runs, the C++ walk on a
+    CPU where it builds, else torch)."""
     n, k = w.shape
     dev = w.device
     qmin, qmax = quant_primitives.code_range(scheme.n_bits)
@@ -372,14 +367,35 @@ def _walk_columns(
 def _block_walker(w: torch.Tensor, width: int, walk: str):
     """``kernel(w1, hinv1, cols, group)`` -> ``walked(a, b, scales, zeros, codes, err1,
     losses, qmin, qmax)``, which walks columns a..b-1 of one block: the reference or Triton."""
-    if walk not in ("auto", "torch", "triton"):
-        raise ValueError(f"walk={walk!r}: expected auto, torch or triton")
+    if walk not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"walk={walk!r}: expected auto, torch, triton or cpu")
     use_triton = walk == "triton" or (walk == "auto" and _triton_walk_reason(w, width) is None)
 
     def torch_kernel(w1, hinv1, cols, group):
         diag = torch.diag(hinv1).tolist()
-        return lambda a, b, *rest: _walk_block(w1, hinv1, diag, cols, group, a, b, *rest)
 
+        def walked(a, b, *rest):
+            if w1.device.type != "cpu":
+                return _walk_block(w1, hinv1, diag, cols, group, a, b, *rest)
+            # thousands of tiny ops: on a CPU, thread hand-offs cost more than they save
+            # (measured ~3x slower with 2 threads on a loaded machine), so on one
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                _walk_block(w1, hinv1, diag, cols, group, a, b, *rest)
+            finally:
+                torch.set_num_threads(threads)
+
+        return walked
+
+    if walk == "cpu" or (walk == "auto" and not use_triton):
+        from compress.kernels import cpu_gptq
+
+        reason = cpu_gptq.unavailable_reason(w.device)
+        if reason is None:
+            return _cpu_walker
+        if walk == "cpu":
+            raise ValueError(f"walk='cpu': {reason}")
     if not use_triton:
         return torch_kernel
     from compress.kernels.gptq_walk import gptq_walk_triton
@@ -409,6 +425,22 @@ def _block_walker(w: torch.Tensor, width: int, walk: str):
         return walked
 
     return triton_kernel
+
+
+def _cpu_walker(w1, hinv1, cols, group):
+    """``_block_walker``'s kernel through ``compress.kernels.cpu_gptq.walk`` (all threads: each
+    takes whole rows)."""
+    from compress.kernels import cpu_gptq
+
+    index = torch.tensor(cols, dtype=torch.int32)
+    groups = index // group
+    hinv1 = hinv1.contiguous()  # a [width, width] view of the whole factor
+
+    def walked(a, b, scales, zeros, codes, err1, losses, qmin, qmax):
+        cpu_gptq.walk(w1, hinv1, scales, zeros, codes, err1, losses, index, groups, a, b, qmin,
+                      qmax)
+
+    return walked
 
 
 def _triton_walk_reason(w: torch.Tensor, width: int) -> str | None:

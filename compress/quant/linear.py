@@ -225,7 +225,14 @@ class QuantLinear(nn.Module):
         return self.weight, (None if self.scheme.symmetric else self.weight_zero_point)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float ``[N, K]`` weight this layer computes with (reference definition)."""
+        """The float ``[N, K]`` weight this layer computes with (reference definition; an int4
+        layer on a CPU in one C++ pass, bit-equal: ``compress.kernels.cpu_gptq``)."""
+        if self.scheme.n_bits == 4 and _exact_int4_on(self.weight_packed.device):
+            from compress.kernels import cpu_gptq
+
+            zeros = None if self.scheme.symmetric else self.weight_zero_point
+            return cpu_gptq.dequantize_int4(self.weight_packed, self.weight_scale, zeros,
+                                            self.in_features, self.group_size).to(dtype)
         w_q, zeros = self.codes()
         return reference.dequantize(w_q, self.weight_scale, zeros, self.group_size, dtype)
 
@@ -333,6 +340,16 @@ class QuantLinear(nn.Module):
         else:
             y = torch.nn.functional.linear(x, self.dequantized_weight(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _exact_int4_on(device: torch.device) -> bool:
+    """Whether ``dequantized_weight`` takes the C++ pass: on a CPU where the ops build, outside
+    a torch.compile trace (whose graph keeps the reference's ops)."""
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    from compress.kernels import cpu_gptq
+
+    return cpu_gptq.unavailable_reason(device) is None
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ def test_the_walk_refuses_what_it_cannot_hold():
 
     w = torch.zeros(4, 512)
     assert "wider than" in gptq_walk.unsupported_reason(w, 512)
-    with pytest.raises(ValueError, match="walk='fast': expected auto, torch or triton"):
+    with pytest.raises(ValueError, match="walk='fast': expected auto, torch, triton or cpu"):
         gptq_quantize(torch.randn(4, 64), torch.eye(64), WeightScheme(4, 32), GptqConfig(),
                       walk="fast")
 
