@@ -362,12 +362,14 @@ def compute_narrow_in(module: nn.Module, dtype: torch.dtype, *,
             compute_in(owner, dtype)
 
 
-def widen_narrow(module: nn.Module) -> None:
+def widen_narrow(module: nn.Module, keep: Collection[nn.Module] = ()) -> None:
     """Cast, for good, the parameters that ``compute_in`` let stay narrow to their module's
-    compute dtype (before a scratch file: the next pass gets the exact float state)."""
+    compute dtype, but in the modules of ``keep``: a layer read back from a scratch file for a
+    pass that changes float weights in place gets the exact float state."""
+    kept = {id(m) for m in keep}
     for owner in module.modules():
         dtype = getattr(owner, "_compute_dtype", None)
-        if dtype is None:
+        if dtype is None or id(owner) in kept:
             continue
         for name, param in owner._parameters.items():
             if param is not None and param.is_floating_point() and param.dtype != dtype:
@@ -569,12 +571,17 @@ class StreamedModel:
         ``narrow_parts``: only these submodules so (fused experts that a pass runs and rounds
         but does not change)."""
         layer = self.layers[index]
+        defer = list(defer)
         if index in self._scratch:
             from safetensors.torch import load_file
 
             state = load_file(self._scratch.pop(index), device=str(device))
             layer.load_state_dict(state, strict=True, assign=True)
             self._layer_file(index).unlink(missing_ok=True)
+            if not narrow:  # what an earlier pass left narrow is widened as from the source,
+                # but in the parts the caller reads narrow or only rounds (``defer``: RTN)
+                widen_narrow(layer, keep=[m for part in (*defer, *narrow_parts)
+                                          for m in part.modules()])
         else:
             parts = list(narrow_parts)
             deferred = {id(m) for m in (*defer, *parts)}
@@ -603,7 +610,10 @@ class StreamedModel:
             from safetensors.torch import save_file
 
             self.scratch_dir.mkdir(parents=True, exist_ok=True)
-            widen_narrow(layer)  # the next pass may change float weights in place
+            # narrow tensors (bf16 weights a pass left float, read as stored) are written as
+            # held: the next pass reads them widened or narrow as it reads a checkpoint, the
+            # same values either way (widening them here made a GPT-OSS-120B layer's float
+            # experts a 12.7 GB float32 copy, and the scratch file twice the size)
             state = {k: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
             save_file(state, self._layer_file(index))
             self._scratch[index] = self._layer_file(index)

@@ -141,7 +141,7 @@ def test_streamed_gptq_on_narrow_bf16_layers_equals_in_memory(passes, reads_sour
     """GPTQ reads a streamed layer's weights as they are stored (bf16, widened per call: the
     7B/13B memory path; the tiny layers take it once the size rule is lowered): the checkpoint
     is the in-memory run's, bit for bit, also when a pass after it changes float weights in
-    place (the scratch file then holds them in float32)."""
+    place (the scratch file holds them as stored, and the next pass reads them widened)."""
     from compress.core import device as core_device
     from compress.io import stream as stream_module
 
@@ -164,7 +164,17 @@ def test_streamed_gptq_on_narrow_bf16_layers_equals_in_memory(passes, reads_sour
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("kind", ["gptq", "int4_rtn", "awq", "autoround"])
+PASSES["gptq_attention_then_rtn"] = """
+    - {pass: quantize.gptq, group_size: 32, targets: ["re:.*self_attn.*"]}
+    - {pass: quantize.int4_rtn, group_size: 32}
+"""
+
+
+# the last: a first pass that leaves the experts float hands them on in a scratch file as
+# stored, and RTN reads them back narrow (they were widened whole for the file: 12.7 GB for a
+# GPT-OSS-120B layer)
+@pytest.mark.parametrize("kind", ["gptq", "int4_rtn", "awq", "autoround",
+                                  "gptq_attention_then_rtn"])
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])  # experts held [E, 2I, H]; transposed
 def test_streamed_moe_keeps_bf16_experts_and_works_one_expert_at_a_time(family, kind, tmp_path,
                                                                         monkeypatch, one_thread):
