@@ -11,7 +11,7 @@ reference and the fallback where the ops do not build:
 
 Measured on a Xeon with 2 threads, GPTQ of a 7B-shaped layer (16 x 512 tokens): the torch walk
 and the reference dequantization were 24% and 16% of the layer's time (py-spy;
-scripts/bench_gptq_layer.py times the layer before and after).
+scripts/bench_calibrated_layer.py times the layer before and after).
 """
 
 from __future__ import annotations

@@ -137,8 +137,27 @@ def _fake_quant(w: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
     )
 
 
+# Columns of one block of D's Gram (``_output_error``): [block, K] floats at a time.
+GRAM_BLOCK = 512
+
+
 def _output_error(d: torch.Tensor, h: torch.Tensor) -> float:
-    """``tr(D H D^T)``: squared output error over the calibration tokens for weight error D."""
+    """``tr(D H D^T)``: squared output error over the calibration tokens for weight error D,
+    as ``<D^T D, H>`` over the upper triangle (H and D^T D are symmetric), a block of rows of
+    D^T D at a time: half the multiply-adds of ``((D @ H) * D).sum()``
+    (``_output_error_reference``), which is most of the search's time at 7B widths
+    (scripts/bench_calibrated_layer.py; docs/results.md section 6)."""
+    k, total = d.shape[1], 0.0
+    for b0 in range(0, k, GRAM_BLOCK):
+        b1 = min(b0 + GRAM_BLOCK, k)
+        weighted = (d[:, b0:b1].T @ d[:, b0:]).mul_(h[b0:b1, b0:])  # [block, K - b0]
+        total += float(weighted[:, : b1 - b0].sum()) + 2.0 * float(weighted[:, b1 - b0:].sum())
+    return total
+
+
+def _output_error_reference(d: torch.Tensor, h: torch.Tensor) -> float:
+    """``_output_error`` as one product (the definition: the tests and
+    scripts/bench_calibrated_layer.py hold the blocked sum to it)."""
     return float(((d @ h) * d).sum())
 
 

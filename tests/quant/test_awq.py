@@ -139,3 +139,17 @@ def test_awq_not_worse_than_rtn_on_real_slice(smollm2, data_dir):
     run_passes(rtn, [Int4RtnConfig(group_size=64)], state)
     run_passes(awq, [AwqConfig(group_size=64, n_grid=10, clip_grid=10)], state)
     assert output_error(awq, model, ids) < output_error(rtn, model, ids)
+
+
+@pytest.mark.parametrize("n,k", [(48, 700), (300, 1100), (8, 512)])
+def test_output_error_is_the_float64_trace(n, k):
+    """The search's error ``tr(D H D^T)``, summed over the upper triangle of ``D^T D`` a block
+    at a time (blocks that do not divide K, a single block), against float64."""
+    from compress.quant.awq import _output_error
+
+    g = torch.Generator().manual_seed(k)
+    d = torch.randn(n, k, generator=g) * 1e-2
+    x = torch.randn(3 * k, k, generator=g) * torch.rand(k, generator=g)
+    h = x.T @ x / x.shape[0]
+    want = float(torch.trace(d.double() @ h.double() @ d.double().T))
+    assert _output_error(d, h) == pytest.approx(want, rel=1e-5)
