@@ -16,6 +16,7 @@ from pathlib import Path
 from compress.cli_flags import (
     add_device_arg,
     add_dtype_arg,
+    check_bindable,
     check_flags,
     check_generate_length,
     reader_left,
@@ -330,6 +331,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RecipeError(f"--kv-memory: {exc}") from None
     # the pool is allocated at once: past the free memory it fails, or is killed for memory
     check_phase("serve's KV cache", kv_memory, "lower --kv-memory")
+    check_bindable(args.host, args.port)  # before the model loads: uvicorn's failure exits 0
     # checked before the model loads (the scheduler checks them again, later)
     for flag in ("block_size", "max_batch", "prefill_budget"):
         value = getattr(args, flag)

@@ -12,6 +12,8 @@ import sys
 
 from compress.core.errors import RecipeError
 
+FLOAT32_MAX = 3.4028234663852886e38  # past it a temperature is inf in the logits' float32
+
 # Numeric flags, by argparse dest, whatever the command: what each must be. Checked before any
 # model loads; past these bounds the runtime or a window loop failed with a traceback, scored
 # a silently shortened text (--limit -2) or allocated until killed (--max-new-tokens 10**8).
@@ -20,7 +22,7 @@ FLAG_BOUNDS = {
     "stride": (lambda v: v >= 1, ">= 1"),
     "limit": (lambda v: v >= 1, ">= 1 (leave it out for every window)"),
     "max_new_tokens": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"),  # NaN fails too
+    "temperature": (lambda v: 0 <= v <= FLOAT32_MAX, "finite and >= 0 (0: greedy)"),  # not NaN
     "top_k": (lambda v: v >= 1, ">= 1"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "seed": (lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),  # torch.manual_seed's range
@@ -31,6 +33,21 @@ FLAG_BOUNDS = {
 }
 
 
+def check_bindable(host: str, port: int) -> None:
+    """``compress serve``'s address, bound and released before the model loads: uvicorn logs a
+    failed bind and returns, so the command exited 0 after loading the model and its KV pool."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise RecipeError(f"serve: cannot listen on --host {host} --port {port} ({exc}); "
+                          "pick a free --port or an address of this machine") from None
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """RecipeError listing every flag of ``args`` outside ``FLAG_BOUNDS``."""
     bad = [f"--{dest.replace('_', '-')} {value} must be {what}"
@@ -39,6 +56,12 @@ def check_flags(args: argparse.Namespace) -> None:
     stride = getattr(args, "stride", None)
     if stride is not None and stride > args.context_length:
         bad.append(f"--stride {args.stride} must be <= --context-length (or it skips tokens)")
+    prompt = getattr(args, "prompt", None)
+    try:
+        if isinstance(prompt, str):
+            prompt.encode("utf-8")  # undecodable argv bytes arrive as lone surrogates
+    except UnicodeEncodeError:
+        bad.append("the prompt is not valid UTF-8 text; pass it in UTF-8")
     if bad:
         raise RecipeError(f"{args.command}: " + "; ".join(bad))
 

@@ -20,7 +20,13 @@ BAD_FLAGS = {
     "generate_no_tokens": (["generate", "hi", "--model", MISSING, "--max-new-tokens", "0"],
                            "--max-new-tokens 0 must be >= 1"),
     "generate_nan_temperature": (["generate", "hi", "--model", MISSING, "--temperature", "nan"],
-                                 "--temperature nan must be >= 0"),
+                                 "--temperature nan must be finite and >= 0"),
+    # a traceback from the sampler after the model loaded
+    "generate_inf_temperature": (["generate", "hi", "--model", MISSING, "--temperature", "inf"],
+                                 "--temperature inf must be finite and >= 0"),
+    # undecodable argv bytes arrive as lone surrogates: the tokenizer raised a TypeError
+    "generate_prompt_not_utf8": (["generate", "\udcff\udcfe", "--model", MISSING],
+                                 "the prompt is not valid UTF-8 text"),
     "generate_top_p": (["generate", "hi", "--model", MISSING, "--top-p", "2"],
                        "--top-p 2.0 must be in (0, 1]"),
     "generate_top_k": (["generate", "hi", "--model", MISSING, "--top-k", "0"],

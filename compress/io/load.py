@@ -332,7 +332,7 @@ def load_tokenizer(where: Path | str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(where)
+        tokenizer = AutoTokenizer.from_pretrained(where)
     # the tokenizers library raises bare Exceptions for a tokenizer.json it cannot parse, and a
     # tokenizer_config.json that is not an object fails inside transformers with anything
     except Exception as exc:  # noqa: BLE001  (reported, not swallowed)
@@ -341,6 +341,14 @@ def load_tokenizer(where: Path | str) -> Any:
             "the source model's tokenizer files (tokenizer.json or tokenizer.model, "
             "tokenizer_config.json): copy them in"
         ) from exc
+    try:  # one that loads may still fail on every text: an empty vocabulary, a non-numeric
+        tokenizer("The quick brown fox.")  # model_max_length (found by fuzzing the server)
+    except Exception as exc:  # noqa: BLE001  (reported, not swallowed)
+        raise ModelLoadError(
+            f"{where}: its tokenizer loads but cannot encode text ({_first_line(exc)}); its "
+            "tokenizer files are damaged: copy the source model's in"
+        ) from exc
+    return tokenizer
 
 
 def check_tokenizer_fits(tokenizer: Any, vocab_rows: int, where: Path | str) -> None:

@@ -61,7 +61,7 @@ def parse_size(size: int | str) -> int:
     them: GB = 10^9); ValueError names the accepted forms."""
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"a shard size must be positive, not {size}")
+            raise ValueError(f"a size must be positive, not {size}")
         return size
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
     if not found:
@@ -70,7 +70,7 @@ def parse_size(size: int | str) -> int:
              "kib": 2**10, "mib": 2**20, "gib": 2**30}
     value = int(float(found.group(1)) * units[(found.group(2) or "B").lower()])
     if value <= 0:
-        raise ValueError(f"a shard size must be positive, not {size!r}")
+        raise ValueError(f"a size must be positive, not {size!r}")
     return value
 
 

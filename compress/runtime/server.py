@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import threading
 import time
@@ -42,8 +43,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from compress.core.errors import ModelLoadError
 from compress.runtime.engine_loop import Engine, RequestError
 from compress.runtime.scheduler import Event
+
+log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
 MAX_LOGPROBS = 20  # top log-probs per token, as vLLM's default limit
@@ -67,7 +71,9 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    # at most float32's max: past it the logits' float32 temperature is inf (every token ties)
+    temperature: float = Field(default=1.0, ge=0.0, le=3.4028234663852886e38,
+                               allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None)  # -1 or None: off (vLLM's convention)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a torch generator's range
@@ -148,6 +154,7 @@ class Server:
     def __init__(self, engine: Engine, tokenizer, model_name: str, *, max_model_len: int) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len = max_model_len
+        check_chat_template(tokenizer)
         self.created = int(time.time())
         stops = getattr(tokenizer, "eos_token_id", None)
         self.eos = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
@@ -168,6 +175,12 @@ class Server:
             response = _error(exc.status_code, message, None)
             response.headers.update(exc.headers or {})  # a 405's Allow
             return response
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request, exc: Exception):  # a bug of ours, in OpenAI's shape
+            log.exception("request failed")
+            return _error(500, f"internal error: {type(exc).__name__}: {exc}"[:500], None,
+                          "server_error")
 
         @app.get("/health")
         async def health():
@@ -217,7 +230,8 @@ class Server:
             prompt = [prompt]
         out = []
         for p in prompt:
-            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+            ids = self.tokenizer(_text(p, "prompt"))["input_ids"] if isinstance(p, str) \
+                else list(p)
             if not ids:
                 raise RequestError("a prompt has no tokens", "prompt")
             out.append(ids)
@@ -245,7 +259,8 @@ class Server:
                             f"messages.{i}.content",
                         )
                 content = "".join(part["text"] for part in content)
-            messages.append({"role": m.role, "content": content or ""})
+            messages.append({"role": m.role,
+                             "content": _text(content or "", f"messages.{i}.content")})
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except TemplateSyntaxError:
@@ -381,11 +396,16 @@ class Server:
         choice."""
         pending = {i: q.get() for i, (_, q, _) in enumerate(opened)}
         tasks = {asyncio.ensure_future(c): i for i, c in pending.items()}
+        checked = time.monotonic()
         try:
             while tasks:
                 done, _ = await asyncio.wait(tasks, timeout=1.0, return_when="FIRST_COMPLETED")
-                if not done and request is not None and await request.is_disconnected():
-                    return
+                # once a second whether tokens arrive or not: a client that left a running
+                # non-streamed request had it decode to its limit (its tokens kept coming)
+                if request is not None and time.monotonic() - checked >= 1.0:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
                 for task in done:
                     index = tasks.pop(task)
                     event = task.result()
@@ -598,6 +618,35 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def _text(text: str, param: str) -> str:
+    """``text`` when it is Unicode that UTF-8 holds; a JSON string may carry a lone surrogate
+    (``"\\ud800"``), which the tokenizer refused with a TypeError (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{param} is not valid Unicode text ({exc.reason} at character "
+                           f"{exc.start}); send UTF-8 text", param) from None
+    return text
+
+
+def check_chat_template(tokenizer) -> None:
+    """Compile the tokenizer's chat template once, at start: a template with a syntax error
+    failed every chat request with a 500 instead of the server refusing to start."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        env.parse(template)
+    except TemplateSyntaxError as exc:
+        raise ModelLoadError(f"the tokenizer's chat template does not compile ({exc.message}, line "
+                         f"{exc.lineno}); fix chat_template in the model's tokenizer files") \
+            from None
+
+
 def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -633,3 +682,6 @@ def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8000) -> None:
             signal.signal(sig, handler)
         server.engine.stop()
         thread.join(5)
+    if not http.started and not signals:  # uvicorn logged why (a failed bind) and returned
+        raise ModelLoadError(f"serve: the HTTP server did not start on {host}:{port} (its log "
+                             "above says why); pick a free --port")

@@ -260,6 +260,22 @@ def test_a_tokenizer_file_the_libraries_choke_on_is_refused(file, text, plain):
         load_model(str(plain))
 
 
+@pytest.mark.parametrize("edit", ["model_max_length", "empty_vocab"])
+def test_a_tokenizer_that_loads_but_cannot_encode_is_refused_at_load(edit, plain):
+    """Both loaded, then failed on every text (a traceback in eval and generate, a 500 for
+    every request of a server that started)."""
+    if edit == "model_max_length":
+        config = json.loads((plain / "tokenizer_config.json").read_text())
+        (plain / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "model_max_length": "big"}))
+    else:
+        spec = json.loads((plain / "tokenizer.json").read_text())
+        spec["model"]["vocab"] = {}
+        (plain / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelLoadError, match="its tokenizer loads but cannot encode text"):
+        load_model(str(plain))
+
+
 def test_inspect_reads_the_shards_the_index_names(plain):
     _split_in_two(plain)
     total = inspect_checkpoint(plain)["total_bytes"]

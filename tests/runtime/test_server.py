@@ -631,19 +631,29 @@ def test_forwards_that_fail_every_time_stop_the_engine_after_three(monkeypatch):
         (["--block-size", "0"], "--block-size 0: give a number above 0"),
         (["--prefill-budget", "-4"], "--prefill-budget -4: give a number above 0"),
         (["--kv-memory", "1KiB"], "holds no block of 16 tokens"),
+        (["--kv-memory", "0"], "--kv-memory: a size must be positive"),
+        (["--port", "BUSY"], "cannot listen on --host 127.0.0.1 --port"),  # it exited 0
+        (["--host", "999.1.1.1"], "cannot listen on --host 999.1.1.1"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(tmp_path, capsys, flags, message):
     """Exit status 2 and the problem named, no traceback (the first two before the model
     loads: the folder is empty)."""
+    import socket
+
     from compress.cli import main
 
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
     folder = tmp_path / "model"
-    if "--kv-memory" in flags:
+    if "1KiB" in flags:
         model, tokenizer = tiny()
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     else:
         folder.mkdir()
-    assert main(["serve", str(folder), *flags]) == 2
+    with busy:
+        assert main(["serve", str(folder), *flags]) == 2
     assert message in capsys.readouterr().err

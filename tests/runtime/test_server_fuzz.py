@@ -156,6 +156,14 @@ MALFORMED = [
     ("template-raise-exception", CHAT, {"messages": [{"role": "developer", "content": "x"}]},
      "messages", "chat template refused the messages: developer messages are not supported"),
     ("chat-prompt-too-long", CHAT, said("x" * 200), "messages", "max_model_len is 128"),
+    # a lone surrogate in a JSON string: the tokenizer raised a TypeError (a plain-text 500)
+    ("prompt-lone-surrogate", C, b'{"prompt": "\\ud800x", "max_tokens": 2}', "prompt",
+     "prompt is not valid Unicode text"),
+    ("content-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\udfffa"}]}',
+     "messages.0.content", "messages.0.content is not valid Unicode text"),
+    # past float32's max the logits' temperature is inf: every token tied, top_k ignored
+    ("temperature-past-float32", C, {"prompt": "hi", "temperature": 1e39}, "temperature",
+     "less than or equal to 3402823466385288"),
 ]
 
 
@@ -220,3 +228,32 @@ def test_a_request_for_another_model_is_a_404_naming_the_served_one(served, path
     for named in ({"model": "tiny"}, {}):
         status, reply = post(running, path, {**body, **named})
         assert status == 200 and reply["choices"][0]["finish_reason"] == "length", reply
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(served, monkeypatch):
+    """A bug of ours in a handler was Starlette's plain-text "Internal Server Error", which
+    OpenAI clients cannot read."""
+    from compress.runtime.server import Server
+
+    running, runtime, tokenizer = served
+
+    def broken(self, body):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(Server, "_completion_prompts", broken)
+    status, reply = post(running, "/v1/completions", {"prompt": "hi"})
+    assert status == 500
+    assert reply["error"]["type"] == "server_error" and "KeyError" in reply["error"]["message"]
+    monkeypatch.undo()
+    assert_alive_and_correct(running, runtime, tokenizer)
+
+
+def test_a_chat_template_that_does_not_compile_refuses_to_start():
+    """It failed every chat request with a 500 instead."""
+    from compress.core.errors import ModelLoadError
+    from compress.runtime.server import Server
+
+    _, tokenizer = tiny()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(ModelLoadError, match="chat template does not compile"):
+        Server(None, tokenizer, "tiny", max_model_len=64)
