@@ -360,6 +360,39 @@ def test_a_client_that_disconnects_frees_its_blocks_and_others_finish(served):
     assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 9], 5)
 
 
+def test_a_client_that_leaves_a_non_streamed_request_has_it_aborted(served, monkeypatch):
+    """Its disconnect was checked only when no token had come for a second, so a request
+    that kept decoding ran to its limit for nobody."""
+    running, runtime, tokenizer = served
+    scheduler = running.engine.scheduler
+    step = scheduler.step
+
+    def slow_step():  # 120 tokens take 6 s
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(scheduler, "step", slow_step)
+    body = json.dumps({"prompt": [1, 5, 6], "max_tokens": 120, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    port = int(running.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        for _ in range(100):
+            if running.stats()["running"] == 1:
+                break
+            time.sleep(0.02)
+    left = time.monotonic()
+    while running.stats()["running"] and time.monotonic() - left < 10:
+        time.sleep(0.05)
+    assert time.monotonic() - left < 3.0  # within a check or two, not the 6 s to its limit
+    monkeypatch.undo()
+    reply = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={"prompt": [1, 9], "max_tokens": 5, "temperature": 0,
+                             "ignore_eos": True}).json()  # fmt: skip
+    assert reply["choices"][0]["text"] == greedy_text(runtime, tokenizer, [1, 9], 5)
+
+
 def test_blocks_running_out_preempts_and_every_request_still_gets_its_text():
     model, tokenizer = tiny()
     runtime = Runtime(model, max_seq_len=96, compile=False)
