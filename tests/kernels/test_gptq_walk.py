@@ -10,47 +10,19 @@ import torch
 
 from compress.quant.gptq import GptqConfig, gptq_quantize
 from compress.quant.linear import WeightScheme
+from tests.kernels.gptq_cases import CASES, assert_same_as_the_torch_walk, problem
 
 pytest.importorskip("triton")
-
-# (N, K, group, symmetric, act_order, bits): groups smaller than the block (several walks per
-# block), equal to it, larger (a 256-column block), per channel with a ragged last block, static
-# groups with act_order, int8
-CASES = [
-    (40, 256, 32, True, False, 4),
-    (33, 384, 128, False, False, 4),
-    (24, 512, 256, True, False, 4),
-    (17, 200, None, True, False, 4),
-    (40, 256, 64, False, True, 4),
-    (20, 256, 128, True, False, 8),
-]
-
-
-def _problem(n, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(4 * k, k, generator=g) * torch.rand(k, generator=g)  # uneven diag(H)
-    return w, x.T @ x / x.shape[0]
-
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_triton_walk_matches_the_torch_walk(case, device):
     n, k, group, symmetric, act_order, bits = case
-    w, h = _problem(n, k)
+    w, h = problem(n, k)
     scheme = WeightScheme(bits, group, symmetric=symmetric)
     cfg = GptqConfig(act_order=act_order)
     ref = gptq_quantize(w, h, scheme, cfg, walk="torch")
     got = gptq_quantize(w.to(device), h.to(device), scheme, cfg, walk="triton")
-    codes, scales, zeros, info = (t.cpu() if isinstance(t, torch.Tensor) else t for t in got)
-    same = (codes == ref[0]).float().mean().item()
-    assert same >= 0.999, f"{100 * (1 - same):.3f}% of codes differ"
-    assert (codes - ref[0]).abs().max() <= 1  # a tie rounded the other way, never more
-    torch.testing.assert_close(scales, ref[1], rtol=1e-5, atol=0)
-    assert (zeros is None) == (ref[2] is None)
-    if zeros is not None:
-        assert (zeros != ref[2]).float().mean() <= 0.01
-    assert info["gptq_loss"] == pytest.approx(ref[3]["gptq_loss"], rel=1e-4)
-    assert info["dampening"] == ref[3]["dampening"]
+    assert_same_as_the_torch_walk(got, ref)
 
 
 def test_the_walk_refuses_what_it_cannot_hold():
@@ -74,7 +46,7 @@ def test_auto_walks_in_torch_when_the_kernel_fails_to_build(monkeypatch, caplog)
 
     monkeypatch.setattr(gptq, "_triton_walk_reason", lambda w, width: None)  # "a GPU"
     monkeypatch.setattr(gptq_walk, "gptq_walk_triton", broken)
-    w, h = _problem(24, 256)
+    w, h = problem(24, 256)
     scheme, cfg = WeightScheme(4, 64), GptqConfig()
     ref = gptq_quantize(w, h, scheme, cfg, walk="torch")
     got = gptq_quantize(w, h, scheme, cfg)
