@@ -19,6 +19,7 @@ from compress.cli_flags import (
     check_bindable,
     check_flags,
     check_generate_length,
+    check_serve_length,
     reader_left,
     runtime_dtypes,
     torch_threads,
@@ -343,8 +344,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_whole_loads("serve (model loaded whole)", [args.model], "compress it first (W4/W8 "
                       "exports load as stored)", dtype=load_dtype, extra=kv_memory)  # fmt: skip
     loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
-    # The model's quantized layers are released as the runtime takes them (one copy of the
-    # weights); the scheduler brings its paged cache, so no contiguous one is allocated.
+    check_serve_length(loaded, args.max_model_len)
+    # quantized layers are released as the runtime takes them; the scheduler brings its cache
     runtime = Runtime(loaded.model, max_seq_len=args.max_model_len, compile=False,
                       prefill_dtype=matmul, decode_dtype=matmul,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,

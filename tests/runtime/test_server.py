@@ -663,7 +663,9 @@ def test_forwards_that_fail_every_time_stop_the_engine_after_three(monkeypatch):
     [
         (["--block-size", "0"], "--block-size 0: give a number above 0"),
         (["--prefill-budget", "-4"], "--prefill-budget -4: give a number above 0"),
-        (["--kv-memory", "1KiB"], "holds no block of 16 tokens"),
+        (["--kv-memory", "1KiB", "--max-model-len", "128"], "holds no block of 16 tokens"),
+        # past the positions the rotary tables grew with it (10**8 was killed for memory)
+        (["--max-model-len", "1024"], "--max-model-len 1024 exceeds the 256 positions"),
         (["--kv-memory", "0"], "--kv-memory: a size must be positive"),
         (["--port", "BUSY"], "cannot listen on --host 127.0.0.1 --port"),  # it exited 0
         (["--host", "999.1.1.1"], "cannot listen on --host 999.1.1.1"),
@@ -681,7 +683,7 @@ def test_serve_refuses_bad_settings_with_a_message(tmp_path, capsys, flags, mess
     busy.listen()
     flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
     folder = tmp_path / "model"
-    if "1KiB" in flags:
+    if "1KiB" in flags or "1024" in flags:  # refused once the model is read
         model, tokenizer = tiny()
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
