@@ -12,8 +12,6 @@ import sys
 
 from compress.core.errors import RecipeError
 
-FLOAT32_MAX = 3.4028234663852886e38  # past it a temperature is inf in the logits' float32
-
 # Numeric flags, by argparse dest, whatever the command: what each must be. Checked before any
 # model loads; past these bounds the runtime or a window loop failed with a traceback, scored
 # a silently shortened text (--limit -2) or allocated until killed (--max-new-tokens 10**8).
@@ -22,7 +20,7 @@ FLAG_BOUNDS = {
     "stride": (lambda v: v >= 1, ">= 1"),
     "limit": (lambda v: v >= 1, ">= 1 (leave it out for every window)"),
     "max_new_tokens": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: 0 <= v <= FLOAT32_MAX, "finite and >= 0 (0: greedy)"),  # not NaN
+    "temperature": (lambda v: 0 <= v <= _max_temperature(), "finite and >= 0 (0: greedy)"),
     "top_k": (lambda v: v >= 1, ">= 1"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "seed": (lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),  # torch.manual_seed's range
@@ -31,6 +29,12 @@ FLAG_BOUNDS = {
     "threads": (lambda v: v >= 1, ">= 1"),
     "port": (lambda v: 0 <= v <= 65535, "in 0..65535"),
 }
+
+
+def _max_temperature() -> float:
+    from compress.runtime.sampling import MAX_TEMPERATURE  # imports torch: only when asked
+
+    return MAX_TEMPERATURE
 
 
 def check_bindable(host: str, port: int) -> None:

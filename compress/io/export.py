@@ -44,6 +44,7 @@ from compress.io.names import (
     split_float_experts,
     stored_renamer,
     tree_name,
+    tree_reader,
     under_model_names,
 )
 from compress.io.stream import (
@@ -675,9 +676,7 @@ def matched_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
     quant = _quantization_config(path)
     skeleton = (compressed_skeleton(path, dtype=dtype, backend=backend)
                 if quant.get("quant_method") == "compressed-tensors" else meta_skeleton(path))
-    reader = under_model_names(skeleton, open_checkpoint(path))
-    if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
-        reader = MoeTreeReader(skeleton, reader)
+    reader = tree_reader(skeleton, path)
     names, stored = set(expected_tensors(skeleton)), set(reader.names())
     missing = sorted(names - stored - {_tied_head_key(skeleton)})
     unexpected = sorted(n for n in stored - names if not is_bnb_state(n, names))
@@ -724,9 +723,7 @@ def load_compressed(
     path = Path(path)
     quant = _quantization_config(path)
     model = _skeleton(path, quant, dtype, backend, moe=True)
-    reader = under_model_names(model, open_checkpoint(path))
-    if moe_arch(model) is not None:
-        reader = MoeTreeReader(model, reader)
+    reader = tree_reader(model, path)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head_key = output_weight_key(model)
     read: set[str] = set()

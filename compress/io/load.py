@@ -278,14 +278,11 @@ def _load_from_shards(where: Path, dtype: torch.dtype) -> nn.Module:
     MXFP4 source (dequantized as read: ``CheckpointReader``). Every tensor cast to ``dtype``,
     trainable and tied as ``from_pretrained`` leaves a model."""
     from compress.arch import output_weight_key
-    from compress.io.names import MoeTreeReader, moe_arch, under_model_names
+    from compress.io.names import tree_reader
     from compress.io.stream import expected_tensors, materialize, meta_skeleton
-    from compress.io.wrapped import open_checkpoint
 
     model = meta_skeleton(where)
-    reader = under_model_names(model, open_checkpoint(where))
-    if moe_arch(model) is not None:
-        reader = MoeTreeReader(model, reader)
+    reader = tree_reader(model, where)
     head = output_weight_key(model) if model.config.tie_word_embeddings else None
     names, stored = set(expected_tensors(model)), set(reader.names())
     _refuse_partial_load(where, {"missing_keys": names - stored - {head},

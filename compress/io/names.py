@@ -20,7 +20,7 @@ from compress.arch import ARCHS, Arch, expert_shape, model_type, sparse_layers
 from compress.core.errors import ModelLoadError
 from compress.io.checkpoint import CheckpointReader
 from compress.io.stream import expected_tensors
-from compress.io.wrapped import wrapped_of
+from compress.io.wrapped import open_checkpoint, wrapped_of
 from compress.quant.linear import QuantExperts
 
 
@@ -204,6 +204,14 @@ def tree_name(key: str, names: dict[str, str], rename) -> str:
         if n in inverse:
             return inverse[n] + key[len(n):]
     return key
+
+
+def tree_reader(model: nn.Module, path) -> CheckpointReader:
+    """The checkpoint at ``path`` read under ``model``'s tensor names: the text model's of a
+    multimodal checkpoint (``open_checkpoint``), transformers' renames (``under_model_names``)
+    and an MoE model's per-expert weights fused as each layer is read (``MoeTreeReader``)."""
+    reader = under_model_names(model, open_checkpoint(path))
+    return MoeTreeReader(model, reader) if moe_arch(model) is not None else reader
 
 
 class MoeTreeReader:

@@ -369,15 +369,12 @@ def plan_job(
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
-        from compress.io.names import MoeTreeReader, moe_arch, under_model_names
+        from compress.io.names import tree_reader
         from compress.io.stream import meta_skeleton, verify_checkpoint
-        from compress.io.wrapped import open_checkpoint
 
         verify_checkpoint(where)
         skeleton = meta_skeleton(where)
-        reader = under_model_names(skeleton, open_checkpoint(where))
-        if moe_arch(skeleton) is not None:  # per-expert weights, fused as each layer is read
-            reader = MoeTreeReader(skeleton, reader)
+        reader = tree_reader(skeleton, where)  # MoE: per-expert weights fused as layers are read
         refusal = _skeleton_refusal(skeleton, reader)
         if refusal is None and _wants_eval(recipe, text):
             refusal = _eval_refusal(recipe, where, reader)

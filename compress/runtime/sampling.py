@@ -21,6 +21,11 @@ _NON_FINITE = (
 )
 
 
+# the largest temperature: past float32's max, logits / T in the logits' float32 are all 0 (every
+# token ties; top-k, top-p and min-p then select nothing)
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
+
+
 @dataclass
 class _Sampling:
     temperature: float = 0.0  # 0: greedy
@@ -155,14 +160,15 @@ def _make_sampling(
     """Sampling settings; a seed makes a generator on ``device`` (the model's: multinomial on
     CUDA refuses a CPU generator; None: the CPU)."""
     if (
-        not 0 <= temperature < float("inf")
+        not 0 <= temperature <= MAX_TEMPERATURE
         or (top_k is not None and top_k < 1)
         or not (top_p is None or 0 < top_p <= 1)
         or not (min_p is None or 0 <= min_p <= 1)
     ):
         raise ValueError(
-            f"temperature={temperature} must be finite and >= 0, top_k={top_k} >= 1, "
-            f"top_p={top_p} in (0, 1], min_p={min_p} in [0, 1]"
+            f"temperature={temperature} must be finite and >= 0 (at most "
+            f"{MAX_TEMPERATURE:.4g}), top_k={top_k} >= 1, top_p={top_p} in (0, 1], "
+            f"min_p={min_p} in [0, 1]"
         )
     generator = None
     if seed is not None:

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException
 
 from compress.core.errors import ModelLoadError
 from compress.runtime.engine_loop import Engine, RequestError
+from compress.runtime.sampling import MAX_TEMPERATURE
 from compress.runtime.scheduler import Event
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    # at most float32's max: past it the logits' float32 temperature is inf (every token ties)
-    temperature: float = Field(default=1.0, ge=0.0, le=3.4028234663852886e38,
-                               allow_inf_nan=False)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None)  # -1 or None: off (vLLM's convention)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a torch generator's range
