@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compress.runtime.sampling import ADJUSTMENT_KEYS, _make_sampling
-from compress.runtime.scheduler import Event, Scheduler
+from compress.runtime.scheduler import Event, RequestError, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,6 @@ log = logging.getLogger(__name__)
 # failure did before (the requests in flight a 500, later ones and /health a 503; ``serve``
 # shuts down), is acceptable: the model or the machine is broken, and a restart is the fix.
 MAX_FAILED_FORWARDS = 3
-
-
-class RequestError(ValueError):
-    """A request we cannot serve: a 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -88,7 +80,9 @@ class Engine:
                                  sampling.get("prompt_logprobs"), **adjust)
             _make_sampling(**{k: v for k, v in sampling.items() if k not in (
                 "stop_tokens", "logprobs", "prompt_logprobs", *ADJUSTMENT_KEYS)})
-        except ValueError as exc:
+        except RequestError:
+            raise
+        except ValueError as exc:  # the prompt's tokens, or its length with the tokens asked
             raise RequestError(str(exc), "prompt") from None
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -75,6 +75,15 @@ log = logging.getLogger(__name__)
 ATTENTION = ("auto", "kernel", "reference")  # how decode steps attend (Scheduler)
 
 
+class RequestError(ValueError):
+    """A request that cannot run, naming the request field at fault (``param``, as OpenAI's
+    errors do; ``compress serve`` answers it with a 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(eq=False)  # identity: the scheduler's list lookups compare objects, not fields
 class Sequence:
     """One request's state in the scheduler."""
@@ -336,7 +345,8 @@ class Scheduler:
         vocab = self.runtime.embed.shape[0]
         for k in logprobs:
             if k is not None and not 0 <= k <= vocab:
-                raise ValueError(f"logprobs={k} must be in 0..{vocab} (the vocabulary)")
+                raise RequestError(f"logprobs={k} must be in 0..{vocab} (the vocabulary)",
+                                   "logprobs")
         a = adjustments
         if not (a.repetition_penalty > 0 and 0 <= a.min_tokens <= max_new_tokens
                 and all(map(math.isfinite, (a.presence_penalty, a.frequency_penalty,
@@ -347,8 +357,8 @@ class Scheduler:
             )
         bad = [t for t, b in a.logit_bias if not 0 <= t < vocab or not math.isfinite(b)]
         if bad:
-            raise ValueError(f"logit_bias names tokens outside the vocabulary 0..{vocab - 1} or "
-                             f"non-finite biases: {bad[:5]}")
+            raise RequestError(f"logit_bias names tokens outside the vocabulary 0..{vocab - 1} "
+                               f"or non-finite biases: {bad[:5]}", "logit_bias")
         need = -(-(len(prompt) + max_new_tokens) // self.block_size)
         if need > self.pool.num_blocks:
             raise ValueError(

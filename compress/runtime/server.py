@@ -6,14 +6,15 @@ server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /he
 uvicorn (the ``serve`` extra).
 
 One engine thread owns the model (``engine_loop.py``): it runs ``Scheduler.step`` while there is
-work and hands each token to the request's asyncio queue. Handlers validate and tokenize on the
-event loop, add the request under a lock (between steps) and stream what arrives. Bad requests
-get a 400 with an OpenAI-style error body naming the field; more than ``max_waiting`` queued
-requests get a 503; a client that disconnects aborts its request, which frees its KV blocks.
-A request that fails in a step gets a 500 naming what failed (a stream: an error event, then
-the end) and the engine serves the others on; only when the engine stops (``engine_loop.py``)
-does every request get a 503. Ctrl-C stops accepting connections and lets the requests in
-flight finish (uvicorn's graceful shutdown).
+work and hands each token to the request's asyncio queue. Handlers validate on the event loop,
+tokenize in a worker thread, add the request under a lock (between steps) and stream what
+arrives. Bad requests get a 400 with an OpenAI-style error body naming the field (a body over
+``MAX_BODY_BYTES`` a 413); more than ``max_waiting`` queued requests get a 503; a client that
+disconnects aborts its request, which frees its KV blocks. A request that fails in a step gets
+a 500 naming what failed (a stream: an error event, then the end) and the engine serves the
+others on; only when the engine stops (``engine_loop.py``) does every request get a 503.
+Ctrl-C stops accepting connections and lets the requests in flight finish (uvicorn's graceful
+shutdown).
 
 Extensions that vLLM's server has too: ``top_k``, ``ignore_eos``, and ``prompt`` as token ids.
 ``n`` choices per prompt; ``logprobs`` (completions: the top k, chat: ``logprobs`` with
@@ -35,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -44,14 +46,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from compress.core.errors import ModelLoadError
-from compress.runtime.engine_loop import Engine, RequestError
+from compress.runtime.engine_loop import Engine
 from compress.runtime.sampling import MAX_TEMPERATURE
-from compress.runtime.scheduler import Event
+from compress.runtime.scheduler import Event, RequestError
 
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
 MAX_LOGPROBS = 20  # top log-probs per token, as vLLM's default limit
+# A request body past this is a 413 before it is read whole: a 100 MB body was held and parsed
+# on the event loop. 32 MiB holds 256 prompts of 8192 token ids each as JSON, twice over.
+MAX_BODY_BYTES = 32 << 20
+# A text over max_model_len x (its tokenizer's longest token, in characters) x this many
+# characters cannot fit and is refused before it is tokenized (a 10 MB prompt held every other
+# client for seconds). The margin covers normalizers that drop or merge characters.
+_CHARS_MARGIN = 4
 ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
           "GET /stats")
 # what a field that takes several shapes expects, for its 400 (pydantic would name one shape)
@@ -157,7 +166,10 @@ class Server:
         self.created = int(time.time())
         stops = getattr(tokenizer, "eos_token_id", None)
         self.eos = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+        # the most characters a servable text can have (``_CHARS_MARGIN``)
+        self.max_text_chars = max_model_len * _longest_token_chars(tokenizer) * _CHARS_MARGIN
         app = FastAPI(title="compress serve", docs_url=None, redoc_url=None)
+        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
         self.app = app
 
         @app.exception_handler(RequestValidationError)
@@ -202,10 +214,19 @@ class Server:
             }
             return {"object": "list", "data": [card]}
 
+        # Tokenizing runs in a worker thread of its own, so /health, /stats and streams stay
+        # answered while a long prompt is read (the tokenizers release the GIL); one thread,
+        # since not every tokenizer is safe to call from two at once.
+        tokenizing = ThreadPoolExecutor(1, thread_name_prefix="compress-tokenize")
+
+        async def in_worker(function, body):
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, function, body)
+
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
             try:
-                prompts = self._completion_prompts(body)
+                self._check_sequences(_prompt_count(body.prompt), body.n)
+                prompts = await in_worker(self._completion_prompts, body)
             except RequestError as exc:
                 return _error(400, str(exc), exc.param)
             return await self._serve(body, prompts, request, chat=False)
@@ -213,12 +234,31 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
             try:
-                prompts = [self._chat_prompt(body)]
+                self._check_sequences(1, body.n)
+                prompts = [await in_worker(self._chat_prompt, body)]
             except RequestError as exc:
                 return _error(400, str(exc), exc.param)
             return await self._serve(body, prompts, request, chat=True)
 
     # ---- request -> token ids ------------------------------------------------------------
+    def _check_sequences(self, prompts: int, n: int) -> None:
+        """Refuse, before any prompt is tokenized, more sequences than the queue ever holds:
+        never servable, whatever the load (a 400, not a 503 whose "retry later" loops)."""
+        if prompts * n > self.engine.max_waiting:
+            raise RequestError(
+                f"{prompts} prompts x n={n} are {prompts * n} sequences; this server queues at "
+                f"most {self.engine.max_waiting}: send fewer prompts or a smaller n per request",
+                "prompt" if prompts > 1 else "n",
+            )
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_text_chars:
+            raise RequestError(
+                f"{param} has {chars} characters; this server's max_model_len of "
+                f"{self.max_model_len} tokens holds none over {self.max_text_chars}: shorten it",
+                param,
+            )
+
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -229,6 +269,8 @@ class Server:
             prompt = [prompt]
         out = []
         for p in prompt:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
             ids = self.tokenizer(_text(p, "prompt"))["input_ids"] if isinstance(p, str) \
                 else list(p)
             if not ids:
@@ -260,6 +302,7 @@ class Server:
                 content = "".join(part["text"] for part in content)
             messages.append({"role": m.role,
                              "content": _text(content or "", f"messages.{i}.content")})
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except TemplateSyntaxError:
@@ -339,15 +382,6 @@ class Server:
         stops = [stop for stop in stops if stop]  # "" would match before any text
         opened: list[tuple[int, asyncio.Queue, _Detokenizer]] = []
         echoed: list[list[int]] = []  # each choice's prompt, when echo is asked
-        if len(prompts) * body.n > self.engine.max_waiting:
-            # never servable, whatever the load: a 400, not a 503 whose "retry later" loops
-            return _error(
-                400,
-                f"{len(prompts)} prompts x n={body.n} are {len(prompts) * body.n} sequences; "
-                f"this server queues at most {self.engine.max_waiting}: send fewer prompts or "
-                "a smaller n per request",
-                "prompt" if len(prompts) > 1 else "n",
-            )
         try:
             for prompt in prompts:  # choice index: prompt * n + sample, as vLLM orders them
                 for sample in range(body.n):
@@ -539,6 +573,51 @@ class Server:
             "model": self.model_name,
             "choices": choices,
         }
+
+
+def _prompt_count(prompt) -> int:
+    """How many prompts ``prompt`` (a string, token ids, or a list of either) holds."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` covers: its vocabulary's longest
+    entry as written (a byte-level piece spells each byte as one character, a character is at
+    least one byte; byte-fallback pieces like ``<0x41>`` only overcount)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes is a 413, from its Content-Length before it
+    is read, or (chunked) once more than ``limit`` bytes have come."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _message(self, size: str) -> str:
+        return (f"the request body is {size}; this server takes at most {self.limit} bytes "
+                f"({self.limit >> 20} MiB): send fewer or shorter prompts per request")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = _error(413, self._message(f"{int(length)} bytes"), None)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI's body reader passes an HTTPException on
+                raise HTTPException(413, self._message(f"over {self.limit} bytes"))
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -133,6 +133,9 @@ MALFORMED = [
      "' 5 ' is not a token id"),
     ("logit-bias-key-underscore", C, {"prompt": "hi", "logit_bias": {"1_0": 1}}, "logit_bias",
      "'1_0' is not a token id"),
+    # was reported as param "prompt"
+    ("logit-bias-token-past-vocabulary", C, {"prompt": "hi", "logit_bias": {"320": 1}},
+     "logit_bias", "outside the vocabulary 0..319"),
     ("max-tokens-past-max-model-len", C, {"prompt": "hi", "max_tokens": 500}, "max_tokens",
      "ask for at most 126 tokens"),
     # a request that can never be queued: was a 503 "retry later", forever
@@ -156,6 +159,12 @@ MALFORMED = [
     ("template-raise-exception", CHAT, {"messages": [{"role": "developer", "content": "x"}]},
      "messages", "chat template refused the messages: developer messages are not supported"),
     ("chat-prompt-too-long", CHAT, said("x" * 200), "messages", "max_model_len is 128"),
+    # past max_model_len x the longest token (5 characters) x 4 characters: refused untokenized
+    ("prompt-too-many-characters", C, {"prompt": "x" * 2561}, "prompt",
+     "prompt has 2561 characters; this server's max_model_len of 128 tokens holds none over "
+     "2560"),
+    ("chat-too-many-characters", CHAT, said("x" * 2000 + "y" * 561), "messages",
+     "messages has 2561 characters"),
     # a lone surrogate in a JSON string: the tokenizer raised a TypeError (a plain-text 500)
     ("prompt-lone-surrogate", C, b'{"prompt": "\\ud800x", "max_tokens": 2}', "prompt",
      "prompt is not valid Unicode text"),
@@ -257,3 +266,67 @@ def test_a_chat_template_that_does_not_compile_refuses_to_start():
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
     with pytest.raises(ModelLoadError, match="chat template does not compile"):
         Server(None, tokenizer, "tiny", max_model_len=64)
+
+
+def test_oversized_asks_are_refused_before_anything_is_tokenized(served, monkeypatch):
+    """100k prompts, or a 10 MB one, were tokenized whole on the event loop (every other client
+    and /health waited) before the queue bound or max_model_len refused them."""
+    running, runtime, tokenizer = served
+
+    def tokenized(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(type(tokenizer), "__call__", tokenized)
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", tokenized)
+    for path, body, fragment in [
+        (C, {"prompt": ["hi"] * 100_000}, "100000 prompts x n=1"),
+        (C, {"prompt": "x" * 10**7}, "prompt has 10000000 characters"),
+        (CHAT, said("x" * 10**7), "messages has 10000000 characters"),
+    ]:
+        status, reply = post(running, path, body)
+        assert status == 400 and fragment in reply["error"]["message"], reply
+    monkeypatch.undo()
+    assert_alive_and_correct(running, runtime, tokenizer)
+
+
+def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
+    """Tokenizing ran on the event loop: a long prompt held /health and every stream."""
+    import threading
+    import time
+
+    running, runtime, tokenizer = served
+    encode, started = type(tokenizer).__call__, threading.Event()
+
+    def slow(self, *args, **kwargs):
+        started.set()
+        time.sleep(3)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", slow)
+    replies = []
+    sender = threading.Thread(target=lambda: replies.append(post(
+        running, C, {"prompt": "hello", "max_tokens": 2, "ignore_eos": True})))
+    sender.start()
+    assert started.wait(10)
+    assert httpx.get(running.url + "/health", timeout=2).json() == {"status": "ok"}
+    sender.join()
+    assert replies[0][0] == 200 and replies[0][1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_a_413_naming_it(monkeypatch, chunked):
+    """There was no bound: a 100 MB body was read and parsed on the event loop."""
+    from starlette.testclient import TestClient
+
+    from compress.runtime import server
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 1000)
+    _, tokenizer = tiny()
+    app = server.Server(None, tokenizer, "tiny", max_model_len=64).app
+    body = json.dumps({"prompt": "x" * 2000}).encode()
+    reply = TestClient(app).post(C, content=iter([body[:500], body[500:]]) if chunked else body,
+                                 headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+    error = reply.json()["error"]
+    assert "this server takes at most 1000 bytes" in error["message"], error
+    assert error["code"] == 413
