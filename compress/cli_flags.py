@@ -74,12 +74,9 @@ def check_serve_length(loaded, max_model_len: int) -> None:
     """``serve``'s --max-model-len within the model's positions, as ``generate`` checks its
     length: past them the rotary tables alone grew with it (100000000 was killed for memory),
     and a learned position table has no rows beyond."""
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and max_model_len > limit:
-        raise RecipeError(
-            f"serve: --max-model-len {max_model_len} exceeds the {limit} positions of "
-            f"{loaded.source} (config.json max_position_embeddings); give --max-model-len "
-            f"{limit} or less")
+    from compress.io.checkpoint import check_positions
+
+    check_positions(loaded.model.config, max_model_len, "serve: --max-model-len", loaded.source)
 
 
 def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> int:

@@ -77,7 +77,8 @@ def test_eval_of_a_text_it_cannot_score_is_a_data_error(content, message, plain,
                                                          capsys):
     text = tmp_path / "text.txt"
     text.write_bytes(content)
-    assert main(["eval", str(plain), "--dataset", str(text), "--no-progress"]) == 2
+    assert main(["eval", str(plain), "--dataset", str(text), "--no-progress",
+                 "--context-length", "64"]) == 2
     assert message in capsys.readouterr().err
 
 

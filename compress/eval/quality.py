@@ -55,6 +55,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from compress.core.errors import DataError, NumericsError, OutputError
+from compress.io.checkpoint import check_positions
 
 log = logging.getLogger(__name__)
 
@@ -618,6 +619,7 @@ def perplexity(
                          f"1..context_length (more would skip tokens), limit={limit} >= 1")
     if top_k is not None and (top_k < 1 or top_k_dir is None):
         raise ValueError(f"top_k={top_k} must be >= 1 and needs top_k_dir (written to disk)")
+    check_positions(getattr(model, "config", None), context_length, "context_length")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     all_spans = window_spans(len(ids), context_length, stride)
     spans = all_spans[:limit] if limit is not None else all_spans

@@ -511,6 +511,19 @@ def stored_dtype_name(path) -> str | None:
     return stored if isinstance(stored, str) else None
 
 
+def check_positions(config: object, length: int, what: str, source: str = "the model") -> None:
+    """Refuse ``length`` tokens per sequence (``what``: the setting that asks them) past the
+    model's positions (config.json ``max_position_embeddings``): a learned position table has no
+    rows beyond, a RoPE model was not trained there (a score there is of extrapolation), and
+    caches and rotary tables sized by the length took all memory (10**8)."""
+    from compress.core.errors import ConfigError
+
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError(f"{what} {length} exceeds the {limit} positions of {source} "
+                          f"(config.json max_position_embeddings); give {limit} or less")
+
+
 def read_config_json(path: str | os.PathLike[str]) -> dict:
     """``path``/config.json as a mapping, or a ModelLoadError naming what is wrong with it (not
     JSON, not an object, a ``quantization_config`` that is not an object)."""

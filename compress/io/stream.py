@@ -129,7 +129,26 @@ def causal_lm_config(path: str | os.PathLike[str]):
     problem = _config_value_problem(config.to_dict())
     if problem:
         raise ModelLoadError(f"{path}/config.json: {problem}; fix it")
+    _check_layer_count(path, config)
     return config, wrapped
+
+
+def _check_layer_count(path: str | os.PathLike[str], config) -> None:
+    """Refuse a layer count that the shards cannot hold (a layer stores at least one tensor)
+    before a model of that many layers is built: ``num_hidden_layers: 1000000`` built the meta
+    model for minutes, in gigabytes, before its names could be compared with the stored ones."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return
+    try:
+        stored = len(CheckpointReader(path).names())
+    except ModelLoadError:  # no weights, or broken ones: what reads them says so
+        return
+    if layers > stored:
+        raise ModelLoadError(
+            f"{path}/config.json: num_hidden_layers: {layers}, but the shards hold {stored} "
+            "tensors in all (each layer stores some); set it to the number of layers stored"
+        )
 
 
 # Values the modeling takes as they are and turns into NaN at the first forward: RoPE bases

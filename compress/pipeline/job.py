@@ -32,6 +32,14 @@ from compress.io.export import export_checkpoint, resolve_export_dtype, write_pr
 from compress.io.load import load_model, local_model_dir
 from compress.output_dir import check_output_dir
 from compress.pipeline.preflight import layerwise_eval, layerwise_export_eval
+from compress.pipeline.refusals import (
+    check_lengths,
+    eval_refusal,
+    export_dtype,
+    refuse_bnb_of_multimodal,
+    skeleton_refusal,
+    stream_refusal,
+)
 from compress.quant.linear import dequantized_for_scoring, model_bytes
 from compress.recipe import Recipe
 
@@ -211,85 +219,6 @@ def model_folders(recipe: Recipe, model: str | None) -> list[Path]:
     return [d for d in map(local_model_dir, sources) if d is not None]
 
 
-def stream_refusal(recipe: Recipe, where) -> str | None:
-    """None when the recipe can run layer by layer from the checkpoint at ``where`` (the model
-    a meta skeleton, ``compress.io.stream``), else why not (the job then loads the model whole,
-    after the memory preflight)."""
-    from compress.io.load import is_compressed_checkpoint
-
-    if not isinstance(where, Path):
-        return "the model is not a local folder"
-    if is_compressed_checkpoint(where):
-        return "the model is already a compressed checkpoint"
-    if not recipe.export.enabled:
-        return "export is disabled (a streamed run writes its result as it goes)"
-    if not recipe.passes:
-        return "the recipe has no passes"
-    whole = [PASSES[pass_name_of(p)].name for p in recipe.passes
-             if not PASSES[pass_name_of(p)].layerwise]
-    if whole:
-        return f"{', '.join(whole)} work on the whole model"
-    return None
-
-
-def _skeleton_refusal(skeleton, reader) -> str | None:
-    """Streaming reads tensors under the module tree's names (renamed where transformers or an
-    MoE layout rename them: ``under_model_names``, ``MoeTreeReader``): a checkpoint stored
-    under other names is loaded by transformers instead."""
-    from compress.arch import ARCHS, model_type
-    from compress.io.export import _tied_head_key
-
-    arch = ARCHS.get(model_type(skeleton))
-    if arch is None:
-        return f"model_type {model_type(skeleton)!r} is not streamed (an unknown family)"
-    names = set(skeleton.state_dict()) - {_tied_head_key(skeleton)}
-    stored = set(reader.names())
-    if names != stored:
-        odd = sorted(names ^ stored)[:3]
-        return f"the checkpoint's tensor names differ from the model's ({', '.join(odd)})"
-    return None
-
-
-def _eval_refusal(recipe: Recipe, where, reader) -> str | None:
-    """A streamed job scores its export; that is the whole-model path's numbers only when the
-    export holds the checkpoint's float values exactly: in their own dtype, or in float32,
-    which holds every bf16 and fp16 value (a float32 source exported in bf16 would be scored
-    with rounded embeddings and norms)."""
-    from compress.core.registry import DTYPES
-
-    stored = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
-    export = DTYPES[_export_dtype(recipe, where)]
-    if stored <= {export} or export is DTYPES["float32"]:
-        return None
-    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
-    return (f"evaluation scores the model in its checkpoint's {names}; a streamed job would "
-            f"score the export, rounded to {str(export).removeprefix('torch.')}")
-
-
-def _export_dtype(recipe: Recipe, where) -> str:
-    """The dtype the export writes float tensors in: the recipe's (``resolve_export_dtype``),
-    but float32, the compute dtype, for a bitsandbytes model: its export keeps the model's
-    dtype (``export_checkpoint``: casting would change the bnb modules' compute path)."""
-    if any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
-        return "float32"
-    return resolve_export_dtype(recipe.export.dtype, where)
-
-
-def _refuse_bnb_of_multimodal(recipe: Recipe, where) -> None:
-    """A bitsandbytes export (``save_pretrained``) of a checkpoint that stores more than its
-    causal LM (``compress.io.wrapped``) would lose the rest: refused before any work."""
-    from compress.io.wrapped import wrapped_text
-
-    wrapped = wrapped_text(where) if isinstance(where, Path) and recipe.export.enabled else None
-    if wrapped and any(pass_name_of(p) == "quantize.bnb" for p in recipe.passes):
-        rest = "vision tower" if wrapped.multimodal else "multi-token-prediction modules"
-        raise RecipeError(
-            f"{where} stores a {rest} beside its causal LM: quantize.bnb exports through "
-            f"transformers' save_pretrained, which would write the causal LM without it; "
-            "use quantize.int4_rtn, quantize.int8_rtn, quantize.gptq or quantize.awq (their "
-            "compressed-tensors exports keep it), or set export.enabled: false")
-
-
 class JobOptions(BaseModel):
     """How a job runs, as the CLI's flags set it (``run_job`` documents each)."""
 
@@ -365,7 +294,8 @@ def plan_job(
         path = resolve_text_path(recipe.eval.perplexity.dataset, data_dir)
         text, source = read_text(path), str(path)
     where = resolve_model_path(model or recipe.model)
-    _refuse_bnb_of_multimodal(recipe, where)
+    refuse_bnb_of_multimodal(recipe, where)
+    check_lengths(recipe, where)
     refusal = stream_refusal(recipe, where)
     skeleton = reader = None
     if refusal is None:
@@ -375,9 +305,9 @@ def plan_job(
         verify_checkpoint(where)
         skeleton = meta_skeleton(where)
         reader = tree_reader(skeleton, where)  # MoE: per-expert weights fused as layers are read
-        refusal = _skeleton_refusal(skeleton, reader)
+        refusal = skeleton_refusal(skeleton, reader)
         if refusal is None and _wants_eval(recipe, text):
-            refusal = _eval_refusal(recipe, where, reader)
+            refusal = eval_refusal(recipe, where, reader)
     if stream and refusal is not None:
         raise RecipeError(f"this job cannot stream: {refusal}; leave `stream` unset")
     streamed = refusal is None and stream is not False
@@ -771,7 +701,7 @@ def _stream_passes(plan: JobPlan, state: CompressionState, folder: Path, tokeniz
     streamed = StreamedModel(skeleton, plan.reader, torch.float32,
                              decoder_layers(skeleton, "streaming"), arch.layer_prefix,
                              folder / ".scratch")
-    dtype = _export_dtype(recipe, plan.where)
+    dtype = export_dtype(recipe, plan.where)
     if dtype != resolve_export_dtype(recipe.export.dtype, plan.where):  # as export_checkpoint
         log.warning("bitsandbytes export keeps non-quantized tensors in %s (asked: %s)", dtype,
                     resolve_export_dtype(recipe.export.dtype, plan.where))

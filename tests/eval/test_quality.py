@@ -86,3 +86,18 @@ def test_one_window_equals_float64_nll_of_the_tiny_models_logits(tiny_model, tin
     assert result.windows == 1 and result.scored_tokens == len(ids) - 1
     assert result.nll_mean == pytest.approx(expected, rel=1e-6)
     assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-6)
+
+
+def test_windows_past_the_models_positions_are_refused(tiny_model, tiny_tokenizer):
+    """They were scored: a learned position table has no rows there, a RoPE model scores
+    extrapolation; 256 positions, the model's own, still run."""
+    from compress.core.errors import ConfigError
+
+    positions = tiny_model.config.max_position_embeddings
+    with pytest.raises(ConfigError, match=f"context_length {positions + 1} exceeds the "
+                                          f"{positions} positions"):
+        perplexity(tiny_model, tiny_tokenizer, TEXT * 2, context_length=positions + 1,
+                   progress=False)
+    result = perplexity(tiny_model, tiny_tokenizer, TEXT * 2, context_length=positions,
+                        progress=False, limit=1)
+    assert result.windows == 1

@@ -133,6 +133,9 @@ CONFIG_BREAKS = {  # each was a ZeroDivisionError, AttributeError, ImportError..
                              "transformers cannot load this checkpoint .*optimum"),
     "quant_method_missing": (_config(quantization_config={}),
                              "transformers cannot load this checkpoint .*quant_method"),
+    # built a meta model of a million layers for minutes before the names were compared
+    "layers_past_the_tensors": (_config(num_hidden_layers=10**6),
+                                "num_hidden_layers: 1000000, but the shards hold"),
 }
 
 
@@ -240,6 +243,22 @@ def test_a_job_on_a_config_with_no_layers_names_the_setting(plain, tmp_path, cap
     code = main(["run", str(recipe), "--model", str(plain), "--out", str(tmp_path / "out")])
     assert code == 2 and not (tmp_path / "out").exists()
     assert "num_hidden_layers: 0; set it to the number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, setting", [
+    ("eval: {baseline: false, perplexity: {context_length: 300}}",
+     "eval.perplexity.context_length"),
+    ("calibration: {num_samples: 2, seq_len: 300}\neval: {baseline: false, perplexity: null}",
+     "calibration.seq_len"),
+])
+def test_a_job_asking_past_the_models_positions_is_refused_before_any_work(
+        plain, tmp_path, capsys, section, setting):
+    """It ran its passes, then failed (or, with RoPE, scored extrapolation) at 300 of 256."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("passes:\n  - {pass: quantize.int4_rtn, group_size: 32}\n" + section + "\n")
+    code = main(["run", str(recipe), "--model", str(plain), "--out", str(tmp_path / "out")])
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert f"{setting} 300 exceeds the 256 positions" in capsys.readouterr().err
 
 
 def test_a_tokenizer_from_a_bigger_model_is_refused(tiny_tokenizer, tmp_path):

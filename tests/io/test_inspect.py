@@ -42,6 +42,16 @@ def test_a_config_with_another_layer_count_than_the_shards_is_refused(tmp_path, 
     assert main(["inspect", str(tmp_path)]) == 2  # an input error, named
 
 
+def test_a_layer_count_past_the_stored_tensors_is_refused_before_building_it(tmp_path):
+    """num_hidden_layers: 1000000 built a meta model for minutes before the names could be
+    compared; more layers than tensors cannot be stored."""
+    make_tiny_llama(num_hidden_layers=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+    with pytest.raises(ModelLoadError, match="num_hidden_layers: 1000000, but the shards hold"):
+        inspect_checkpoint(tmp_path)
+
+
 def test_quantized_layers_show_scheme_and_group_size(tiny_model, tiny_tokenizer, tmp_path,
                                                      capsys):
     cfg = Int4RtnConfig(group_size=32, symmetric=False, overrides=[

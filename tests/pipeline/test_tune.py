@@ -396,7 +396,7 @@ def test_tune_layer_by_layer_writes_the_recipe_the_whole_model_gives(
     with pytest.raises(ConfigError, match="TPOT"):
         run_tune(str(model_dir), TuneTarget(tpot_ms=5.0), out_dir=tmp_path / "t",
                  calibration_mix={str(text): 1.0}, eval_dataset=str(text), progress=False,
-                 layer_by_layer=True)  # fmt: skip
+                 layer_by_layer=True, seq_len=32, context_length=64)  # fmt: skip
 
 
 def test_layer_by_layer_is_chosen_when_the_whole_measurement_does_not_fit(tmp_path, monkeypatch):
