@@ -545,6 +545,24 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def assert_greedy_agrees(model, prompt: list[int], got: list[int], tol: float) -> None:
+    """``got`` is transformers' greedy continuation of ``prompt`` (as long as ``got``), or agrees
+    with it up to a near tie: a step where the reference's top two logits (after the shared
+    tokens) lie within ``tol`` and ``got`` took the runner-up, which another kernel's rounding
+    (bf16 activations) may pick; the tokens after a flipped tie differ."""
+    want = hf_greedy(model, prompt, len(got))
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want[:i]])).logits[0, -1].double()
+    top = logits.topk(2)
+    margin = float(top.values[0] - top.values[1])
+    assert margin <= tol and got[i] == int(top.indices[1]), (
+        f"greedy tokens differ at {i}: {got} != {want}; the reference's top-2 margin there is "
+        f"{margin:.4g} (a near tie is <= {tol})")
+
+
 _PLAIN_LOAD = """
 import json, sys, torch
 import transformers

@@ -551,8 +551,12 @@ def test_pruning_moe_drops_whole_layers_and_refuses_slicing_experts(model_type, 
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    saved = model.state_dict()
+    assert reloaded.state_dict().keys() == saved.keys()
+    assert all(torch.equal(value, saved[name]) for name, value in reloaded.state_dict().items())
+    with torch.no_grad():  # the same weights; read unaligned from the file (40 mod 64 bytes on
+        # one AMD EPYC) a GEMM may sum in another order: equal up to float32 rounding
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
     for name in ("prune.attention_heads", "prune.mlp_channels", "prune.hidden_size"):
         with pytest.raises(ConfigError, match="mixture-of-expert model; slicing"):
             run_passes(make_tiny_moe(model_type), [get_pass(name).config_cls(sparsity=0.5)],

@@ -30,7 +30,13 @@ from compress.arch import (
 )
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
-from compress.testing import TINY_MOE_TYPES, hf_greedy, make_tiny_model, make_tiny_moe
+from compress.testing import (
+    TINY_MOE_TYPES,
+    assert_greedy_agrees,
+    hf_greedy,
+    make_tiny_model,
+    make_tiny_moe,
+)
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 250, 31, 64], [1, 40, 50], [1, 200, 13, 14, 15]]
 WINDOW = 8
@@ -303,8 +309,9 @@ def test_int4_rtn_equals_transformers_on_the_same_quantized_model(family):
                        if arch.moe else arch.linears)
         linears -= bool(arch.latent_attention)  # its latent's expansion is absorbed, in fp32
     assert sum(type(m).__name__ == "_Int4Linear" for m in rt.layers.modules()) == linears
-    for prompt in PROMPTS[:2]:
-        assert rt.generate([prompt], 16) == [hf_greedy(model, prompt, 16)]
+    for prompt in PROMPTS[:2]:  # bf16 activations: a near tie may flip on another CPU's path
+        # (apertus on an AMD EPYC, AVX-512 without AMX: a top-2 margin of 0.015 at token 10)
+        assert_greedy_agrees(model, prompt, rt.generate([prompt], 16)[0], tol=0.05)
 
 
 # (Phi-3's projections are fused in the checkpoint: nothing to compare with. Exact gelu on the
