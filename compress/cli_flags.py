@@ -87,13 +87,12 @@ def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> int:
     beyond)."""
     if not ids:
         raise RecipeError("generate: the prompt tokenizes to no tokens; give a prompt text")
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and len(ids) + max_new_tokens > limit:
-        raise RecipeError(
-            f"generate: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
-            f"exceeds the {limit} positions of {loaded.source} (config.json "
-            "max_position_embeddings); lower --max-new-tokens")
+    from compress.io.checkpoint import check_positions
+
     need = len(ids) + max_new_tokens
+    check_positions(loaded.model.config, need, f"generate: the prompt ({len(ids)} tokens) + "
+                    f"--max-new-tokens {max_new_tokens} =", loaded.source)
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
     rounded = -(-need // 64) * 64
     return min(rounded, limit) if isinstance(limit, int) else rounded
 
