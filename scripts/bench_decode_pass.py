@@ -16,9 +16,11 @@ JSON + markdown:
     python scripts/bench_decode_pass.py --shape 1.1b --group 128 --rounds 9 --out out/decode_pass_1b
     python scripts/bench_decode_pass.py --shape 1.1b --group 128 --hot 20 --out out/decode_1b_hot
     python scripts/bench_decode_pass.py --stacked --rounds 15 --out out/decode_pass_stacked
+    python scripts/bench_decode_pass.py --stacked --tiles --rounds 15 --out out/decode_pass_tiles
 
 ``--stacked`` adds our kernels with each layer's q/k/v and gate/up stacked into one call each,
-as the runtime calls them (4 calls per layer instead of 7).
+as the runtime calls them (4 calls per layer instead of 7); ``--tiles`` our int4 in the
+column-tile layout at the levels that have it (``cpu_q8.TILE_WIDTHS``), stacked the same way.
 """
 
 from __future__ import annotations
@@ -113,14 +115,21 @@ def stack(weights: list[cpu_q8.Q8Weight]) -> list[cpu_q8.Q8Weight]:
     ]
 
 
-def our_pass(qs: list[QuantLinear], isa: str, stacked: bool = False):
+def our_pass(qs: list[QuantLinear], isa: str, stacked: bool = False, tiles: bool = False):
     weights = prepack(qs)
     weights = stack(weights) if stacked else weights
+    if tiles:  # int4 in the level's column-tile layout, as the runtime holds it there
+        weights = [cpu_q8.to_tiles(w, cpu_q8.tile_width(isa)) for w in weights]
     op = cpu_q8.ops(isa)
+
+    def kernel(w: cpu_q8.Q8Weight):
+        if w.tiles:
+            return op.int4_linear_q8_tiles
+        return op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8
+
     calls = [
-        (w.k, lambda x, w=w, f=op.int4_linear_q8 if w.bits == 4 else op.int8_linear_q8: f(
-            x, w.codes, w.scales, w.offsets, w.group_size))
-        for w in weights
+        (w.k, lambda x, w=w, f=f: f(x, w.codes, w.scales, w.offsets, w.group_size))
+        for w, f in ((w, kernel(w)) for w in weights)
     ]  # fmt: skip
     return calls, sum(w.codes.numel() + 4 * w.scales.numel() for w in weights)
 
@@ -145,6 +154,12 @@ def main() -> None:
         help="also time our kernels with each layer's q/k/v and gate/up stacked into one call "
         "each, as the runtime runs them",
     )
+    p.add_argument(
+        "--tiles",
+        action="store_true",
+        help="also time int4 in the column-tile layout (csrc/q8_tiles.cpp) at the levels that "
+        "have it, q/k/v and gate/up stacked, as the runtime holds them there",
+    )
     p.add_argument("--out", default="out/decode_pass")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -165,6 +180,11 @@ def main() -> None:
         if args.stacked and len(shapes) == 7:
             kernels |= {f"ours {isa}, q/k/v and gate/up stacked": our_pass(qs, isa, True)
                         for isa in levels}  # fmt: skip
+        if args.tiles and bits == 4:
+            tiled = [isa for isa in levels if cpu_q8.tile_width(isa) is not None]
+            kernels |= {f"ours {isa}, column tiles{', stacked' if len(shapes) == 7 else ''}":
+                        our_pass(qs, isa, len(shapes) == 7, tiles=True)
+                        for isa in tiled}  # fmt: skip
         # the ops themselves, as the runtime's compiled step calls them: torch's take bf16
         # activations (aligned fresh tensors), ours fp32
         xs = {k: torch.randn(1, k) for k in {q.in_features for q in qs}}

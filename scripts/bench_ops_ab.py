@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--huge-pages", action="store_true")
     p.add_argument("--out", default="out/ops_ab")
     args = p.parse_args()
-    isa = args.isa or (cpu_q8.TILES_ISA if args.op == "tiles" else cpu_q8.selected_isa())
+    isa = args.isa or (cpu_q8.AMX_ISA if args.op == "tiles" else cpu_q8.selected_isa())
     if cpu_q8.build_reason(isa) is not None:
         sys.exit(f"the {isa} level does not run here: {cpu_q8.build_reason(isa)}")
     torch.set_num_threads(args.threads)

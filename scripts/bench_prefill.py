@@ -3,8 +3,8 @@ of activations, through each way the runtime can run them, interleaved round by 
 run: dense fp32 and bf16 ``F.linear`` (the float baselines), torch's int4 / int8 weight-only
 kernels (bf16 activations) and ours (``cpu_q8``: int8-rounded activations; from 8 rows on its
 row-tile GEMM, ``csrc/q8_gemm.cpp``) at every ISA level this CPU has, and at the avx512vnni
-level int4 in the column-tile layout the runtime holds there (the VNNI op and, where the CPU
-grants AMX, its AMX form). ``--dequant-gemm`` adds
+and avx2 levels int4 in the column-tile layout the runtime holds there (the tile op and, where
+the CPU grants AMX, its AMX form). ``--dequant-gemm`` adds
 the long-prompt alternative: our weights dequantized per call (``cpu_q8.dequantize``, lowest
 level) into ATen's fp32 GEMM, which sets ``cpu_q8.FLOAT_GEMM_MIN_ROWS``. Per kernel: median ms
 per pass (min-max) and speed vs dense fp32. JSON + markdown:
@@ -53,12 +53,11 @@ def dequant_gemm(qs, isa: str):
     return [(w.k, lambda x, w=w: F.linear(x, cpu_q8.dequantize(w, isa))) for w in prepack(qs)]
 
 
-def tile_pass(qs, amx: bool, bf16: bool = False):
-    """int4 in the column-tile layout (what the runtime holds at the avx512vnni level): the VNNI
-    op, its AMX-INT8 form, or with ``bf16`` the AMX-BF16 op (bf16 activations; all
-    ``csrc/q8_amx.cpp``)."""
-    weights = [cpu_q8.to_tiles(w) for w in prepack(qs)]
-    isa = cpu_q8.TILES_ISA
+def tile_pass(qs, isa: str, amx: bool, bf16: bool = False):
+    """int4 in level ``isa``'s column-tile layout (what the runtime holds at the avx512vnni and
+    avx2 levels): the tile op, at avx512vnni also its AMX-INT8 form, or with ``bf16`` the
+    AMX-BF16 op (bf16 activations; both ``csrc/q8_amx.cpp``)."""
+    weights = [cpu_q8.to_tiles(w, cpu_q8.tile_width(isa)) for w in prepack(qs)]
     if bf16:
         op = cpu_q8.ops(isa).int4_linear_bf16_tiles_amx
         return [(w.k, lambda x, w=w: op(x, w.codes, w.scales, w.offsets, w.group_size))
@@ -69,7 +68,7 @@ def tile_pass(qs, amx: bool, bf16: bool = False):
 def bf16_tile_pass(qs):
     """The dequantized weights in bf16, in AMX's B-tile order (``cpu_q8.bf16_to_tiles``), through
     ``bf16_linear_tiles_amx``: the float layers of eager bf16 runtimes on AMX-BF16 CPUs."""
-    op = cpu_q8.ops(cpu_q8.TILES_ISA).bf16_linear_tiles_amx
+    op = cpu_q8.ops(cpu_q8.AMX_ISA).bf16_linear_tiles_amx
     weights = [cpu_q8.bf16_to_tiles(q.dequantized_weight().to(torch.bfloat16)) for q in qs]
     return [(w.shape[1] * 2, lambda x, w=w: op(x, w)) for w in weights]
 
@@ -106,12 +105,17 @@ def main() -> None:
             f"torch int{bits} (bf16 x)": torch_pass(qs, bits)[0],
         }
         kernels |= {f"ours int{bits} ({isa})": our_pass(qs, isa)[0] for isa in levels}
-        if bits == 4 and cpu_q8.TILES_ISA in levels:
-            kernels["ours int4 column tiles (avx512vnni)"] = tile_pass(qs, amx=False)
+        for isa in levels if bits == 4 else []:
+            if cpu_q8.tile_width(isa) is not None:
+                kernels[f"ours int4 column tiles ({isa})"] = tile_pass(qs, isa, amx=False)
+        if bits == 4 and cpu_q8.AMX_ISA in levels:
+            amx_isa = cpu_q8.AMX_ISA
             if cpu_q8.amx_reason() is None:
-                kernels["ours int4 column tiles (AMX-INT8)"] = tile_pass(qs, amx=True)
+                kernels["ours int4 column tiles (AMX-INT8)"] = tile_pass(qs, amx_isa, amx=True)
             if cpu_q8.amx_bf16_reason() is None:
-                kernels["ours int4 column tiles (AMX-BF16, bf16 x)"] = tile_pass(qs, True, True)
+                kernels["ours int4 column tiles (AMX-BF16, bf16 x)"] = tile_pass(
+                    qs, amx_isa, True, True
+                )
         if bits == 4 and cpu_q8.amx_bf16_reason() is None:
             # the same AMX loops over dense bf16 weights (what eager bf16 runtimes run)
             kernels["ours dense bf16 tiles (AMX-BF16)"] = bf16_tile_pass(qs)

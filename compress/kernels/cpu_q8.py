@@ -74,8 +74,11 @@ SOURCES = tuple(
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
 GEMM_MIN_ROWS = 8  # as csrc/q8_common.h: from this many rows the ops run the row-tile GEMM
-TILE = 16  # output columns per tile of the column-tile int4 layout (csrc/q8_tiles.cpp)
-TILES_ISA = "avx512vnni"  # the level that has the column-tile op
+TILE = 16  # output columns per tile of the AMX layouts (and of avx512vnni's int4 tiles)
+AMX_ISA = "avx512vnni"  # the level whose column tiles the AMX ops extend
+# output columns per tile of the column-tile int4 layout (csrc/q8_tiles.cpp), by level: one
+# vector of int32 lanes. The avxvnni level keeps the row layout (its tile form is not written).
+TILE_WIDTHS: dict[str, int] = {"avx512vnni": 16, "avx2": 8}
 ISA_ENV = "COMPRESS_CPU_ISA"
 AMX_ENV = "COMPRESS_CPU_AMX"  # "0": keep the VNNI tile op at every row count
 # From how many rows the AMX tile op runs. Measured on a Xeon, 2 threads, a 1.1B-shape prefill
@@ -206,7 +209,7 @@ def _fake_linear(x, codes, scales, offsets, group):
 
 
 def _fake_tiles_linear(x, codes, scales, offsets, group):
-    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+    return x.new_empty(x.shape[0], codes.shape[0] * (codes.shape[2] // 4))
 
 
 def _fake_bf16_tiles(x, w):
@@ -308,15 +311,20 @@ class Q8Weight:
     """A layer's int4 or int8 weight in the kernels' layout (module docstring)."""
 
     bits: int  # 4 or 8
-    codes: torch.Tensor  # uint8 [N, K/2] (int4) or [N, K] (int8); tiles: [N/16, K/8, 64]
-    scales: torch.Tensor  # fp32 [N, K/g]; tiles: [N/16, K/g, 16]
+    codes: torch.Tensor  # uint8 [N, K/2] (int4) or [N, K] (int8); tiles: [N/W, K/8, 4W]
+    scales: torch.Tensor  # fp32 [N, K/g]; tiles: [N/W, K/g, W]
     offsets: torch.Tensor | None  # fp32 [N, K/g], asymmetric weights only (both layouts)
     group_size: int
     tiles: bool = False  # the column-tile int4 layout (``to_tiles``), else rows
 
     @property
     def n(self) -> int:
-        return self.codes.shape[0] * (TILE if self.tiles else 1)
+        return self.codes.shape[0] * (self.tile_width if self.tiles else 1)
+
+    @property
+    def tile_width(self) -> int:
+        """Output columns per tile (W: 16 or 8); only for ``tiles``."""
+        return self.codes.shape[2] // 4
 
     @property
     def k(self) -> int:
@@ -454,6 +462,10 @@ def linear_q8(
 # docs/notes/2026-12-01-prefill-gemm.md): avx2 int8 0.85-0.90x fp32 at 128 rows against
 # 0.95-0.96x dequantized, avx2 int4 at parity from 256 rows, avxvnni int4 0.90-0.91x against
 # 0.96-1.02x at 512 (its int8 undecided). avx512vnni stayed 2.1-2.5x fp32 at 512 rows.
+# These are for the row layout's GEMM: int4 in column tiles (avx2 since 2026-12-07) never
+# switches, its tile op beat the dequantized fp32 GEMM at 8-512 rows (Zen 3 EPYC, 1.1B shape
+# g128: 2.8 against 4.5 s at 255 rows, 4.9 against 8.4 s at 512; SmolLM2's g64 at 512 rows
+# 0.89 against 0.92 s; docs/notes/2026-12-07-avx2-column-tiles.md).
 FLOAT_GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 256, 8: 128}, "avxvnni": {4: 512}}
 
 
@@ -542,8 +554,8 @@ def amx_reason(isa: str | None = None) -> str | None:
     """Why the AMX form of the column-tile op does not run at level ``isa`` (default: the
     selected one), or None when it does."""
     isa = isa or selected_isa()
-    if isa != TILES_ISA:
-        return f"the AMX op extends the {TILES_ISA} level's tiles (here: {isa})"
+    if isa != AMX_ISA:
+        return f"the AMX op extends the {AMX_ISA} level's tiles (here: {isa})"
     if os.environ.get(AMX_ENV, "").strip() == "0":
         return f"{AMX_ENV}=0"
     missing = {"amx_tile", "amx_int8"} - cpuinfo.cpu_flags()
@@ -627,52 +639,62 @@ def bf16_to_tiles(w: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(n // TILE, k // 2, 32).contiguous()
 
 
+def tile_width(isa: str | None) -> int | None:
+    """Output columns per tile of level ``isa``'s column-tile op, or None where it has none."""
+    return TILE_WIDTHS.get(isa or "")
+
+
 def tiles_reason(weight: Q8Weight, isa: str | None) -> str | None:
     """Why ``weight`` does not go to the column-tile layout at level ``isa``, or None."""
-    if isa != TILES_ISA:
-        return f"the column-tile op exists at the {TILES_ISA} level only (here: {isa})"
+    width = tile_width(isa)
+    if width is None:
+        return f"the column-tile op exists at the {', '.join(TILE_WIDTHS)} levels (here: {isa})"
     if weight.bits != 4:
         return "int8 weights keep the row layout"
-    if weight.n % TILE:
-        return f"N={weight.n} is not a multiple of {TILE}"
+    if weight.n % width:
+        return f"N={weight.n} is not a multiple of {width}"
     return None
 
 
-def to_tiles(weight: Q8Weight, reference: bool = False) -> Q8Weight:
-    """Row-layout int4 -> the column-tile layout of csrc/q8_tiles.cpp: codes [N/16, K/8, 64],
-    byte 4c+i of tile t, step j = (code of column 16t+c at k = 8j+i) | (at k = 8j+4+i) << 4;
-    scales [N/16, K/g, 16]; offsets stay [N, K/g]. The codes move in one C++ pass where our
-    kernels are built (``int4_to_tiles``: 0.7 ns a weight at a 7B down_proj), else, or with
-    ``reference``, by the torch byte operations below that define the layout (4.0 ns; both
-    measured beside a test suite)."""
-    if weight.tiles or weight.bits != 4 or weight.n % TILE:
-        raise ValueError(f"to_tiles takes row-layout int4 with N a multiple of {TILE}")
+def to_tiles(weight: Q8Weight, width: int = TILE, reference: bool = False) -> Q8Weight:
+    """Row-layout int4 -> the column-tile layout of csrc/q8_tiles.cpp with ``width`` (W: 16 or
+    8, ``tile_width`` of the level that runs it) columns a tile: codes [N/W, K/8, 4W], byte
+    4c+i of tile t, step j = (code of column Wt+c at k = 8j+i) | (at k = 8j+4+i) << 4; scales
+    [N/W, K/g, W]; offsets stay [N, K/g]. The codes move in one C++ pass where our kernels are
+    built (``int4_to_tiles``: 0.7 ns a weight at a 7B down_proj), else, or with ``reference``,
+    by the torch byte operations below that define the layout (4.0 ns; both measured beside a
+    test suite)."""
+    if width not in (8, 16):
+        raise ValueError(f"to_tiles: width must be 8 or 16, not {width}")
+    if weight.tiles or weight.bits != 4 or weight.n % width:
+        raise ValueError(f"to_tiles takes row-layout int4 with N a multiple of {width}")
     n, k, g = weight.n, weight.k, weight.scales.shape[1]
     if not reference and unavailable_reason() is None:
-        tiles = ops().int4_to_tiles(weight.codes.contiguous())
+        tiles = ops().int4_to_tiles(weight.codes.contiguous(), width)
     else:
         c = weight.codes.view(n, k // PAIR, BLOCK)  # byte i of pair p: column 64p+i | 64p+32+i
-        codes = torch.cat([c & 0xF, c >> 4], dim=-1).view(n // TILE, TILE, k // 8, 2, 4)
-        packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [T, 16, K/8, 4]
-        tiles = packed.permute(0, 2, 1, 3).reshape(n // TILE, k // 8, 64).contiguous()
-    scales = weight.scales.view(n // TILE, TILE, g).transpose(1, 2).contiguous()
+        codes = torch.cat([c & 0xF, c >> 4], dim=-1).view(n // width, width, k // 8, 2, 4)
+        packed = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [T, W, K/8, 4]
+        tiles = packed.permute(0, 2, 1, 3).reshape(n // width, k // 8, 4 * width).contiguous()
+    scales = weight.scales.view(n // width, width, g).transpose(1, 2).contiguous()
     return Q8Weight(4, tiles, scales, weight.offsets, weight.group_size, tiles=True)
 
 
-def to_tiles_reference(weight: Q8Weight) -> Q8Weight:
+def to_tiles_reference(weight: Q8Weight, width: int = TILE) -> Q8Weight:
     """``to_tiles`` by its torch definition (for tests)."""
-    return to_tiles(weight, reference=True)
+    return to_tiles(weight, width, reference=True)
 
 
 def from_tiles(weight: Q8Weight, reference: bool = False) -> Q8Weight:
     """The column-tile layout back to rows (``to_tiles`` inverted, exactly; ``int4_from_tiles``
     where our kernels are built, else, or with ``reference``, torch byte operations)."""
     t, steps, _ = weight.codes.shape
-    n, k, g = t * TILE, steps * 8, weight.scales.shape[1]
+    width = weight.tile_width
+    n, k, g = t * width, steps * 8, weight.scales.shape[1]
     if not reference and unavailable_reason() is None:
         rows = ops().int4_from_tiles(weight.codes.contiguous())
     else:
-        b = weight.codes.view(t, steps, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, K/8, 4]
+        b = weight.codes.view(t, steps, width, 4).permute(0, 2, 1, 3)  # [T, W, K/8, 4]
         codes = torch.stack([b & 0xF, b >> 4], dim=3).reshape(n, k // PAIR, 2, BLOCK)
         rows = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     scales = weight.scales.transpose(1, 2).reshape(n, g).contiguous()

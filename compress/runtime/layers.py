@@ -221,27 +221,29 @@ class _IntKernels(NamedTuple):
 class _Q8Kernel(nn.Module):
     """Our integer-dot kernel (``compress/kernels/cpu_q8.py``: activations rounded to int8 per
     block of 32; one or a few rows for decode, a row-tile GEMM from 8 rows on for prefill).
-    From ``float_rows`` rows on (long prompts on the 256-bit levels: ``cpu_q8.
+    From ``float_rows`` rows on (long prompts on the 256-bit levels, row layout only: ``cpu_q8.
     float_gemm_min_rows``; None: never) the layer dequantizes its weights per call and runs
     ATen's fp32 GEMM, which is faster there; those rows skip the activation rounding.
 
-    int4 weights with N a multiple of 16 are held in the column-tile layout at the AVX512-VNNI
-    level (``cpu_q8.to_tiles``, csrc/q8_tiles.cpp: every row count through one kernel), unless
-    ``tiles=False``; from ``cpu_q8.AMX_MIN_ROWS`` rows on where the CPU grants AMX-INT8, through
-    that kernel's AMX form (csrc/q8_amx.cpp), bit for bit the same outputs; from
-    ``cpu_q8.bf16_amx_min_rows()`` rows where it also has AMX-BF16, through the bf16-activation
-    op (``int4_linear_bf16_tiles_amx``: no int8 rounding, so other numbers). Measured on a Xeon
-    (2 threads, weights from DRAM): one row 7-16% faster than the row layout on SmolLM2's and
-    the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x."""
+    int4 weights are held in the column-tile layout where the level has one (``cpu_q8.
+    to_tiles``, csrc/q8_tiles.cpp: every row count through one kernel; 16
+    columns a tile at AVX512-VNNI, 8 at AVX2, N a multiple of that), unless ``tiles=False``;
+    from ``cpu_q8.AMX_MIN_ROWS`` rows on where the CPU grants AMX-INT8, through that kernel's
+    AMX form (csrc/q8_amx.cpp), bit for bit the same outputs; from ``cpu_q8.
+    bf16_amx_min_rows()`` rows where it also has AMX-BF16, through the bf16-activation op
+    (``int4_linear_bf16_tiles_amx``: no int8 rounding, so other numbers). Measured on a Xeon
+    at AVX512-VNNI (2 threads, weights from DRAM): one row 7-16% faster than the row layout on
+    SmolLM2's and the 1.1B shape's layers, 4 rows 2.3-2.8x, 8 rows 2.5-3.8x; the AVX2 form in
+    docs/notes/2026-12-07-avx2-column-tiles.md."""
 
     def __init__(self, w: cpu_q8.Q8Weight, tiles: bool = True) -> None:
         super().__init__()
         isa = cpu_q8.selected_isa()  # the level chosen for this CPU (built on first use)
         ops = cpu_q8.ops(isa)
-        self.float_rows = cpu_q8.float_gemm_min_rows(isa, w.bits)
-        # (a level that switches long prompts to the fp32 GEMM keeps rows: it dequantizes them)
-        if tiles and self.float_rows is None and cpu_q8.tiles_reason(w, isa) is None:
-            w = cpu_q8.to_tiles(w)
+        if tiles and cpu_q8.tiles_reason(w, isa) is None:
+            w = cpu_q8.to_tiles(w, cpu_q8.tile_width(isa))
+        # the row layout's GEMM only: the tile op beats the fp32 GEMM at every length measured
+        self.float_rows = None if w.tiles else cpu_q8.float_gemm_min_rows(isa, w.bits)
         self.bits, self.tiles = w.bits, w.tiles
         # from AMX_MIN_ROWS rows the AMX form of the tile op where the CPU grants it: the same
         # outputs bit for bit, so the row count of a step never changes a token

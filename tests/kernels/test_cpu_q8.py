@@ -105,6 +105,11 @@ def test_levels_follow_the_cpu_flags_and_the_override(monkeypatch):
 HERE = cpu_q8.supported_levels(cpuinfo.cpu_flags())
 
 
+def tiled() -> list[str]:
+    """The levels with a column-tile op that this CPU has and that build here (built on call)."""
+    return [i for i in cpu_q8.TILE_WIDTHS if i in HERE and cpu_q8.build_reason(i) is None]
+
+
 @pytest.mark.parametrize("bits,group,symmetric", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize(
     "n,k,m",
@@ -212,35 +217,40 @@ def test_bad_operands_raise_not_crash(isa):
         op(torch.randn(1, 128), w.codes, w.scales[:8].contiguous(), None, 128)
 
 
-# ---- the column-tile int4 layout (AVX512-VNNI level) ----------------------------------
+# ---- the column-tile int4 layout (AVX512-VNNI: 16 columns a tile, AVX2: 8) -------------
+@pytest.mark.parametrize("width", [16, 8])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
-def test_column_tiles_round_trip_and_name_each_code(group, symmetric):
+def test_column_tiles_round_trip_and_name_each_code(group, symmetric, width):
     # to_tiles is a permutation of the nibbles: from_tiles gives the row layout back exactly,
     # and byte 4c+i of step j holds column c's codes k = 8j+i (low) and 8j+4+i (high)
     w = q8_weight(quant_layer(4, 48, 256, group, symmetric, seed=7))
-    t = cpu_q8.to_tiles(w)
-    assert t.tiles and (t.n, t.k) == (48, 256) and t.codes.shape == (3, 32, 64)
+    t = cpu_q8.to_tiles(w, width)
+    assert t.tiles and (t.n, t.k) == (48, 256) and t.codes.shape == (48 // width, 32, 4 * width)
     back = cpu_q8.from_tiles(t)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
     codes = cpu_q8.unpack_codes(w) + 8  # [N, K], 0..15
-    byte = t.codes[2, 5].view(16, 4).to(torch.float64)  # tile 2 (columns 32..47), step 5
-    assert torch.equal(byte % 16, codes[32:48, 40:44])
-    assert torch.equal(byte // 16, codes[32:48, 44:48])
-    assert torch.equal(t.scales[1, :, 3], w.scales[19])
+    tile = 32 // width  # the tile whose first column is 32
+    byte = t.codes[tile, 5].view(width, 4).to(torch.float64)  # step 5
+    assert torch.equal(byte % 16, codes[32:32 + width, 40:44])
+    assert torch.equal(byte // 16, codes[32:32 + width, 44:48])
+    assert torch.equal(t.scales[19 // width, :, 19 % width], w.scales[19])
     # the C++ conversions (where our kernels build) equal the torch definitions byte for byte
-    ref = cpu_q8.to_tiles_reference(w)
+    ref = cpu_q8.to_tiles_reference(w, width)
     assert torch.equal(t.codes, ref.codes) and torch.equal(t.scales, ref.scales)
     assert torch.equal(cpu_q8.from_tiles_reference(ref).codes, w.codes)
 
 
 def test_column_tiles_are_refused_where_they_do_not_apply():
     w4 = q8_weight(quant_layer(4, 24, 128, 32, True))
-    assert "multiple of 16" in cpu_q8.tiles_reason(w4, cpu_q8.TILES_ISA)
-    assert "avx512vnni level only" in cpu_q8.tiles_reason(w4, "avx2")
+    assert "multiple of 16" in cpu_q8.tiles_reason(w4, "avx512vnni")
+    assert cpu_q8.tiles_reason(w4, "avx2") is None  # 8 columns a tile there
+    assert "avx512vnni, avx2 levels" in cpu_q8.tiles_reason(w4, "avxvnni")
     w8 = q8_weight(quant_layer(8, 32, 128, None, True))
-    assert "int8" in cpu_q8.tiles_reason(w8, cpu_q8.TILES_ISA)
+    assert "int8" in cpu_q8.tiles_reason(w8, "avx2")
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_q8.to_tiles(w4)
+    with pytest.raises(ValueError, match="width must be 8 or 16"):
+        cpu_q8.to_tiles(w4, 4)
     with pytest.raises(ValueError, match="row layout"):
         cpu_q8.stack([cpu_q8.to_tiles(q8_weight(quant_layer(4, 16, 128, 32, True)))])
 
@@ -248,19 +258,38 @@ def test_column_tiles_are_refused_where_they_do_not_apply():
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
 @pytest.mark.parametrize("m", [1, 3, 6, 8, 13, 40])  # rows go through in steps of up to 4
 @pytest.mark.parametrize("n", [48, 64])  # tiles go in pairs; 48 leaves the last one alone
-def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n):
-    if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
-        pytest.skip(f"the column-tile op needs the {cpu_q8.TILES_ISA} level, not built here")
+@pytest.mark.parametrize("isa", list(cpu_q8.TILE_WIDTHS))
+def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n, isa):
+    if isa not in tiled():
+        pytest.skip(f"the column-tile op of the {isa} level is not built here")
     w = q8_weight(quant_layer(4, n, 512, group, symmetric, seed=m))
     x = torch.randn(m, 512) * torch.linspace(0.1, 4.0, 512)
     x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
-    y = cpu_q8.linear_q8(x, cpu_q8.to_tiles(w), cpu_q8.TILES_ISA)
+    x[-1, 64:96] = torch.where(torch.arange(32) % 2 == 0, 127.0, -127.0)  # int16 sums at ±30480
+    tiles = cpu_q8.to_tiles(w, cpu_q8.tile_width(isa))
+    y = cpu_q8.linear_q8(x, tiles, isa)
     ref = cpu_q8.linear_q8_reference(x, w)
     assert y.shape == (m, n)
     assert torch.allclose(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
-    rows = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA)  # the row layout: the same integers
+    rows = cpu_q8.linear_q8(x, w, isa)  # the row layout: the same integers
     assert torch.allclose(y, rows, atol=1e-5 * rows.abs().max().item(), rtol=0)
-    assert torch.equal(cpu_q8.linear_q8_reference(x, cpu_q8.to_tiles(w)), ref)
+    assert torch.equal(cpu_q8.linear_q8_reference(x, tiles), ref)
+
+
+def test_avx2_tile_int16_sums_at_their_extremes():
+    # the AVX2 tile op adds a block's eight vpmaddubsw pairs in int16: codes 15 (or 0) against
+    # activations ±127 give the largest sums the format allows; they must not wrap
+    if "avx2" not in tiled():
+        pytest.skip("the avx2 level is not built here")
+    layer = quant_layer(4, 8, 64, 32, True)
+    w = q8_weight(layer)
+    for code in (0, 15):
+        codes = torch.full_like(w.codes, code * 17)  # both nibbles = code
+        full = cpu_q8.Q8Weight(4, codes, torch.ones_like(w.scales), None, 32)
+        for sign in (1.0, -1.0):
+            x = torch.full((1, 64), sign * 127.0)
+            y = cpu_q8.linear_q8(x, cpu_q8.to_tiles(full, 8), "avx2")
+            assert torch.equal(y, torch.full((1, 8), sign * 127.0 * (code - 8) * 64))
 
 
 @pytest.mark.parametrize(
@@ -276,14 +305,14 @@ def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n):
 def test_amx_tile_kernel_equals_the_vnni_tile_kernel_bit_for_bit(n, k, group, symmetric, m):
     # same integers, same fp32 operations in the same order: the runtime may send any row count
     # to either op without changing a token (csrc/q8_amx.cpp)
-    reason = cpu_q8.amx_reason(cpu_q8.TILES_ISA) if cpu_q8.TILES_ISA in HERE else "no avx512vnni"
+    reason = cpu_q8.amx_reason(cpu_q8.AMX_ISA) if cpu_q8.AMX_ISA in HERE else "no avx512vnni"
     if reason is not None:
         pytest.skip(f"the AMX tile op does not run here: {reason}")
     w = cpu_q8.to_tiles(q8_weight(quant_layer(4, n, k, group, symmetric, seed=m)))
     x = torch.randn(m, k) * torch.linspace(0.1, 4.0, k)
     x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
-    amx = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA, amx=True)
-    vnni = cpu_q8.linear_q8(x, w, cpu_q8.TILES_ISA, amx=False)
+    amx = cpu_q8.linear_q8(x, w, cpu_q8.AMX_ISA, amx=True)
+    vnni = cpu_q8.linear_q8(x, w, cpu_q8.AMX_ISA, amx=False)
     assert amx.shape == (m, n) and torch.isfinite(amx).all()
     assert torch.equal(amx, vnni)
     ref = cpu_q8.linear_q8_reference(x, w)
@@ -292,11 +321,11 @@ def test_amx_tile_kernel_equals_the_vnni_tile_kernel_bit_for_bit(n, k, group, sy
 
 def _bf16_op_or_skip():
     reason = "no avx512vnni"
-    if cpu_q8.TILES_ISA in HERE:
-        reason = cpu_q8.amx_bf16_reason(cpu_q8.TILES_ISA)
+    if cpu_q8.AMX_ISA in HERE:
+        reason = cpu_q8.amx_bf16_reason(cpu_q8.AMX_ISA)
     if reason is not None:
         pytest.skip(f"the AMX-BF16 tile op does not run here: {reason}")
-    return cpu_q8.ops(cpu_q8.TILES_ISA).int4_linear_bf16_tiles_amx
+    return cpu_q8.ops(cpu_q8.AMX_ISA).int4_linear_bf16_tiles_amx
 
 
 @pytest.mark.parametrize(
@@ -341,7 +370,7 @@ def test_bf16_tiles_linear_equals_float64(n, k, m):
     tiles = cpu_q8.bf16_to_tiles(w)
     assert tiles.shape == (n // 16, k // 2, 32)
     assert torch.equal(tiles[0, 3, 5], w[2, 7])  # element 2c + i of row r: w[16t + c, 2r + i]
-    ops = cpu_q8.ops(cpu_q8.TILES_ISA)
+    ops = cpu_q8.ops(cpu_q8.AMX_ISA)
     y = ops.bf16_linear_tiles_amx(x, tiles)
     ref = x.bfloat16().double() @ w.double().T
     assert y.dtype == torch.float32 and y.shape == (m, n)
@@ -378,11 +407,11 @@ def test_bf16_amx_rows_come_from_the_environment(monkeypatch):
 def test_column_tile_ops_name_a_bad_argument(kind):
     # the ops check their arguments alike (csrc/q8_common.h check_tiles_args): an error that
     # names the tensor and the shape it must have, never a crash or a wrong read
-    if cpu_q8.TILES_ISA not in HERE or cpu_q8.build_reason(cpu_q8.TILES_ISA) is not None:
-        pytest.skip(f"the column-tile ops need the {cpu_q8.TILES_ISA} level, not built here")
-    if kind == "amx" and cpu_q8.amx_reason(cpu_q8.TILES_ISA) is not None:
-        pytest.skip(f"the AMX tile op does not run here: {cpu_q8.amx_reason(cpu_q8.TILES_ISA)}")
-    ops = cpu_q8.ops(cpu_q8.TILES_ISA)
+    if cpu_q8.AMX_ISA not in HERE or cpu_q8.build_reason(cpu_q8.AMX_ISA) is not None:
+        pytest.skip(f"the column-tile ops need the {cpu_q8.AMX_ISA} level, not built here")
+    if kind == "amx" and cpu_q8.amx_reason(cpu_q8.AMX_ISA) is not None:
+        pytest.skip(f"the AMX tile op does not run here: {cpu_q8.amx_reason(cpu_q8.AMX_ISA)}")
+    ops = cpu_q8.ops(cpu_q8.AMX_ISA)
     op = {
         "vnni": lambda: ops.int4_linear_q8_tiles,
         "amx": lambda: ops.int4_linear_q8_tiles_amx,
@@ -407,7 +436,7 @@ def test_amx_is_refused_with_a_reason_off_its_level_or_when_switched_off(monkeyp
     monkeypatch.setenv(cpu_q8.AMX_ENV, "0")
     cpu_q8.amx_reason.cache_clear()
     try:
-        assert cpu_q8.amx_reason(cpu_q8.TILES_ISA) == f"{cpu_q8.AMX_ENV}=0"
+        assert cpu_q8.amx_reason(cpu_q8.AMX_ISA) == f"{cpu_q8.AMX_ENV}=0"
     finally:
         cpu_q8.amx_reason.cache_clear()
 

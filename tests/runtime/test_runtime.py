@@ -170,6 +170,14 @@ def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits,
     quantize_linears(model, Int4RtnConfig(group_size=32) if bits == 4 else Int8RtnConfig(),
                      bits, "test")  # fmt: skip
     monkeypatch.setitem(cpu_q8.FLOAT_GEMM_MIN_ROWS, cpu_q8.selected_isa(), {bits: 8})
+    # the switch is the row layout's: int4 column tiles never take it (checked below), so the
+    # int4 run holds rows
+    with_tiles = Runtime(model, max_seq_len=64, compile=False, int4_kernel="q4q8",
+                         keep_model_weights=True)
+    if bits == 4 and cpu_q8.tile_width(cpu_q8.selected_isa()) is not None:
+        held = [m.q8 for m in with_tiles.layers.modules() if type(m).__name__ == "_Int4Linear"]
+        assert held and all(q.tiles and q.float_rows is None for q in held)
+    monkeypatch.setattr(cpu_q8, "TILE_WIDTHS", {})
     kernels = dict(int4_kernel="q4q8") if bits == 4 else dict(int8_kernel="q8q8")
     rt = Runtime(model, max_seq_len=64, decode_dtype=torch.float32, compile=False, **kernels,
                  keep_model_weights=True)  # the model runs too, below  # fmt: skip

@@ -188,9 +188,17 @@ inline float offset_term(const float* off, const float* xsum, int64_t G) {
   return out;
 }
 
+// Output columns per tile of the column-tile int4 layout at this level (q8_tiles.cpp): one
+// vector of int32 lanes, 16 at avx512vnni, 8 at the 256-bit levels.
+#if defined(COMPRESS_AVX512VNNI)
+constexpr int64_t TILE_COLS = 16;
+#else
+constexpr int64_t TILE_COLS = 8;
+#endif
+
 // The column-tile ops' arguments (q8_tiles.cpp, q8_amx.cpp), checked: x fp32 [M, K] (or bf16
-// where bf16_x), codes uint8 [N/16, K/8, 64], scales fp32 [N/16, K/group, 16], offsets fp32
-// [N, K/group] or none.
+// where bf16_x), codes uint8 [N/W, K/8, 4W], scales fp32 [N/W, K/group, W], offsets fp32
+// [N, K/group] or none; W = TILE_COLS.
 struct TilesArgs {
   int64_t M, K, G, T, N;
   bool with_offsets;
@@ -209,13 +217,14 @@ inline TilesArgs check_tiles_args(const char* what, const at::Tensor& x, const a
               ": K must be a multiple of 64 and group a multiple of 32 dividing K (K=", K,
               ", group=", group, ")");
   const int64_t G = K / group;
+  constexpr int64_t W = TILE_COLS;
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == K / 8 && codes.size(2) == 64,
-              what, ": codes must be contiguous uint8 [N/16, K/8, 64] for K=", K);
-  const int64_t T = codes.size(0), N = T * 16;
+                  codes.size(1) == K / 8 && codes.size(2) == 4 * W,
+              what, ": codes must be contiguous uint8 [N/", W, ", K/8, ", 4 * W, "] for K=", K);
+  const int64_t T = codes.size(0), N = T * W;
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == 16,
-              what, ": scales must be contiguous fp32 [N/16, K/group, 16]");
+                  scales.size(0) == T && scales.size(1) == G && scales.size(2) == W,
+              what, ": scales must be contiguous fp32 [N/", W, ", K/group, ", W, "]");
   const bool with_offsets = offsets.has_value() && offsets->defined();
   if (with_offsets)
     TORCH_CHECK(offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&

@@ -1,10 +1,10 @@
-// int4 linears in column tiles (AVX512-VNNI level only): the arithmetic of q8_dot.cpp
+// int4 linears in column tiles (the AVX512-VNNI and AVX2 levels): the arithmetic of q8_dot.cpp
 // (activations rounded to int8 per block of 32, exact integer block dots, then scaled) with
-// vector lanes that hold 16 output columns instead of 16 int32 pieces of one dot product.
+// vector lanes that hold W output columns instead of W int32 pieces of one dot product.
 //
-// Layout (cpu_q8.to_tiles; N a multiple of 16): codes uint8 [N/16, K/8, 64], per tile and 8
-// columns of K one 64-byte vector whose byte 4c+i holds tile column c's codes k = 8j+i (low
-// nibble) and 8j+4+i (high nibble); scales fp32 [N/16, K/group, 16].
+// Layout (cpu_q8.to_tiles; N a multiple of W = TILE_COLS: 16 at avx512vnni, 8 at avx2): codes
+// uint8 [N/W, K/8, 4W], per tile and 8 columns of K one vector whose byte 4c+i holds tile
+// column c's codes k = 8j+i (low nibble) and 8j+4+i (high nibble); scales fp32 [N/W, K/group, W].
 //
 // Why: one vpdpbusd multiplies 4 codes of each of 16 columns by 4 activation bytes broadcast to
 // every lane, so a block of 32 takes 8 of them, then one convert and one FMA for all 16
@@ -125,6 +125,69 @@ inline void tile_all_rows(const RoundedX& x, int64_t M, const uint8_t* tile, int
 }
 #endif
 
+#if defined(COMPRESS_AVX2)
+// The AVX2 form (8 columns a tile). No vpdpbusd: vpmaddubsw multiplies the unsigned codes by
+// the activation bytes broadcast to every lane and adds pairs into int16, so each 32-bit lane
+// holds two int16 partial sums of its column. A block's eight products add up in int16 without
+// overflow (|pair| <= 2 x 15 x 127 = 3810, 8 x 3810 = 30480 < 32767: codes 0..15, activations
+// -127..127), then one vpmaddwd by ones gives the column's int32 block dot. The high nibbles
+// are shifted down (16 x a code would saturate the int16 pairs). Per 256 codes: 4 loads,
+// 12 unpacking ops, 8 vpmaddubsw, 8 int16 adds and 4 per-block ops, against about twice the
+// vector work of the row layout's one-column dots (q8_dot.cpp, which also ends every column
+// in a horizontal sum); measured in docs/notes/2026-12-07-avx2-column-tiles.md.
+constexpr int64_t TILE = TILE_COLS;   // 8
+constexpr int64_t TILE_BLOCK = 128;   // bytes of one tile per block of 32 (8 x 32 / 2)
+constexpr int64_t TILES_AHEAD = 4096; // prefetch distance in the tile stream, bytes
+
+// R rows (m0 .. m0 + R - 1) of one tile: y[m, col0 .. col0 + 7]. The running sum over groups
+// lives in y (loaded and stored once per group), leaving the 16 registers to R int16 block
+// sums, R block-scaled sums, the two unpacked weight vectors and the broadcasts.
+template <int R>
+inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const float* ws,
+                       int64_t group, float* y, int64_t N, int64_t col0, bool prefetch) {
+  const int64_t G = x.G, per_group = group / BLOCK;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + col0, _mm256_setzero_ps());
+  for (int64_t j = 0; j < G; ++j) {
+    __m256 inner[R];
+    for (int r = 0; r < R; ++r) inner[r] = _mm256_setzero_ps();
+    for (int64_t b = j * per_group; b < (j + 1) * per_group; ++b) {
+      if (prefetch)
+        for (int64_t l = 0; l < TILE_BLOCK; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile + b * TILE_BLOCK + TILES_AHEAD + l),
+                       _MM_HINT_T1);
+      __m256i sum16[R];
+      for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + b * TILE_BLOCK + q * 32));
+        const __m256i wl = _mm256_and_si256(v, low4);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
+          const int8_t* xb = x.q.data() + (m0 + r) * x.K + b * BLOCK + q * 8;
+          std::memcpy(&x0, xb, 4);
+          std::memcpy(&x1, xb + 4, 4);
+          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(x0)));
+          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(x1)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * x.B + b;
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum16[r], ones),
+                                             _mm256_set1_epi32(x.corr[i]));  // -8 x code sum
+        inner[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x.scale[i]), inner[r]);
+      }
+    }
+    const __m256 sw = _mm256_loadu_ps(ws + j * TILE);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (m0 + r) * N + col0;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(inner[r], sw, _mm256_loadu_ps(out)));
+    }
+  }
+}
+#endif
+
 at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                                 int64_t group) {
@@ -169,31 +232,66 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
     y.addmm_(xsum, offsets->t());
   }
   return y;
+#elif defined(COMPRESS_AVX2)
+  const char* what = "int4_linear_q8_tiles";
+  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group);
+  const int64_t M = args.M, K = args.K, G = args.G, T = args.T, N = args.N;
+  const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, args.with_offsets);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = K * TILE / 2;
+  // each tile for all rows, 4 at a time (the tile is in L1/L2 after the first 4, which alone
+  // prefetch); tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
+  parallel_claims(T, grain, [&](Claims& claims) {
+    for (int64_t t0, t1; claims.take(t0, t1);)
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* tile = cp + t * tile_bytes;
+        const float* ws = sp + t * G * TILE;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const bool first = m0 == 0;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 1: tile_rows8<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+            case 2: tile_rows8<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+            case 3: tile_rows8<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+            default: tile_rows8<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+          }
+        }
+      }
+  });
+  if (args.with_offsets) {
+    const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
+    y.addmm_(xsum, offsets->t());
+  }
+  return y;
 #else
-  TORCH_CHECK(false, "int4_linear_q8_tiles runs at the avx512vnni level only");
+  TORCH_CHECK(false, "int4_linear_q8_tiles runs at the avx512vnni and avx2 levels only");
   return at::Tensor();
 #endif
 }
 
 // The codes between the row layout (q8_dot.cpp: byte 32p + i of a row holds columns 64p + i
-// and 64p + 32 + i) and the tiles, both ways (plain loops, every level; cpu_q8.to_tiles_reference
-// is the torch definition). Step j of a tile takes row bytes b0 .. b0 + 7, b0 = 32 (j / 8) +
-// 8 (j % 4), their low nibbles for j % 8 < 4, else their high ones.
-at::Tensor int4_to_tiles(const at::Tensor& rows) {
+// and 64p + 32 + i) and tiles of `width` columns (16 or 8), both ways (plain loops, every level;
+// cpu_q8.to_tiles_reference is the torch definition). Step j of a tile takes row bytes b0 ..
+// b0 + 7, b0 = 32 (j / 8) + 8 (j % 4), their low nibbles for j % 8 < 4, else their high ones.
+at::Tensor int4_to_tiles(const at::Tensor& rows, int64_t width) {
+  TORCH_CHECK(width == 8 || width == 16, "int4_to_tiles: width must be 8 or 16, not ", width);
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
-                  rows.size(0) % 16 == 0 && (rows.size(1) * 2) % PAIR == 0,
-              "int4_to_tiles: codes must be contiguous uint8 [N, K/2], N a multiple of 16");
-  const int64_t N = rows.size(0), half = rows.size(1), K = half * 2, T = N / 16;
-  at::Tensor out = at::empty({T, K / 8, 64}, rows.options());
+                  rows.size(0) % width == 0 && (rows.size(1) * 2) % PAIR == 0,
+              "int4_to_tiles: codes must be contiguous uint8 [N, K/2], N a multiple of ", width);
+  const int64_t N = rows.size(0), half = rows.size(1), K = half * 2, T = N / width;
+  at::Tensor out = at::empty({T, K / 8, 4 * width}, rows.options());
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < 16; ++c) {
-        const uint8_t* row = src + (t * 16 + c) * half;
+      for (int64_t c = 0; c < width; ++c) {
+        const uint8_t* row = src + (t * width + c) * half;
         for (int64_t j = 0; j < K / 8; ++j) {
           const uint8_t* b = row + 32 * (j / 8) + 8 * (j % 4);
-          uint8_t* o = dst + (t * (K / 8) + j) * 64 + 4 * c;
+          uint8_t* o = dst + (t * (K / 8) + j) * 4 * width + 4 * c;
           const bool high = j % 8 >= 4;
           for (int i = 0; i < 4; ++i)
             o[i] = high ? static_cast<uint8_t>((b[i] >> 4) | (b[4 + i] & 0xF0))
@@ -204,22 +302,29 @@ at::Tensor int4_to_tiles(const at::Tensor& rows) {
   return out;
 }
 
-at::Tensor int4_from_tiles(const at::Tensor& tiles) {
+// the tile width from the layout: codes [N/W, K/8, 4W]
+inline int64_t checked_tile_width(const char* what, const at::Tensor& tiles) {
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-                  tiles.size(2) == 64 && (tiles.size(1) * 8) % PAIR == 0,
-              "int4_from_tiles: codes must be contiguous uint8 [N/16, K/8, 64]");
+                  (tiles.size(2) == 64 || tiles.size(2) == 32) &&
+                  (tiles.size(1) * 8) % PAIR == 0,
+              what, ": codes must be contiguous uint8 [N/W, K/8, 4W], W 16 or 8");
+  return tiles.size(2) / 4;
+}
+
+at::Tensor int4_from_tiles(const at::Tensor& tiles) {
+  const int64_t width = checked_tile_width("int4_from_tiles", tiles);
   const int64_t T = tiles.size(0), K = tiles.size(1) * 8, half = K / 2;
-  at::Tensor out = at::empty({T * 16, half}, tiles.options());
+  at::Tensor out = at::empty({T * width, half}, tiles.options());
   const uint8_t* src = tiles.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < 16; ++c) {
-        uint8_t* row = dst + (t * 16 + c) * half;
+      for (int64_t c = 0; c < width; ++c) {
+        uint8_t* row = dst + (t * width + c) * half;
         for (int64_t j = 0; j < K / 8; ++j) {
           if (j % 8 >= 4) continue;  // each low step j writes its bytes with step j + 4's nibbles
-          const uint8_t* lo = src + (t * (K / 8) + j) * 64 + 4 * c;
-          const uint8_t* hi = lo + 4 * 64;
+          const uint8_t* lo = src + (t * (K / 8) + j) * 4 * width + 4 * c;
+          const uint8_t* hi = lo + 4 * 4 * width;
           uint8_t* b = row + 32 * (j / 8) + 8 * (j % 4);
           for (int i = 0; i < 4; ++i) {
             b[i] = static_cast<uint8_t>((lo[i] & 0x0F) | (hi[i] << 4));
@@ -235,7 +340,7 @@ at::Tensor int4_from_tiles(const at::Tensor& tiles) {
 
 TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("int4_linear_q8_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
-  m.def("int4_to_tiles(Tensor codes) -> Tensor");
+  m.def("int4_to_tiles(Tensor codes, int width) -> Tensor");
   m.def("int4_from_tiles(Tensor tiles) -> Tensor");
 }
 
