@@ -404,10 +404,12 @@ def test_projections_that_differ_are_not_stacked():
     assert cpu_q8.stack([weight(8, 32, False), weight(8, 64, False)]) is None
     assert cpu_q8.stack([weight(8, 32, False), weight(8, 32, True)]) is None
     x = torch.randn(3, 128)
-    # parts of 8 and 24 columns keep the row layout (no 16-column tiles), so does their stack
-    # (_IntLinear.stacked tiles it only where every part is tiled); 16 and 32 columns get
-    # column tiles at the AVX512-VNNI level, their stack too: each column bit for bit either way
-    for sizes, tiles in (((8, 24), False), ((16, 32), True)):
+    # parts of W/2 and 3W/2 columns keep the row layout (W: the level's tile width, 16 at
+    # AVX512-VNNI, 8 at AVX2), so does their stack (_IntLinear.stacked tiles it only where every
+    # part is tiled); W and 2W columns get column tiles, their stack too: each column bit for
+    # bit either way
+    width = cpu_q8.tile_width(cpu_q8.selected_isa()) or 16
+    for sizes, tiles in (((width // 2, 3 * width // 2), False), ((width, 2 * width), True)):
         parts = [weight(n, 32, True) for n in sizes]
         stacked = layers._Q8Kernel(cpu_q8.stack(parts), tiles=tiles)
         alone = [layers._Q8Kernel(p) for p in parts]
