@@ -198,3 +198,26 @@ def test_generate_in_bf16_from_a_bf16_load_gives_the_float32_loads_tokens(tmp_pa
     ids = loaded.tokenizer("the cat")["input_ids"]
     tokens = runtime.generate([ids], 8, stop_tokens=[loaded.tokenizer.eos_token_id])[0]
     assert printed == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "PLAIN", "--context-length", "300", "--no-progress"],
+    ["eval", "PLAIN", "--context-length", "300", "--layer-by-layer"],
+    ["serve", "PLAIN", "--max-model-len", "300"],
+], ids=["eval", "eval_layer_by_layer", "serve"])
+def test_a_length_past_the_positions_is_refused_before_the_model_loads(argv, plain, capsys,
+                                                                       monkeypatch):
+    """Read from a local model's config.json: the same refusal came after loading the weights
+    (minutes for a 70B, whole or layer by layer)."""
+    import compress.io.export
+    import compress.io.load
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the length was checked")
+
+    monkeypatch.setattr(compress.io.load, "load_model", never)
+    monkeypatch.setattr(compress.io.export, "layerwise_model", never)
+    assert main([str(plain) if a == "PLAIN" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "300 exceeds the 256 positions" in err
+    assert f"--{argv[2][2:]}" in err
