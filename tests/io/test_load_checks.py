@@ -141,7 +141,7 @@ def test_a_window_of_zero_that_is_switched_off_is_not_refused(plain):
 @pytest.mark.parametrize("command", ["eval", "generate"])
 def test_cli_refuses_a_nan_scale_with_one_line(command, exported, tmp_path):
     message = _nan_scale(exported)
-    argv = (["eval", str(exported), "--limit", "1"] if command == "eval"
+    argv = (["eval", str(exported), "--limit", "1", "--context-length", "64"] if command == "eval"
             else ["generate", "hello", "--model", str(exported), "--max-new-tokens", "2"])
     proc = subprocess.run([sys.executable, "-m", "compress.cli", *argv], capture_output=True,
                           text=True, cwd=tmp_path, timeout=300)
