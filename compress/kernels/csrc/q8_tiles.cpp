@@ -188,20 +188,14 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
 }
 #endif
 
-at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
-                                const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
-                                int64_t group) {
-#if defined(COMPRESS_AVX512VNNI)
-  const char* what = "int4_linear_q8_tiles";
-  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group);
+#if defined(COMPRESS_AVX512VNNI) || defined(COMPRESS_AVX2)
+// y [M, N] (without the offsets' term) from every tile for every row of ``rx``, by this
+// level's loops
+inline void tiles_all_rows(const RoundedX& rx, const TilesArgs& args, const uint8_t* cp,
+                           const float* sp, int64_t group, float* yp) {
   const int64_t M = args.M, K = args.K, G = args.G, T = args.T, N = args.N;
-  const bool with_offsets = args.with_offsets;
-  const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, with_offsets);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = K * TILE / 2;
+#if defined(COMPRESS_AVX512VNNI)
   // Up to 8 rows (decode), one tile at a time and all rows in one pass: each weight byte comes
   // from DRAM once, while the arithmetic runs. From 9 rows, pairs of tiles, 4 rows a pass, an
   // odd last tile alone: half the activation broadcasts per vpdpbusd. Measured on a Zen 5 EPYC
@@ -227,21 +221,7 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
           tile_all_rows<1, 4, true>(rx, M, tile, tile_bytes, ws, group, yp, N, t * TILE);
       }
   });
-  if (with_offsets) {
-    const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
-    y.addmm_(xsum, offsets->t());
-  }
-  return y;
-#elif defined(COMPRESS_AVX2)
-  const char* what = "int4_linear_q8_tiles";
-  const TilesArgs args = check_tiles_args(what, x, codes, scales, offsets, group);
-  const int64_t M = args.M, K = args.K, G = args.G, T = args.T, N = args.N;
-  const RoundedX rx = round_x(x.data_ptr<float>(), M, K, group, 8, args.with_offsets);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tile_bytes = K * TILE / 2;
+#else
   // each tile for all rows, 4 at a time (the tile is in L1/L2 after the first 4, which alone
   // prefetch); tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
@@ -261,8 +241,22 @@ at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
         }
       }
   });
+#endif
+}
+#endif
+
+at::Tensor int4_linear_q8_tiles(const at::Tensor& x, const at::Tensor& codes,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                                int64_t group) {
+#if defined(COMPRESS_AVX512VNNI) || defined(COMPRESS_AVX2)
+  const TilesArgs args = check_tiles_args("int4_linear_q8_tiles", x, codes, scales, offsets, group);
+  const RoundedX rx = round_x(x.data_ptr<float>(), args.M, args.K, group, 8, args.with_offsets);
+  at::Tensor y = at::empty({args.M, args.N}, x.options());
+  tiles_all_rows(rx, args, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), group,
+                 y.data_ptr<float>());
   if (args.with_offsets) {
-    const at::Tensor xsum = at::from_blob(const_cast<float*>(rx.xsum.data()), {M, G}, x.options());
+    const at::Tensor xsum =
+        at::from_blob(const_cast<float*>(rx.xsum.data()), {args.M, args.G}, x.options());
     y.addmm_(xsum, offsets->t());
   }
   return y;
