@@ -1,5 +1,6 @@
 """Decode attention over the paged KV pool on a CPU (``csrc/paged_attention.cpp``), built with
-the integer-dot kernels (``cpu_q8``: the same extension, each ISA level its own build).
+the integer-dot kernels (``cpu_q8``: the same extension, each ISA level its own build), and the
+same loops over the runtime's contiguous cache (``cache_decode_attention``).
 
 ``paged_decode_attention`` reads each row's keys and values where they lie in the pool instead
 of gathering them into a padded contiguous copy first (``PagedKVCache.read`` + SDPA, the path
@@ -15,6 +16,8 @@ from compress.kernels import cpu_q8
 
 # page dtypes the kernel reads
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+# cache dtypes cache_decode_attention reads (cache_kernel_reads)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def unavailable_reason(pool_dtype: torch.dtype, device: torch.device,
@@ -69,13 +72,73 @@ def paged_decode_attention(
     )
 
 
+def cache_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] over a contiguous cache's keys/values [B, Hkv, L, D] (fp32 or bf16; views
+    such as ``cache[:B, :, :L]`` are read in place) where ``mask`` [B, L] is True -> [B, H, D]
+    fp32. Every row needs one unmasked key. ``softcap``, ``sinks`` and ``isa`` as in
+    ``paged_decode_attention``."""
+    return cpu_q8.ops(isa).cache_decode_attention(
+        q.float().contiguous(),
+        keys,
+        values,
+        mask,
+        scale,
+        softcap or 0.0,
+        None if sinks is None else sinks.float().contiguous(),
+    )
+
+
+def cache_kernel_reads(q, keys, values) -> bool:
+    """Whether ``cache_decode_attention`` takes this attention: one query (q [B, heads, 1, D]),
+    fp32 or bf16 keys and values of one layout whose positions are D contiguous values (the
+    runtime's cache views; not the fresh keys and values of a one-token prompt chunk)."""
+    d = keys.shape[-1]
+    return (q.shape[2] == 1 and keys.dtype in CACHE_DTYPES and values.dtype == keys.dtype
+            and keys.stride() == values.stride() and keys.stride(-1) == 1
+            and all(s % d == 0 for s in keys.stride()[:-1]))  # fmt: skip
+
+
+def attend_decode(op, q, keys, values, mask, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """One-query attention through ``op`` (a level's ``cache_decode_attention``, as the
+    runtime's layers hold it: a compiled step calls it without this module's dispatch): q
+    [B, heads, 1, D] over keys/values [B, Hkv, L, D] where the bool ``mask`` (broadcastable to
+    [B, 1, 1, L]) is True -> [B, 1, heads * D] fp32."""
+    b, length = q.shape[0], keys.shape[2]
+    a = op(q[:, :, 0].float().contiguous(), keys, values,
+           mask.expand(b, 1, 1, length)[:, 0, 0], scale, softcap or 0.0, sinks)  # fmt: skip
+    return a.view(b, 1, -1)
+
+
+def _attend_reference(q, keys, values, scale, softcap, sinks) -> torch.Tensor:
+    """One row's query [H, D] over its keys/values [n, Hkv, D], float64 -> [H, D]."""
+    groups = q.shape[0] // keys.shape[1]
+    keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))  # [n, H, D]
+    scores = torch.einsum("hd,nhd->hn", q.double(), keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        scores = torch.cat([scores, sinks.double()[:, None]], 1)
+    weights = scores.softmax(-1)[:, : keys.shape[0]]
+    return torch.einsum("hn,nhd->hd", weights, values)
+
+
 def paged_decode_attention_reference(
     q, k_pool, v_pool, tables, lengths, block_size, scale, softcap=None, window=None, *,
     scales=None, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_decode_attention`` in float64, row by row with plain torch (for tests)."""
     b, h, d = q.shape
-    groups = h // k_pool.shape[1]
     k, v = k_pool.double(), v_pool.double()
     if scales is not None:
         k, v = k * scales[0].double()[..., None], v * scales[1].double()[..., None]
@@ -85,13 +148,19 @@ def paged_decode_attention_reference(
         slots = torch.arange(n)
         slots = tables[row][slots // block_size] * block_size + slots % block_size
         first = max(0, n - window) if window else 0
-        keys = k[slots[first:]].repeat_interleave(groups, dim=1)  # [n, H, D]
-        values = v[slots[first:]].repeat_interleave(groups, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if sinks is not None:  # one more column per head, dropped after the softmax
-            scores = torch.cat([scores, sinks.double()[:, None]], 1)
-        weights = scores.softmax(-1)[:, :n - first]
-        out[row] = torch.einsum("hn,nhd->hd", weights, values)
+        out[row] = _attend_reference(q[row], k[slots[first:]], v[slots[first:]], scale,
+                                     softcap, sinks)
+    return out
+
+
+def cache_decode_attention_reference(
+    q, keys, values, mask, scale, softcap=None, sinks=None
+) -> torch.Tensor:
+    """``cache_decode_attention`` in float64, row by row with plain torch (for tests)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row in range(q.shape[0]):
+        kept = mask[row].nonzero()[:, 0]
+        # [Hkv, L, D] -> the kept positions as [n, Hkv, D]
+        k, v = (t[row][:, kept].double().transpose(0, 1) for t in (keys, values))
+        out[row] = _attend_reference(q[row], k, v, scale, softcap, sinks)
     return out

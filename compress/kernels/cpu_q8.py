@@ -155,6 +155,7 @@ def build_reason(isa: str) -> str | None:
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
     torch.library.register_fake(f"compress_{isa}::bf16_linear_tiles_amx")(_fake_bf16_tiles)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
+    torch.library.register_fake(f"compress_{isa}::cache_decode_attention")(_fake_cache_attention)
     torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"compress_{isa}::rope_qkv")(_fake_rope_qkv)
     torch.library.register_fake(f"compress_{isa}::silu_mul")(_fake_silu_mul)
@@ -218,6 +219,10 @@ def _fake_bf16_tiles(x, w):
 
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
                     softcap, window, sinks=None):  # fmt: skip
+    return torch.empty_like(q)
+
+
+def _fake_cache_attention(q, keys, values, mask, scale, softcap, sinks=None):
     return torch.empty_like(q)
 
 

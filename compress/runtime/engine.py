@@ -47,7 +47,7 @@ from torch import nn
 from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import current_device, float_dtype
 from compress.core.errors import ConfigError
-from compress.kernels import cpu_elementwise, cpu_q8, dispatch
+from compress.kernels import cpu_attention, cpu_elementwise, cpu_q8, dispatch
 from compress.memory import available_memory_bytes, hold_in_huge_pages, return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
@@ -380,6 +380,12 @@ class Runtime:
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
                     module.pack(fp32=not compile)
+            # one-query attention over the cache through our kernel where it builds, not SDPA
+            # (csrc/paged_attention.cpp, cache_decode_attention, says what it measured)
+            for layer in self.layers:
+                if (kv_dtype in cpu_attention.CACHE_DTYPES and cpu_attention.unavailable_reason(
+                        kv_dtype, device, layer.head_dim) is None):
+                    layer.cache_attention = cpu_q8.ops().cache_decode_attention
             # the weights every decode step streams, on 2 MB pages where the kernel grants them
             # (memory.HugePageArena says why and what it measured)
             self.huge_pages = hold_in_huge_pages(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch import Arch, RuntimeSpec, layer_arch
-from compress.kernels import cpu_elementwise, cpu_native, cpu_q8
+from compress.kernels import cpu_attention, cpu_elementwise, cpu_native, cpu_q8
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.families import (
     ACTIVATIONS,
@@ -547,6 +547,8 @@ class _Layer(nn.Module):
         # Eager CPU runtimes set this: norms, RoPE and SiLU x up through the fused ops of
         # kernels.cpu_elementwise (where q/k/v and gate/up are one stacked call each)
         self.fused = False
+        # CPU runtimes set it where it builds: one-query attention through that op, not SDPA
+        self.cache_attention = None  # a level's cpu_attention.cache_decode_attention op
         self.softcap = config_value(config, spec.attn_softcap)
         self.register_buffer("sinks", layer.get_parameter(arch.attention_sinks).detach().float()
                              if arch.attention_sinks else None, persistent=False)  # fmt: skip
@@ -718,6 +720,9 @@ class _Layer(nn.Module):
         """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
         mask broadcastable to [B, 1, T, L] -> [B, T, heads * D] fp32."""
         b, _, t, _ = q.shape
+        if self.cache_attention is not None and cpu_attention.cache_kernel_reads(q, keys, values):
+            return cpu_attention.attend_decode(self.cache_attention, q, keys, values, mask,
+                                               self.scale, self.softcap, self.sinks)
         if self.softcap is None and self.sinks is None:
             a = F.scaled_dot_product_attention(
                 q.to(keys.dtype),

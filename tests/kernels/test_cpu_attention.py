@@ -158,3 +158,87 @@ def test_bad_tables_and_pages_are_refused():
         run(q[:, :3].contiguous(), k, v, tables, lengths, 4, 0.25)
     assert cpu_attention.unavailable_reason(torch.float16, torch.device("cpu")) is not None
     assert "CPU-only" in cpu_attention.unavailable_reason(torch.float32, torch.device("meta"))
+
+
+# ---- the same loops over the runtime's contiguous cache ------------------------------------
+def cache_case(b, h, hkv, d, length, dtype, seed=0, window=None):
+    """A cache of more rows and slots than the step reads ([b + 1, hkv, length + 5, d]), read
+    through the view [:b, :, :length] as the runtime reads it; left padding (each row's first
+    slots masked, the first row none, the last all but one), and the last ``window`` keys."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(b + 1, hkv, length + 5, d, generator=g).to(dtype)
+    v_cache = torch.randn(b + 1, hkv, length + 5, d, generator=g).to(dtype)
+    pad = torch.randint(0, length, (b,), generator=g)
+    pad[0], pad[-1] = 0, length - 1
+    mask = torch.arange(length)[None] >= pad[:, None]  # [b, length]
+    if window:
+        mask &= torch.arange(length)[None] > length - 1 - window
+    q = torch.randn(b, h, d, generator=g)
+    return q, k_cache[:b, :, :length], v_cache[:b, :, :length], mask
+
+
+CACHE_CASES = [  # b, heads, kv heads, head dim, keys
+    (1, 4, 2, 16, 7),
+    (3, 9, 3, 64, 40),  # SmolLM2's heads
+    (2, 32, 4, 64, 300),  # the 1.1B shape's heads; past the one-thread size
+    (3, 14, 2, 128, 33),
+    (2, 10, 2, 80, 21),
+    (2, 6, 3, 24, 9),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap,window,sinks", [(None, None, False), (20.0, 5, False),
+                                                  (None, None, True)])  # fmt: skip
+@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_cache_kernel_equals_the_float64_definition(isa, case, softcap, window, sinks, dtype):
+    b, h, hkv, d, length = case
+    q, keys, values, mask = cache_case(b, h, hkv, d, length, dtype, window=window)
+    sink = torch.randn(h, generator=torch.Generator().manual_seed(1)) * 2 if sinks else None
+    args = (q, keys, values, mask, d**-0.5, softcap, sink)
+    got = cpu_attention.cache_decode_attention(*args, isa=isa)
+    want = cpu_attention.cache_decode_attention_reference(*args)
+    assert got.dtype == torch.float32 and got.shape == (b, h, d)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_reference_equals_sdpa_with_the_mask():
+    """The cache definition is the runtime's SDPA (GQA, bool mask) over the same view."""
+    q, keys, values, mask = cache_case(3, 9, 3, 64, 40, torch.float32, seed=4, window=9)
+    want = cpu_attention.cache_decode_attention_reference(q, keys, values, mask, 0.125)
+    a = F.scaled_dot_product_attention(
+        q[:, :, None].double(), keys.double(), values.double(), attn_mask=mask[:, None, None],
+        scale=0.125, enable_gqa=True,
+    )  # fmt: skip
+    torch.testing.assert_close(a[:, :, 0], want)
+
+
+def test_cache_kernel_with_masked_nan_slots_stays_finite(isa):
+    """Masked slots are never read: NaN there (a cache's unwritten or padded slots) leaves the
+    output equal to the same step with those slots zeroed."""
+    q, keys, values, mask = cache_case(3, 8, 2, 32, 20, torch.float32, seed=5)
+    clean = cpu_attention.cache_decode_attention(q, keys, values, mask, 0.2, isa=isa)
+    keys.masked_fill_(~mask[:, None, :, None], float("nan"))
+    values.masked_fill_(~mask[:, None, :, None], float("nan"))
+    assert torch.equal(cpu_attention.cache_decode_attention(q, keys, values, mask, 0.2, isa=isa),
+                       clean)  # fmt: skip
+
+
+def test_bad_cache_arguments_are_refused():
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(cpu_q8.unavailable_reason())
+    q, keys, values, mask = cache_case(2, 4, 2, 16, 6, torch.float32)
+    run = cpu_attention.cache_decode_attention
+    empty = mask.clone()
+    empty[1] = False
+    with pytest.raises(RuntimeError, match="row 1 of the mask has no key"):
+        run(q, keys, values, empty, 0.25)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        run(q, keys.half(), values.half(), mask, 0.25)
+    channels_first = keys.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, stride 1 on L
+    with pytest.raises(RuntimeError, match="contiguously"):
+        run(q, channels_first, channels_first, mask, 0.25)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        run(q, keys, values, mask[:, :3], 0.25)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        run(q[:, :3].contiguous(), keys, values, mask, 0.25)

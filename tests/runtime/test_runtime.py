@@ -94,6 +94,37 @@ def test_batch_with_left_padding_equals_single_rows(model):
     assert rt.generate(PROMPTS, 16) == [hf_greedy(model, p, 16) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_attention_runs_our_cache_kernel_and_keeps_sdpas_tokens(model, kv_dtype):
+    """On a CPU where the kernels build, one-query attention goes through
+    cpu_attention.cache_decode_attention; with it taken away (SDPA, the runtime's attention
+    elsewhere) a batch with left padding gives the same tokens. Logits: within fp32 rounding of
+    SDPA's on an fp32 cache; on a bf16 cache at least as close to the fp32 cache's as SDPA's
+    (which also rounds the query and its output to bf16)."""
+    from compress.kernels import cpu_attention
+
+    reason = cpu_attention.unavailable_reason(kv_dtype, torch.device("cpu"), 16)
+    if reason is not None:
+        pytest.skip(reason)
+    runs = {}
+    for name, dtype in (("kernel", kv_dtype), ("sdpa", kv_dtype), ("fp32", torch.float32)):
+        rt = Runtime(model, max_seq_len=64, max_batch_size=3, compile=False, kv_dtype=dtype,
+                     keep_model_weights=True)  # fmt: skip
+        assert all(layer.cache_attention is not None for layer in rt.layers)
+        if name != "kernel":
+            for layer in rt.layers:
+                layer.cache_attention = None
+        rt.prefill(PROMPTS[0][:2])  # then one-token decode steps: their logits
+        logits = torch.stack([rt.score([token])[0] for token in PROMPTS[0][2:]])
+        runs[name] = (rt.generate(PROMPTS, 16), logits)
+    assert runs["kernel"][0] == runs["sdpa"][0]
+    kernel, sdpa, exact = (runs[name][1] for name in ("kernel", "sdpa", "fp32"))
+    if kv_dtype == torch.float32:
+        torch.testing.assert_close(kernel, sdpa, rtol=1e-4, atol=1e-4)
+    else:
+        assert (kernel - exact).abs().max() <= (sdpa - exact).abs().max()
+
+
 @pytest.mark.parametrize(
     "cfg,bits", [(Int4RtnConfig(group_size=32), 4), (Int8RtnConfig(), 8)], ids=["int4-g32", "int8"]
 )

@@ -325,83 +325,113 @@ void attend_heads16(const float* q, const T* kpool, const T* vpool, const float*
 }
 #endif
 
-template <typename T>
+// Steps with fewer query-key products than this (heads x keys x D, summed over rows) run on one
+// thread: waking the second cost more than it saved (AMD EPYC Zen 3, 2 threads, fp32 cache: 9
+// heads over 64 keys of 64 took 12.9 us on two threads, 8.2 on one; 32 heads over 64 keys 14.9
+// against 16.7, 9 heads over 512 keys 30.9 against 43.5).
+constexpr int64_t PARALLEL_MIN_PRODUCTS = int64_t{1} << 16;
+
+// One task per (row b, kv head h): rows_of(b, h, rows) lists the task's keys in order, each as
+// its index into the pools' rows of D values (a paged table's slots, or a contiguous cache's
+// unmasked positions); every task has at least one key (the ops check). `keys`: the rows' key
+// counts summed (or a bound), for PARALLEL_MIN_PRODUCTS.
+template <typename T, typename RowsOf>
 void decode_attention(const float* q, const T* kpool, const T* vpool, const float* kscale,
-                      const float* vscale, const int64_t* tables, const int64_t* lengths,
-                      float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb,
-                      int64_t bs, float scale, float softcap, int64_t window,
-                      const float* sinks) {
+                      const float* vscale, float* out, int64_t B, int64_t H, int64_t Hkv,
+                      int64_t D, float scale, float softcap, const float* sinks, int64_t keys,
+                      const RowsOf& rows_of) {
   const int64_t G = H / Hkv, V = D / 8;
-  // int8 pages: a scale per slot and kv head (index `at`); fp8 pages: one per layer (index 0)
   constexpr bool fp8 = std::is_same_v<T, at::Float8_e4m3fn>;
   const int64_t per_row = std::is_same_v<T, int8_t> ? -1 : 0;
-  // Widen a task's int8 or fp8 keys and values to fp32 once for all of its G query heads
-  // (the same code x scale products the per-head path computes, so the same numbers) instead
-  // of once per head. Measured on a Xeon (2 threads, pages in cache,
-  // scripts/bench_paged_attention.py, three runs): fp8 at G = 3 (SmolLM2, 32 rows of 160 keys)
-  // 389 -> 342-368 us, at G = 8 (1.1B shape, 28 rows of 600 keys) 4608 -> 2546-2610; int8 at
-  // G = 8 2800 -> 2528-2738, but at G = 3 230 -> 306 (its widening per head is cheaper than the
-  // scratch's store and reload), so int8 keeps the per-head path below 4 heads.
   const bool widen = fp8 ? G > 1 : std::is_same_v<T, int8_t> && G >= 4;
-  parallel_claims(B * Hkv, 1, [&](Claims& claims) {
+  const int64_t run = keys * H * D < PARALLEL_MIN_PRODUCTS ? B * Hkv : 1;  // one run: one thread
+  parallel_claims(B * Hkv, run, [&](Claims& claims) {
     std::vector<float> scores, wide_k, wide_v;
     std::vector<int64_t> rows, order;  // rows [n]: each key's index into the pool's rows
-    for (int64_t task, task_end; claims.take(task, task_end);) {  // runs of one task
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t L = lengths[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - first, padded = (n + 7) / 8 * 8;
-      scores.assign(G * padded, -INFINITY);  // the tail past n: exp(-inf - max) = 0
-      const int64_t* table = tables + b * nb;
-      rows.resize(n);
-      for (int64_t t = first; t < L; ++t) rows[t - first] = (table[t / bs] * bs + t % bs) * Hkv + h;
-      const float* qt = q + (b * H + h * G) * D;
-      float* ot = out + (b * H + h * G) * D;
-      const float* st = sinks ? sinks + h * G : nullptr;  // the task's heads' sinks
+    for (int64_t begin, end; claims.take(begin, end);)  // runs of tasks
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / Hkv, h = task % Hkv;
+        rows_of(b, h, rows);
+        const int64_t n = static_cast<int64_t>(rows.size()), padded = (n + 7) / 8 * 8;
+        scores.assign(G * padded, -INFINITY);  // the tail past n: exp(-inf - max) = 0
+        const float* qt = q + (b * H + h * G) * D;
+        float* ot = out + (b * H + h * G) * D;
+        const float* st = sinks ? sinks + h * G : nullptr;  // the task's heads' sinks
 #if defined(COMPRESS_AVX512VNNI)
-      if (D % 16 == 0) {
-        attend_heads16<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), n, ot, G, D,
-                          scale, softcap, st, scores.data(), padded);
-        continue;
-      }
-#endif
-      if (widen) {
-        wide_k.resize(n * D);
-        wide_v.resize(n * D);
-        order.resize(n);
-        for (int64_t i = 0; i < n; ++i) {
-          order[i] = i;
-          const int64_t at = rows[i];
-          const float ks = kscale[at & per_row], vs = vscale[at & per_row];
-          for (int64_t j = 0; j < V; ++j) {
-            _mm256_storeu_ps(wide_k.data() + i * D + 8 * j, load8(kpool + at * D + 8 * j, ks));
-            _mm256_storeu_ps(wide_v.data() + i * D + 8 * j, load8(vpool + at * D + 8 * j, vs));
-          }
+        if (D % 16 == 0) {
+          attend_heads16<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), n, ot, G, D,
+                            scale, softcap, st, scores.data(), padded);
+          continue;
         }
-        attend_heads<float>(qt, wide_k.data(), wide_v.data(), nullptr, nullptr, 0, order.data(),
-                            first, L, ot, G, D, scale, softcap, st, scores.data(), padded);
-      } else {
-        attend_heads<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), first, L, ot, G,
-                        D, scale, softcap, st, scores.data(), padded);
+#endif
+        if (widen) {
+          wide_k.resize(n * D);
+          wide_v.resize(n * D);
+          order.resize(n);
+          for (int64_t i = 0; i < n; ++i) {
+            order[i] = i;
+            const int64_t at = rows[i];
+            const float ks = kscale[at & per_row], vs = vscale[at & per_row];
+            for (int64_t j = 0; j < V; ++j) {
+              _mm256_storeu_ps(wide_k.data() + i * D + 8 * j, load8(kpool + at * D + 8 * j, ks));
+              _mm256_storeu_ps(wide_v.data() + i * D + 8 * j, load8(vpool + at * D + 8 * j, vs));
+            }
+          }
+          attend_heads<float>(qt, wide_k.data(), wide_v.data(), nullptr, nullptr, 0, order.data(),
+                              0, n, ot, G, D, scale, softcap, st, scores.data(), padded);
+        } else {
+          attend_heads<T>(qt, kpool, vpool, kscale, vscale, per_row, rows.data(), 0, n, ot, G, D,
+                          scale, softcap, st, scores.data(), padded);
+        }
       }
-    }
   });
 }
 
-// q [B, H, D] fp32; k_pool, v_pool [slots, Hkv, D] fp32, bf16, int8 or fp8 e4m3fn (slots =
-// blocks * block_size; int8 with k_scale, v_scale fp32 [slots, Hkv], fp8 with k_scale, v_scale
-// fp32 [1]); tables [B, nb] int64 block ids;
-// lengths [B] int64 keys per row (its new token's included); softcap <= 0: none; window <= 0:
-// none, else the last `window` keys; sinks: none, or fp32 [H], a logit per head that joins
-// each softmax without a value -> [B, H, D] fp32.
+// decode_attention on pools of any page dtype
+template <typename RowsOf>
+void attend_pools(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* ks,
+                  const float* vs, at::Tensor& out, int64_t Hkv, float scale, float softcap,
+                  const float* sinks, int64_t keys, const RowsOf& rows_of) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const float* qp = q.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  switch (k.scalar_type()) {
+    case at::kFloat:
+      decode_attention(qp, k.data_ptr<float>(), v.data_ptr<float>(), ks, vs, o, B, H, Hkv, D,
+                       scale, softcap, sinks, keys, rows_of);
+      break;
+    case at::kBFloat16:
+      decode_attention(qp, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), ks, vs, o, B,
+                       H, Hkv, D, scale, softcap, sinks, keys, rows_of);
+      break;
+    case at::kFloat8_e4m3fn:
+      decode_attention(qp, k.data_ptr<at::Float8_e4m3fn>(), v.data_ptr<at::Float8_e4m3fn>(), ks,
+                       vs, o, B, H, Hkv, D, scale, softcap, sinks, keys, rows_of);
+      break;
+    default:
+      decode_attention(qp, k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), ks, vs, o, B, H, Hkv, D,
+                       scale, softcap, sinks, keys, rows_of);
+  }
+}
+
+// the query and sinks of both ops: q contiguous fp32 [B, heads, D], sinks fp32 [heads]
+inline void check_query(const at::Tensor& q, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous fp32 [B, heads, D] tensor");
+  TORCH_CHECK(q.size(2) % 8 == 0, "head_dim ", q.size(2), " is not a multiple of 8");
+  if (sinks)
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "sinks must be contiguous fp32 [heads]");
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale,
                                   const at::Tensor& tables, const at::Tensor& lengths,
                                   int64_t block_size, double scale, double softcap,
                                   int64_t window, const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous fp32 [B, heads, D] tensor");
+  check_query(q, sinks);
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
                   k_pool.scalar_type() == v_pool.scalar_type() && k_pool.is_contiguous() &&
                   v_pool.is_contiguous(),
@@ -425,7 +455,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0,
               "heads (", H, ") must be a multiple of kv_heads (", Hkv, ") and D equal");
-  TORCH_CHECK(D % 8 == 0, "head_dim ", D, " is not a multiple of 8");
   TORCH_CHECK(block_size > 0 && k_pool.size(0) % block_size == 0,
               "the pool's slots must be whole blocks of block_size");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kLong &&
@@ -437,37 +466,82 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   const int64_t nb = tables.size(1), num_blocks = k_pool.size(0) / block_size;
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
+  int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(len[b] >= 1 && len[b] <= nb * block_size, "row ", b, ": length ", len[b],
                 " outside 1..", nb * block_size, " (its table's slots)");
+    keys += window > 0 ? std::min(len[b], window) : len[b];
     for (int64_t i = 0; i < (len[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tab[b * nb + i] >= 0 && tab[b * nb + i] < num_blocks, "row ", b, ": block id ",
                   tab[b * nb + i], " outside the pool's ", num_blocks, " blocks");
   }
-  if (sinks)
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
-                    sinks->dim() == 1 && sinks->size(0) == H,
-                "sinks must be contiguous fp32 [heads]");
-  const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
   auto out = at::empty({B, H, D}, q.options());
-  const float cap = static_cast<float>(softcap), s = static_cast<float>(scale);
-  const float* ks = codes ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = codes ? v_scale->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  if (dtype == at::kFloat)
-    decode_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), ks,
-                     vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window, sk);
-  else if (dtype == at::kBFloat16)
-    decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::BFloat16>(),
-                     v_pool.data_ptr<at::BFloat16>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
-                     block_size, s, cap, window, sk);
-  else if (fp8)
-    decode_attention(q.data_ptr<float>(), k_pool.data_ptr<at::Float8_e4m3fn>(),
-                     v_pool.data_ptr<at::Float8_e4m3fn>(), ks, vs, tab, len, o, B, H, Hkv, D, nb,
-                     block_size, s, cap, window, sk);
-  else
-    decode_attention(q.data_ptr<float>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
-                     ks, vs, tab, len, o, B, H, Hkv, D, nb, block_size, s, cap, window, sk);
+  // a row's keys: the last `window` (all: window <= 0) of its first lengths[b] table slots
+  const int64_t bs = block_size;
+  auto rows_of = [&](int64_t b, int64_t h, std::vector<int64_t>& rows) {
+    const int64_t L = len[b], first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    const int64_t* table = tab + b * nb;
+    rows.resize(L - first);
+    for (int64_t t = first; t < L; ++t) rows[t - first] = (table[t / bs] * bs + t % bs) * Hkv + h;
+  };
+  attend_pools(q, k_pool, v_pool, codes ? k_scale->data_ptr<float>() : nullptr,
+               codes ? v_scale->data_ptr<float>() : nullptr, out, Hkv,
+               static_cast<float>(scale), static_cast<float>(softcap),
+               sinks ? sinks->data_ptr<float>() : nullptr, keys, rows_of);
+  return out;
+}
+
+// Decode attention over the runtime's contiguous cache (compress.runtime.engine: one
+// [B_max, kv_heads, S, D] buffer per layer for keys and one for values, fp32 or bf16), read in
+// place through a view keys[:B, :, :L] (or any [B, kv_heads, L, D] view whose positions are
+// D contiguous values, as the paged cache's gathered [B, L, kv_heads, D] transposed): row b
+// attends to the positions t < L where mask[b, t] (left padding and sliding windows are masked
+// out; every row keeps at least one key). The same loops as the paged op, in place of
+// scaled_dot_product_attention's one-query path: measured on an AMD EPYC Zen 3, 2 threads, one
+// row, through cpu_attention.attend_decode: 9 heads (3 kv) over 128 fp32 keys 24 us against
+// SDPA's 31, over 512 bf16 keys 47 against 379; 32 heads (4 kv) over 64 bf16 keys 29 against
+// 186, over 512 114 against 1394.
+at::Tensor cache_decode_attention(const at::Tensor& q, const at::Tensor& keys,
+                                  const at::Tensor& values, const at::Tensor& mask, double scale,
+                                  double softcap, const std::optional<at::Tensor>& sinks) {
+  check_query(q, sinks);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() &&
+                  keys.strides() == values.strides() &&
+                  keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "keys and values must be fp32 or bf16 [B, kv_heads, L, D] views of one layout");
+  const int64_t Hkv = keys.size(1), L = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && H % Hkv == 0,
+              "keys must be [B, kv_heads, L, D] for q [B, heads, D] with heads (", H,
+              ") a multiple of kv_heads (", Hkv, ")");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) % D == 0 && keys.stride(1) % D == 0 &&
+                  keys.stride(0) % D == 0,
+              "keys and values must hold each position's D values contiguously");
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == B && mask.size(1) == L &&
+                  mask.scalar_type() == at::kBool,
+              "mask must be bool [B, L]");
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t mb = mask.stride(0), mt = mask.stride(1);
+  int64_t kept = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t row_kept = 0;
+    for (int64_t t = 0; t < L; ++t) row_kept += mp[b * mb + t * mt];
+    TORCH_CHECK(row_kept > 0, "row ", b, " of the mask has no key to attend to");
+    kept += row_kept;
+  }
+  auto out = at::empty({B, H, D}, q.options());
+  // row indices count positions of D values from the views' first element
+  const int64_t sb = keys.stride(0) / D, sh = keys.stride(1) / D, st = keys.stride(2) / D;
+  auto rows_of = [&](int64_t b, int64_t h, std::vector<int64_t>& rows) {
+    rows.clear();
+    const int64_t base = b * sb + h * sh;
+    for (int64_t t = 0; t < L; ++t)
+      if (mp[b * mb + t * mt]) rows.push_back(base + t * st);
+  };
+  attend_pools(q, keys, values, nullptr, nullptr, out, Hkv, static_cast<float>(scale),
+               static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr, kept,
+               rows_of);
   return out;
 }
 
@@ -477,8 +551,11 @@ TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_scale, "
         "Tensor? v_scale, Tensor tables, Tensor lengths, int block_size, float scale, "
         "float softcap, int window, Tensor? sinks=None) -> Tensor");
+  m.def("cache_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale, "
+        "float softcap, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("paged_decode_attention", &compress_q8::paged_decode_attention);
+  m.impl("cache_decode_attention", &compress_q8::cache_decode_attention);
 }
