@@ -233,7 +233,8 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
     kernels, Q4 x Q8 / Q8 x Q8, at the CPU's ISA level), -h4/-h8 (the tied lm_head quantized
     to int4 g32 / int8 by the runtime), -layer (with --compile: one compiled graph per decoder
     layer instead of the whole decode step), -cpp (with --compile: the whole step with its host
-    code in C++, ``Runtime(compile="step-cpp")``)."""
+    code in C++, ``Runtime(compile="step-cpp")``), -sdpa (decode attention through torch's
+    scaled_dot_product_attention instead of our cache kernel, to attribute what it changes)."""
     variants = {}
     for name in names:
         kind, *options = name.split("-")[1:]
@@ -261,6 +262,9 @@ def build_variants(base, ids, args, names) -> dict[str, Variant]:
                 int8_kernel="q8q8" if "q8" in options else "torch",
                 lm_head_bits=4 if "h4" in options else 8 if "h8" in options else None,
             )
+            if "sdpa" in options:  # before the warm-up below: the graphs trace this choice
+                for layer in rt.layers:
+                    layer.cache_attention = None
             quantized = kind.startswith("w") or "h4" in options or "h8" in options
             if rt.fallback_reason is None:
                 variants[name] = Variant(rt.stream, "runtime", rt, quantized)
