@@ -76,25 +76,28 @@ def check_flags(args: argparse.Namespace) -> None:
 # dest, flag). They are checked again once the model is loaded (``check_serve_length``,
 # ``perplexity``), which covers hub ids and the embedded model.
 LENGTH_FLAGS = {"eval": ("context_length", "--context-length"),
+                "compare": ("context_length", "--context-length"),
                 "serve": ("max_model_len", "--max-model-len")}  # fmt: skip
 
 
 def check_length_before_load(args: argparse.Namespace) -> None:
     """A length flag past a local model's positions refused from its config.json, before the
     weights load: loading a 70B whole or layer by layer takes minutes, and the same refusal came
-    after it."""
+    after it. ``compare`` checks its baseline and every variant."""
     dest, flag = LENGTH_FLAGS.get(getattr(args, "command", None), (None, None))
-    length, model = getattr(args, dest or "", None), getattr(args, "model", None)
+    length = getattr(args, dest or "", None)
     if dest is None or getattr(args, "no_perplexity", False) or not isinstance(length, int):
-        return
-    folder = Path(model).expanduser() if isinstance(model, str) else None
-    if folder is None or not (folder / "config.json").is_file():
         return
     from compress.io.checkpoint import check_positions
     from compress.io.stream import causal_lm_config
 
-    config, _ = causal_lm_config(folder)  # a multimodal checkpoint's text model's
-    check_positions(config, length, f"{args.command}: {flag}", str(folder))
+    models = [getattr(args, "model", None), getattr(args, "baseline", None),
+              *(getattr(args, "variants", None) or [])]  # fmt: skip
+    for model in models:
+        folder = Path(model).expanduser() if isinstance(model, str) else None
+        if folder is not None and (folder / "config.json").is_file():
+            config, _ = causal_lm_config(folder)  # a multimodal checkpoint's text model's
+            check_positions(config, length, f"{args.command}: {flag}", str(folder))
 
 
 def check_serve_length(loaded, max_model_len: int) -> None:
