@@ -61,14 +61,15 @@ LLAMA_WORKER = r"""
 import json, sys
 import llama_cpp
 from llama_cpp import Llama
-if "--no-extra-buffers" in sys.argv[3:]:
+if "--no-extra-buffers" in sys.argv[4:]:
     defaults = llama_cpp.llama_cpp.llama_model_default_params  # what Llama() starts from
     def without_extra_buffers():
         params = defaults()
         params.use_extra_bufts = False
         return params
     llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
-llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
+llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=int(sys.argv[3]),
+            verbose=False)
 for line in sys.stdin:
     ids, n = json.loads(line)
     llm.reset()
@@ -312,7 +313,9 @@ def llama_variants(ggufs: dict[str, Path], ids, args) -> dict[str, Variant]:
     variants = {}
     python = llama_cpp_python() if ggufs else None
     for name, gguf in ggufs.items():
-        command = [python, "-c", LLAMA_WORKER, str(gguf), str(args.threads)]
+        # context: prompt and new tokens (512 at least, as before --prompt-len grew past it)
+        n_ctx = max(512, len(ids) + args.new_tokens)
+        command = [python, "-c", LLAMA_WORKER, str(gguf), str(args.threads), str(n_ctx)]
         extra = llama_extra_buffers_work(python, gguf)
         if extra is None:  # they crash here: the row runs without them
             command.append("--no-extra-buffers")
@@ -423,8 +426,10 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64  # one decode graph per variant and batch size
     bandwidth = memory_bandwidth()["bytes_per_s"]  # the product's probe, as compare's MBU
     loaded = load_model(args.model)
-    text = "The history of the city begins with a small settlement on the river, " * 8
-    ids = loaded.tokenizer(text)["input_ids"][: args.prompt_len]
+    # the sentence is 14 tokens: repeated to cover --prompt-len (8 times at least, as before)
+    sentence = "The history of the city begins with a small settlement on the river, "
+    ids = loaded.tokenizer(sentence * max(8, args.prompt_len // 10 + 1))["input_ids"]
+    ids = ids[: args.prompt_len]
     ggufs = {}
     if not args.no_llama_cpp and args.model in EMBEDDED:
         # the shipped Q4_1 file, and llama.cpp's fastest types made by its quantizer from the

@@ -165,10 +165,13 @@ class Runtime:
     ``max_seq_len``: cache slots per row (prompt + new tokens); ``max_batch_size``: rows
     allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: prefill
     in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
-    weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (one-query
-    attention over 512 bf16 keys measured 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the
-    decode dtype. ``compile``: True/``"step"`` compiles the whole decode step as one graph,
-    ``"step-cpp"`` the same with the graph's host code generated as C++ instead of Python
+    weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (a bf16 cache
+    changes an fp32 model's tokens; through SDPA it was also slower: one query over 512 bf16
+    keys 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the decode dtype. On CPUs where our
+    kernels build, one-query attention reads the cache through
+    ``kernels.cpu_attention.cache_decode_attention`` (bf16 as fast as fp32 there; SDPA
+    elsewhere and for prefill). ``compile``: True/``"step"`` compiles the whole decode step as
+    one graph, ``"step-cpp"`` the same with the graph's host code generated as C++, not Python
     (inductor's ``cpp_wrapper``: the per-op Python between kernels goes; measured on a Xeon,
     SmolLM2 W4 with our kernels decoded in 4.9 instead of 5.2 ms a token, and its first
     compile took 143 s instead of 55), ``"layer"`` one decoder layer reused by all, False:
