@@ -149,7 +149,8 @@ def test_a_model_too_large_to_load_whole_is_refused_before_loading(command, plai
     monkeypatch.setattr(compress.io.load, "load_model", lambda *a, **k: pytest.fail("loaded"))
     argv = {"generate": ["generate", "hi", "--model", str(plain)],
             "serve": ["serve", str(plain), "--kv-memory", "1MB", "--max-model-len", "128"],
-            "compare": ["compare", str(plain), str(plain), "--out", str(tmp_path / "cmp")]}
+            "compare": ["compare", str(plain), str(plain), "--out", str(tmp_path / "cmp"),
+                        "--context-length", "128"]}
     assert main(argv[command]) == 2
     err = capsys.readouterr().err
     assert f"phase '{command} (" in err and "nothing was written" in err, err

@@ -69,7 +69,8 @@ def llama(bench, tmp_path, monkeypatch):
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("FAKE_LLAMA_STAMPS", str(stamps))
-    stream = bench.worker_stream([sys.executable, "-c", bench.LLAMA_WORKER, "fake.gguf", "1"])
+    stream = bench.worker_stream([sys.executable, "-c", bench.LLAMA_WORKER, "fake.gguf", "1",
+                                  "512"])  # fmt: skip
     yield stream, stamps
     stream.worker.stdin.close()
     assert stream.worker.wait(timeout=30) == 0
