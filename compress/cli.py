@@ -265,7 +265,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     device = _device(args)
-    _, matmul, load_dtype = runtime_dtypes(args.model, args.dtype)
+    _, matmul, load_dtype = runtime_dtypes(args.model, args.dtype, device)
     check_whole_loads("generate (model loaded whole)", [args.model], "compress it first (W4/W8 "
                       "exports load as stored), or --dtype auto for a bf16 one", dtype=load_dtype)
     loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
@@ -340,7 +340,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise RecipeError(f"--{flag.replace('_', '-')} {value}: give a number above 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, matmul, load_dtype = runtime_dtypes(args.model, args.dtype)
+    dtype, matmul, load_dtype = runtime_dtypes(args.model, args.dtype, extra=kv_memory)
     check_whole_loads("serve (model loaded whole)", [args.model], "compress it first (W4/W8 "
                       "exports load as stored)", dtype=load_dtype, extra=kv_memory)  # fmt: skip
     loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)

@@ -156,10 +156,13 @@ def test_a_model_too_large_to_load_whole_is_refused_before_loading(command, plai
     assert f"phase '{command} (" in err and "nothing was written" in err, err
 
 
-def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path):
+def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path, monkeypatch):
     import torch
 
+    import compress.cli_flags
     from compress.cli_flags import runtime_dtypes
+
+    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_matmuls", lambda: True)
     from compress.pipeline.preflight import whole_load_bytes
     from compress.testing import make_char_tokenizer, make_tiny_llama
 
@@ -176,6 +179,34 @@ def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path
     wide, narrow = (whole_load_bytes(tmp_path / str(torch.bfloat16), d)
                     for d in (None, torch.bfloat16))  # fmt: skip
     assert narrow < wide
+
+
+def test_auto_computes_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_matmuls(tmp_path,
+                                                                                monkeypatch,
+                                                                                capsys):
+    """ATen's bf16 GEMM without AVX512-BF16/AMX ran 1.9-8x slower than fp32 (AVX2 EPYC): auto
+    widens where the float32 load fits, keeps bf16 (with a note) where it does not; an asked
+    dtype and a CUDA device are left alone."""
+    import torch
+
+    import compress.cli_flags
+    from compress.cli_flags import runtime_dtypes
+    from compress.pipeline import preflight
+    from compress.testing import make_char_tokenizer, make_tiny_llama
+
+    make_tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    make_char_tokenizer().save_pretrained(tmp_path / "m")
+    bf16 = str(tmp_path / "m")
+    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_matmuls", lambda: False)
+    assert runtime_dtypes(bf16, "auto") == ("float32", None, torch.float32)
+    assert "computes this bf16 checkpoint in float32" in capsys.readouterr().err
+    assert runtime_dtypes(bf16, "bfloat16") == ("bfloat16", torch.bfloat16, torch.bfloat16)
+    assert runtime_dtypes(bf16, "auto", "cuda") == ("bfloat16", torch.bfloat16, torch.bfloat16)
+    wide = preflight.whole_load_bytes(tmp_path / "m", torch.float32)
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: wide + 99)
+    assert runtime_dtypes(bf16, "auto", extra=100)[0] == "bfloat16"  # fp32 + extra: no room
+    assert "does not fit the free memory" in capsys.readouterr().err
+    assert runtime_dtypes(bf16, "auto", extra=99)[0] == "float32"
 
 
 def test_generate_in_bf16_from_a_bf16_load_gives_the_float32_loads_tokens(tmp_path, capsys):
