@@ -202,6 +202,7 @@ def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
 
 def add_dtype_arg(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--dtype", default=default, choices=["auto", "float32", "bfloat16"],
-                   help=f"matmul dtype of the float layers (auto: the checkpoint's stored dtype; "
-                   f"a bf16 checkpoint computed in bf16 loads in bf16; default {default}); "
+                   help=f"matmul dtype of the float layers (auto: the checkpoint's stored dtype, "
+                   "but float32 for a bf16 one on a CPU without bf16 matmuls where it fits; a "
+                   f"bf16 checkpoint computed in bf16 loads in bf16; default {default}); "
                    "quantized layers run their int kernels either way")
