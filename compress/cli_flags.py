@@ -143,9 +143,9 @@ def reader_left() -> int:
 
 def cpu_bf16_matmuls() -> bool:
     """Whether this CPU multiplies bf16 natively (oneDNN's bf16 path: AVX512-BF16 or AMX)."""
-    import torch
+    from compress.kernels import cpu_float
 
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return cpu_float.cpu_bf16_matmuls()
 
 
 def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):

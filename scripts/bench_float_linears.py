@@ -5,6 +5,8 @@ is cycled over ``--copies`` distinct weights (default: enough for 2 GB) so they 
 as a model's layers do. Prints us per call (median of the rounds), plain / packed; with
 ``--pass`` also one pass over every shape once per copy, in ms (``--copies 22`` with the 1.1B
 shape's projections is its 22 layers). Sets ``FP32_PACK_MIN_ELEMENTS`` and the bf16 notes.
+``--bf16-weights`` (with fp32) adds a third way: the weights held in bf16 for our
+``bf16_weight_linear`` (``kernels.cpu_float``: fp32 inputs and sums), plain / packed / ours.
 
     python scripts/bench_float_linears.py --dtype float32 --shapes 1024x1024 3072x576 \\
         2048x1024 2048x2048 4096x4096 11008x4096 --rows 1 2 4 8 32
@@ -12,6 +14,8 @@ shape's projections is its 22 layers). Sets ``FP32_PACK_MIN_ELEMENTS`` and the b
         11264x2048 2048x5632 --copies 22 --pass --rows 1 8 16 17 20 24 28 32 33 40 48 64
     python scripts/bench_float_linears.py --dtype bfloat16 --shapes 32000x2048 --copies 4 \\
         --rows 1 8 32
+    python scripts/bench_float_linears.py --bf16-weights --shapes 49152x576 3072x576 576x1536 \\
+        960x576 --rows 1 2 4 8 32 128 256
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.eval.report import environment
+from compress.kernels import cpu_float
 
 
 def timed(fn, rounds: int) -> float:
@@ -47,7 +52,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pack-rows", type=int, default=1,
                    help="the row count oneDNN picks the packed layout for (batch-size hint)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="fp32 only: also time our op over bf16 copies of the weights")
     args = p.parse_args()
+    if args.bf16_weights and args.dtype != "float32":
+        p.error("--bf16-weights compares against fp32 weights: leave --dtype float32")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
@@ -61,21 +70,25 @@ def main() -> None:
         copies = args.copies or min(40, max(2, int(2e9 // (n * k * size))))
         plain = [torch.randn(n, k).to(dtype) for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, args.pack_rows) for w in plain]
-        weights[(n, k)] = (plain, packed)
+        halves = [w.bfloat16() for w in plain] if args.bf16_weights else []
+        weights[(n, k)] = (plain, packed, halves)
     for m in args.rows:
         xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
         line = []
-        totals = [0.0, 0.0]
-        for (n, k), (plain, packed) in weights.items():
-            ways = (lambda x=xs[k], ws=plain: [F.linear(x, w) for w in ws],
+        totals = [0.0, 0.0, 0.0] if args.bf16_weights else [0.0, 0.0]
+        for (n, k), (plain, packed, halves) in weights.items():
+            ways = [lambda x=xs[k], ws=plain: [F.linear(x, w) for w in ws],
                     lambda x=xs[k], ws=packed: [
                         torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                        for w in ws])  # fmt: skip
+                        for w in ws]]  # fmt: skip
+            if halves:
+                ways.append(lambda x=xs[k], ws=halves: [
+                    cpu_float.bf16_weight_linear(x, w) for w in ws])
             per_call = [timed(way, args.rounds) / len(plain) for way in ways]
-            line.append(f"{n}x{k} {1e6 * per_call[0]:.0f} / {1e6 * per_call[1]:.0f} us")
+            line.append(f"{n}x{k} " + " / ".join(f"{1e6 * c:.0f}" for c in per_call) + " us")
             totals = [t + c * len(plain) for t, c in zip(totals, per_call, strict=True)]
         if args.whole:
-            line.append(f"pass {1e3 * totals[0]:.1f} / {1e3 * totals[1]:.1f} ms")
+            line.append("pass " + " / ".join(f"{1e3 * t:.1f}" for t in totals) + " ms")
         print(f"M={m}: " + "; ".join(line), flush=True)
 
 

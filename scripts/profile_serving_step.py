@@ -5,17 +5,17 @@ CPU time over 5 more steps. ``--no-fp32-pack`` keeps fp32 weights plain (``F.lin
 ``FP32_PACK_MIN_ELEMENTS`` against.
 
     S=~/.cache/compress/serving  # the exports scripts/bench_serving.py writes and caches
-    python scripts/profile_serving_step.py $S/synthetic-1b-w4 28 --dtype bfloat16 --profile
-    python scripts/profile_serving_step.py $S/smollm2-base 32 --dtype bfloat16 --profile
+    python scripts/profile_serving_step.py $S/synthetic-1b-w4 28 --profile
+    python scripts/profile_serving_step.py $S/smollm2-base 32 --profile
     python scripts/profile_serving_step.py $S/synthetic-1b-base 8 --no-fp32-pack
 
 ``--burst`` instead times ROWS requests added at once (128-token prompts, 64 new tokens each)
 against one alone, split into the steps that still prefill and the decode-only ones:
 
-    python scripts/profile_serving_step.py $S/synthetic-1b-w4 8 --dtype bfloat16 --burst
+    python scripts/profile_serving_step.py $S/synthetic-1b-w4 8 --burst
 
-``--dtype bfloat16`` is what ``compress serve`` picks for these bf16 exports (float layers,
-head and KV pages in bf16).
+``--dtype auto`` (the default) picks the float dtype as ``compress serve`` does: bf16 for these
+bf16 exports (float layers, head and KV pages) on CPUs with bf16 matmuls, float32 on others.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import time
 
 import torch
 
+from compress.cli_flags import runtime_dtypes
 from compress.eval.report import environment
 from compress.io.load import load_model
-from compress.runtime import layers
+from compress.runtime import float_linear
 from compress.runtime.engine import Runtime
 from compress.runtime.scheduler import Scheduler
 
@@ -37,8 +38,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("export")
     p.add_argument("rows", type=int, help="requests decoding together")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="float layers' matmul dtype (serve's --dtype)")  # fmt: skip
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="float layers' matmul dtype, picked as serve's --dtype picks it")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", action="store_true", help="--profile: one row per op and shapes")
@@ -48,9 +49,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.no_fp32_pack:
-        layers.FP32_PACK_MIN_ELEMENTS = 1 << 62
-    matmul = torch.bfloat16 if args.dtype == "bfloat16" else None
-    runtime = Runtime(load_model(args.export).model, max_seq_len=2048, compile=False,
+        float_linear.FP32_PACK_MIN_ELEMENTS = 1 << 62
+    args.dtype, matmul, load_dtype = runtime_dtypes(args.export, args.dtype)
+    runtime = Runtime(load_model(args.export, dtype=load_dtype).model, max_seq_len=2048,
+                      compile=False,
                       prefill_dtype=matmul, decode_dtype=matmul, int4_kernel="q4q8",
                       int8_kernel="q8q8", static_cache=False)  # fmt: skip
     scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=max(32, args.rows))

@@ -65,11 +65,12 @@ from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
 # q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op,
-# elementwise.cpp compress.kernels.cpu_elementwise's, gptq_walk.cpp compress.kernels.cpu_gptq's
+# elementwise.cpp compress.kernels.cpu_elementwise's, gptq_walk.cpp compress.kernels.cpu_gptq's,
+# bf16_linear.cpp compress.kernels.cpu_float's
 SOURCES = tuple(
     CSRC / f
     for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp",
-              "elementwise.cpp", "gptq_walk.cpp")
+              "elementwise.cpp", "gptq_walk.cpp", "bf16_linear.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -154,6 +155,7 @@ def build_reason(isa: str) -> str | None:
     for op in ("int4_linear_q8_tiles", "int4_linear_q8_tiles_amx", "int4_linear_bf16_tiles_amx"):
         torch.library.register_fake(f"compress_{isa}::{op}")(_fake_tiles_linear)
     torch.library.register_fake(f"compress_{isa}::bf16_linear_tiles_amx")(_fake_bf16_tiles)
+    torch.library.register_fake(f"compress_{isa}::bf16_weight_linear")(_fake_bf16_weight)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     torch.library.register_fake(f"compress_{isa}::cache_decode_attention")(_fake_cache_attention)
     torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
@@ -215,6 +217,10 @@ def _fake_tiles_linear(x, codes, scales, offsets, group):
 
 def _fake_bf16_tiles(x, w):
     return x.new_empty(x.shape[0], w.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_bf16_weight(x, w):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
 
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,

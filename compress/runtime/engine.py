@@ -47,7 +47,7 @@ from torch import nn
 from compress.arch import ARCHS, RUNTIME_SPECS, arch_for, decoder_layers, runtime_model_types
 from compress.core.device import current_device, float_dtype
 from compress.core.errors import ConfigError
-from compress.kernels import cpu_attention, cpu_elementwise, cpu_q8, dispatch
+from compress.kernels import cpu_attention, cpu_elementwise, cpu_float, cpu_q8, dispatch
 from compress.memory import available_memory_bytes, hold_in_huge_pages, return_freed_memory
 from compress.quant.kv_scales import kv_cache_scales
 from compress.quant.linear import QuantLinear
@@ -59,12 +59,12 @@ from compress.runtime.families import (
     rope_tables,
     window_mask,
 )
+from compress.runtime.float_linear import _FloatLinear
 from compress.runtime.graphs import CaptureFailed, GraphedSteps
 from compress.runtime.head import _Head
 from compress.runtime.latent import LatentLayer, cached_head_dim
 from compress.runtime.layers import (
     LM_HEAD_SCHEMES,
-    _FloatLinear,
     _IntKernels,
     _Layer,
     _Q8Kernel,
@@ -164,12 +164,12 @@ class Runtime:
 
     ``max_seq_len``: cache slots per row (prompt + new tokens); ``max_batch_size``: rows
     allocated. ``prefill_dtype``/``decode_dtype``: matmul input dtype per phase (None: prefill
-    in the weights' dtype on every CPU; decode in bf16 for quantized or bf16 models, else the
-    weights' dtype). ``kv_dtype`` defaults to fp32 when prefill is fp32 on CPU (a bf16 cache
-    changes an fp32 model's tokens; through SDPA it was also slower: one query over 512 bf16
-    keys 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else the decode dtype. On CPUs where our
-    kernels build, one-query attention reads the cache through
-    ``kernels.cpu_attention.cache_decode_attention`` (bf16 as fast as fp32 there; SDPA
+    in the weights' dtype on every CPU; decode in bf16 for bf16 models and for quantized ones
+    on CPUs with bf16 matmuls, else the weights' dtype). ``kv_dtype`` defaults to fp32 when
+    prefill is fp32 on CPU (a bf16 cache changes an fp32 model's tokens; through SDPA it was
+    also slower: one query over 512 bf16 keys 2.0 ms vs 0.36 ms in fp32 on an AVX2 CPU), else
+    the decode dtype. On CPUs where our kernels build, one-query attention reads the cache
+    through ``kernels.cpu_attention.cache_decode_attention`` (bf16 as fast as fp32 there; SDPA
     elsewhere and for prefill). ``compile``: True/``"step"`` compiles the whole decode step as
     one graph, ``"step-cpp"`` the same with the graph's host code generated as C++, not Python
     (inductor's ``cpp_wrapper``: the per-op Python between kernels goes; measured on a Xeon,
@@ -271,7 +271,10 @@ class Runtime:
         device, w_dtype = embed.device, float_dtype(model.get_input_embeddings()) or embed.dtype
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         if decode_dtype is None:
-            cpu_quant = quantized and device.type == "cpu"
+            # a quantized model's float parts (the head) in bf16 where the CPU multiplies bf16;
+            # elsewhere in the weights' dtype, and a bf16 export's fp32-loaded head is held in
+            # bf16 all the same (_FloatLinear.pack), computed in fp32
+            cpu_quant = quantized and device.type == "cpu" and cpu_float.cpu_bf16_matmuls()
             decode_dtype = torch.bfloat16 if cpu_quant or w_dtype == torch.bfloat16 else w_dtype
         if prefill_dtype is None:
             # The weights' dtype on every CPU class: bf16 prefill is faster where the CPU has
@@ -382,7 +385,7 @@ class Runtime:
                 layer.fused = fused
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
-                    module.pack(fp32=not compile)
+                    module.pack(fp32=not compile, bf16_copy=True)
             # one-query attention over the cache through our kernel where it builds, not SDPA
             # (csrc/paged_attention.cpp, cache_decode_attention, says what it measured)
             for layer in self.layers:

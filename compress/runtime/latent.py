@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from compress.quant.linear import QuantLinear
+from compress.runtime.float_linear import _FloatLinear
 from compress.runtime.layers import (
     _convert_linear,
-    _FloatLinear,
     _Layer,
     _rotate,
     release_weights,

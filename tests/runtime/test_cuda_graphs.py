@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 
 from compress.quant.linear import QuantLinear, WeightScheme
 from compress.runtime.engine import Runtime
+from compress.runtime.float_linear import _FloatLinear
 from compress.runtime.graphs import Captured, CaptureFailed, GraphedSteps
-from compress.runtime.layers import _FloatLinear
 from compress.testing import (
     TINY_MODEL_TYPES,
     TINY_MOE_TYPES,
@@ -78,7 +78,7 @@ def _no_cpu_weight_layouts(monkeypatch):
     False off the CPU, but the emulation runs on the CPU, where it would put a bf16 head into
     oneDNN's blocked layout on a CPU with AVX512-BF16 and no AMX: an opaque tensor whose
     storage no capture (and no check here) can read."""
-    monkeypatch.setattr(_FloatLinear, "pack", lambda self, fp32=True: False)
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self, *args, **kwargs: False)
 
 
 def _checked_capture(calls: list[str]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compress.kernels import cpu_float  # noqa: E402
 from compress.quant.rtn import Int4RtnConfig, Int8RtnConfig, quantize_linears  # noqa: E402
 from compress.runtime.engine import Runtime, _decode_step  # noqa: E402
 from compress.testing import hf_greedy, make_tiny_llama  # noqa: E402
@@ -68,9 +69,9 @@ def _hand_count(kind: str) -> int:
         return 2 * layer + HEAD_NORM + 320 * 64 * 2
     # int4 g32 in torch's CPU layout: codes uint8 [N, K/2] (1/2 byte per weight) and bf16
     # (scale, zero) pairs [K/32, N, 2] (4 bytes per 32 weights = 1/8 byte); the float head is
-    # held in the decode dtype, bf16
+    # held in the decode dtype: bf16 where the CPU multiplies bf16, else the model's fp32
     layer = LINEAR_WEIGHTS_PER_LAYER // 2 + LINEAR_WEIGHTS_PER_LAYER // 8 + NORMS_PER_LAYER
-    return 2 * layer + HEAD_NORM + 320 * 64 * 2
+    return 2 * layer + HEAD_NORM + 320 * 64 * (2 if kind == "int4-g32-bf16-head" else 4)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "fp32-bf16-decode", "int4-g32"])
@@ -84,8 +85,10 @@ def test_decode_bytes_match_a_hand_count(model, kind):
     assert rt.kv_dtype == torch.float32  # fp32 weights: fp32 prefill, so an fp32 cache on CPU
     # K and V x 2 layers x 3 rows x 2 KV heads x 48 slots x head_dim 16 x 4 bytes
     kv = 2 * 2 * 3 * 2 * 48 * 16 * 4
+    if kind == "int4-g32" and cpu_float.cpu_bf16_matmuls():
+        kind = "int4-g32-bf16-head"
     assert rt.decode_bytes() == {"weights": _hand_count(kind), "kv_cache": kv}
-    assert _hand_count("fp32") == 378112 and _hand_count("int4-g32") == 88320
+    assert _hand_count("fp32") == 378112 and _hand_count("int4-g32-bf16-head") == 88320
     assert _hand_count("fp32-bf16-decode") == 189696
 
 
@@ -451,7 +454,7 @@ def test_compiled_step_calls_packed_bf16_weights_without_a_graph_break(model):
     there (their compiled steps are unchanged)."""
     from torch._dynamo.utils import counters
 
-    from compress.runtime.layers import _FloatLinear
+    from compress.runtime.float_linear import _FloatLinear
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bf16 matmuls for oneDNN: nothing packs")
@@ -546,7 +549,7 @@ needs_bf16 = pytest.mark.skipif(not BF16_MATMULS, reason="oneDNN has no bf16 mat
 def test_packed_bf16_linear_equals_plain_and_stacks():
     """_FloatLinear.pack against F.linear on the plain bf16 weight (a second path), at decode's
     few rows and prefill's many; stacked parts equal each part's own packed output."""
-    from compress.runtime.layers import _FloatLinear
+    from compress.runtime.float_linear import _FloatLinear
 
     torch.manual_seed(0)
     ws = [torch.randn(n, 96) for n in (64, 32, 32)]
@@ -584,7 +587,11 @@ def test_large_fp32_linears_pack_within_fp32_rounding():
     """From FP32_PACK_MIN_ELEMENTS on, an fp32 weight is held packed for oneDNN (ATen's GEMM is
     slow on large weights at 4+ rows); its outputs stay within fp32 rounding of F.linear in
     float64 (a second path), at decode's rows and a prompt's, with a bias; stacked parts too."""
-    from compress.runtime.layers import FP32_PACK_MIN_ELEMENTS, FP32_PACKED_MIN_ROWS, _FloatLinear
+    from compress.runtime.float_linear import (
+        FP32_PACK_MIN_ELEMENTS,
+        FP32_PACKED_MIN_ROWS,
+        _FloatLinear,
+    )
 
     torch.manual_seed(0)
     k = 1024
@@ -620,7 +627,7 @@ def test_small_fp32_linears_stack(model):
     within fp32 rounding of its own call (float64 reference), its bias where it had one; an
     eager fp32 runtime then runs stacked q/k/v and gate/up and the fused elementwise ops."""
     from compress.kernels import cpu_elementwise
-    from compress.runtime.layers import _FloatLinear
+    from compress.runtime.float_linear import _FloatLinear
 
     torch.manual_seed(0)
     ws = [torch.randn(n, 96) for n in (64, 32, 32)]
@@ -649,7 +656,7 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
     """An eager CPU runtime in bf16 holds q/k/v, gate/up and the head packed for oneDNN (or, on
     AMX-BF16 CPUs, in our tile order); its greedy tokens and logits are those of the same
     runtime on plain bf16 weights (within bf16 rounding for our tiles, which skip it)."""
-    from compress.runtime.layers import _FloatLinear
+    from compress.runtime.float_linear import _FloatLinear
 
     bf16 = dict(prefill_dtype=torch.bfloat16, decode_dtype=torch.bfloat16, compile=False)
     packed = Runtime(model, max_seq_len=64, keep_model_weights=True, **bf16)
@@ -657,7 +664,7 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
     assert layer.q is None and layer.gate is None
     assert layer.qkv.packed is not None and layer.gate_up.packed is not None
     assert layer.o.packed is not None and packed.head.lm_head.packed is not None
-    monkeypatch.setattr(_FloatLinear, "pack", lambda self, fp32=True: False)
+    monkeypatch.setattr(_FloatLinear, "pack", lambda self, *args, **kwargs: False)
     plain = Runtime(model, max_seq_len=64, **bf16)
     assert plain.layers[0].qkv is None and plain.layers[0].q.packed is None
     amx = layer.qkv.amx_op is not None  # our AMX-BF16 tiles: fp32 outputs, not bf16-rounded
@@ -669,6 +676,69 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
         else:  # within the bf16 roundings the plain path adds (0.8% of the largest, measured)
             torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
             assert packed.generate([prompt], 4) == plain.generate([prompt], 4)
+
+
+def test_bf16_linears_without_bf16_matmuls_run_our_op_and_stack(monkeypatch):
+    """bf16 float linears on a CPU without bf16 matmuls (forced): held for our
+    ``bf16_weight_linear`` (fp32 sums of bf16 inputs and weights, float64 reference here, with
+    the bias), stacked q/k/v parts as one call equal to each part's own."""
+    from compress.runtime.float_linear import _FloatLinear
+
+    if (why := cpu_float.unavailable_reason(torch.device("cpu"))) is not None:
+        pytest.skip(f"our kernels do not build here: {why}")
+    monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: False)
+    torch.manual_seed(0)
+    ws, bias = [torch.randn(n, 96) for n in (64, 32, 32)], torch.randn(32)
+    def parts():
+        return [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
+                for i, w in enumerate(ws)]  # fmt: skip
+    stacked = _FloatLinear.stacked_packed(parts())
+    assert stacked is not None and stacked.bf16_op is not None
+    singles = parts()
+    assert all(p.pack() and p.bf16_op is not None and p.w_decode is None for p in singles)
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        outs = [p(x, True) for p in singles]
+        for i, (got, w) in enumerate(zip(outs, ws, strict=True)):
+            want = x.double() @ w.bfloat16().double().T + (bias.double() if i == 1 else 0)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max())
+        assert torch.equal(stacked(x, False), torch.cat(outs, -1))
+
+
+def test_bf16_valued_heads_run_from_bf16_copies_and_keep_fp32_tokens(model, monkeypatch):
+    """On a CPU without bf16 matmuls (forced here, so that every CPU where our kernels build
+    runs it), an fp32 head that holds bf16 values is held as a bf16 copy run in fp32 by our op
+    (decoder layers keep fp32 for oneDNN): the greedy tokens stay transformers' fp32 ones. A
+    quantized model there decodes in fp32 (not bf16), within fp32 rounding of the plain head."""
+    from compress.runtime.float_linear import _FloatLinear
+
+    if (why := cpu_float.unavailable_reason(torch.device("cpu"))) is not None:
+        pytest.skip(f"our kernels do not build here: {why}")
+    monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    rt = Runtime(model, max_seq_len=64, compile=False, keep_model_weights=True)
+    head = rt.head.lm_head
+    assert head.bf16_op is not None and head.packed.dtype == torch.bfloat16
+    assert head.packed_dtype == torch.float32  # its input stays fp32
+    layers = [m for m in rt.layers.modules() if isinstance(m, _FloatLinear)]
+    assert layers and all(m.bf16_op is None for m in layers)
+    assert rt.decode_dtype == torch.float32
+    for prompt in PROMPTS:
+        assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    kw = dict(max_seq_len=64, compile=False, keep_model_weights=True)
+    rt = Runtime(model, **kw)
+    assert rt.decode_dtype == torch.float32 and rt.head.lm_head.bf16_op is not None
+    monkeypatch.setattr(cpu_float, "holds_bf16_copy", lambda w, fp32_copy=False: False)
+    plain = Runtime(model, **kw)
+    assert plain.head.lm_head.bf16_op is None
+    for prompt in PROMPTS:
+        a, b = rt.prefill(prompt), plain.prefill(prompt)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
+        assert rt.generate([prompt], 8) == plain.generate([prompt], 8)
 
 
 def test_a_static_cache_past_the_free_memory_is_refused_before_any_weight_is_taken(

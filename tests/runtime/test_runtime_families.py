@@ -356,12 +356,12 @@ def test_fused_elementwise_ops_compute_the_torch_layer(family, monkeypatch):
     any size here, so nothing but the elementwise ops differs (int kernels would round their
     activations to int8, where a last-bit difference can move a code)."""
     from compress.kernels import cpu_elementwise
-    from compress.runtime import layers
+    from compress.runtime import float_linear
 
     reason = cpu_elementwise.unavailable_reason(torch.device("cpu"))
     if reason is not None or not torch.backends.mkldnn.is_available():
         pytest.skip(f"the fused ops do not run here: {reason or 'no oneDNN'}")
-    monkeypatch.setattr(layers, "FP32_PACK_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(float_linear, "FP32_PACK_MIN_ELEMENTS", 1)
     runtime = Runtime(make_model(family), max_seq_len=48, compile=False)
     assert all(layer.fused for layer in runtime.layers)
     assert all(layer.qkv is not None for layer in runtime.layers)

@@ -1,0 +1,84 @@
+"""Float linears over bf16 weights on the CPU (``csrc/bf16_linear.cpp``, built with the
+integer-dot kernels of ``cpu_q8``): ``bf16_weight_linear`` computes ``x @ w.T`` in fp32 from
+weights held in bf16, reading half the bytes of an fp32 copy. Not oneDNN's bf16 path: x is not
+rounded to bf16, so the result is the fp32 product of the same weights, within fp32 rounding
+(``bf16_weight_linear_reference`` is the definition).
+
+The runtime holds a float linear this way (``runtime.float_linear._FloatLinear.pack``) where its
+weights are bf16 on a CPU without bf16 matmuls (oneDNN has no bf16 path there and ATen's bf16
+GEMM is several times slower than fp32), and an fp32 head whose values are bf16 (a bf16
+export's head loaded in fp32: the copy is lossless). Measured on an AVX2-only AMD EPYC (Zen 3),
+2 threads, weights from DRAM, us per call, ATen fp32 / oneDNN fp32 packed / ours
+(``scripts/bench_float_linears.py --bf16-weights --shapes 49152x576 3072x576 576x1536 960x576
+--rows 1 2 4 8 32 128 256 --copies 4``; ATen's bf16 GEMM: 3.2-3.7 ms at 1 row of the head, 98
+ms at 32 rows):
+
+| rows | 49152x576 (head) | 3072x576 | 576x1536 |
+|---:|---:|---:|---:|
+| 1 | 9048 / 5119 / 2714 | 543 / 345 / 89 | 109 / 140 / 49 |
+| 8 | 20662 / 10823 / 5456 | 869 / 601 / 336 | 284 / 339 / 179 |
+| 32 | 35607 / 22131 / 22045 | 1926 / 1310 / 1063 | 703 / 571 / 517 |
+| 256 | 159834 / 116784 / 166330 | 6753 / 6071 / 8625 | 2827 / 3960 / 3811 |
+
+From about a hundred rows oneDNN's fp32 GEMM is ahead (this op is a dot-product loop, not a
+blocked GEMM), so fp32 decoder layers keep it (``holds_bf16_copy``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compress.kernels import cpu_q8
+
+# rows of fp32 weights checked at a time by ``bf16_exact`` (bounds its temporary)
+_EXACT_CHUNK_ELEMENTS = 1 << 22
+
+
+def cpu_bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's bf16 path: AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why ``bf16_weight_linear`` cannot run on ``device``, or None."""
+    if device.type != "cpu":
+        return f"the tensors are on {device.type}, the op is CPU-only"
+    return cpu_q8.unavailable_reason()
+
+
+def bf16_weight_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 or bf16, w [N, K] bf16 contiguous -> x @ w.T in fp32 [..., N]."""
+    out = cpu_q8.ops().bf16_weight_linear(x.reshape(-1, x.shape[-1]), w)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def bf16_weight_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), w.float())
+
+
+def holds_bf16_copy(w: torch.Tensor, fp32_copy: bool = False) -> bool:
+    """Whether the runtime holds a float linear of weights ``w`` as a bf16 copy run by
+    ``bf16_weight_linear``: on a CPU without bf16 matmuls where the op builds, bf16 weights
+    (ATen's bf16 GEMM is the other way there), and, where ``fp32_copy``, fp32 weights of bf16
+    values. The runtime asks that for its head only: a head runs a few rows a call in both
+    phases, where the op is the fastest (module docstring), while a decoder layer's prompt
+    chunks of a hundred rows and more run faster through oneDNN's fp32 GEMM. Not on CPUs with
+    bf16 matmuls: oneDNN's bf16 path is their fast one, and this op was not measured there."""
+    if w.device.type != "cpu" or cpu_bf16_matmuls():
+        return False
+    if w.dtype != torch.bfloat16 and not (w.dtype == torch.float32 and fp32_copy):
+        return False
+    return unavailable_reason(w.device) is None and (w.dtype == torch.bfloat16 or bf16_exact(w))
+
+
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the fp32 tensor ``w`` is a bf16 value (its low 16 bits zero), so
+    that a bf16 copy loses nothing."""
+    if w.dtype != torch.float32:
+        return False
+    bits = w.detach().contiguous().view(-1).view(torch.int32)
+    for start in range(0, bits.numel(), _EXACT_CHUNK_ELEMENTS):
+        if torch.any(bits[start:start + _EXACT_CHUNK_ELEMENTS] & 0xFFFF):
+            return False
+    return True
