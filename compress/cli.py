@@ -22,6 +22,7 @@ from compress.cli_flags import (
     check_serve_length,
     reader_left,
     runtime_dtypes,
+    serve_kv_dtype,
     torch_threads,
 )
 from compress.core.errors import (
@@ -353,16 +354,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if runtime.fallback_reason is not None:
         raise RecipeError(f"compress serve runs the runtime's families only: "
                           f"{runtime.fallback_reason}")
-    kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
-    if kv_dtype is None and runtime.device.type == "cpu":
-        # auto: the runtime's (bf16 for bf16 layers) where decode attends in the pool (a 32-row
-        # SmolLM2 bf16 step 55.5 ms on bf16 pages, 59.0 on fp32, Xeon); where it gathers, fp32
-        # (gathered bf16 keys measured slower: 101 vs 72 ms)
-        from compress.kernels import cpu_attention
-
-        if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device,
-                                            runtime.layers[0].head_dim) is not None:
-            kv_dtype = "float32"
+    kv_dtype = serve_kv_dtype(runtime, loaded.model, args.kv_dtype)
     try:
         scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
                               max_batch=args.max_batch, prefill_budget=args.prefill_budget,
@@ -750,9 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory for the paged KV cache, e.g. 512MB or 2GiB")
     p_srv.add_argument("--kv-dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "int8", "fp8"],
-                       help="KV cache storage (auto: the float layers' dtype where decode "
-                       "attends in the pool, i.e. where our CPU kernels build, else float32 on a "
-                       "CPU; int8: per token and head scales, about half of bf16's bytes; fp8: "
+                       help="KV cache storage (auto, where decode attends in the pool, i.e. "
+                       "where our CPU kernels build: bfloat16 for a quantized checkpoint, else "
+                       "the float layers' dtype; elsewhere float32 on a CPU; int8: per token "
+                       "and head scales, about half of bf16's bytes; fp8: "
                        "e4m3, half of bf16's bytes, with the per-layer scales a "
                        "quantize.kv_cache_fp8 pass wrote into the checkpoint, 1.0 without)")
     p_srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

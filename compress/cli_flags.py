@@ -192,6 +192,33 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     return dtype, matmul, torch.bfloat16 if narrow else torch.float32
 
 
+def serve_kv_dtype(runtime, model, asked: str) -> str | None:
+    """``compress serve``'s KV pages for ``--kv-dtype asked``: a dtype name, or None for the
+    runtime's KV dtype. auto on a CPU, where decode attends in the pool (our kernel builds for
+    the runtime's KV dtype): bf16 for a quantized checkpoint, the runtime's otherwise (bf16 for
+    bf16 layers: a 32-row SmolLM2 bf16 step 55.5 ms on bf16 pages, 59.0 on fp32, Xeon); where
+    it gathers, fp32 (gathered bf16 keys measured slower: 101 vs 72 ms). A quantized model's
+    runtime computes in fp32 on CPUs without bf16 matmuls, so its cache would be fp32: bf16
+    pages cost SmolLM2 0.00004 nats/token of KL (docs/results.md section 7), hold twice the
+    tokens, and attended faster (a 32-row W4 decode step on the AVX2-only EPYC, median of 63:
+    96-98 ms against 107-131 on fp32 pages, ``scripts/profile_serving_step.py --burst``)."""
+    if asked != "auto":
+        return asked
+    if runtime.device.type != "cpu":
+        return None
+    import torch
+
+    from compress.kernels import cpu_attention
+    from compress.quant.linear import QuantLinear
+
+    head_dim = runtime.layers[0].head_dim
+    if cpu_attention.unavailable_reason(runtime.kv_dtype, runtime.device, head_dim) is not None:
+        return "float32"
+    quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+    bf16 = cpu_attention.unavailable_reason(torch.bfloat16, runtime.device, head_dim) is None
+    return "bfloat16" if quantized and bf16 else None
+
+
 def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
     p.add_argument("--device", default=None if recipe else "auto", metavar="DEVICE",
                    help="where the work runs: auto (the first GPU when there is one, else "

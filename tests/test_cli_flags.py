@@ -254,3 +254,29 @@ def test_a_length_past_the_positions_is_refused_before_the_model_loads(argv, pla
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "300 exceeds the 256 positions" in err
     assert argv[argv.index("300") - 1] in err  # the flag
+
+
+def test_serve_kv_dtype_auto_keeps_quantized_pages_in_bf16(monkeypatch):
+    """serve's --kv-dtype auto on a CPU where our attention kernel reads the pool: bf16 pages for
+    a quantized checkpoint, the runtime's KV dtype (None) for a float one; fp32 where decode
+    would gather instead; an explicit choice as given."""
+    import torch
+
+    from compress.cli_flags import serve_kv_dtype
+    from compress.kernels import cpu_attention
+    from compress.quant.rtn import Int4RtnConfig, quantize_linears
+    from compress.runtime.engine import Runtime
+    from compress.testing import make_tiny_llama
+
+    if (why := cpu_attention.unavailable_reason(torch.bfloat16, torch.device("cpu"), 16)):
+        pytest.skip(f"our attention kernel does not run here: {why}")
+    model = make_tiny_llama()
+    runtime = Runtime(model, max_seq_len=16, compile=False, keep_model_weights=True)
+    assert serve_kv_dtype(runtime, model, "auto") is None
+    assert serve_kv_dtype(runtime, model, "int8") == "int8"
+    quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
+    runtime = Runtime(model, max_seq_len=16, compile=False, static_cache=False)
+    assert serve_kv_dtype(runtime, model, "auto") == "bfloat16"
+    assert serve_kv_dtype(runtime, model, "float32") == "float32"
+    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda *a: "no kernel here")
+    assert serve_kv_dtype(runtime, model, "auto") == "float32"
