@@ -148,6 +148,17 @@ def cpu_bf16_matmuls() -> bool:
     return cpu_float.cpu_bf16_matmuls()
 
 
+def cpu_bf16_weight_op() -> bool:
+    """Whether our ``bf16_weight_linear`` runs here (``kernels.cpu_float``): bf16 weights
+    multiplied in fp32 at about fp32's speed from half the bytes, on CPUs without bf16
+    matmuls."""
+    import torch
+
+    from compress.kernels import cpu_float
+
+    return cpu_float.unavailable_reason(torch.device("cpu")) is None
+
+
 def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     """``compress serve``'s and ``generate``'s float-layer dtype for ``asked`` (auto: the
     checkpoint's stored one, bfloat16 or float32): its name, the runtime's matmul dtype (None:
@@ -160,7 +171,12 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     or AMX: oneDNN has none, and ATen's bf16 GEMM measured 1.9x slower than fp32 at 1 row and
     5.6x at 32 rows on an AVX2-only AMD EPYC, 1536x576, 2 threads; serving SmolLM2's bf16
     export took ~970 ms a token there), where the float32 load fits the free memory with
-    ``extra`` bytes beside it (``device``: where it computes, None: the CPU)."""
+    ``extra`` bytes beside it (``device``: where it computes, None: the CPU), unless our
+    ``bf16_weight_linear`` runs there (``cpu_bf16_weight_op``): bf16 stays, its layers through
+    that op. Measured on that EPYC, SmolLM2's bf16 export through the scheduler, bf16 / fp32:
+    a one-row decode step 23.2 / 42.1 ms (half the bytes), a 32-request burst 118-126 / 129-141
+    output tok/s (prompt chunks of 256 rows run slower through the op; docs/notes/
+    2026-12-07-bf16-weight-linear.md)."""
     from pathlib import Path
 
     import torch
@@ -173,7 +189,8 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     stored = stored_dtype_name(where) if isinstance(where, Path) else None
     dtype = asked if asked != "auto" else ("bfloat16" if stored == "bfloat16" else "float32")
     plain = isinstance(where, Path) and not is_compressed_checkpoint(where)
-    slow_bf16 = (device is None or torch.device(device).type == "cpu") and not cpu_bf16_matmuls()
+    slow_bf16 = ((device is None or torch.device(device).type == "cpu") and not cpu_bf16_matmuls()
+                 and not cpu_bf16_weight_op())
     if asked == "auto" and dtype == "bfloat16" and slow_bf16:
         wide = preflight.whole_load_bytes(where, torch.float32) if plain else None
         available = preflight.available_memory_bytes()
@@ -230,6 +247,7 @@ def add_device_arg(p: argparse.ArgumentParser, recipe: bool = False) -> None:
 def add_dtype_arg(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--dtype", default=default, choices=["auto", "float32", "bfloat16"],
                    help=f"matmul dtype of the float layers (auto: the checkpoint's stored dtype, "
-                   "but float32 for a bf16 one on a CPU without bf16 matmuls where it fits; a "
+                   "but float32 for a bf16 one on a CPU with neither bf16 matmuls nor our "
+                   "bf16-weight kernel, where it fits; a "
                    f"bf16 checkpoint computed in bf16 loads in bf16; default {default}); "
                    "quantized layers run their int kernels either way")

@@ -184,9 +184,10 @@ def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path
 def test_auto_computes_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_matmuls(tmp_path,
                                                                                 monkeypatch,
                                                                                 capsys):
-    """ATen's bf16 GEMM without AVX512-BF16/AMX ran 1.9-8x slower than fp32 (AVX2 EPYC): auto
-    widens where the float32 load fits, keeps bf16 (with a note) where it does not; an asked
-    dtype and a CUDA device are left alone."""
+    """ATen's bf16 GEMM without AVX512-BF16/AMX ran 1.9-8x slower than fp32 (AVX2 EPYC): where
+    our bf16-weight op does not run either, auto widens where the float32 load fits, keeps bf16
+    (with a note) where it does not; an asked dtype and a CUDA device are left alone. Where the
+    op runs, auto keeps bf16."""
     import torch
 
     import compress.cli_flags
@@ -198,6 +199,10 @@ def test_auto_computes_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_matmuls(t
     make_char_tokenizer().save_pretrained(tmp_path / "m")
     bf16 = str(tmp_path / "m")
     monkeypatch.setattr(compress.cli_flags, "cpu_bf16_matmuls", lambda: False)
+    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_weight_op", lambda: True)
+    assert runtime_dtypes(bf16, "auto") == ("bfloat16", torch.bfloat16, torch.bfloat16)
+    assert "float32" not in capsys.readouterr().err
+    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_weight_op", lambda: False)
     assert runtime_dtypes(bf16, "auto") == ("float32", None, torch.float32)
     assert "computes this bf16 checkpoint in float32" in capsys.readouterr().err
     assert runtime_dtypes(bf16, "bfloat16") == ("bfloat16", torch.bfloat16, torch.bfloat16)
