@@ -449,15 +449,17 @@ def test_compiled_decode_step_equals_transformers(model):
 
 def test_compiled_step_calls_packed_bf16_weights_without_a_graph_break(model):
     """A bf16 model's float weights are packed for a compiled step too (oneDNN's layout, called
-    through compress_runtime::packed_linear so the opaque tensor stays out of the graph, or our
-    AMX tiles): one graph, no break, the eager runtime's tokens. fp32 weights are not packed
-    there (their compiled steps are unchanged)."""
+    through compress_runtime::packed_linear so the opaque tensor stays out of the graph, our
+    AMX tiles, or on CPUs without bf16 matmuls a bf16 copy for our bf16_weight_linear): one
+    graph, no break, the eager runtime's tokens. fp32 weights are not packed there (their
+    compiled steps are unchanged)."""
     from torch._dynamo.utils import counters
 
     from compress.runtime.float_linear import _FloatLinear
 
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("this CPU has no bf16 matmuls for oneDNN: nothing packs")
+    ours = cpu_float.unavailable_reason(torch.device("cpu"))
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and ours is not None:
+        pytest.skip(f"this CPU has no bf16 matmuls for oneDNN and our op does not build: {ours}")
     torch._dynamo.reset()
     counters.clear()
     fp32 = Runtime(model, max_seq_len=32, compile=True, keep_model_weights=True)
