@@ -141,24 +141,6 @@ def reader_left() -> int:
     return 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 
 
-def cpu_bf16_matmuls() -> bool:
-    """Whether this CPU multiplies bf16 natively (oneDNN's bf16 path: AVX512-BF16 or AMX)."""
-    from compress.kernels import cpu_float
-
-    return cpu_float.cpu_bf16_matmuls()
-
-
-def cpu_bf16_weight_op() -> bool:
-    """Whether our ``bf16_weight_linear`` runs here (``kernels.cpu_float``): bf16 weights
-    multiplied in fp32 at about fp32's speed from half the bytes, on CPUs without bf16
-    matmuls."""
-    import torch
-
-    from compress.kernels import cpu_float
-
-    return cpu_float.unavailable_reason(torch.device("cpu")) is None
-
-
 def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     """``compress serve``'s and ``generate``'s float-layer dtype for ``asked`` (auto: the
     checkpoint's stored one, bfloat16 or float32): its name, the runtime's matmul dtype (None:
@@ -172,10 +154,10 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     5.6x at 32 rows on an AVX2-only AMD EPYC, 1536x576, 2 threads; serving SmolLM2's bf16
     export took ~970 ms a token there), where the float32 load fits the free memory with
     ``extra`` bytes beside it (``device``: where it computes, None: the CPU), unless our
-    ``bf16_weight_linear`` runs there (``cpu_bf16_weight_op``): bf16 stays, its layers through
-    that op. Measured on that EPYC, SmolLM2's bf16 export through the scheduler, bf16 / fp32:
-    a one-row decode step 23.2 / 42.1 ms (half the bytes), a 32-request burst 118-126 / 129-141
-    output tok/s (prompt chunks of 256 rows run slower through the op; docs/notes/
+    ``bf16_weight_linear`` runs there (``cpu_float.bf16_weights_fast``): bf16 stays, its layers
+    through that op. Measured on that EPYC, SmolLM2's bf16 export through the scheduler, bf16 /
+    fp32: a one-row decode step 23.2 / 42.1 ms (half the bytes), a 32-request burst 118-126 /
+    129-141 output tok/s (prompt chunks of 256 rows run slower through the op; docs/notes/
     2026-12-07-bf16-weight-linear.md)."""
     from pathlib import Path
 
@@ -183,14 +165,15 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
 
     from compress.io.checkpoint import stored_dtype_name
     from compress.io.load import is_compressed_checkpoint, resolve_model_path
+    from compress.kernels import cpu_float
     from compress.pipeline import preflight
 
     where = resolve_model_path(model)
     stored = stored_dtype_name(where) if isinstance(where, Path) else None
     dtype = asked if asked != "auto" else ("bfloat16" if stored == "bfloat16" else "float32")
     plain = isinstance(where, Path) and not is_compressed_checkpoint(where)
-    slow_bf16 = ((device is None or torch.device(device).type == "cpu") and not cpu_bf16_matmuls()
-                 and not cpu_bf16_weight_op())
+    slow_bf16 = ((device is None or torch.device(device).type == "cpu")
+                 and not cpu_float.bf16_weights_fast())
     if asked == "auto" and dtype == "bfloat16" and slow_bf16:
         wide = preflight.whole_load_bytes(where, torch.float32) if plain else None
         available = preflight.available_memory_bytes()

@@ -4,12 +4,12 @@ change to the attention loops was measured (docs/notes/2026-12-07-cache-decode-a
 one query head per pass against two). Each folder holds a paged_attention.cpp and the
 q8_common.h it includes; outputs are compared too.
 
-    mkdir -p /tmp/attn/old /tmp/attn/new
+    d=$(mktemp -d); mkdir -p $d/old $d/new
     for f in paged_attention.cpp q8_common.h; do
-      git show b5850f1:compress/kernels/csrc/$f > /tmp/attn/old/$f
-      git show f2b75c7:compress/kernels/csrc/$f > /tmp/attn/new/$f
+      git show b5850f1:compress/kernels/csrc/$f > $d/old/$f
+      git show f2b75c7:compress/kernels/csrc/$f > $d/new/$f
     done
-    python scripts/bench_attention_builds.py /tmp/attn/old /tmp/attn/new
+    python scripts/bench_attention_builds.py $d/old $d/new
 """
 
 from __future__ import annotations

@@ -159,10 +159,10 @@ def test_a_model_too_large_to_load_whole_is_refused_before_loading(command, plai
 def test_serve_loads_a_bf16_checkpoint_in_bf16_when_it_computes_in_bf16(tmp_path, monkeypatch):
     import torch
 
-    import compress.cli_flags
     from compress.cli_flags import runtime_dtypes
+    from compress.kernels import cpu_float
 
-    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_matmuls", lambda: True)
+    monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: True)
     from compress.pipeline.preflight import whole_load_bytes
     from compress.testing import make_char_tokenizer, make_tiny_llama
 
@@ -190,19 +190,19 @@ def test_auto_computes_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_matmuls(t
     op runs, auto keeps bf16."""
     import torch
 
-    import compress.cli_flags
     from compress.cli_flags import runtime_dtypes
+    from compress.kernels import cpu_float
     from compress.pipeline import preflight
     from compress.testing import make_char_tokenizer, make_tiny_llama
 
     make_tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(tmp_path / "m")
     make_char_tokenizer().save_pretrained(tmp_path / "m")
     bf16 = str(tmp_path / "m")
-    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_matmuls", lambda: False)
-    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_weight_op", lambda: True)
+    monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: False)
+    monkeypatch.setattr(cpu_float, "unavailable_reason", lambda device: None)
     assert runtime_dtypes(bf16, "auto") == ("bfloat16", torch.bfloat16, torch.bfloat16)
     assert "float32" not in capsys.readouterr().err
-    monkeypatch.setattr(compress.cli_flags, "cpu_bf16_weight_op", lambda: False)
+    monkeypatch.setattr(cpu_float, "unavailable_reason", lambda device: "no op here")
     assert runtime_dtypes(bf16, "auto") == ("float32", None, torch.float32)
     assert "computes this bf16 checkpoint in float32" in capsys.readouterr().err
     assert runtime_dtypes(bf16, "bfloat16") == ("bfloat16", torch.bfloat16, torch.bfloat16)
