@@ -5,23 +5,24 @@ rounded to bf16, so the result is the fp32 product of the same weights, within f
 (``bf16_weight_linear_reference`` is the definition).
 
 The runtime holds a float linear this way (``runtime.float_linear._FloatLinear.pack``) where its
-weights are bf16 on a CPU without bf16 matmuls (oneDNN has no bf16 path there and ATen's bf16
-GEMM is several times slower than fp32), and an fp32 head whose values are bf16 (a bf16
-export's head loaded in fp32: the copy is lossless). Measured on an AVX2-only AMD EPYC (Zen 3),
-2 threads, weights from DRAM, us per call, ATen fp32 / oneDNN fp32 packed / ours
-(``scripts/bench_float_linears.py --bf16-weights --shapes 49152x576 3072x576 576x1536 960x576
---rows 1 2 4 8 32 128 256 --copies 4``; ATen's bf16 GEMM: 3.2-3.7 ms at 1 row of the head, 98
-ms at 32 rows):
+weights are bf16 on a CPU without bf16 matmuls (oneDNN has no bf16 path and ATen's bf16 GEMM is
+several times slower than fp32), and where they are fp32 of bf16 values (a bf16 checkpoint served
+in fp32: the copy is lossless). Measured on an AVX2-only AMD EPYC (Zen 3), 2 threads, weights
+from DRAM, us per call, ATen fp32 / oneDNN fp32 packed for 32 rows / ours
+(``scripts/bench_float_linears.py --bf16-weights --shapes 49152x576 3072x576 576x1536 --rows 1
+8 32 128 256 --copies 4 --pack-rows 32 --rounds 9``; ATen's bf16 GEMM: 3.2-3.7 ms at 1 row of
+the head, 98 ms at 32 rows):
 
 | rows | 49152x576 (head) | 3072x576 | 576x1536 |
 |---:|---:|---:|---:|
-| 1 | 9048 / 5119 / 2714 | 543 / 345 / 89 | 109 / 140 / 49 |
-| 8 | 20662 / 10823 / 5456 | 869 / 601 / 336 | 284 / 339 / 179 |
-| 32 | 35607 / 22131 / 22045 | 1926 / 1310 / 1063 | 703 / 571 / 517 |
-| 256 | 159834 / 116784 / 166330 | 6753 / 6071 / 8625 | 2827 / 3960 / 3811 |
+| 1 | 8981 / 5164 / 2712 | 536 / 293 / 95 | 135 / 145 / 53 |
+| 8 | 19998 / 6986 / 5630 | 844 / 478 / 356 | 285 / 226 / 157 |
+| 32 | 34388 / 17555 / 16044 | 1412 / 971 / 1019 | 691 / 595 / 469 |
+| 128 | 75551 / 49063 / 47836 | 4568 / 3113 / 3446 | 1888 / 1821 / 1469 |
+| 256 | 150236 / 118593 / 130214 | 7907 / 7620 / 9634 | 4943 / 3749 / 3356 |
 
-From about a hundred rows oneDNN's fp32 GEMM is ahead (this op is a dot-product loop, not a
-blocked GEMM), so fp32 decoder layers keep it (``holds_bf16_copy``).
+Under 24 rows the op runs dot-product tiles, from there a blocked GEMM (the csrc file says why);
+at 128-256 rows both are within the run's noise of oneDNN (10-30% on that VM).
 """
 
 from __future__ import annotations
@@ -64,17 +65,16 @@ def bf16_weight_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return F.linear(x.float(), w.float())
 
 
-def holds_bf16_copy(w: torch.Tensor, fp32_copy: bool = False) -> bool:
+def holds_bf16_copy(w: torch.Tensor) -> bool:
     """Whether the runtime holds a float linear of weights ``w`` as a bf16 copy run by
     ``bf16_weight_linear``: on a CPU without bf16 matmuls where the op builds, bf16 weights
-    (ATen's bf16 GEMM is the other way there), and, where ``fp32_copy``, fp32 weights of bf16
-    values. The runtime asks that for its head only: a head runs a few rows a call in both
-    phases, where the op is the fastest (module docstring), while a decoder layer's prompt
-    chunks of a hundred rows and more run faster through oneDNN's fp32 GEMM. Not on CPUs with
-    bf16 matmuls: oneDNN's bf16 path is their fast one, and this op was not measured there."""
+    (ATen's bf16 GEMM is the other way there) and fp32 weights of bf16 values (half the bytes
+    a decode step streams; prompt chunks run about as fast as oneDNN's fp32 GEMM: the module
+    docstring). Not on CPUs with bf16 matmuls: oneDNN's bf16 path is their fast one, and this
+    op was not measured there."""
     if w.device.type != "cpu" or cpu_bf16_matmuls():
         return False
-    if w.dtype != torch.bfloat16 and not (w.dtype == torch.float32 and fp32_copy):
+    if w.dtype not in (torch.bfloat16, torch.float32):
         return False
     return unavailable_reason(w.device) is None and (w.dtype == torch.bfloat16 or bf16_exact(w))
 

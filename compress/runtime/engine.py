@@ -385,7 +385,7 @@ class Runtime:
                 layer.fused = fused
             for module in self.head.modules():
                 if isinstance(module, _FloatLinear):
-                    module.pack(fp32=not compile, bf16_copy=True)
+                    module.pack(fp32=not compile)
             # one-query attention over the cache through our kernel where it builds, not SDPA
             # (csrc/paged_attention.cpp, cache_decode_attention, says what it measured)
             for layer in self.layers:

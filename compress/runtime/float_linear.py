@@ -70,7 +70,7 @@ class _FloatLinear(nn.Module):
         self.amx_op = None  # with ``packed`` in our tile order: ``bf16_linear_tiles_amx``
         self.bf16_op = None  # with ``packed`` bf16 [N, K]: ``cpu_float.bf16_weight_linear``
 
-    def pack(self, fp32: bool = True, bf16_copy: bool = False) -> bool:
+    def pack(self, fp32: bool = True) -> bool:
         """Hold a weight that both phases use in oneDNN's blocked layout instead, on a CPU (a
         compiled step calls it through ``compress_runtime::packed_linear``: dynamo cannot trace
         the opaque tensor): bf16 weights on a CPU with bf16 matmuls, and fp32 weights of at
@@ -94,9 +94,9 @@ class _FloatLinear(nn.Module):
         4.5-4.9 / 7.1-7.5, 64 rows 6.37 / 8.55, 256 rows 16.9 / 18.2
         (docs/notes/2026-12-04-bf16-amx-prefill.md).
 
-        On a CPU without bf16 matmuls, bf16 weights, and where ``bf16_copy`` (the head) fp32
-        weights of bf16 values: a bf16 copy run in fp32 by our op (``cpu_float.holds_bf16_copy``
-        says which and why).
+        On a CPU without bf16 matmuls, bf16 weights and fp32 weights of bf16 values (a bf16
+        checkpoint served in fp32): a bf16 copy run in fp32 by our op, half the bytes a step
+        streams (``cpu_float.holds_bf16_copy`` says which and why).
 
         ``fp32=False`` leaves fp32 weights plain (a compiled step: its plain fp32 GEMMs are
         what it was measured with). Returns whether it packed; the plain weight is then
@@ -111,7 +111,7 @@ class _FloatLinear(nn.Module):
             self.amx_op = cpu_q8.ops().bf16_linear_tiles_amx
             self.w_prefill = self.w_decode = None
             return True
-        if cpu_float.holds_bf16_copy(w, bf16_copy):  # an fp32 layer's input stays fp32
+        if cpu_float.holds_bf16_copy(w):  # an fp32 layer's input stays fp32
             self.packed = w.detach().to(torch.bfloat16).contiguous()  # not the Buffer itself
             self.packed_dtype = w.dtype
             self.bf16_op = cpu_q8.ops().bf16_weight_linear

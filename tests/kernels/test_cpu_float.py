@@ -21,10 +21,14 @@ def _check(got, x, w):
     assert ((got.double() - want).abs() <= bound + 1e-30).all()
 
 
-# rows: one, the row-tile sizes and their remainders; columns: whole vector steps (8 and 16
-# lanes), remainders, fewer than one vector; outputs not multiples of the column tiles
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33])
-@pytest.mark.parametrize("k,n", [(576, 100), (64, 13), (40, 7), (17, 9), (5, 3), (1, 1)])
+# rows: one, the row-tile sizes and their remainders, and the blocked form's (from 24 rows:
+# tiles of 6 rows, passes of 96); columns: whole vector steps (8 and 16 lanes), remainders,
+# fewer than one vector, more than one K block of the blocked form (256) with a remainder;
+# outputs not multiples of the column tiles or panels (16 and 32)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 23, 24, 29, 97])
+@pytest.mark.parametrize(
+    "k,n", [(576, 100), (600, 37), (64, 13), (40, 7), (17, 9), (5, 3), (1, 1)]
+)
 def test_bf16_weight_linear_matches_float64(isa, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
     x = torch.randn(m, k, generator=g)
@@ -35,7 +39,7 @@ def test_bf16_weight_linear_matches_float64(isa, m, k, n):
 def test_bf16_weight_linear_threads_over_large_calls(isa):
     """Past the one-thread size: runs of columns claimed by both threads, the last one short."""
     g = torch.Generator().manual_seed(1)
-    for m in (1, 6):
+    for m in (1, 6, 30):
         x = torch.randn(m, 576, generator=g)
         w = torch.randn(5001, 576, generator=g).bfloat16()
         _check(_op(isa)(x, w), x, w)
@@ -50,13 +54,15 @@ def test_bf16_input_is_widened_exactly(isa):
     _check(got, x, w)
 
 
-def test_nan_and_inf_propagate(isa):
-    x = torch.ones(2, 48)
+@pytest.mark.parametrize("m", [2, 30])  # both forms
+def test_nan_and_inf_propagate(isa, m):
+    x = torch.ones(m, 48)
     x[0, 47] = float("nan")  # in the scalar tail of no level (48 = 3 x 16)
     x[1, 3] = float("inf")
     w = torch.ones(5, 48).bfloat16()
     got = _op(isa)(x, w)
     assert got[0].isnan().all() and (got[1] == float("inf")).all()
+    assert torch.equal(got[2:], torch.full((m - 2, 5), 48.0))
 
 
 def test_empty_shapes(isa):
@@ -106,11 +112,11 @@ def test_holds_bf16_copy_only_without_bf16_matmuls(monkeypatch):
                     f"{cpu_float.unavailable_reason(torch.device('cpu'))}")
     exact = torch.randn(4, 8).bfloat16().float()
     monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: False)
-    assert cpu_float.holds_bf16_copy(exact, fp32_copy=True)  # a head's: lossless
-    assert not cpu_float.holds_bf16_copy(exact)  # a decoder layer's fp32 stays for oneDNN
+    assert cpu_float.holds_bf16_copy(exact)  # fp32 of bf16 values: lossless
     assert cpu_float.holds_bf16_copy(exact.bfloat16())
-    assert not cpu_float.holds_bf16_copy(torch.randn(4, 8), fp32_copy=True)  # would round
-    assert not cpu_float.holds_bf16_copy(exact.double(), fp32_copy=True)
+    assert not cpu_float.holds_bf16_copy(torch.randn(4, 8))  # would round
+    assert not cpu_float.holds_bf16_copy(exact.double())
+    assert not cpu_float.holds_bf16_copy(exact.half())
     monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: True)
     assert not cpu_float.holds_bf16_copy(exact.bfloat16())
-    assert not cpu_float.holds_bf16_copy(exact, fp32_copy=True)
+    assert not cpu_float.holds_bf16_copy(exact)

@@ -708,11 +708,13 @@ def test_bf16_linears_without_bf16_matmuls_run_our_op_and_stack(monkeypatch):
         assert torch.equal(stacked(x, False), torch.cat(outs, -1))
 
 
-def test_bf16_valued_heads_run_from_bf16_copies_and_keep_fp32_tokens(model, monkeypatch):
+def test_bf16_valued_fp32_weights_run_from_bf16_copies_and_keep_fp32_tokens(model, monkeypatch):
     """On a CPU without bf16 matmuls (forced here, so that every CPU where our kernels build
-    runs it), an fp32 head that holds bf16 values is held as a bf16 copy run in fp32 by our op
-    (decoder layers keep fp32 for oneDNN): the greedy tokens stay transformers' fp32 ones. A
-    quantized model there decodes in fp32 (not bf16), within fp32 rounding of the plain head."""
+    runs it), fp32 weights that hold bf16 values (the head and the decoder layers) are held as
+    bf16 copies run in fp32 by our op: the greedy tokens stay transformers' fp32 ones, and a
+    prompt of 40 tokens (the op's blocked form) gives the plain fp32 runtime's logits within
+    fp32 rounding. A quantized model there decodes in fp32 (not bf16), within fp32 rounding of
+    the plain head."""
     from compress.runtime.float_linear import _FloatLinear
 
     if (why := cpu_float.unavailable_reason(torch.device("cpu"))) is not None:
@@ -726,15 +728,22 @@ def test_bf16_valued_heads_run_from_bf16_copies_and_keep_fp32_tokens(model, monk
     assert head.bf16_op is not None and head.packed.dtype == torch.bfloat16
     assert head.packed_dtype == torch.float32  # its input stays fp32
     layers = [m for m in rt.layers.modules() if isinstance(m, _FloatLinear)]
-    assert layers and all(m.bf16_op is None for m in layers)
+    assert layers and all(m.bf16_op is not None and m.w_decode is None for m in layers)
     assert rt.decode_dtype == torch.float32
     for prompt in PROMPTS:
         assert rt.generate([prompt], 12) == [hf_greedy(model, prompt, 12)]
+    with monkeypatch.context() as m:
+        m.setattr(cpu_float, "holds_bf16_copy", lambda w: False)
+        fp32 = Runtime(model, max_seq_len=64, compile=False, keep_model_weights=True)
+    assert all(m.bf16_op is None for m in fp32.layers.modules() if isinstance(m, _FloatLinear))
+    long_prompt = [(7 * i + 1) % model.config.vocab_size for i in range(40)]
+    a, b = rt.prefill(long_prompt), fp32.prefill(long_prompt)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
     quantize_linears(model, Int4RtnConfig(group_size=32), 4, "test")
     kw = dict(max_seq_len=64, compile=False, keep_model_weights=True)
     rt = Runtime(model, **kw)
     assert rt.decode_dtype == torch.float32 and rt.head.lm_head.bf16_op is not None
-    monkeypatch.setattr(cpu_float, "holds_bf16_copy", lambda w, fp32_copy=False: False)
+    monkeypatch.setattr(cpu_float, "holds_bf16_copy", lambda w: False)
     plain = Runtime(model, **kw)
     assert plain.head.lm_head.bf16_op is None
     for prompt in PROMPTS:
