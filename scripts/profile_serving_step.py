@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--rows-shown", type=int, default=20, help="--profile: table rows")
     p.add_argument("--no-fp32-pack", action="store_true")
     p.add_argument("--burst", action="store_true", help="time ROWS requests at once vs one")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps (the median shown)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.no_fp32_pack:
@@ -71,13 +72,14 @@ def main() -> None:
             burst(scheduler, generator, rows)
         return
     for _ in range(args.rows):  # token ids every supported vocabulary has
-        scheduler.add(torch.randint(100, 30000, (128,), generator=generator).tolist(), 40)
+        scheduler.add(torch.randint(100, 30000, (128,), generator=generator).tolist(),
+                      args.steps + 40)
     while scheduler.waiting or any(s.num_computed < len(s.prompt) for s in scheduler.running):
         scheduler.step()
     for _ in range(3):
         scheduler.step()
     times = []
-    for _ in range(8):
+    for _ in range(args.steps):
         start = time.perf_counter()
         scheduler.step()
         times.append(time.perf_counter() - start)
