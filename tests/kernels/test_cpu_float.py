@@ -37,9 +37,10 @@ def test_bf16_weight_linear_matches_float64(isa, m, k, n):
 
 
 def test_bf16_weight_linear_threads_over_large_calls(isa):
-    """Past the one-thread size: runs of columns claimed by both threads, the last one short."""
+    """Past the one-thread size: runs of columns claimed by both threads, the last one short
+    (and, in the blocked form, blocks of 96 rows, the last one short)."""
     g = torch.Generator().manual_seed(1)
-    for m in (1, 6, 30):
+    for m in (1, 6, 30, 200):
         x = torch.randn(m, 576, generator=g)
         w = torch.randn(5001, 576, generator=g).bfloat16()
         _check(_op(isa)(x, w), x, w)
