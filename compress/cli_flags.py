@@ -155,10 +155,11 @@ def runtime_dtypes(model: str, asked: str, device=None, extra: int = 0):
     export took ~970 ms a token there), where the float32 load fits the free memory with
     ``extra`` bytes beside it (``device``: where it computes, None: the CPU), unless our
     ``bf16_weight_linear`` runs there (``cpu_float.bf16_weights_fast``): bf16 stays, its layers
-    through that op. Measured on that EPYC, SmolLM2's bf16 export through the scheduler, bf16 /
-    fp32: a one-row decode step 23.2 / 42.1 ms (half the bytes), a 32-request burst 118-126 /
-    129-141 output tok/s (prompt chunks of 256 rows run slower through the op; docs/notes/
-    2026-12-07-bf16-weight-linear.md)."""
+    through that op. Served on that EPYC (docs/results.md section 7, commit 77f9ef0, where fp32
+    layers of bf16 values also run through the op), SmolLM2's bf16 export in bf16 / fp32: one
+    request alone 30.1 / 35.5 tok/s, all at once 130.4 / 141.0, TPOT p50 at 2 req/s 83 / 101
+    ms, KV peak 140 / 280 MB: about level, so the checkpoint's own dtype stays, at half the KV
+    memory."""
     from pathlib import Path
 
     import torch

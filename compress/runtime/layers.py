@@ -203,7 +203,7 @@ class _Int4Linear(_IntLinear):
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if self.q8 is not None:
-            y = self.q8.forward(x.reshape(-1, x.shape[-1]))  # no hooks: _native_out
+            y = self.q8.forward(x.reshape(-1, x.shape[-1]))  # why forward: _native_out
         else:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(
@@ -231,7 +231,7 @@ class _Int8Linear(_IntLinear):
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         if self.q8 is not None:
-            y = self.q8.forward(x.reshape(-1, x.shape[-1]))  # no hooks: _native_out
+            y = self.q8.forward(x.reshape(-1, x.shape[-1]))  # why forward: _native_out
         else:
             # x is the fp32 residual stream, so .to(bf16) allocates: fresh buffers are 64-byte
             # aligned, as the kernel needs (cpu_native module docstring).
