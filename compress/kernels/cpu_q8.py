@@ -66,11 +66,12 @@ from . import cpuinfo, reference
 CSRC = Path(__file__).with_name("csrc")
 # q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op,
 # elementwise.cpp compress.kernels.cpu_elementwise's, gptq_walk.cpp compress.kernels.cpu_gptq's,
-# bf16_linear.cpp compress.kernels.cpu_float's
+# bf16_linear.cpp compress.kernels.cpu_float's, decode_stack.cpp (calls the others' ops, ops.h)
+# compress.runtime.decode_stack's
 SOURCES = tuple(
     CSRC / f
     for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp",
-              "elementwise.cpp", "gptq_walk.cpp", "bf16_linear.cpp")
+              "elementwise.cpp", "gptq_walk.cpp", "bf16_linear.cpp", "decode_stack.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -315,6 +316,13 @@ def ops(isa: str | None = None):
     if reason is not None:
         raise RuntimeError(f"integer-dot CPU kernels unavailable: {reason or unavailable_reason()}")
     return getattr(torch.ops, f"compress_{isa}")
+
+
+def classes(isa: str | None = None):
+    """The custom-class namespace of level ``isa`` (default: the selected one; csrc/
+    decode_stack.cpp's ``DecodeStack``), built on first use."""
+    ops(isa)  # builds and loads the level, or says why it cannot
+    return getattr(torch.classes, f"compress_{isa or selected_isa()}")
 
 
 @dataclass(frozen=True)

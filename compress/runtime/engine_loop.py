@@ -199,6 +199,8 @@ class Engine:
             "kv_dtype": str(s.cache.dtype).removeprefix("torch."),
             # why decode steps gather the keys instead of attending in the pool (None: they don't)
             "decode_attention_gathered": s.attention_reason,
+            # why decode-only steps run the Python layer loop, not one C++ call (None: C++)
+            "decode_layers_in_python": s.decode_stack_reason,
             "block_size": s.block_size,
             "steps": s.stats.steps,
             "decode_rows": s.stats.decode_rows,

@@ -215,6 +215,7 @@ def forward_step(
     kernel: bool = False,
     every_row: bool = False,
     every_row_of: frozenset[int] = frozenset(),
+    stack=None,
 ) -> torch.Tensor:
     """One forward over a step's tokens: ``decode`` rows (one new token each) and prefill
     ``chunks`` of several requests side by side through every projection, one call each, so the
@@ -230,7 +231,11 @@ def forward_step(
     in the cache, its own new keys included (as stored: int8 pages are read back rounded).
 
     The projections run in one phase's dtype (decode's when there are decode rows): a caller
-    mixes both kinds only where the phases compute alike (``Scheduler.mixed_reason``)."""
+    mixes both kinds only where the phases compute alike (``Scheduler.mixed_reason``).
+
+    ``stack``: a ``decode_stack.DecodeStack`` of the runtime that runs a decode-only step's
+    layers in one C++ call (under its ``max_rows``, with ``kernel``, on fp32 or bf16 pages
+    written by ``write_kv``): the same numbers as the loop below."""
     device = runtime.device
     segments = decode + chunks
     b = len(decode)
@@ -260,6 +265,10 @@ def forward_step(
         for w in windows
     }  # fmt: skip
     x = runtime._embed(ids[None], positions[None])  # [1, N, H]
+    if stack is not None and kernel and not chunks and b < stack.max_rows:
+        rows = [(cos[0], sin[0]) for cos, sin in ropes.values()]  # [B, D] each
+        x = stack.run(x[0], rows, slots, tables, lengths, cache)[None]
+        return runtime.head(x[0])
     phase = bool(decode)
     # A decode-only step (most steps) does no chunk bookkeeping and no concatenation: Python
     # and small ATen calls between the ops are about half of a one-row SmolLM2 W4 step on 2

@@ -50,6 +50,7 @@ import torch
 
 from compress.kernels import cpu_attention
 from compress.runtime.blocks import ROOT_KEY, BlockPool, block_key
+from compress.runtime.decode_stack import build as build_decode_stack
 from compress.runtime.engine import Runtime
 from compress.runtime.paged import (
     FP8,
@@ -191,7 +192,9 @@ class Scheduler:
     ``"kernel"`` (read each row's slots in the pool: ``kernels.cpu_attention``, CPU),
     ``"reference"`` (gather the rows' blocks, then the contiguous runtime's attention: its
     numbers bit for bit; int8 and fp8 pages dequantized to the runtime's KV dtype first) or
-    ``"auto"`` (the kernel where it runs)."""
+    ``"auto"`` (the kernel where it runs); ``decode_stack``: decode-only steps run their layers
+    as one C++ call where it computes what the Python loop does (``runtime/decode_stack.py``;
+    ``decode_stack_reason`` says why not), False: always the Python loop."""
 
     def __init__(
         self,
@@ -206,6 +209,7 @@ class Scheduler:
         prefix_caching: bool = True,
         attention: str = "auto",
         mix: bool = True,
+        decode_stack: bool = True,
     ) -> None:
         if runtime.fallback_reason is not None:
             raise ValueError(f"the runtime does not run this model: {runtime.fallback_reason}")
@@ -263,6 +267,14 @@ class Scheduler:
             raise ValueError(f"attention='kernel' cannot run: {why_not}")
         # the reason the decode steps gather instead (None: they run the kernel)
         self.attention_reason = "asked for" if attention == "reference" else why_not
+        # decode-only steps' layers in one C++ call (None: the Python loop, for the reason)
+        self.decode_stack, self.decode_stack_reason = None, "asked for"
+        if decode_stack and self.attention_reason is not None:
+            self.decode_stack_reason = f"decode attention gathers ({self.attention_reason})"
+        elif decode_stack and (not self.cache.fused_writes or self.cache.k_scale is not None):
+            self.decode_stack_reason = f"{dtype} pages (the C++ loop writes fp32 or bf16 ones)"
+        elif decode_stack:
+            self.decode_stack, self.decode_stack_reason = build_decode_stack(runtime)
         # Why a step's decode rows and prefill chunks run as two forwards (None: one, below
         # ``mixed_rows`` rows). One forward reads the weights once: measured on a Xeon (2
         # threads, 1.1B shape, bf16) a step of 8 decode rows and a 128-token chunk took 378 ms
@@ -432,7 +444,7 @@ class Scheduler:
         scoring = frozenset(j for j, (seq, _) in enumerate(chunks) if seq.scores_prompt)
         try:
             logits = forward_step(self.runtime, self.cache, segments, chunk_segments,
-                                  kernel=kernel, every_row_of=scoring)
+                                  kernel=kernel, every_row_of=scoring, stack=self.decode_stack)
         except Exception as exc:  # one call for every row: no one request to blame
             return self._fail_forward([*decode, *(seq for seq, _ in chunks)], exc)
         self.forward_failures = 0

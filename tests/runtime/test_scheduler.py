@@ -649,12 +649,15 @@ def test_non_finite_logits_in_one_row_fail_that_request_alone(monkeypatch):
     assert scheduler.pool.in_use == 0
 
 
-def test_a_failed_forward_fails_its_requests_and_later_ones_get_fresh_tokens(monkeypatch):
+@pytest.mark.parametrize("decode_stack", [True, False])
+def test_a_failed_forward_fails_its_requests_and_later_ones_get_fresh_tokens(monkeypatch,
+                                                                             decode_stack):
     """A forward that raises after a layer wrote its keys: every request in it finishes with the
     error and every block goes back; requests after it (the same prompts, from the prefix cache,
-    and a new one) get the tokens of a fresh runtime."""
+    and a new one) get the tokens of a fresh runtime. In the Python layer loop and in the C++
+    one (``decode_stack``)."""
     runtime = Runtime(family_model("llama"), max_seq_len=64, compile=False)
-    scheduler = Scheduler(runtime, num_blocks=32, block_size=4)
+    scheduler = Scheduler(runtime, num_blocks=32, block_size=4, decode_stack=decode_stack)
     requests = [([1, 40, 50, 60, 70, 80], 12), ([1, 40, 50, 60, 71], 12), ([2, 9], 12)]
     ids = [scheduler.add(p, n) for p, n in requests]
     for _ in range(3):  # all three decoding, their first blocks full and in the prefix cache
@@ -663,12 +666,18 @@ def test_a_failed_forward_fails_its_requests_and_later_ones_get_fresh_tokens(mon
     def broken(*args, **kwargs):
         raise RuntimeError("injected kernel failure")
 
-    monkeypatch.setattr(runtime.layers[1], "project_qkv", broken)
+    monkeypatch.setattr(runtime.layers[1], "project_qkv", broken)  # the Python layer loop
+    # the C++ one: layer 1's value pages in a dtype it refuses
+    assert (scheduler.decode_stack is not None) == decode_stack, scheduler.decode_stack_reason
+    pages = scheduler.cache.v[1]
+    scheduler.cache.v[1] = pages.double()
     events = scheduler.step()
+    scheduler.cache.v[1] = pages
+    message = ("the pools must be contiguous fp32 or bf16" if decode_stack
+               else "injected kernel failure")  # fmt: skip
     assert sorted(e.id for e in events) == ids
-    assert all(e.finish_reason == "error" and e.token is None
-               and "forward failed" in e.error and "injected kernel failure" in e.error
-               for e in events)  # fmt: skip
+    assert all(e.finish_reason == "error" and e.token is None and "forward failed" in e.error
+               and message in e.error for e in events)  # fmt: skip
     assert scheduler.pool.in_use == 0 and not scheduler.has_work
     assert scheduler.forward_failures == 1 and scheduler.stats.failed_requests == 3
     monkeypatch.undo()

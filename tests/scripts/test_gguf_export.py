@@ -311,7 +311,8 @@ def test_the_bench_worker_generates_transformers_greedy_tokens(smollm2_vocab_lla
             ]
             .tolist()
         )
-    command = [LLAMA_PY, "-c", bench.LLAMA_WORKER, str(path), "1", "--no-extra-buffers"]
+    # path, threads, context tokens, then flags: the worker's arguments as the bench passes them
+    command = [LLAMA_PY, "-c", bench.LLAMA_WORKER, str(path), "1", "256", "--no-extra-buffers"]
     stream = bench.worker_stream(command)
     try:
         assert list(stream(IDS, 6)) == want
