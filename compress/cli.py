@@ -370,7 +370,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"attention {'in place' if scheduler.attention_reason is None else 'gathered: '}"
           f"{scheduler.attention_reason or ''}; decode layers "
           f"{'in C++' if scheduler.decode_stack is not None else 'in Python: '}"
-          f"{scheduler.decode_stack_reason or ''}; up to {args.max_batch} requests at once)", file=sys.stderr)
+          f"{scheduler.decode_stack_reason or ''}; up to {args.max_batch} requests at once)",
+          file=sys.stderr)
     engine = Engine(scheduler, max_waiting=args.max_waiting, thread=False)
     serve(Server(engine, loaded.tokenizer, name, max_model_len=args.max_model_len),
           host=args.host, port=args.port)

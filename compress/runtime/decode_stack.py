@@ -51,10 +51,12 @@ class DecodeStack:
             cache) -> torch.Tensor:
         """x [R, hidden] fp32, the embedded rows; ``ropes``: (cos, sin) [R, head_dim] per rope
         table, in ``Runtime.rope``'s order; slots [R], tables [R, blocks], lengths [R] as
-        ``forward_step`` makes them; ``cache`` a ``PagedKVCache`` of fp32 or bf16 pages
+        ``forward_step`` makes them; ``cache`` a ``PagedKVCache`` of any page dtype (keys and values
+        apart)
         -> [R, hidden] fp32 after every layer (their keys and values written)."""
         return self.native.run(x, [c for c, _ in ropes], [s for _, s in ropes], slots, tables,
-                               lengths, cache.k, cache.v, cache.block_size)  # fmt: skip
+                               lengths, cache.k, cache.v, cache.k_scale or [],
+                               cache.v_scale or [], cache.block_size)  # fmt: skip
 
 
 def build(runtime) -> tuple[DecodeStack | None, str | None]:

@@ -234,8 +234,8 @@ def forward_step(
     mixes both kinds only where the phases compute alike (``Scheduler.mixed_reason``).
 
     ``stack``: a ``decode_stack.DecodeStack`` of the runtime that runs a decode-only step's
-    layers in one C++ call (under its ``max_rows``, with ``kernel``, on fp32 or bf16 pages
-    written by ``write_kv``): the same numbers as the loop below."""
+    layers in one C++ call (under its ``max_rows``, with ``kernel``): the same numbers as the
+    loop below."""
     device = runtime.device
     segments = decode + chunks
     b = len(decode)

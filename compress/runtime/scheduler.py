@@ -271,8 +271,6 @@ class Scheduler:
         self.decode_stack, self.decode_stack_reason = None, "asked for"
         if decode_stack and self.attention_reason is not None:
             self.decode_stack_reason = f"decode attention gathers ({self.attention_reason})"
-        elif decode_stack and (not self.cache.fused_writes or self.cache.k_scale is not None):
-            self.decode_stack_reason = f"{dtype} pages (the C++ loop writes fp32 or bf16 ones)"
         elif decode_stack:
             self.decode_stack, self.decode_stack_reason = build_decode_stack(runtime)
         # Why a step's decode rows and prefill chunks run as two forwards (None: one, below

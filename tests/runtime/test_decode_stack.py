@@ -106,6 +106,16 @@ def test_bf16_runtime_and_bf16_pages():
     assert_same_steps(runtime, random_requests(random.Random(2), 8), kv_dtype="bfloat16")
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_pages(kv_dtype):
+    """int8 pages (codes and a scale per token and head) and fp8 ones (a scale per layer, here
+    not 1.0): the C++ loop writes the Python loop's bytes and attends over them alike."""
+    runtime = Runtime(family_model("mistral"), max_seq_len=96, compile=False)
+    if kv_dtype == "fp8":
+        runtime.kv_scales = [(0.5 + i, 0.25 + i) for i in range(len(runtime.layers))]
+    assert_same_steps(runtime, random_requests(random.Random(5), 8), kv_dtype=kv_dtype)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 @pytest.mark.parametrize("min_elements", [0, 1 << 62])
 def test_onednn_packed_fp32_weights(min_elements, monkeypatch):
@@ -135,7 +145,6 @@ def test_steps_from_max_rows_stay_in_python():
 def test_reasons_it_stays_in_python():
     runtime = Runtime(family_model("llama"), max_seq_len=96, compile=False)
     for kwargs, reason in [
-        (dict(kv_dtype="int8"), "torch.int8 pages"),
         (dict(attention="reference"), "decode attention gathers (asked for)"),
         (dict(decode_stack=False), "asked for"),
     ]:
@@ -162,8 +171,10 @@ def test_the_native_object_refuses_bad_descriptions():
                          1.0, 0.0, 0, None)  # fmt: skip
     native.add_layer(norm, norm, 1e-6, [i, i, i, i], [0, 0, 0], [1, 1, 8, 0], None, None, 1.0,
                      0.0, 0, None)  # fmt: skip
-    x, rope = torch.zeros(1, 8), [torch.ones(1, 8)]
+    x, rope, pages = torch.zeros(1, 8), [torch.ones(1, 8)], [torch.zeros(4, 1, 8)]
+    rows = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="1 layers, 0 key and 0 value pools"):
-        native.run(x, rope, rope, torch.zeros(1, dtype=torch.long),
-                   torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), [], [],
-                   4)  # fmt: skip
+        native.run(x, rope, rope, *rows, torch.ones(1, dtype=torch.long), [], [], [], [], 4)
+    with pytest.raises(RuntimeError, match="a key and a value scale tensor per layer"):
+        native.run(x, rope, rope, *rows, torch.ones(1, dtype=torch.long), pages, pages,
+                   [torch.ones(1)], [], 4)  # fmt: skip

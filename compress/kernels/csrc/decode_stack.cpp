@@ -43,6 +43,22 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 at::ScalarType dtype_of(int64_t bf16) { return bf16 ? at::kBFloat16 : at::kFloat; }
 
+// x [N, Hkv, D] fp32 into rows `slots` of int8 or fp8 pages, as PagedKVCache.write does in
+// torch and with the same ATen ops (so the same bytes): int8 codes of absmax / 127 per token
+// and head, the scales into `scales` [slots, Hkv]; fp8 e4m3fn as x / the layer's scale [1],
+// saturated at +-448
+void write_codes(at::Tensor& pool, at::Tensor& scales, const at::Tensor& slots,
+                 const at::Tensor& x) {
+  if (pool.scalar_type() == at::kFloat8_e4m3fn) {
+    const at::Tensor q = (x / scales).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+    pool.view(at::kByte).index_copy_(0, slots, q.view(at::kByte));
+    return;
+  }
+  const at::Tensor scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0;
+  pool.index_copy_(0, slots, at::round(x / scale.unsqueeze(-1)).clamp(-127, 127).to(at::kChar));
+  scales.index_copy_(0, slots, scale);
+}
+
 }  // namespace
 
 struct Linear {
@@ -174,16 +190,23 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // x [R, hidden] fp32 (the embedded decode rows); cos, sin: [R, head_dim] fp32 per rope
   // table; slots [R] where each row's new key goes; tables [R, blocks], lengths [R]: each
-  // row's keys (PagedKVCache); k_pools, v_pools: each layer's fp32 or bf16 pages -> [R, hidden]
+  // row's keys (PagedKVCache); k_pools, v_pools: each layer's pages (fp32, bf16, or int8 or
+  // fp8 with k_scales, v_scales: one each per layer; none for the others) -> [R, hidden]
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                  at::Tensor slots, at::Tensor tables, at::Tensor lengths,
                  std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
+                 std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
                  int64_t block_size) {
     const int64_t n = layers();
     TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == n &&
                     static_cast<int64_t>(v_pools.size()) == n,
                 "decode stack: ", n, " layers, ", k_pools.size(), " key and ", v_pools.size(),
                 " value pools");
+    const bool codes = !k_scales.empty();
+    TORCH_CHECK(k_scales.size() == v_scales.size() &&
+                    (!codes || static_cast<int64_t>(k_scales.size()) == n),
+                "decode stack: a key and a value scale tensor per layer (int8 or fp8 pages), "
+                "or none");
     TORCH_CHECK(cos.size() == sin.size(), "decode stack: a sin table per cos table");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
                 "decode stack: x must be fp32 [rows, hidden]");
@@ -197,10 +220,17 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::Tensor qkv = linears_[l.qkv](h).contiguous();
       const auto qkv_heads = rope_qkv(qkv, cos[l.rope], sin[l.rope], l.heads, l.kv_heads,
                                       l.q_norm, l.k_norm, l.eps);
-      write_kv(k_pools[i], v_pools[i], slots, qkv_heads[1], qkv_heads[2]);
+      std::optional<at::Tensor> k_scale, v_scale;
+      if (codes) {
+        k_scale = k_scales[i], v_scale = v_scales[i];
+        write_codes(k_pools[i], k_scales[i], slots, qkv_heads[1]);
+        write_codes(v_pools[i], v_scales[i], slots, qkv_heads[2]);
+      } else {
+        write_kv(k_pools[i], v_pools[i], slots, qkv_heads[1], qkv_heads[2]);
+      }
       const at::Tensor a = paged_decode_attention(
-          qkv_heads[0], k_pools[i], v_pools[i], std::nullopt, std::nullopt, tables, lengths,
-          block_size, l.scale, l.softcap, l.window, l.sinks);
+          qkv_heads[0], k_pools[i], v_pools[i], k_scale, v_scale, tables, lengths, block_size,
+          l.scale, l.softcap, l.window, l.sinks);
       const at::Tensor attn = linears_[l.o](a.view({rows, l.heads * l.head_dim})).contiguous();
       const auto summed = add_rms_norm(x, attn, l.norm_post, l.eps, l.gate_up_in);
       const at::Tensor up = silu_mul(linears_[l.gate_up](summed[1]).contiguous(), l.down_in);
