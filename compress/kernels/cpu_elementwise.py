@@ -10,7 +10,8 @@ hold the ops to).
 - ``silu_mul``: ``SiLU(gate) * up`` of a gate/up projection's output;
 - ``add_rms_norm``: the residual add and the next norm in one pass;
 - ``greedy_tokens``: each row's argmax with the finite check sampling needs;
-- ``write_kv``: a step's keys and values into their slots of fp32 or bf16 KV pages.
+- ``write_kv``: a step's keys and values into their slots of fp32 or bf16 KV pages;
+- ``write_kv_int8``: the same into int8 pages (``quantize_int8``'s codes and scales).
 
 Sums run in eight fp32 lanes and SiLU's exponential is a polynomial, so results are within
 fp32 rounding of the references, not bit-equal.
@@ -113,3 +114,27 @@ def write_kv(k_pool, v_pool, slots, k, v) -> None:
 def write_kv_reference(k_pool, v_pool, slots, k, v) -> None:
     k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
     v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+
+
+def write_kv_int8(k_pool, v_pool, k_scale, v_scale, slots, k, v) -> None:
+    """k, v [N, kv_heads, D] fp32 -> rows ``slots`` [N] of int8 pools [slots, kv_heads, D] as
+    ``quantize_int8`` codes, their scales into ``k_scale`` / ``v_scale`` [slots, kv_heads], in
+    place: the same bytes as ``write_kv_int8_reference``."""
+    cpu_q8.ops().write_kv_int8(k_pool, v_pool, k_scale, v_scale, slots, k.contiguous(),
+                               v.contiguous())  # fmt: skip
+
+
+def write_kv_int8_reference(k_pool, v_pool, k_scale, v_scale, slots, k, v) -> None:
+    for pool, scales, x in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+        codes, scale = quantize_int8(x)
+        pool.index_copy_(0, slots, codes)
+        scales.index_copy_(0, slots, scale)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 codes [..., D] and fp32 scales [...] (symmetric, absmax / 127): the
+    paged KV cache's int8 pages (``compress.runtime.paged``), any device."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=1e-8) / 127.0
+    codes = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale

@@ -36,6 +36,7 @@ import torch
 
 from compress.kernels import cpu_elementwise
 from compress.kernels.cpu_attention import paged_decode_attention
+from compress.kernels.cpu_elementwise import quantize_int8
 from compress.quant.kv_scales import FP8_E4M3_MAX
 
 FP8 = torch.float8_e4m3fn
@@ -100,16 +101,21 @@ class PagedKVCache:
                 torch.tensor([float(v_s)], device=device) for _, v_s in pairs]
         self.bytes_per_block = block_size * kv_bytes_per_token(n_layers, n_kv, head_dim, dtype,
                                                                values_in_keys)
-        # fp32/bf16 pages written by one C++ call per layer (kernels.cpu_elementwise.write_kv)
-        # instead of two casts and two index_copy_: the scheduler turns it on for eager CPU
-        # runtimes (the same bytes: .to(bf16) rounds to nearest even as the op does)
+        # fp32/bf16/int8 pages written by one C++ call per layer (kernels.cpu_elementwise.
+        # write_kv, write_kv_int8) instead of casts (or quantize_int8) and index_copy_ calls:
+        # the scheduler turns it on for eager CPU runtimes (the same bytes: .to(bf16) rounds to
+        # nearest even as the op does; the int8 op does quantize_int8's fp32 operations)
         self.fused_writes = False
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [N, kv_heads, D] of N tokens at pool ``slots`` [N] (``values_in_keys``:
         k alone, v is the same)."""
-        if self.k_scale is None and self.fused_writes and not self.values_in_keys:
-            cpu_elementwise.write_kv(self.k[layer], self.v[layer], slots, k, v)
+        if self.fused_writes and not self.values_in_keys and self.dtype != FP8:
+            if self.k_scale is None:
+                cpu_elementwise.write_kv(self.k[layer], self.v[layer], slots, k, v)
+            else:
+                cpu_elementwise.write_kv_int8(self.k[layer], self.v[layer], self.k_scale[layer],
+                                              self.v_scale[layer], slots, k, v)  # fmt: skip
             return
         sides = ((self.k, self.k_scale, k),) + (
             () if self.values_in_keys else ((self.v, self.v_scale, v),))
@@ -146,14 +152,6 @@ class PagedKVCache:
             x = x.to(self.compute_dtype).view(b, nb * self.block_size, *x.shape[2:])[:, :length]
             out.append(x.transpose(1, 2))  # [B, L, Hkv, D] -> [B, Hkv, L, D]
         return out[0], out[-1]
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> int8 codes [..., D] and fp32 scales [...] (symmetric, absmax / 127)."""
-    x = x.float()
-    scale = x.abs().amax(-1).clamp(min=1e-8) / 127.0
-    codes = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return codes, scale
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,7 @@ class Scheduler:
             values_in_keys=first.values_in_keys,
         )
         self.cache.fused_writes = (
-            runtime.layers[0].fused and dtype in (torch.float32, torch.bfloat16)
+            runtime.layers[0].fused and dtype in (torch.float32, torch.bfloat16, torch.int8)
         )
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")

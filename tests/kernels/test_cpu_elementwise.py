@@ -110,6 +110,34 @@ def test_write_kv_stores_what_index_copy_stores(isa, dtype):
     assert torch.equal(pools[0], want[0])  # refused before writing anything
 
 
+@pytest.mark.parametrize("d", [64, 20])
+def test_write_kv_int8_stores_what_quantize_int8_stores(isa, d):
+    """The bytes of the torch reference (codes and scales), ties of x / scale at .5 included
+    (half to even), a zero row (scale 1e-8 / 127) and a NaN row (NaN scale, codes 0)."""
+    g = torch.Generator().manual_seed(2)
+    pools = [torch.randint(-127, 128, (40, 3, d), generator=g, dtype=torch.int8) for _ in "kv"]
+    scales = [torch.rand(40, 3, generator=g) for _ in "kv"]
+    want = [t.clone() for t in (*pools, *scales)]
+    slots = torch.tensor([5, 17, 0, 39, 22])
+    k, v = torch.randn(5, 3, d, generator=g) * 10, torch.randn(5, 3, d, generator=g)
+    k[1, 0] = torch.arange(d) % 8 - 3.5  # absmax 4.5 -> scale 4.5/127; and exact halves below
+    k[2, 1] = 0.0
+    v[0, 2, :4] = torch.tensor([127.0, 2.5, -0.5, 1.5])  # scale 1: 2.5 -> 2, -0.5 -> 0, 1.5 -> 2
+    v[0, 2, 4:] = 0.0
+    _ops(isa).write_kv_int8(*pools, *scales, slots, k, v)
+    ew.write_kv_int8_reference(*want, slots, k, v)
+    for got, ref in zip((*pools, *scales), want, strict=True):
+        assert torch.equal(got, ref)
+    assert pools[1][slots[0], 2, :4].tolist() == [127, 2, 0, 2]
+    k[3, 2, 5] = float("nan")
+    _ops(isa).write_kv_int8(*pools, *scales, slots, k, v)
+    assert scales[0][slots[3], 2].isnan() and not pools[0][slots[3], 2].any()
+    with pytest.raises(RuntimeError, match="slot 40 outside the pool's 40"):
+        _ops(isa).write_kv_int8(*pools, *scales, torch.tensor([0, 1, 2, 3, 40]), k, v)
+    with pytest.raises(RuntimeError, match="scales must be contiguous fp32"):
+        _ops(isa).write_kv_int8(*pools, scales[0][:, :2], scales[1], slots, k, v)
+
+
 def test_bad_inputs_are_refused():
     if cpu_q8.unavailable_reason() is not None:
         pytest.skip(cpu_q8.unavailable_reason())

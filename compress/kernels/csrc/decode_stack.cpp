@@ -43,20 +43,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 at::ScalarType dtype_of(int64_t bf16) { return bf16 ? at::kBFloat16 : at::kFloat; }
 
-// x [N, Hkv, D] fp32 into rows `slots` of int8 or fp8 pages, as PagedKVCache.write does in
-// torch and with the same ATen ops (so the same bytes): int8 codes of absmax / 127 per token
-// and head, the scales into `scales` [slots, Hkv]; fp8 e4m3fn as x / the layer's scale [1],
-// saturated at +-448
-void write_codes(at::Tensor& pool, at::Tensor& scales, const at::Tensor& slots,
-                 const at::Tensor& x) {
-  if (pool.scalar_type() == at::kFloat8_e4m3fn) {
-    const at::Tensor q = (x / scales).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
-    pool.view(at::kByte).index_copy_(0, slots, q.view(at::kByte));
-    return;
-  }
-  const at::Tensor scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0;
-  pool.index_copy_(0, slots, at::round(x / scale.unsqueeze(-1)).clamp(-127, 127).to(at::kChar));
-  scales.index_copy_(0, slots, scale);
+// x [N, Hkv, D] fp32 into rows `slots` of fp8 e4m3fn pages as PagedKVCache.write does in
+// torch, with the same ATen ops (so the same bytes): x / the layer's scale [1], saturated at
+// +-448
+void write_fp8(at::Tensor& pool, const at::Tensor& scale, const at::Tensor& slots,
+               const at::Tensor& x) {
+  const at::Tensor q = (x / scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+  pool.view(at::kByte).index_copy_(0, slots, q.view(at::kByte));
 }
 
 }  // namespace
@@ -223,8 +216,13 @@ struct DecodeStack : torch::CustomClassHolder {
       std::optional<at::Tensor> k_scale, v_scale;
       if (codes) {
         k_scale = k_scales[i], v_scale = v_scales[i];
-        write_codes(k_pools[i], k_scales[i], slots, qkv_heads[1]);
-        write_codes(v_pools[i], v_scales[i], slots, qkv_heads[2]);
+        if (k_pools[i].scalar_type() == at::kChar) {
+          write_kv_int8(k_pools[i], v_pools[i], k_scales[i], v_scales[i], slots, qkv_heads[1],
+                        qkv_heads[2]);
+        } else {
+          write_fp8(k_pools[i], k_scales[i], slots, qkv_heads[1]);
+          write_fp8(v_pools[i], v_scales[i], slots, qkv_heads[2]);
+        }
       } else {
         write_kv(k_pools[i], v_pools[i], slots, qkv_heads[1], qkv_heads[2]);
       }

@@ -11,7 +11,8 @@
 //   silu_mul:  SiLU(gate) x up of a gate/up projection's output [R, 2I] -> [R, I];
 //   add_rms_norm: the residual add before a norm, and the norm, in one pass;
 //   greedy_tokens: each row's argmax of the logits, with the finite check sampling needs;
-//   write_kv:  a step's keys and values into their slots of fp32 or bf16 pages.
+//   write_kv:  a step's keys and values into their slots of fp32 or bf16 pages;
+//   write_kv_int8: the same into int8 pages, codes and a scale per token and head.
 // AVX2 + FMA intrinsics, so every ISA level builds the same code; sums in eight fp32 lanes.
 #include "q8_common.h"
 
@@ -321,6 +322,64 @@ void write_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
   });
 }
 
+// k, v [N, Hkv, D] fp32 contiguous -> rows `slots` [N] of int8 pools [slots, Hkv, D] and
+// their fp32 scales [slots, Hkv]: per token and head, scale = max(absmax, 1e-8) / 127 and
+// codes round(x / scale) (half to even, as torch.round) clamped to +-127. The same fp32
+// operations as compress.runtime.paged.quantize_int8 (an exact max, one IEEE division each), so
+// the same bytes. A row holding NaN gets a NaN scale (codes 0): its attention is NaN, which
+// sampling refuses.
+void write_kv_int8(at::Tensor& k_pool, at::Tensor& v_pool, at::Tensor& k_scale,
+                   at::Tensor& v_scale, const at::Tensor& slots, const at::Tensor& k,
+                   const at::Tensor& v) {
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == at::kChar && v_pool.scalar_type() == at::kChar &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "the pools must be contiguous int8 [slots, kv_heads, D] tensors of one shape");
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->dim() == 2 && s->size(0) == k_pool.size(0) && s->size(1) == k_pool.size(1) &&
+                    s->scalar_type() == at::kFloat && s->is_contiguous(),
+                "the scales must be contiguous fp32 [slots, kv_heads] tensors");
+  const int64_t H = k_pool.size(1), D = k_pool.size(2), total = k_pool.size(0);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == H && k.size(2) == D &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous fp32 [N, kv_heads, D] tensors of the pools' rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "slots must be contiguous int64 [N]");
+  const int64_t N = k.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < total, "slot ", slot[i], " outside the pool's ", total);
+  const float* src[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
+  int8_t* codes[2] = {k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>()};
+  float* scales[2] = {k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+  // one task per (side, token, head) row of D values
+  at::parallel_for(0, 2 * N * H, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t side = task / (N * H), row = task % (N * H), i = row / H, h = row % H;
+      const float* x = src[side] + row * D;
+      const int64_t at = slot[i] * H + h;
+      int8_t* out = codes[side] + at * D;
+      float amax = 0.f;
+      bool nan = false;
+      for (int64_t j = 0; j < D; ++j) {
+        nan |= std::isnan(x[j]);
+        amax = std::max(amax, std::fabs(x[j]));
+      }
+      if (nan) {
+        scales[side][at] = NAN;
+        std::fill(out, out + D, int8_t{0});
+        continue;
+      }
+      const float scale = std::max(amax, 1e-8f) / 127.f;
+      scales[side][at] = scale;
+      for (int64_t j = 0; j < D; ++j)
+        out[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[j] / scale))));
+    }
+  });
+}
+
 // SiLU(g) x u of eight lanes: g x sigmoid(g), the sigmoid from e = exp(-|g|) <= 1 (exp8 takes
 // x <= 0): 1 / (1 + e) for g >= 0, e / (1 + e) below (relative error ~1e-7 against torch's
 // g / (1 + exp(-g)))
@@ -388,6 +447,8 @@ TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
   m.def("add_rms_norm(Tensor x, Tensor y, Tensor w, float eps, ScalarType out_dtype) -> Tensor[]");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def("write_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("write_kv_int8(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) k_scale, "
+        "Tensor(d!) v_scale, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
@@ -397,4 +458,5 @@ TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
   m.impl("add_rms_norm", &compress_q8::add_rms_norm);
   m.impl("greedy_tokens", &compress_q8::greedy_tokens);
   m.impl("write_kv", &compress_q8::write_kv);
+  m.impl("write_kv_int8", &compress_q8::write_kv_int8);
 }

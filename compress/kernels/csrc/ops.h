@@ -33,6 +33,9 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, c
 at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType out_dtype);
 void write_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
               const at::Tensor& k, const at::Tensor& v);
+void write_kv_int8(at::Tensor& k_pool, at::Tensor& v_pool, at::Tensor& k_scale,
+                   at::Tensor& v_scale, const at::Tensor& slots, const at::Tensor& k,
+                   const at::Tensor& v);
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const std::optional<at::Tensor>& k_scale,
