@@ -358,7 +358,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         scheduler = Scheduler(runtime, kv_memory=kv_memory, block_size=args.block_size,
                               max_batch=args.max_batch, prefill_budget=args.prefill_budget,
-                              kv_dtype=kv_dtype, prefix_caching=not args.no_prefix_cache)
+                              kv_dtype=kv_dtype, prefix_caching=not args.no_prefix_cache,
+                              decode_stack=not args.python_layers)
     except ValueError as exc:  # e.g. --kv-memory too small for one block
         raise RecipeError(f"serve: {exc}") from None
     name = args.served_model_name or args.model
@@ -757,6 +758,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens, plus the decode rows where both run as one forward")
     p_srv.add_argument("--no-prefix-cache", action="store_true",
                        help="do not reuse the KV blocks of prompts seen before")
+    p_srv.add_argument("--python-layers", action="store_true",
+                       help="decode steps through the Python layer loop, not one C++ call")
     p_srv.add_argument("--max-waiting", type=int, default=256,
                        help="queued requests beyond which new ones get 503")
     p_srv.add_argument("--threads", type=int, help="torch threads (default: torch's)")

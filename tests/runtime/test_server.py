@@ -692,3 +692,29 @@ def test_serve_refuses_bad_settings_with_a_message(tmp_path, capsys, flags, mess
     with busy:
         assert main(["serve", str(folder), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [[], ["--python-layers"]])
+def test_serve_runs_decode_layers_where_its_banner_says(tmp_path, monkeypatch, capsys, flags):
+    """``--python-layers`` keeps decode steps in the Python layer loop; by default they run as
+    one C++ call where the kernels build; the banner says which."""
+    from compress import cli
+    from compress.kernels import cpu_q8
+    from compress.runtime import server
+
+    model, tokenizer = tiny()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    served = []
+    monkeypatch.setattr(server, "serve", lambda s, **_: served.append(s))
+    assert cli.main(["serve", str(tmp_path), "--max-model-len", "128", "--kv-memory", "4MB",
+                     *flags]) == 0  # fmt: skip
+    scheduler = served[0].engine.scheduler
+    banner = capsys.readouterr().err
+    if flags or cpu_q8.unavailable_reason() is not None:
+        assert scheduler.decode_stack is None
+        assert f"decode layers in Python: {scheduler.decode_stack_reason}" in banner
+    else:
+        assert scheduler.decode_stack is not None and "decode layers in C++;" in banner
+    if flags:
+        assert scheduler.decode_stack_reason == "asked for"
