@@ -100,6 +100,22 @@ def test_int_layers_through_our_kernels(scheme, monkeypatch):
     assert_same_steps(runtime, random_requests(random.Random(1), 8))
 
 
+def test_layers_of_mixed_precision():
+    """Each linear its own kind, as a ``compress tune`` export leaves them: layer 0's MLP int4,
+    layer 1's attention int8, the rest float."""
+    model = family_model("llama")
+    quantize_linears(model, Int4RtnConfig(group_size=32, targets=(r"re:.*layers\.0\.mlp",)), 4,
+                     "test")  # fmt: skip
+    quantize_linears(model, Int8RtnConfig(targets=(r"re:.*layers\.1\.self_attn",)), 8, "test")
+    runtime = Runtime(model, max_seq_len=96, compile=False, int4_kernel="q4q8",
+                      int8_kernel="q8q8")  # fmt: skip
+    kinds = [[type(getattr(layer, n)).__name__ for n in ("qkv", "o", "gate_up", "down")]
+             for layer in runtime.layers]  # fmt: skip
+    assert kinds[0] == ["_FloatLinear", "_FloatLinear", "_Int4Linear", "_Int4Linear"]
+    assert kinds[1] == ["_Int8Linear", "_Int8Linear", "_FloatLinear", "_FloatLinear"]
+    assert_same_steps(runtime, random_requests(random.Random(6), 8))
+
+
 def test_bf16_runtime_and_bf16_pages():
     runtime = Runtime(family_model("qwen3"), max_seq_len=96, compile=False,
                       prefill_dtype=torch.bfloat16, decode_dtype=torch.bfloat16)  # fmt: skip
