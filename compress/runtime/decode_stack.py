@@ -16,6 +16,7 @@ op (AMX forms, a float GEMM), which the Python holder picks per call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from compress.kernels import cpu_q8
 from compress.runtime import float_linear
+from compress.runtime.families import ACTIVATIONS
 from compress.runtime.float_linear import _FloatLinear
 from compress.runtime.layers import _input_dtype, _Int4Linear, _Int8Linear, _Layer
 
@@ -37,6 +39,11 @@ KINDS = {
     "onednn": 7,  # _FloatLinear, oneDNN-packed only
 }
 FLOATS = (torch.float32, torch.bfloat16)
+# a layer's linears, in csrc/decode_stack.cpp's add_layer order (None where it has none)
+LINEARS = ("qkv", "o", "gate_up", "down", "gate", "up")
+# the MLP activations it runs, in its Act order (runtime/families.ACTIVATIONS' functions)
+ACTS_NAMED = ("silu", "gelu_pytorch_tanh", "gelu", "relu", "relu2")
+ACTS = tuple(ACTIVATIONS[name] for name in ACTS_NAMED)
 
 
 @dataclass
@@ -51,9 +58,8 @@ class DecodeStack:
             cache) -> torch.Tensor:
         """x [R, hidden] fp32, the embedded rows; ``ropes``: (cos, sin) [R, head_dim] per rope
         table, in ``Runtime.rope``'s order; slots [R], tables [R, blocks], lengths [R] as
-        ``forward_step`` makes them; ``cache`` a ``PagedKVCache`` of any page dtype (keys and values
-        apart)
-        -> [R, hidden] fp32 after every layer (their keys and values written)."""
+        ``forward_step`` makes them; ``cache`` a ``PagedKVCache`` of any page dtype (keys and
+        values apart) -> [R, hidden] fp32 after every layer (their keys and values written)."""
         return self.native.run(x, [c for c, _ in ropes], [s for _, s in ropes], slots, tables,
                                lengths, cache.k, cache.v, cache.k_scale or [],
                                cache.v_scale or [], cache.block_size)  # fmt: skip
@@ -72,13 +78,14 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
         if why is not None:
             return None, f"layer {i}: {why}"
         linears = []
-        for name in ("qkv", "o", "gate_up", "down"):
-            holder = getattr(layer, name)
-            described_linear = _linear(holder, limits)
+        for name in LINEARS:
+            holder = getattr(layer, name, None)
+            described_linear = None if holder is None else _linear(holder, limits)
             if isinstance(described_linear, str):
                 return None, f"layer {i}'s {name}: {described_linear}"
             linears.append(described_linear)
-        inputs = [_input_dtype(getattr(layer, n), True) for n in ("qkv", "gate_up", "down")]
+        holders = [getattr(layer, n) for n in ("qkv", "gate_up", "down")]
+        inputs = [torch.float32 if h is None else _input_dtype(h, True) for h in holders]
         if any(d not in FLOATS for d in inputs):
             return None, f"layer {i}: a linear reads {inputs} (the C++ loop casts to fp32 or bf16)"
         described.append((layer, linears, inputs, rope_index[layer.rope_key]))
@@ -87,18 +94,25 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
     except RuntimeError as exc:  # the kernels do not build here
         return None, str(exc)
     for layer, linears, inputs, rope in described:
-        ids = [native.add_linear(*args) for args in linears]
-        native.add_layer(
-            layer.norm_in, layer.norm_post, layer.eps, ids,
-            [int(d == torch.bfloat16) for d in inputs],
-            [layer.n_heads, layer.n_kv, layer.head_dim, rope], layer.norm_q, layer.norm_k,
-            layer.scale, layer.softcap or 0.0, layer.window or 0, layer.sinks,
-        )  # fmt: skip
+        ids = [-1 if args is None else native.add_linear(*args) for args in linears]
+        norms = [layer.norm_in, layer.norm_post, layer.norm_post_bias, layer.attn_out_norm,
+                 layer.mlp_out_norm, layer.norm_q, layer.norm_k, layer.sinks]  # fmt: skip
+        # _Layer.finish takes _finish_fused under these conditions (not parallel: checked)
+        fused_finish = layer.fused and not layer.centered and layer.gate_up is not None and (
+            layer.act is F.silu)  # fmt: skip
+        ints = [layer.n_heads, layer.n_kv, layer.head_dim, rope, layer.window or 0,
+                ACTS.index(layer.act), int(fused_finish)]  # fmt: skip
+        multiplier = layer.residual_multiplier
+        floats = [layer.eps, layer.scale, layer.softcap or 0.0,
+                  math.nan if multiplier is None else float(multiplier)]  # fmt: skip
+        native.add_layer(norms, ids, [int(d == torch.bfloat16) for d in inputs], ints, floats)
     return DecodeStack(native, min(limits, default=1 << 62)), None
 
 
 def _layer_reason(layer) -> str | None:
-    """Why ``layer``'s decode step is not the fused path the C++ loop repeats, or None."""
+    """Why ``layer``'s decode step is not what the C++ loop repeats, or None: the fused
+    projection path (RMSNorm, one q/k/v call, per-head q/k norms before RoPE, rotate-half RoPE
+    on the projection's own channels), paged attention, then ``finish`` in either form."""
     checks = (
         (type(layer) is not _Layer, f"{type(layer).__name__} computes its own attention"),
         (not layer.fused, "the fused CPU ops are off"),
@@ -110,12 +124,8 @@ def _layer_reason(layer) -> str | None:
         (layer.qk_norm_after_rope, "q/k norms after RoPE"),
         (layer.rope_perm is not None, "RoPE on permuted channels (partial or interleaved)"),
         (layer.sparse_mlp is not None, "a sparse MoE block"),
-        (layer.gate_up is None, "no gate/up call (separate or not gated)"),
-        (layer.act is not F.silu, f"the MLP's activation is {layer.act} (the op is SiLU)"),
-        (layer.norm_post is None, "no norm before the MLP"),
-        (layer.attn_out_norm is not None or layer.mlp_out_norm is not None,
-         "norms after the blocks"),
-        (layer.residual_multiplier is not None, "a residual multiplier"),
+        (not any(layer.act is act for act in ACTS),
+         f"the MLP's activation {layer.act} (the C++ loop runs {ACTS_NAMED})"),
         (layer.values_in_keys, "the values are the keys"),
     )  # fmt: skip
     return next((why for failed, why in checks if failed), None)

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(cpu_q8.unavailable_reason() is not None,
 
 # the families whose layers the C++ loop must take (their decode steps leave Python)
 TAKEN = {"llama", "qwen2", "qwen3", "mistral", "ministral", "cwm", "ministral3", "smollm3",
-         "seed_oss", "phi3"}  # fmt: skip
+         "seed_oss", "phi3", "granite", "granite_swa", "gemma", "gemma2", "vaultgemma",
+         "gemma3_text", "arcee", "qwen2_gelu", "exaone4"}  # fmt: skip
 
 
 def heads_seen(runtime: Runtime, scheduler: Scheduler, requests, seed: int = 0):
@@ -100,20 +101,27 @@ def test_int_layers_through_our_kernels(scheme, monkeypatch):
     assert_same_steps(runtime, random_requests(random.Random(1), 8))
 
 
-def test_layers_of_mixed_precision():
-    """Each linear its own kind, as a ``compress tune`` export leaves them: layer 0's MLP int4,
-    layer 1's attention int8, the rest float."""
-    model = family_model("llama")
-    quantize_linears(model, Int4RtnConfig(group_size=32, targets=(r"re:.*layers\.0\.mlp",)), 4,
-                     "test")  # fmt: skip
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_layers_of_mixed_precision(family):
+    """Each linear its own kind, as a ``compress tune`` export leaves them: layer 0's MLP int4
+    (Gemma 3: its gate alone, so gate and up stay two calls, through torch's GELU), layer 1's
+    attention int8, the rest float."""
+    model = family_model(family)
+    mlp = r"re:.*layers\.0\.mlp" + (r"\.gate_proj" if family != "llama" else "")
+    quantize_linears(model, Int4RtnConfig(group_size=32, targets=(mlp,)), 4, "test")
     quantize_linears(model, Int8RtnConfig(targets=(r"re:.*layers\.1\.self_attn",)), 8, "test")
     runtime = Runtime(model, max_seq_len=96, compile=False, int4_kernel="q4q8",
                       int8_kernel="q8q8")  # fmt: skip
-    kinds = [[type(getattr(layer, n)).__name__ for n in ("qkv", "o", "gate_up", "down")]
+    kinds = [[type(getattr(layer, n)).__name__ for n in decode_stack.LINEARS]
              for layer in runtime.layers]  # fmt: skip
-    assert kinds[0] == ["_FloatLinear", "_FloatLinear", "_Int4Linear", "_Int4Linear"]
-    assert kinds[1] == ["_Int8Linear", "_Int8Linear", "_FloatLinear", "_FloatLinear"]
-    assert_same_steps(runtime, random_requests(random.Random(6), 8))
+    if family == "llama":
+        assert kinds[0] == ["_FloatLinear", "_FloatLinear", "_Int4Linear", "_Int4Linear",
+                            "NoneType", "NoneType"]  # fmt: skip
+    else:
+        assert kinds[0] == ["_FloatLinear", "_FloatLinear", "NoneType", "_FloatLinear",
+                            "_Int4Linear", "_FloatLinear"]  # fmt: skip
+    assert kinds[1][:2] == ["_Int8Linear", "_Int8Linear"]
+    assert_same_steps(runtime, random_requests(random.Random(6), 8), kv_dtype="int8")
 
 
 def test_bf16_runtime_and_bf16_pages():
@@ -181,12 +189,19 @@ def test_the_native_object_refuses_bad_descriptions():
     with pytest.raises(RuntimeError, match="a bias is a contiguous fp32"):
         native.add_linear(decode_stack.KINDS["bf16_weight"], w, None, None, 0, w[0], 0, 0)
     i = native.add_linear(decode_stack.KINDS["bf16_weight"], w, None, None, 0, None, 0, 0)
-    norm = torch.ones(8)
+    norms = [torch.ones(8), torch.ones(8)] + [None] * 6
+    ints, floats = [1, 1, 8, 0, 0, 0, 1], [1e-6, 1.0, 0.0, float("nan")]
     with pytest.raises(RuntimeError, match="linear 5 was not added"):
-        native.add_layer(norm, norm, 1e-6, [i, i, i, 5], [0, 0, 0], [1, 1, 8, 0], None, None,
-                         1.0, 0.0, 0, None)  # fmt: skip
-    native.add_layer(norm, norm, 1e-6, [i, i, i, i], [0, 0, 0], [1, 1, 8, 0], None, None, 1.0,
-                     0.0, 0, None)  # fmt: skip
+        native.add_layer(norms, [i, i, i, 5, -1, -1], [0, 0, 0], ints, floats)
+    with pytest.raises(RuntimeError, match="has qkv, o, down, and gate_up or"):
+        native.add_layer(norms, [i, i, -1, i, -1, -1], [0, 0, 0], ints, floats)
+    with pytest.raises(RuntimeError, match="activation 7 unknown"):
+        native.add_layer(norms, [i, i, i, i, -1, -1], [0, 0, 0], [1, 1, 8, 0, 0, 7, 0], floats)
+    with pytest.raises(RuntimeError, match="the fused finish is SiLU"):
+        native.add_layer(norms, [i, i, i, i, -1, -1], [0, 0, 0], [1, 1, 8, 0, 0, 1, 1], floats)
+    with pytest.raises(RuntimeError, match="a layer takes 8 norm slots"):
+        native.add_layer(norms[:2], [i, i, i, i, -1, -1], [0, 0, 0], ints, floats)
+    native.add_layer(norms, [i, i, i, i, -1, -1], [0, 0, 0], ints, floats)
     x, rope, pages = torch.zeros(1, 8), [torch.ones(1, 8)], [torch.zeros(4, 1, 8)]
     rows = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="1 layers, 0 key and 0 value pools"):

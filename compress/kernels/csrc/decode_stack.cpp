@@ -105,13 +105,35 @@ struct Linear {
   }
 };
 
+// The runtime's MLP activations (runtime/families.ACTIVATIONS), by the ATen op each is
+enum Act : int64_t { SILU = 0, GELU_TANH = 1, GELU = 2, RELU = 3, RELU2 = 4 };
+
+at::Tensor activate(const at::Tensor& x, int64_t act) {
+  switch (act) {
+    case SILU: return at::silu(x);
+    case GELU_TANH: return at::gelu(x, "tanh");
+    case GELU: return at::gelu(x);
+    case RELU: return at::relu(x);
+    case RELU2: return at::square(at::relu(x));
+    default: TORCH_CHECK(false, "decode stack: activation ", act, " unknown");
+  }
+}
+
+// norms.py's _rms_norm, op for op: w * (x * rsqrt(mean(x^2) + eps))
+at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return w * (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps));
+}
+
 struct Layer {
-  std::optional<at::Tensor> norm_in;  // fp32 [hidden]; none: the input as it is
-  at::Tensor norm_post;               // fp32 [hidden]
+  std::optional<at::Tensor> norm_in, norm_post, norm_post_bias;  // fp32 [hidden]
+  std::optional<at::Tensor> attn_out_norm, mlp_out_norm;          // after o, after down
   double eps = 1e-6;
-  int64_t qkv = 0, o = 0, gate_up = 0, down = 0;  // indices into DecodeStack::linears_
+  std::optional<double> residual_multiplier;
+  // indices into DecodeStack::linears_; -1: none (gate_up, or gate and up, or up alone)
+  int64_t qkv = -1, o = -1, gate_up = -1, down = -1, gate = -1, up = -1;
   at::ScalarType qkv_in = at::kFloat, gate_up_in = at::kFloat, down_in = at::kFloat;
-  int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, window = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, window = 0, act = SILU;
+  bool fused_finish = false;  // _Layer._finish_fused (SiLU, one gate/up call), else finish
   std::optional<at::Tensor> q_norm, k_norm, sinks;
   double scale = 1.0, softcap = 0.0;
 };
@@ -147,36 +169,95 @@ struct DecodeStack : torch::CustomClassHolder {
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 
-  void add_layer(std::optional<at::Tensor> norm_in, at::Tensor norm_post, double eps,
-                 std::vector<int64_t> linears, std::vector<int64_t> bf16_inputs,
-                 std::vector<int64_t> heads, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, double scale, double softcap, int64_t window,
-                 std::optional<at::Tensor> sinks) {
-    TORCH_CHECK(linears.size() == 4 && bf16_inputs.size() == 3 && heads.size() == 4,
-                "decode stack: a layer takes 4 linears (qkv, o, gate_up, down), 3 input dtypes "
-                "(qkv, gate_up, down) and (heads, kv_heads, head_dim, rope table)");
+  // norms: norm_in, norm_post, norm_post_bias, attn_out_norm, mlp_out_norm, q_norm, k_norm,
+  // sinks (each fp32 or none); linears: qkv, o, gate_up, down, gate, up (-1: none);
+  // bf16_inputs: what the norms write for qkv, gate_up and down (1: bf16, 0: fp32); ints:
+  // heads, kv_heads, head_dim, rope table, window (0: none), activation (Act), fused finish;
+  // floats: eps, attention scale, softcap (0: none), residual multiplier (NaN: none)
+  void add_layer(std::vector<std::optional<at::Tensor>> norms, std::vector<int64_t> linears,
+                 std::vector<int64_t> bf16_inputs, std::vector<int64_t> ints,
+                 std::vector<double> floats) {
+    TORCH_CHECK(norms.size() == 8 && linears.size() == 6 && bf16_inputs.size() == 3 &&
+                    ints.size() == 7 && floats.size() == 4,
+                "decode stack: a layer takes 8 norm slots, 6 linear slots, 3 input dtypes, 7 "
+                "ints and 4 floats");
     for (int64_t i : linears)
-      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(linears_.size()),
+      TORCH_CHECK(i >= -1 && i < static_cast<int64_t>(linears_.size()),
                   "decode stack: linear ", i, " was not added");
-    for (const auto* w : {&norm_in, &q_norm, &k_norm, &sinks})
-      if (*w)
-        TORCH_CHECK((*w)->scalar_type() == at::kFloat && (*w)->dim() == 1 &&
-                        (*w)->is_contiguous(),
+    for (const auto& w : norms)
+      if (w)
+        TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 1 && w->is_contiguous(),
                     "decode stack: norm weights and sinks are contiguous fp32 vectors");
     Layer l;
-    l.norm_in = std::move(norm_in);
-    l.norm_post = std::move(norm_post);
-    l.eps = eps;
+    l.norm_in = norms[0], l.norm_post = norms[1], l.norm_post_bias = norms[2];
+    l.attn_out_norm = norms[3], l.mlp_out_norm = norms[4];
+    l.q_norm = norms[5], l.k_norm = norms[6], l.sinks = norms[7];
     l.qkv = linears[0], l.o = linears[1], l.gate_up = linears[2], l.down = linears[3];
+    l.gate = linears[4], l.up = linears[5];
+    TORCH_CHECK(l.qkv >= 0 && l.o >= 0 && l.down >= 0 && (l.gate_up >= 0 || l.up >= 0) &&
+                    (l.gate_up < 0 || (l.gate < 0 && l.up < 0)),
+                "decode stack: a layer has qkv, o, down, and gate_up or (gate and) up");
     l.qkv_in = dtype_of(bf16_inputs[0]);
     l.gate_up_in = dtype_of(bf16_inputs[1]);
     l.down_in = dtype_of(bf16_inputs[2]);
-    l.heads = heads[0], l.kv_heads = heads[1], l.head_dim = heads[2], l.rope = heads[3];
-    l.q_norm = std::move(q_norm);
-    l.k_norm = std::move(k_norm);
-    l.scale = scale, l.softcap = softcap, l.window = window;
-    l.sinks = std::move(sinks);
+    l.heads = ints[0], l.kv_heads = ints[1], l.head_dim = ints[2], l.rope = ints[3];
+    l.window = ints[4], l.act = ints[5], l.fused_finish = ints[6] != 0;
+    TORCH_CHECK(l.act >= SILU && l.act <= RELU2, "decode stack: activation ", l.act, " unknown");
+    TORCH_CHECK(!l.fused_finish || (l.act == SILU && l.gate_up >= 0),
+                "decode stack: the fused finish is SiLU over one gate/up call");
+    l.eps = floats[0], l.scale = floats[1], l.softcap = floats[2];
+    if (!std::isnan(floats[3])) l.residual_multiplier = floats[3];
     layers_.push_back(std::move(l));
+  }
+
+  // _Layer._block_out: what a block adds to the residual (post-normed, scaled)
+  at::Tensor block_out(at::Tensor y, const Layer& l, const std::optional<at::Tensor>& norm) const {
+    if (norm) y = rms_norm_aten(y, *norm, l.eps);
+    if (l.residual_multiplier) y = y * *l.residual_multiplier;
+    return y;
+  }
+
+  at::Tensor forward(int64_t i, const at::Tensor& x) const {  // a holder's forward: fp32 out
+    return linears_[i](x).to(at::kFloat);
+  }
+
+  // _Layer._finish_fused, the branches it takes
+  at::Tensor finish_fused(at::Tensor x, const at::Tensor& a, const Layer& l) const {
+    at::Tensor h;
+    if (!l.norm_post) {
+      x = x + block_out(forward(l.o, a), l, l.attn_out_norm);
+      h = x.to(l.gate_up_in);
+    } else if (!l.attn_out_norm && !l.residual_multiplier) {
+      const auto summed = add_rms_norm(x, linears_[l.o](a).contiguous(), *l.norm_post, l.eps,
+                                       l.gate_up_in);
+      x = summed[0], h = summed[1];
+    } else {
+      x = x + block_out(forward(l.o, a), l, l.attn_out_norm);
+      h = rms_norm(x, *l.norm_post, l.eps, l.gate_up_in);
+    }
+    const at::Tensor up = silu_mul(linears_[l.gate_up](h).contiguous(), l.down_in);
+    if (!l.mlp_out_norm && !l.residual_multiplier) return at::add(x, linears_[l.down](up));
+    return x + block_out(forward(l.down, up), l, l.mlp_out_norm);
+  }
+
+  // _Layer.finish (not parallel) with _Layer._mlp: torch's ops, as the Python layer runs them
+  at::Tensor finish(at::Tensor x, const at::Tensor& a, const Layer& l) const {
+    x = x + block_out(forward(l.o, a), l, l.attn_out_norm);
+    at::Tensor h = x;
+    if (l.norm_post) {
+      h = rms_norm_aten(x, *l.norm_post, l.eps);
+      if (l.norm_post_bias) h = h + *l.norm_post_bias;
+    }
+    at::Tensor m;
+    if (l.gate_up >= 0) {
+      const auto parts = forward(l.gate_up, h).chunk(2, -1);
+      m = activate(parts[0], l.act) * parts[1];
+    } else if (l.gate >= 0) {
+      m = activate(forward(l.gate, h), l.act) * forward(l.up, h);
+    } else {
+      m = activate(forward(l.up, h), l.act);
+    }
+    return x + block_out(forward(l.down, m), l, l.mlp_out_norm);
   }
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -229,10 +310,8 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::Tensor a = paged_decode_attention(
           qkv_heads[0], k_pools[i], v_pools[i], k_scale, v_scale, tables, lengths, block_size,
           l.scale, l.softcap, l.window, l.sinks);
-      const at::Tensor attn = linears_[l.o](a.view({rows, l.heads * l.head_dim})).contiguous();
-      const auto summed = add_rms_norm(x, attn, l.norm_post, l.eps, l.gate_up_in);
-      const at::Tensor up = silu_mul(linears_[l.gate_up](summed[1]).contiguous(), l.down_in);
-      x = at::add(summed[0], linears_[l.down](up));
+      const at::Tensor attn = a.view({rows, l.heads * l.head_dim});
+      x = l.fused_finish ? finish_fused(x, attn, l) : finish(x, attn, l);
     }
     return x;
   }
