@@ -268,9 +268,10 @@ def forward_step(
         x = stack.run(x[0], rows, slots, tables, lengths, cache)[None]
         return runtime.head(x[0])
     phase = bool(decode)
-    # A decode-only step (most steps) does no chunk bookkeeping and no concatenation: Python
-    # and small ATen calls between the ops are about half of a one-row SmolLM2 W4 step on 2
-    # cores (cProfile: about 8 of 16 ms in our ops).
+    # Here: steps with chunks, and decode-only steps without a stack. A decode-only step does no
+    # chunk bookkeeping and no concatenation; still, Python and small ATen calls between the
+    # ops were about half of a one-row SmolLM2 W4 step on 2 cores (cProfile: about 8 of 16 ms
+    # in our ops), what the stack saves (runtime/decode_stack.py).
     for i, layer in enumerate(runtime.layers):
         cos, sin = ropes[layer.rope_key]
         q, k, v = layer.project_qkv(x, cos, sin, phase)  # [1, heads, N, D]
