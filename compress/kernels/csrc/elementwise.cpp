@@ -272,6 +272,25 @@ at::Tensor greedy_tokens(const at::Tensor& logits) {
   return out;
 }
 
+// What write_kv and write_kv_int8 check of their rows: k, v contiguous fp32 [N, kv_heads, D]
+// of the pool's row shape, slots contiguous int64 [N] inside the pool (all checked before any
+// write) -> N
+int64_t check_kv_rows(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& k,
+                      const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == pool.size(1) &&
+                  k.size(2) == pool.size(2) && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous fp32 [N, kv_heads, D] tensors of the pools' rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "slots must be contiguous int64 [N]");
+  const int64_t N = k.size(0), total = pool.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < total, "slot ", slot[i], " outside the pool's ", total);
+  return N;
+}
+
 // k, v [N, Hkv, D] fp32 contiguous -> rows `slots` [N] of the pools [slots, Hkv, D] (fp32 or
 // bf16, rounded to nearest even), keys and values in one call (PagedKVCache.write: two casts
 // and two index_copy_ calls in torch)
@@ -282,18 +301,9 @@ void write_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
                   v_pool.is_contiguous() &&
                   (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
               "the pools must be contiguous fp32 or bf16 [slots, kv_heads, D] tensors of one dtype");
-  const int64_t row = k_pool.size(1) * k_pool.size(2), total = k_pool.size(0);
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) * k.size(2) == row &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.is_contiguous() && v.is_contiguous(),
-              "k and v must be contiguous fp32 [N, kv_heads, D] tensors of the pools' rows");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
-                  slots.is_contiguous(),
-              "slots must be contiguous int64 [N]");
-  const int64_t N = k.size(0);
+  const int64_t row = k_pool.size(1) * k_pool.size(2);
+  const int64_t N = check_kv_rows(k_pool, slots, k, v);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i)
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < total, "slot ", slot[i], " outside the pool's ", total);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
   at::BFloat16* kb = bf16 ? k_pool.data_ptr<at::BFloat16>() : nullptr;
@@ -339,18 +349,9 @@ void write_kv_int8(at::Tensor& k_pool, at::Tensor& v_pool, at::Tensor& k_scale,
     TORCH_CHECK(s->dim() == 2 && s->size(0) == k_pool.size(0) && s->size(1) == k_pool.size(1) &&
                     s->scalar_type() == at::kFloat && s->is_contiguous(),
                 "the scales must be contiguous fp32 [slots, kv_heads] tensors");
-  const int64_t H = k_pool.size(1), D = k_pool.size(2), total = k_pool.size(0);
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == H && k.size(2) == D &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.is_contiguous() && v.is_contiguous(),
-              "k and v must be contiguous fp32 [N, kv_heads, D] tensors of the pools' rows");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
-                  slots.is_contiguous(),
-              "slots must be contiguous int64 [N]");
-  const int64_t N = k.size(0);
+  const int64_t H = k_pool.size(1), D = k_pool.size(2);
+  const int64_t N = check_kv_rows(k_pool, slots, k, v);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i)
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < total, "slot ", slot[i], " outside the pool's ", total);
   const float* src[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
   int8_t* codes[2] = {k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>()};
   float* scales[2] = {k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
