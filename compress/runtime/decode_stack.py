@@ -1,17 +1,19 @@
 """A paged decode step's decoder layers as one C++ call (``csrc/decode_stack.cpp``).
 
 The scheduler's decode-only steps on a CPU (``paged.forward_step`` with the attention kernel)
-run every layer through the fused CPU ops: about a dozen op calls per layer, and the Python and
-dispatcher work between them cost as much as the ops at small batches. Measured on an AMD EPYC
-Zen 3 (AVX2, 2 threads), one SmolLM2 W4 row through the scheduler: 16.5 ms a step, about 8 ms
-of it in the ops (torch.profiler, cProfile). ``DecodeStack`` hands the same ops, the same
-tensors and the same order to C++ once per step, so its output is the Python loop's bit for bit
-(the reference, ``tests/runtime/test_decode_stack.py``).
+run every layer through our CPU ops: about a dozen op calls per layer, and the Python and
+dispatcher work between them cost as much as the ops at small batches. ``DecodeStack`` hands
+the same ops, the same tensors and the same order to C++ once per step, so its output is the
+Python loop's bit for bit (the reference, ``tests/runtime/test_decode_stack.py``). Measured on
+an AMD EPYC Zen 3 (AVX2, 2 threads), SmolLM2 W4 through the scheduler, both loops in turns in
+one process: one row 17.2 -> 7.4 ms a step, 8 rows 38.2 -> 28.1
+(docs/notes/2026-12-07-decode-stack.md).
 
-It takes the layers the Python loop runs through the fused path (``build`` says why not for the
-others: those steps stay in Python), linears of the kinds the runtime holds on a CPU (``KINDS``),
-and steps of fewer rows than ``DecodeStack.max_rows``: from there an int layer leaves its base
-op (AMX forms, a float GEMM), which the Python holder picks per call.
+It takes layers whose projections run the fused path (RMSNorm, one q/k/v call, per-head q/k
+norms before rotate-half RoPE), then ``_Layer.finish`` in either form (``build`` says why not
+for the others: those steps stay in Python); linears of the kinds the runtime holds on a CPU
+(``KINDS``); and steps of fewer rows than ``DecodeStack.max_rows``: from there an int layer
+leaves its base op (AMX forms, a float GEMM), which the Python holder picks per call.
 """
 
 from __future__ import annotations

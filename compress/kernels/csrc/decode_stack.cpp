@@ -1,19 +1,21 @@
 // A decode step's decoder layers in one C++ call (compress.runtime.decode_stack builds it from
 // the runtime's layer holders; compress.runtime.paged.forward_step calls it on decode-only
 // steps). Each layer runs the same ops, on the same tensors, in the same order as the Python
-// layer's fused path (runtime/layers.py: _Layer._project_qkv_fused, the paged write and decode
-// attention of forward_step, _Layer._finish_fused), so the result is bit for bit the Python
-// path's: that path is the reference, and tests/runtime/test_decode_stack.py holds it to it.
-// What it saves is the host code between the ops: on an AMD EPYC Zen 3 (2 threads) the Python
-// and dispatcher work between them was about half of a one-row SmolLM2 W4 step.
+// layer (runtime/layers.py: _Layer._project_qkv_fused, the paged write and decode attention of
+// forward_step, then _Layer._finish_fused or _Layer.finish with _mlp and _block_out), so the
+// result is bit for bit the Python path's: that path is the reference, and
+// tests/runtime/test_decode_stack.py holds it to it. What it saves is the host code between the
+// ops: on an AMD EPYC Zen 3 (2 threads) the Python and dispatcher work between them was about
+// half of a one-row SmolLM2 W4 step (docs/notes/2026-12-07-decode-stack.md).
 //
 //   norm_in -> qkv -> rope (+ per-head q/k norms) -> write k, v to the pages -> paged attention
 //   -> o -> residual add + post-attention norm -> gate_up -> SiLU(gate) x up -> down -> add
+//   (or the unfused finish: torch's norms, activations, post-block norms and multipliers)
 //
 // A linear is one of the runtime's holders, described by its kind (Linear::Kind) and tensors;
 // the input is cast the way that holder casts it, and the output is the holder's native one
 // (bf16 for a bf16 float layer without bias; fp32 plus the bias otherwise), as
-// layers._native_out leaves it.
+// layers._native_out leaves it (DecodeStack::forward widens it to fp32, as a holder's forward).
 #include "ops.h"
 #include "q8_common.h"
 
