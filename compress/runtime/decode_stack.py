@@ -9,9 +9,9 @@ an AMD EPYC Zen 3 (AVX2, 2 threads), SmolLM2 W4 through the scheduler, both loop
 one process: one row 17.2 -> 7.4 ms a step, 8 rows 38.2 -> 28.1
 (docs/notes/2026-12-07-decode-stack.md).
 
-It takes layers whose projections run the fused path (RMSNorm, one q/k/v call, per-head q/k
-norms before rotate-half RoPE), then ``_Layer.finish`` in either form (``build`` says why not
-for the others: those steps stay in Python); linears of the kinds the runtime holds on a CPU
+It takes dense layers of the runtime's own attention: ``project_qkv`` and ``finish`` in either
+of their forms, the fused ops or torch's (``build`` says why not for the others: those steps
+stay in Python); linears of the kinds the runtime holds on a CPU
 (``KINDS``); and steps of fewer rows than ``DecodeStack.max_rows``: from there an int layer
 leaves its base op (AMX forms, a float GEMM), which the Python holder picks per call.
 """
@@ -42,7 +42,7 @@ KINDS = {
 }
 FLOATS = (torch.float32, torch.bfloat16)
 # a layer's linears, in csrc/decode_stack.cpp's add_layer order (None where it has none)
-LINEARS = ("qkv", "o", "gate_up", "down", "gate", "up")
+LINEARS = ("qkv", "o", "gate_up", "down", "gate", "up", "q", "k", "v")
 # the MLP activations it runs, in its Act order (runtime/families.ACTIVATIONS' functions)
 ACTS_NAMED = ("silu", "gelu_pytorch_tanh", "gelu", "relu", "relu2")
 ACTS = tuple(ACTIVATIONS[name] for name in ACTS_NAMED)
@@ -98,12 +98,19 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
     for layer, linears, inputs, rope in described:
         ids = [-1 if args is None else native.add_linear(*args) for args in linears]
         norms = [layer.norm_in, layer.norm_post, layer.norm_post_bias, layer.attn_out_norm,
-                 layer.mlp_out_norm, layer.norm_q, layer.norm_k, layer.sinks]  # fmt: skip
-        # _Layer.finish takes _finish_fused under these conditions (not parallel: checked)
-        fused_finish = layer.fused and not layer.centered and layer.gate_up is not None and (
-            layer.act is F.silu)  # fmt: skip
+                 layer.mlp_out_norm, layer.norm_q, layer.norm_k, layer.sinks, layer.norm_in_bias,
+                 layer.rope_perm]  # fmt: skip
+        # the conditions under which _Layer.finish takes _finish_fused and project_qkv
+        # _project_qkv_fused (layers.py)
+        fused_finish = (layer.fused and not layer.centered and not layer.parallel
+                        and layer.gate_up is not None and layer.act is F.silu)  # fmt: skip
+        plain_heads = not (layer.qk_norm_heads or layer.qk_norm_after_rope
+                           or layer.rope_perm is not None)  # fmt: skip
+        fused_qkv = layer.fused and not layer.centered and layer.qkv is not None and plain_heads
+        flags = [fused_finish, fused_qkv, layer.centered, layer.parallel, layer.qkv_per_head,
+                 layer.qk_norm_heads, layer.qk_norm_after_rope]  # fmt: skip
         ints = [layer.n_heads, layer.n_kv, layer.head_dim, rope, layer.window or 0,
-                ACTS.index(layer.act), int(fused_finish)]  # fmt: skip
+                ACTS.index(layer.act), *map(int, flags)]  # fmt: skip
         multiplier = layer.residual_multiplier
         floats = [layer.eps, layer.scale, layer.softcap or 0.0,
                   math.nan if multiplier is None else float(multiplier)]  # fmt: skip
@@ -112,22 +119,17 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
 
 
 def _layer_reason(layer) -> str | None:
-    """Why ``layer``'s decode step is not what the C++ loop repeats, or None: the fused
-    projection path (RMSNorm, one q/k/v call, per-head q/k norms before RoPE, rotate-half RoPE
-    on the projection's own channels), paged attention, then ``finish`` in either form."""
+    """Why ``layer``'s decode step is not what the C++ loop repeats, or None: ``project_qkv``
+    (fused or torch's ops), paged attention, then ``finish`` in either form."""
+    own_norm = layer.norm_post if layer.parallel and layer.norm_post is not None else None
     checks = (
         (type(layer) is not _Layer, f"{type(layer).__name__} computes its own attention"),
         (not layer.fused, "the fused CPU ops are off"),
-        (layer.centered, "LayerNorm (the fused ops are RMSNorms)"),
-        (layer.parallel, "attention and MLP in parallel"),
-        (layer.qkv is None, "q, k and v are separate calls"),
-        (layer.qkv_per_head, "q, k and v interleaved per head"),
-        (layer.qk_norm_heads, "q/k norms over all heads"),
-        (layer.qk_norm_after_rope, "q/k norms after RoPE"),
-        (layer.rope_perm is not None, "RoPE on permuted channels (partial or interleaved)"),
         (layer.sparse_mlp is not None, "a sparse MoE block"),
         (not any(layer.act is act for act in ACTS),
          f"the MLP's activation {layer.act} (the C++ loop runs {ACTS_NAMED})"),
+        (layer.parallel and own_norm is None and layer.norm_in is None,
+         "a parallel block without a norm"),
         (layer.values_in_keys, "the values are the keys"),
     )  # fmt: skip
     return next((why for failed, why in checks if failed), None)

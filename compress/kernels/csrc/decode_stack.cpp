@@ -126,8 +126,28 @@ at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
   return w * (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps));
 }
 
+// norms.py's _norm: RMSNorm (torch's ops) plus an optional bias, or LayerNorm (`centered`)
+at::Tensor norm_aten(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                     double eps, bool centered) {
+  if (centered) return at::layer_norm(x, {x.size(-1)}, w, bias, eps);
+  const at::Tensor y = rms_norm_aten(x, w, eps);
+  return bias ? y + *bias : y;
+}
+
+// layers._rotate: x * cos + rotate_half(x) * sin
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t d = x.size(-1), half = d / 2;
+  const at::Tensor rotated = at::cat({-x.narrow(-1, half, d - half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
 struct Layer {
   std::optional<at::Tensor> norm_in, norm_post, norm_post_bias;  // fp32 [hidden]
+  std::optional<at::Tensor> norm_in_bias, rope_perm;  // LayerNorm's bias; int64 [head_dim]
+  bool fused_qkv = true;  // _Layer._project_qkv_fused, else project_qkv's torch ops
+  bool centered = false, parallel = false, qkv_per_head = false;
+  bool qk_norm_heads = false, qk_norm_after_rope = false;
+  int64_t q = -1, k = -1, v = -1;  // separate projections (qkv -1)
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;          // after o, after down
   double eps = 1e-6;
   std::optional<double> residual_multiplier;
@@ -172,38 +192,57 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // norms: norm_in, norm_post, norm_post_bias, attn_out_norm, mlp_out_norm, q_norm, k_norm,
-  // sinks (each fp32 or none); linears: qkv, o, gate_up, down, gate, up (-1: none);
-  // bf16_inputs: what the norms write for qkv, gate_up and down (1: bf16, 0: fp32); ints:
-  // heads, kv_heads, head_dim, rope table, window (0: none), activation (Act), fused finish;
-  // floats: eps, attention scale, softcap (0: none), residual multiplier (NaN: none)
+  // sinks, norm_in_bias (each fp32 or none), rope_perm (int64 or none); linears: qkv, o,
+  // gate_up, down, gate, up, q, k, v (-1: none); bf16_inputs: what the fused norms write for
+  // qkv, gate_up and down (1: bf16, 0: fp32); ints: heads, kv_heads, head_dim, rope table,
+  // window (0: none), activation (Act), then 0/1 flags: fused finish, fused qkv, centered,
+  // parallel, qkv per head, q/k norms over all heads, q/k norms after RoPE; floats: eps,
+  // attention scale, softcap (0: none), residual multiplier (NaN: none)
   void add_layer(std::vector<std::optional<at::Tensor>> norms, std::vector<int64_t> linears,
                  std::vector<int64_t> bf16_inputs, std::vector<int64_t> ints,
                  std::vector<double> floats) {
-    TORCH_CHECK(norms.size() == 8 && linears.size() == 6 && bf16_inputs.size() == 3 &&
-                    ints.size() == 7 && floats.size() == 4,
-                "decode stack: a layer takes 8 norm slots, 6 linear slots, 3 input dtypes, 7 "
+    TORCH_CHECK(norms.size() == 10 && linears.size() == 9 && bf16_inputs.size() == 3 &&
+                    ints.size() == 13 && floats.size() == 4,
+                "decode stack: a layer takes 10 norm slots, 9 linear slots, 3 input dtypes, 13 "
                 "ints and 4 floats");
     for (int64_t i : linears)
       TORCH_CHECK(i >= -1 && i < static_cast<int64_t>(linears_.size()),
                   "decode stack: linear ", i, " was not added");
-    for (const auto& w : norms)
-      if (w)
-        TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 1 && w->is_contiguous(),
-                    "decode stack: norm weights and sinks are contiguous fp32 vectors");
+    for (size_t i = 0; i < 9; ++i)
+      if (norms[i])
+        TORCH_CHECK(norms[i]->scalar_type() == at::kFloat && norms[i]->dim() == 1 &&
+                        norms[i]->is_contiguous(),
+                    "decode stack: norm weights, biases and sinks are contiguous fp32 vectors");
+    if (norms[9])
+      TORCH_CHECK(norms[9]->scalar_type() == at::kLong && norms[9]->dim() == 1,
+                  "decode stack: rope_perm is an int64 [head_dim] index");
     Layer l;
     l.norm_in = norms[0], l.norm_post = norms[1], l.norm_post_bias = norms[2];
     l.attn_out_norm = norms[3], l.mlp_out_norm = norms[4];
     l.q_norm = norms[5], l.k_norm = norms[6], l.sinks = norms[7];
+    l.norm_in_bias = norms[8], l.rope_perm = norms[9];
     l.qkv = linears[0], l.o = linears[1], l.gate_up = linears[2], l.down = linears[3];
-    l.gate = linears[4], l.up = linears[5];
-    TORCH_CHECK(l.qkv >= 0 && l.o >= 0 && l.down >= 0 && (l.gate_up >= 0 || l.up >= 0) &&
-                    (l.gate_up < 0 || (l.gate < 0 && l.up < 0)),
-                "decode stack: a layer has qkv, o, down, and gate_up or (gate and) up");
+    l.gate = linears[4], l.up = linears[5], l.q = linears[6], l.k = linears[7], l.v = linears[8];
+    TORCH_CHECK((l.qkv >= 0) != (l.q >= 0 && l.k >= 0 && l.v >= 0) && l.o >= 0 && l.down >= 0 &&
+                    (l.gate_up >= 0 || l.up >= 0) && (l.gate_up < 0 || (l.gate < 0 && l.up < 0)),
+                "decode stack: a layer has qkv or q, k and v; o; down; and gate_up or (gate "
+                "and) up");
+    TORCH_CHECK(l.q_norm.has_value() == l.k_norm.has_value(),
+                "decode stack: q and k norms come together");
     l.qkv_in = dtype_of(bf16_inputs[0]);
     l.gate_up_in = dtype_of(bf16_inputs[1]);
     l.down_in = dtype_of(bf16_inputs[2]);
     l.heads = ints[0], l.kv_heads = ints[1], l.head_dim = ints[2], l.rope = ints[3];
     l.window = ints[4], l.act = ints[5], l.fused_finish = ints[6] != 0;
+    l.fused_qkv = ints[7] != 0, l.centered = ints[8] != 0, l.parallel = ints[9] != 0;
+    l.qkv_per_head = ints[10] != 0, l.qk_norm_heads = ints[11] != 0;
+    l.qk_norm_after_rope = ints[12] != 0;
+    TORCH_CHECK(!l.fused_qkv || (l.qkv >= 0 && !l.centered && !l.qkv_per_head &&
+                                 !l.qk_norm_heads && !l.qk_norm_after_rope && !l.rope_perm),
+                "decode stack: the fused projection is RMSNorm over one [q; k; v] call with "
+                "per-head q/k norms before unpermuted RoPE");
+    TORCH_CHECK(!l.parallel || (!l.fused_finish && (l.norm_post || l.norm_in)),
+                "decode stack: a parallel block takes the unfused finish and a norm");
     TORCH_CHECK(l.act >= SILU && l.act <= RELU2, "decode stack: activation ", l.act, " unknown");
     TORCH_CHECK(!l.fused_finish || (l.act == SILU && l.gate_up >= 0),
                 "decode stack: the fused finish is SiLU over one gate/up call");
@@ -242,24 +281,61 @@ struct DecodeStack : torch::CustomClassHolder {
     return x + block_out(forward(l.down, up), l, l.mlp_out_norm);
   }
 
-  // _Layer.finish (not parallel) with _Layer._mlp: torch's ops, as the Python layer runs them
-  at::Tensor finish(at::Tensor x, const at::Tensor& a, const Layer& l) const {
-    x = x + block_out(forward(l.o, a), l, l.attn_out_norm);
-    at::Tensor h = x;
-    if (l.norm_post) {
-      h = rms_norm_aten(x, *l.norm_post, l.eps);
-      if (l.norm_post_bias) h = h + *l.norm_post_bias;
-    }
-    at::Tensor m;
+  // _Layer._mlp on its normed input (fp32)
+  at::Tensor mlp(const at::Tensor& h, const Layer& l) const {
     if (l.gate_up >= 0) {
       const auto parts = forward(l.gate_up, h).chunk(2, -1);
-      m = activate(parts[0], l.act) * parts[1];
-    } else if (l.gate >= 0) {
-      m = activate(forward(l.gate, h), l.act) * forward(l.up, h);
-    } else {
-      m = activate(forward(l.up, h), l.act);
+      return forward(l.down, activate(parts[0], l.act) * parts[1]);
     }
-    return x + block_out(forward(l.down, m), l, l.mlp_out_norm);
+    if (l.gate >= 0) return forward(l.down, activate(forward(l.gate, h), l.act) * forward(l.up, h));
+    return forward(l.down, activate(forward(l.up, h), l.act));
+  }
+
+  // _Layer.finish: torch's ops, as the Python layer runs them
+  at::Tensor finish(at::Tensor x, const at::Tensor& a, const Layer& l) const {
+    if (l.parallel) {  // the MLP reads a norm of the block's input (its own, or attention's)
+      const bool own = l.norm_post.has_value();
+      const at::Tensor h = norm_aten(x, own ? *l.norm_post : *l.norm_in,
+                                     own ? l.norm_post_bias : l.norm_in_bias, l.eps, l.centered);
+      return x + block_out(forward(l.o, a), l, std::nullopt) +
+             block_out(mlp(h, l), l, std::nullopt);
+    }
+    x = x + block_out(forward(l.o, a), l, l.attn_out_norm);
+    const at::Tensor h =
+        l.norm_post ? norm_aten(x, *l.norm_post, l.norm_post_bias, l.eps, l.centered) : x;
+    return x + block_out(mlp(h, l), l, l.mlp_out_norm);
+  }
+
+  // _Layer.project_qkv's torch ops (the unfused form): x [R, hidden] -> q [R, heads, D], k and
+  // v [R, kv_heads, D] fp32
+  std::vector<at::Tensor> project(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin, const Layer& l) const {
+    const int64_t R = x.size(0), H = l.heads, Hkv = l.kv_heads, D = l.head_dim;
+    const at::Tensor h =
+        l.norm_in ? norm_aten(x, *l.norm_in, l.norm_in_bias, l.eps, l.centered) : x;
+    at::Tensor q, k, v;
+    if (l.qkv >= 0 && l.qkv_per_head) {  // [R, heads, 3, D]: q, k, v per head
+      const auto parts = forward(l.qkv, h).view({R, H, 3, D}).unbind(2);
+      q = parts[0], k = parts[1], v = parts[2];
+    } else if (l.qkv >= 0) {
+      const at::Tensor y = forward(l.qkv, h);
+      const auto parts = y.split_with_sizes({y.size(-1) - 2 * Hkv * D, Hkv * D, Hkv * D}, -1);
+      q = parts[0], k = parts[1], v = parts[2];
+    } else {
+      q = forward(l.q, h), k = forward(l.k, h), v = forward(l.v, h);
+    }
+    if (l.q_norm && l.qk_norm_heads)
+      q = rms_norm_aten(q, *l.q_norm, l.eps), k = rms_norm_aten(k, *l.k_norm, l.eps);
+    q = q.view({R, H, D}), k = k.view({R, Hkv, D});
+    const bool per_head = l.q_norm && !l.qk_norm_heads;
+    if (per_head && !l.qk_norm_after_rope)
+      q = rms_norm_aten(q, *l.q_norm, l.eps), k = rms_norm_aten(k, *l.k_norm, l.eps);
+    if (l.rope_perm) q = q.index_select(-1, *l.rope_perm), k = k.index_select(-1, *l.rope_perm);
+    const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [R, 1, D]
+    q = rotate(q, c, s), k = rotate(k, c, s);
+    if (per_head && l.qk_norm_after_rope)
+      q = rms_norm_aten(q, *l.q_norm, l.eps), k = rms_norm_aten(k, *l.k_norm, l.eps);
+    return {q.contiguous(), k.contiguous(), v.view({R, Hkv, D}).contiguous()};
   }
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -292,10 +368,15 @@ struct DecodeStack : torch::CustomClassHolder {
       const Layer& l = layers_[i];
       TORCH_CHECK(l.rope >= 0 && l.rope < static_cast<int64_t>(cos.size()),
                   "decode stack: layer ", i, " reads rope table ", l.rope, " of ", cos.size());
-      const at::Tensor h = l.norm_in ? rms_norm(x, *l.norm_in, l.eps, l.qkv_in) : x.to(l.qkv_in);
-      const at::Tensor qkv = linears_[l.qkv](h).contiguous();
-      const auto qkv_heads = rope_qkv(qkv, cos[l.rope], sin[l.rope], l.heads, l.kv_heads,
-                                      l.q_norm, l.k_norm, l.eps);
+      std::vector<at::Tensor> qkv_heads;
+      if (l.fused_qkv) {
+        const at::Tensor h =
+            l.norm_in ? rms_norm(x, *l.norm_in, l.eps, l.qkv_in) : x.to(l.qkv_in);
+        qkv_heads = rope_qkv(linears_[l.qkv](h).contiguous(), cos[l.rope], sin[l.rope], l.heads,
+                             l.kv_heads, l.q_norm, l.k_norm, l.eps);
+      } else {
+        qkv_heads = project(x, cos[l.rope], sin[l.rope], l);
+      }
       std::optional<at::Tensor> k_scale, v_scale;
       if (codes) {
         k_scale = k_scales[i], v_scale = v_scales[i];
