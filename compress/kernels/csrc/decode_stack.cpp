@@ -1,8 +1,9 @@
 // A decode step's decoder layers in one C++ call (compress.runtime.decode_stack builds it from
 // the runtime's layer holders; compress.runtime.paged.forward_step calls it on decode-only
 // steps). Each layer runs the same ops, on the same tensors, in the same order as the Python
-// layer (runtime/layers.py: _Layer._project_qkv_fused, the paged write and decode attention of
-// forward_step, then _Layer._finish_fused or _Layer.finish with _mlp and _block_out), so the
+// layer (runtime/layers.py: _Layer._project_qkv_fused or project_qkv's torch ops, the paged
+// write and decode attention of forward_step, then _Layer._finish_fused or _Layer.finish with
+// _mlp and _block_out), so the
 // result is bit for bit the Python path's: that path is the reference, and
 // tests/runtime/test_decode_stack.py holds it to it. What it saves is the host code between the
 // ops: on an AMD EPYC Zen 3 (2 threads) the Python and dispatcher work between them was about
@@ -10,7 +11,8 @@
 //
 //   norm_in -> qkv -> rope (+ per-head q/k norms) -> write k, v to the pages -> paged attention
 //   -> o -> residual add + post-attention norm -> gate_up -> SiLU(gate) x up -> down -> add
-//   (or the unfused finish: torch's norms, activations, post-block norms and multipliers)
+//   (or the unfused forms: torch's norms, LayerNorm, q/k norms, permuted RoPE, activations,
+//   post-block norms, multipliers, parallel blocks)
 //
 // A linear is one of the runtime's holders, described by its kind (Linear::Kind) and tensors;
 // the input is cast the way that holder casts it, and the output is the holder's native one
