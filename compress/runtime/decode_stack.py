@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from compress.kernels import cpu_q8
 from compress.runtime import float_linear
@@ -100,15 +99,11 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
         norms = [layer.norm_in, layer.norm_post, layer.norm_post_bias, layer.attn_out_norm,
                  layer.mlp_out_norm, layer.norm_q, layer.norm_k, layer.sinks, layer.norm_in_bias,
                  layer.rope_perm]  # fmt: skip
-        # the conditions under which _Layer.finish takes _finish_fused and project_qkv
-        # _project_qkv_fused (layers.py)
-        fused_finish = (layer.fused and not layer.centered and not layer.parallel
-                        and layer.gate_up is not None and layer.act is F.silu)  # fmt: skip
-        plain_heads = not (layer.qk_norm_heads or layer.qk_norm_after_rope
-                           or layer.rope_perm is not None)  # fmt: skip
-        fused_qkv = layer.fused and not layer.centered and layer.qkv is not None and plain_heads
-        flags = [fused_finish, fused_qkv, layer.centered, layer.parallel, layer.qkv_per_head,
-                 layer.qk_norm_heads, layer.qk_norm_after_rope]  # fmt: skip
+        # which form of project_qkv and finish the Python layer takes (a parallel block
+        # returns before the fused finish)
+        fused_finish = layer.fuses_finish() and not layer.parallel
+        flags = [fused_finish, layer.fuses_qkv(), layer.centered, layer.parallel,
+                 layer.qkv_per_head, layer.qk_norm_heads, layer.qk_norm_after_rope]  # fmt: skip
         ints = [layer.n_heads, layer.n_kv, layer.head_dim, rope, layer.window or 0,
                 ACTS.index(layer.act), *map(int, flags)]  # fmt: skip
         multiplier = layer.residual_multiplier
@@ -121,14 +116,13 @@ def build(runtime) -> tuple[DecodeStack | None, str | None]:
 def _layer_reason(layer) -> str | None:
     """Why ``layer``'s decode step is not what the C++ loop repeats, or None: ``project_qkv``
     (fused or torch's ops), paged attention, then ``finish`` in either form."""
-    own_norm = layer.norm_post if layer.parallel and layer.norm_post is not None else None
     checks = (
         (type(layer) is not _Layer, f"{type(layer).__name__} computes its own attention"),
         (not layer.fused, "the fused CPU ops are off"),
         (layer.sparse_mlp is not None, "a sparse MoE block"),
         (not any(layer.act is act for act in ACTS),
          f"the MLP's activation {layer.act} (the C++ loop runs {ACTS_NAMED})"),
-        (layer.parallel and own_norm is None and layer.norm_in is None,
+        (layer.parallel and layer.norm_post is None and layer.norm_in is None,
          "a parallel block without a norm"),
         (layer.values_in_keys, "the values are the keys"),
     )  # fmt: skip

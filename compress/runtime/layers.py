@@ -506,11 +506,7 @@ class _Layer(nn.Module):
         """x [B, T, H] fp32 -> q [B, heads, T, D], k and v [B, kv_heads, T, D]: normed,
         projected, q/k-normed and rotated (cos/sin [B, T, D])."""
         b, t, _ = x.shape
-        # the fused op norms per head, then rotates halves of the projection's own channel order
-        plain_heads = (
-            not self.qk_norm_heads and not self.qk_norm_after_rope and self.rope_perm is None
-        )
-        if self.fused and not self.centered and self.qkv is not None and plain_heads:
+        if self.fuses_qkv():
             return self._project_qkv_fused(x, cos, sin, decode)
         h = x if self.norm_in is None else _norm(
             x, self.norm_in, self.eps, self.norm_in_bias, self.centered)  # fmt: skip
@@ -538,6 +534,20 @@ class _Layer(nn.Module):
         if per_head and self.qk_norm_after_rope:  # per head, over D, after RoPE
             q, k = _rms_norm(q, self.norm_q, self.eps), _rms_norm(k, self.norm_k, self.eps)
         return q, k, v
+
+    def fuses_qkv(self) -> bool:
+        """Whether ``project_qkv`` runs the fused CPU ops (``_project_qkv_fused``; also read by
+        runtime/decode_stack.py). The fused op norms per head, then rotates halves of the
+        projection's own channel order."""
+        plain_heads = (
+            not self.qk_norm_heads and not self.qk_norm_after_rope and self.rope_perm is None
+        )
+        return self.fused and not self.centered and self.qkv is not None and plain_heads
+
+    def fuses_finish(self) -> bool:
+        """Whether ``finish`` runs ``_finish_fused`` (for a block that is not parallel)."""
+        return (self.fused and not self.centered and self.gate_up is not None
+                and self.act is F.silu)  # fmt: skip
 
     def _project_qkv_fused(self, x, cos, sin, decode: bool):
         """``project_qkv`` through the fused CPU ops (``kernels.cpu_elementwise``): the norm
@@ -587,7 +597,7 @@ class _Layer(nn.Module):
                       self.norm_post_bias if own else self.norm_in_bias, self.centered)
             return x + self._block_out(self.o(a, decode), None) + self._block_out(
                 self._mlp(h, decode), None)  # fmt: skip
-        if self.fused and not self.centered and self.gate_up is not None and self.act is F.silu:
+        if self.fuses_finish():
             return self._finish_fused(x, a, decode)
         x = x + self._block_out(self.o(a, decode), self.attn_out_norm)
         h = x if self.norm_post is None else _norm(

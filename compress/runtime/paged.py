@@ -265,8 +265,7 @@ def forward_step(
     x = runtime._embed(ids[None], positions[None])  # [1, N, H]
     if stack is not None and kernel and not chunks and b < stack.max_rows:
         rows = [(cos[0], sin[0]) for cos, sin in ropes.values()]  # [B, D] each
-        x = stack.run(x[0], rows, slots, tables, lengths, cache)[None]
-        return runtime.head(x[0])
+        return runtime.head(stack.run(x[0], rows, slots, tables, lengths, cache))
     phase = bool(decode)
     # Here: steps with chunks, and decode-only steps without a stack. A decode-only step does no
     # chunk bookkeeping and no concatenation; still, Python and small ATen calls between the
