@@ -6,12 +6,16 @@ JSON + markdown:
 
     python scripts/bench_ops_ab.py --op tiles --base c31abb3 --rows 1 2 4 8 16 128 \
         --out out/tiles_ab
+    python scripts/bench_ops_ab.py --op tiles --base 2be01cc --shape smollm2 --rows 1 8 64 256 \
+        --out out/tiles_avx2_ab_smollm2
     COMPRESS_CPU_ISA=avx2 python scripts/bench_ops_ab.py --op int8 --isa avx2 --base 0d5b34d \\
         --shape 1b --rows 1 --huge-pages --out out/int8_ab
 
-``--op tiles``: ``int4_linear_q8_tiles`` (csrc/q8_tiles.cpp, avx512vnni level), int4 g128 in the
-column-tile layout, one 1.1B layer's projections x 4 as separate calls. ``--op int4`` / ``int8``:
-``int4_linear_q8`` / ``int8_linear_q8`` (csrc/q8_dot.cpp with q8_gemm.cpp) at ``--isa``, the
+``--op tiles``: ``int4_linear_q8_tiles`` (csrc/q8_tiles.cpp, at the selected level where it has
+column tiles, avx512vnni or avx2, else avx512vnni), int4 g128 in that level's column-tile layout,
+one 1.1B layer's projections x 4 as separate calls, or with ``--shape`` that shape's layers
+(g64 where 128 does not divide K). ``--op int4`` / ``int8``: ``int4_linear_q8`` /
+``int8_linear_q8`` (csrc/q8_dot.cpp with q8_gemm.cpp) at ``--isa``, the
 layers of ``--shape`` stacked as the runtime calls them (qkv, o, gate_up, down). ``--huge-pages``
 holds both sides' weights in a ``memory.HugePageArena``, as the runtime does.
 """
@@ -69,21 +73,21 @@ def build_base(commit: str, op: str, isa: str, tmp: Path):
 OP_NAMES = {"tiles": "int4_linear_q8_tiles", "int4": "int4_linear_q8", "int8": "int8_linear_q8"}
 
 
-def weight(op: str, n: int, k: int, group: int, offsets: bool) -> cpu_q8.Q8Weight:
+def weight(op: str, n: int, k: int, group: int, offsets: bool, isa: str) -> cpu_q8.Q8Weight:
     """Random codes and scales in ``op``'s layout."""
     bits = 8 if op == "int8" else 4
     codes = torch.randint(0, 256, (n, k if bits == 8 else k // 2), dtype=torch.uint8)
     scales = (torch.rand(n, k // group) * 0.01).contiguous()
     offs = (torch.randn(n, k // group) * 0.01).contiguous() if offsets else None
     w = cpu_q8.Q8Weight(bits, codes, scales, offs, group)
-    return cpu_q8.to_tiles(w) if op == "tiles" else w
+    return cpu_q8.to_tiles(w, cpu_q8.TILE_WIDTHS[isa]) if op == "tiles" else w
 
 
-def differences(op: str, base, here) -> list[str]:
+def differences(op: str, isa: str, base, here) -> list[str]:
     found = []
     for n, k, group in CHECKS:
         for offsets in (False, True):
-            w = weight(op, n, k, group, offsets)
+            w = weight(op, n, k, group, offsets, isa)
             for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 128):
                 x = torch.randn(m, k) * 3
                 args = (w.codes, w.scales, w.offsets, group)
@@ -99,31 +103,39 @@ def main() -> None:
     p.add_argument("--base", required=True, help="the commit to compare against")
     p.add_argument("--op", choices=sorted(SOURCES), default="tiles")
     p.add_argument("--isa", default=None, help="level (default: tiles' level, else selected)")
-    p.add_argument("--shape", choices=sorted(STACKED), default="1b", help="int4/int8 only")
+    p.add_argument("--shape", choices=sorted(STACKED), default=None,
+                   help="the layers timed (default: 1b; tiles: one 1.1B layer's calls x 4)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 128])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--huge-pages", action="store_true")
     p.add_argument("--out", default="out/ops_ab")
     args = p.parse_args()
-    isa = args.isa or (cpu_q8.AMX_ISA if args.op == "tiles" else cpu_q8.selected_isa())
+    selected = cpu_q8.selected_isa()
+    tiles_isa = selected if selected in cpu_q8.TILE_WIDTHS else cpu_q8.AMX_ISA
+    isa = args.isa or (tiles_isa if args.op == "tiles" else selected)
+    if args.op == "tiles" and isa not in cpu_q8.TILE_WIDTHS:
+        sys.exit(f"--op tiles runs at {', '.join(cpu_q8.TILE_WIDTHS)}, not {isa}")
     if cpu_q8.build_reason(isa) is not None:
         sys.exit(f"the {isa} level does not run here: {cpu_q8.build_reason(isa)}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     here = getattr(cpu_q8.ops(isa), OP_NAMES[args.op])
     group = 128
-    if args.op == "tiles":
+    if args.op == "tiles" and args.shape is None:
         calls, label = TILES_LAYER * 4, "one 1.1B layer's projections x 4, int4 g128, tiles"
     else:
-        layer, count = STACKED[args.shape]
+        shape = args.shape or "1b"
+        layer, count = STACKED[shape]
         calls = layer * count
-        label = f"{args.shape}: {count} layers x {len(layer)} stacked calls, {args.op}"
-        group = 128 if args.op == "int4" else None
+        label = f"{shape}: {count} layers x {len(layer)} stacked calls, {args.op}"
+        group = None if args.op == "int8" else 128
     with tempfile.TemporaryDirectory() as tmp:
         base = build_base(args.base, args.op, isa, Path(tmp))
-        diffs = differences(args.op, base, here)
-        weights = [weight(args.op, n, k, group or k, False) for n, k in calls]
+        diffs = differences(args.op, isa, base, here)
+        # g128, or g64 where 128 does not divide K (SmolLM2's 576)
+        weights = [weight(args.op, n, k, group or k if k % (group or k) == 0 else 64, False, isa)
+                   for n, k in calls]  # fmt: skip
         if args.huge_pages:
             arena = memory.HugePageArena(sum(w.codes.numel() + 64 for w in weights))
             weights = [dataclasses.replace(w, codes=arena.take(w.codes)) for w in weights]

@@ -139,6 +139,18 @@ constexpr int64_t TILE = TILE_COLS;   // 8
 constexpr int64_t TILE_BLOCK = 128;   // bytes of one tile per block of 32 (8 x 32 / 2)
 constexpr int64_t TILES_AHEAD = 4096; // prefetch distance in the tile stream, bytes
 
+// An empty asm that claims to read and rewrite v in a vector register. Why: without it GCC 12
+// reassociates a block's eight int16 adds per row into an add tree that keeps every product
+// live, more than the 16 ymm registers hold, and spills them to the stack (34 spill stores a
+// block of 4 rows); with it each add is one instruction on one running sum in a register. The
+// same arithmetic (int16 adds wrap, so any order gives the same sums). Measured in one process,
+// the two forms taking turns 60 times (a standalone copy of this loop, SmolLM2's 256 x 576 x
+// 1536 and 256 x 1536 x 576, one thread, Zen 3): 68.8 and 71.9 GMAC/s against 51.6 and 55.3.
+// With the row blocks and claims below, SmolLM2's layers at 64-256 rows ran 1.18-1.28x, the 1.1B
+// shape's 1.17-1.23x, decode 1.07-1.13x (scripts/bench_ops_ab.py --op tiles --shape smollm2|1b,
+// docs/notes/2026-12-07-avx2-tile-registers.md).
+inline void in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 // R rows (m0 .. m0 + R - 1) of one tile: y[m, col0 .. col0 + 7]. The running sum over groups
 // lives in y (loaded and stored once per group), leaving the 16 registers to R int16 block
 // sums, R block-scaled sums, the two unpacked weight vectors and the broadcasts.
@@ -147,7 +159,11 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
                        int64_t group, float* y, int64_t N, int64_t col0, bool prefetch) {
   const int64_t G = x.G, per_group = group / BLOCK;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + col0, _mm256_setzero_ps());
+  const int8_t* xrow[R];  // each row's activation codes
+  for (int r = 0; r < R; ++r) {
+    xrow[r] = x.q.data() + (m0 + r) * x.K;
+    _mm256_storeu_ps(y + (m0 + r) * N + col0, _mm256_setzero_ps());
+  }
   for (int64_t j = 0; j < G; ++j) {
     __m256 inner[R];
     for (int r = 0; r < R; ++r) inner[r] = _mm256_setzero_ps();
@@ -158,18 +174,23 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
                        _MM_HINT_T1);
       __m256i sum16[R];
       for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+      // unrolled by hand-set pragmas: the asm in in_register keeps GCC from unrolling on its own
+#pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + b * TILE_BLOCK + q * 32));
         const __m256i wl = _mm256_and_si256(v, low4);
         const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
-          const int8_t* xb = x.q.data() + (m0 + r) * x.K + b * BLOCK + q * 8;
+          const int8_t* xb = xrow[r] + b * BLOCK + q * 8;
           std::memcpy(&x0, xb, 4);
           std::memcpy(&x1, xb + 4, 4);
           sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(x0)));
+          in_register(sum16[r]);
           sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(x1)));
+          in_register(sum16[r]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -189,6 +210,18 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
 #endif
 
 #if defined(COMPRESS_AVX512VNNI) || defined(COMPRESS_AVX2)
+// Work units (tiles or pairs of `unit_weights` weights) per claim for M rows: ~128K weights
+// for one pass of up to 4 rows, so a decode call under that stays on the calling thread and a
+// prompt's call is claimed in runs of about the same work. Why: with 128K weights whatever M,
+// 256 rows over SmolLM2's 1536 x 576 gate/up made 7 runs of 28 tiles on 2 threads, one of them
+// doing 4 runs and the other 3 (measured 2 threads at 1.5x one before this, on Zen 3).
+// At least 64 output columns a claim: the threads' runs meet at one cache line of y each,
+// not at every tile (8 columns at avx2 are half a line, written once per group).
+inline int64_t claim_grain(int64_t unit_weights, int64_t unit_columns, int64_t M) {
+  const int64_t passes = std::max<int64_t>(1, (M + 3) / 4);
+  return std::max<int64_t>(64 / unit_columns, (int64_t{1} << 17) / (unit_weights * passes));
+}
+
 // y [M, N] (without the offsets' term) from every tile for every row of ``rx``, by this
 // level's loops
 inline void tiles_all_rows(const RoundedX& rx, const TilesArgs& args, const uint8_t* cp,
@@ -205,8 +238,9 @@ inline void tiles_all_rows(const RoundedX& rx, const TilesArgs& args, const uint
   // first one's reads).
   const bool pairs = M > 8;
   const int64_t units = pairs ? (T + 1) / 2 : T, per_unit = pairs ? 2 : 1;
-  // as q8_dot.cpp's decode: units under ~128K weights a thread stay on the calling thread
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * per_unit * TILE));
+  // as q8_dot.cpp's decode: units under ~128K weights a thread stay on the calling thread; a
+  // claim of tiles is that many weights for one pass of up to 4 rows (claim_grain)
+  const int64_t grain = claim_grain(K * per_unit * TILE, per_unit * TILE, M);
   parallel_claims(units, grain, [&](Claims& claims) {
     for (int64_t u0, u1; claims.take(u0, u1);)
       for (int64_t u = u0; u < u1; ++u) {
@@ -223,23 +257,29 @@ inline void tiles_all_rows(const RoundedX& rx, const TilesArgs& args, const uint
   });
 #else
   // each tile for all rows, 4 at a time (the tile is in L1/L2 after the first 4, which alone
-  // prefetch); tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * TILE));
+  // prefetch); tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp,
+  // a claim being that many weights for one pass of up to 4 rows (claim_grain)
+  const int64_t grain = claim_grain(K * TILE, TILE, M);
+  // A claim's tiles take the rows in blocks whose int8 activations (rows x K bytes) stay near
+  // 128 KB, so they are read from L2 by every tile of the claim, not from L3 (256 rows x K = 1536
+  // are 384 KB, Zen 3's L2 512 KB).
+  const int64_t row_block = std::max<int64_t>(4, ((int64_t{1} << 17) / K) / 4 * 4);
   parallel_claims(T, grain, [&](Claims& claims) {
     for (int64_t t0, t1; claims.take(t0, t1);)
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* tile = cp + t * tile_bytes;
-        const float* ws = sp + t * G * TILE;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const bool first = m0 == 0;
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 1: tile_rows8<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-            case 2: tile_rows8<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-            case 3: tile_rows8<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-            default: tile_rows8<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+      for (int64_t b0 = 0; b0 < M; b0 += row_block)
+        for (int64_t t = t0; t < t1; ++t) {
+          const uint8_t* tile = cp + t * tile_bytes;
+          const float* ws = sp + t * G * TILE;
+          for (int64_t m0 = b0; m0 < std::min(M, b0 + row_block); m0 += 4) {
+            const bool first = m0 == 0;
+            switch (std::min<int64_t>(4, M - m0)) {
+              case 1: tile_rows8<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+              case 2: tile_rows8<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+              case 3: tile_rows8<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+              default: tile_rows8<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+            }
           }
         }
-      }
   });
 #endif
 }
