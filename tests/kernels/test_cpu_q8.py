@@ -256,12 +256,16 @@ def test_column_tiles_are_refused_where_they_do_not_apply():
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, True), (128, False)])
-@pytest.mark.parametrize("m", [1, 3, 6, 8, 13, 40])  # rows go through in steps of up to 4
-@pytest.mark.parametrize("n", [48, 64])  # tiles go in pairs; 48 leaves the last one alone
+# rows go through in steps of up to 4 (avx2 from 20 rows: 3, tiles in pairs)
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 13, 40])
+# tiles go in pairs from 9 rows (avx2: 20); 48 leaves the last avx512vnni tile alone, 40 avx2's
+@pytest.mark.parametrize("n", [40, 48, 64])
 @pytest.mark.parametrize("isa", list(cpu_q8.TILE_WIDTHS))
 def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n, isa):
     if isa not in tiled():
         pytest.skip(f"the column-tile op of the {isa} level is not built here")
+    if n % cpu_q8.tile_width(isa):
+        pytest.skip(f"N={n} is no multiple of the {isa} tile width")
     w = q8_weight(quant_layer(4, n, 512, group, symmetric, seed=m))
     x = torch.randn(m, 512) * torch.linspace(0.1, 4.0, 512)
     x[0, :32] = 0.0  # an all-zero block: scale 1, codes 0
@@ -276,20 +280,23 @@ def test_column_tile_kernel_equals_float64_reference(group, symmetric, m, n, isa
     assert torch.equal(cpu_q8.linear_q8_reference(x, tiles), ref)
 
 
-def test_avx2_tile_int16_sums_at_their_extremes():
+@pytest.mark.parametrize("m", [1, 24])  # one tile at a time; pairs of tiles and a lone one
+def test_avx2_tile_int16_sums_at_their_extremes(m):
     # the AVX2 tile op adds a block's eight vpmaddubsw pairs in int16: codes 15 (or 0) against
-    # activations ±127 give the largest sums the format allows; they must not wrap
+    # activations ±127 give the largest sums the format allows; they must not wrap. From 20
+    # rows the sums start at the block's correction (-8 x the code sum): codes 0 against ±127
+    # put the low int16 of each lane at its bound, ∓32512
     if "avx2" not in tiled():
         pytest.skip("the avx2 level is not built here")
-    layer = quant_layer(4, 8, 64, 32, True)
+    layer = quant_layer(4, 24, 64, 32, True)
     w = q8_weight(layer)
     for code in (0, 15):
         codes = torch.full_like(w.codes, code * 17)  # both nibbles = code
         full = cpu_q8.Q8Weight(4, codes, torch.ones_like(w.scales), None, 32)
         for sign in (1.0, -1.0):
-            x = torch.full((1, 64), sign * 127.0)
+            x = torch.full((m, 64), sign * 127.0)
             y = cpu_q8.linear_q8(x, cpu_q8.to_tiles(full, 8), "avx2")
-            assert torch.equal(y, torch.full((1, 8), sign * 127.0 * (code - 8) * 64))
+            assert torch.equal(y, torch.full((m, 24), sign * 127.0 * (code - 8) * 64))
 
 
 @pytest.mark.parametrize(

@@ -146,9 +146,10 @@ constexpr int64_t TILES_AHEAD = 4096; // prefetch distance in the tile stream, b
 // same arithmetic (int16 adds wrap, so any order gives the same sums). Measured in one process,
 // the two forms taking turns 60 times (a standalone copy of this loop, SmolLM2's 256 x 576 x
 // 1536 and 256 x 1536 x 576, one thread, Zen 3): 68.8 and 71.9 GMAC/s against 51.6 and 55.3.
-// With the row blocks and claims below, SmolLM2's layers at 64-256 rows ran 1.18-1.28x, the 1.1B
-// shape's 1.17-1.23x, decode 1.07-1.13x (scripts/bench_ops_ab.py --op tiles --shape smollm2|1b,
-// docs/notes/2026-12-07-avx2-tile-registers.md).
+// With the row blocks and claims below and the pairs of tiles from 20 rows, SmolLM2's layers
+// at 16-256 rows ran 1.23-1.47x the earlier op, the 1.1B shape's 1.26-1.44x, decode level
+// (scripts/bench_ops_ab.py --op tiles --shape smollm2|1b, docs/notes/
+// 2026-12-07-avx2-tile-registers.md).
 inline void in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
 
 // R rows (m0 .. m0 + R - 1) of one tile: y[m, col0 .. col0 + 7]. The running sum over groups
@@ -207,6 +208,92 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
     }
   }
 }
+
+// From PAIR_MIN_ROWS rows (prompts) the tiles go in pairs, their nibbles unpacked once per block
+// of rows into a per-thread buffer (unpack_tile), and each activation broadcast feeds both
+// tiles' maddubs, whose weight operands come from that buffer as they are: per 32 products one
+// maddubs, one add and half a broadcast, against one maddubs, one add, one broadcast and the
+// unpacking's share in tile_rows8. Each block's sums start at the block's correction in the
+// low int16 of each lane (corr_low), which the final vpmaddwd adds in. Exact: a lane's low half
+// covers 16 of the block's 32 products and ends at sum over those of (code - 8) x a minus 8 x
+// the other 16 activations, |.| <= 16 x 8 x 127 + 8 x 16 x 127 = 32512, inside int16, so the
+// wrapping int16 adds give it exactly (maddubs' pairs, <= 3810, never saturate). Measured in a
+// standalone copy, both forms in turns (Zen 3, one thread, 64 and 256 rows, SmolLM2's shapes):
+// 65-81 against 50-65 GMAC/s.
+constexpr int64_t PAIR_MIN_ROWS = 20;
+constexpr int64_t UNPACKED_BLOCK = 256;  // bytes of one unpacked tile per block of 32
+
+// One tile's codes [K/8, 32] -> per block and step of 8 columns of K, the low nibbles' 32
+// bytes, then the high ones': the vectors tile_rows8 makes with its AND and shift.
+inline void unpack_tile(const uint8_t* tile, int64_t K, uint8_t* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < K / 8; ++s) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + s * 32));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + s * 64), _mm256_and_si256(v, low4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + s * 64 + 32),
+                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  }
+}
+
+// R rows (m0 .. m0 + R - 1) of two adjacent tiles, unpacked (u0, u1) with their scales (ws0,
+// ws1): y[m, col0 .. col0 + 15]. Registers: 2R int16 sums, 2R block-scaled sums, the two
+// broadcasts and the ones (15 at R = 3).
+template <int R>
+inline void tile_pair_rows8(const RoundedX& x, const int32_t* corr_low, int64_t m0,
+                            const uint8_t* u0, const uint8_t* u1, const float* ws0,
+                            const float* ws1, int64_t group, float* y, int64_t N, int64_t col0) {
+  const int64_t G = x.G, per_group = group / BLOCK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) {
+    xrow[r] = x.q.data() + (m0 + r) * x.K;
+    _mm256_storeu_ps(y + (m0 + r) * N + col0, _mm256_setzero_ps());
+    _mm256_storeu_ps(y + (m0 + r) * N + col0 + TILE, _mm256_setzero_ps());
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    __m256 inner0[R], inner1[R];
+    for (int r = 0; r < R; ++r) inner0[r] = inner1[r] = _mm256_setzero_ps();
+    for (int64_t b = j * per_group; b < (j + 1) * per_group; ++b) {
+      __m256i sum0[R], sum1[R];
+      for (int r = 0; r < R; ++r)
+        sum0[r] = sum1[r] = _mm256_set1_epi32(corr_low[(m0 + r) * x.B + b]);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i* w0 = reinterpret_cast<const __m256i*>(u0 + b * UNPACKED_BLOCK + q * 64);
+        const __m256i* w1 = reinterpret_cast<const __m256i*>(u1 + b * UNPACKED_BLOCK + q * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
+          const int8_t* xb = xrow[r] + b * BLOCK + q * 8;
+          std::memcpy(&x0, xb, 4);
+          std::memcpy(&x1, xb + 4, 4);
+          const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+          sum0[r] = _mm256_add_epi16(sum0[r], _mm256_maddubs_epi16(_mm256_load_si256(w0), b0));
+          in_register(sum0[r]);
+          sum1[r] = _mm256_add_epi16(sum1[r], _mm256_maddubs_epi16(_mm256_load_si256(w1), b0));
+          in_register(sum1[r]);
+          sum0[r] = _mm256_add_epi16(sum0[r], _mm256_maddubs_epi16(_mm256_load_si256(w0 + 1), b1));
+          in_register(sum0[r]);
+          sum1[r] = _mm256_add_epi16(sum1[r], _mm256_maddubs_epi16(_mm256_load_si256(w1 + 1), b1));
+          in_register(sum1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xs = _mm256_set1_ps(x.scale[(m0 + r) * x.B + b]);
+        inner0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum0[r], ones)), xs,
+                                    inner0[r]);
+        inner1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum1[r], ones)), xs,
+                                    inner1[r]);
+      }
+    }
+    const __m256 sw0 = _mm256_loadu_ps(ws0 + j * TILE), sw1 = _mm256_loadu_ps(ws1 + j * TILE);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (m0 + r) * N + col0;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(inner0[r], sw0, _mm256_loadu_ps(out)));
+      _mm256_storeu_ps(out + TILE, _mm256_fmadd_ps(inner1[r], sw1, _mm256_loadu_ps(out + TILE)));
+    }
+  }
+}
 #endif
 
 #if defined(COMPRESS_AVX512VNNI) || defined(COMPRESS_AVX2)
@@ -256,30 +343,64 @@ inline void tiles_all_rows(const RoundedX& rx, const TilesArgs& args, const uint
       }
   });
 #else
-  // each tile for all rows, 4 at a time (the tile is in L1/L2 after the first 4, which alone
-  // prefetch); tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp,
-  // a claim being that many weights for one pass of up to 4 rows (claim_grain)
-  const int64_t grain = claim_grain(K * TILE, TILE, M);
   // A claim's tiles take the rows in blocks whose int8 activations (rows x K bytes) stay near
   // 128 KB, so they are read from L2 by every tile of the claim, not from L3 (256 rows x K = 1536
   // are 384 KB, Zen 3's L2 512 KB).
   const int64_t row_block = std::max<int64_t>(4, ((int64_t{1} << 17) / K) / 4 * 4);
-  parallel_claims(T, grain, [&](Claims& claims) {
-    for (int64_t t0, t1; claims.take(t0, t1);)
-      for (int64_t b0 = 0; b0 < M; b0 += row_block)
-        for (int64_t t = t0; t < t1; ++t) {
-          const uint8_t* tile = cp + t * tile_bytes;
-          const float* ws = sp + t * G * TILE;
-          for (int64_t m0 = b0; m0 < std::min(M, b0 + row_block); m0 += 4) {
-            const bool first = m0 == 0;
-            switch (std::min<int64_t>(4, M - m0)) {
-              case 1: tile_rows8<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-              case 2: tile_rows8<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-              case 3: tile_rows8<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-              default: tile_rows8<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
-            }
+  // one tile for the rows [b0, b1), 4 at a time (the tile is in L1/L2 after the first 4, which
+  // alone prefetch)
+  auto single = [&](int64_t t, int64_t b0, int64_t b1) {
+    const uint8_t* tile = cp + t * tile_bytes;
+    const float* ws = sp + t * G * TILE;
+    for (int64_t m0 = b0; m0 < b1; m0 += 4) {
+      const bool first = m0 == 0;
+      switch (std::min<int64_t>(4, b1 - m0)) {
+        case 1: tile_rows8<1>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+        case 2: tile_rows8<2>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+        case 3: tile_rows8<3>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+        default: tile_rows8<4>(rx, m0, tile, ws, group, yp, N, t * TILE, first); break;
+      }
+    }
+  };
+  if (M < PAIR_MIN_ROWS) {
+    // tiles under ~128K weights a thread stay on the calling thread, as in q8_dot.cpp, a claim
+    // being that many weights for one pass of up to 4 rows (claim_grain)
+    parallel_claims(T, claim_grain(K * TILE, TILE, M), [&](Claims& claims) {
+      for (int64_t t0, t1; claims.take(t0, t1);)
+        for (int64_t t = t0; t < t1; ++t) single(t, 0, M);
+    });
+    return;
+  }
+  // pairs of tiles (tile_pair_rows8), an odd last tile alone
+  aligned_vector<int32_t> corr_low(rx.corr.size());
+  for (size_t i = 0; i < corr_low.size(); ++i)
+    corr_low[i] = static_cast<int32_t>(static_cast<uint16_t>(rx.corr[i]));
+  const int64_t pairs = (T + 1) / 2;
+  parallel_claims(pairs, claim_grain(K * 2 * TILE, 2 * TILE, M), [&](Claims& claims) {
+    aligned_vector<uint8_t> unpacked(2 * (K / BLOCK) * UNPACKED_BLOCK);
+    uint8_t* u0 = unpacked.data();
+    uint8_t* u1 = u0 + (K / BLOCK) * UNPACKED_BLOCK;
+    for (int64_t p0, p1; claims.take(p0, p1);)
+      for (int64_t b0 = 0; b0 < M; b0 += row_block) {
+        const int64_t b1 = std::min(M, b0 + row_block);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t t = 2 * p;
+          if (t + 1 == T) {
+            single(t, b0, b1);
+            continue;
           }
+          unpack_tile(cp + t * tile_bytes, K, u0);
+          unpack_tile(cp + (t + 1) * tile_bytes, K, u1);
+          const float *ws0 = sp + t * G * TILE, *ws1 = ws0 + G * TILE;
+          int64_t m0 = b0;
+          for (; m0 + 3 <= b1; m0 += 3)
+            tile_pair_rows8<3>(rx, corr_low.data(), m0, u0, u1, ws0, ws1, group, yp, N, t * TILE);
+          if (b1 - m0 == 2)
+            tile_pair_rows8<2>(rx, corr_low.data(), m0, u0, u1, ws0, ws1, group, yp, N, t * TILE);
+          else if (b1 - m0 == 1)
+            tile_pair_rows8<1>(rx, corr_low.data(), m0, u0, u1, ws0, ws1, group, yp, N, t * TILE);
         }
+      }
   });
 #endif
 }
