@@ -548,9 +548,8 @@ class Runtime:
             )
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         slots = torch.arange(start, start + t, device=self.device)
-        if start == 0:  # prefill: attends to its own fresh keys, as in ``_run``
-            mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
-            x = self._layers(ids, slots[None], mask, slots, 1, t, decode=False)
+        if start == 0:  # prefill: attends to its own fresh keys, as in ``_run``; causal
+            x = self._layers(ids, slots[None], None, slots, 1, t, decode=False)
         else:
             length = start + t
             if t == 1 and self._bucketed:  # the compiled step's power-of-two key lengths
@@ -621,6 +620,8 @@ class Runtime:
         # Every query sees itself, so padding rows stay finite (their outputs are never read).
         eye = torch.eye(tb, dtype=torch.bool, device=self.device)
         mask = ((causal & keys[:, None, :]) | eye)[:, None]  # [B, 1, T, T]
+        if b == 1 and tb == t:  # one prompt, no padding: plain causal (_Layer.attend)
+            mask = None
         slots = torch.arange(tb, device=self.device)
         with current_device(self.device):  # Triton kernels and graphs use the current GPU
             x = self._layers(tokens, positions, mask, slots, b, tb, decode=False)

@@ -245,10 +245,13 @@ def _slots(d: int, half: int) -> torch.Tensor:
     return torch.cat([torch.arange(half), torch.arange(d // 2, d // 2 + half)])
 
 
-def window_mask(mask: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
-    """``mask`` [B, 1, T, L] (or [B, 1, 1, L]) with keys ``window`` or more slots behind their
-    query cut (transformers' ``kv_idx > q_idx - sliding_window``). Slot distance is token
-    distance for every row: left padding shifts a row's queries and keys alike."""
-    keys = torch.arange(mask.shape[-1], device=mask.device)
+def window_mask(mask: torch.Tensor | None, slots: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [B, 1, T, L] (or [B, 1, 1, L]; None: causal over the queries' own keys, L = T,
+    as ``_Layer.attend`` reads it) with keys ``window`` or more slots behind their query cut
+    (transformers' ``kv_idx > q_idx - sliding_window``). Slot distance is token distance for
+    every row: left padding shifts a row's queries and keys alike."""
+    keys = torch.arange(len(slots) if mask is None else mask.shape[-1], device=slots.device)
     near = keys[None, :] > slots[:, None] - window  # [T, L]
+    if mask is None:
+        return (near & (keys[None, :] <= slots[:, None]))[None, None]
     return mask & near

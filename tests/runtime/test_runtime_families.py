@@ -257,6 +257,22 @@ def test_prefill_and_decode_logits_equal_transformers_fp32(family):
     torch.testing.assert_close(rt.score(continuation), got[1:], rtol=1e-4, atol=1e-4)
 
 
+# SDPA's own causal form (a prompt from position 0 passes no mask), Gemma 2's softcapped
+# attention (the mask built from None) and Mistral's window (window_mask from None)
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mistral"])
+def test_a_causal_prefill_without_a_mask_equals_the_mask_bit_for_bit(family):
+    model = make_model(family)
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    prompt = PROMPTS[0] * 2  # 22 tokens > window 8
+    t = len(prompt)
+    ids, slots = torch.tensor([prompt]), torch.arange(t)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        unmasked = rt._layers(ids, slots[None], None, slots, 1, t, decode=False)
+        masked = rt._layers(ids, slots[None], causal, slots, 1, t, decode=False)
+    assert torch.equal(unmasked, masked)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
 def test_the_window_changes_the_logits(family):
     # The equality tests above see the window: the same runtime without its window mask gives
