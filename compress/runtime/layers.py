@@ -487,9 +487,9 @@ class _Layer(nn.Module):
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, decode: bool, length: int):
         """x [B, T, H] fp32; cos/sin [B, T, D]; mask [B, 1, T, T] (prefill; None: causal,
-        ``attend``) or [B, 1, 1, L] (decode) bool; caches [B_max, Hkv, S, D], this layer's whole buffers (see
-        ``Runtime._apply``); slots [T] cache indices the T new positions are written to;
-        decode attends to the first ``length`` slots."""
+        ``attend``) or [B, 1, 1, L] (decode) bool; caches [B_max, Hkv, S, D], this layer's
+        whole buffers (see ``Runtime._apply``); slots [T] cache indices the T new positions
+        are written to; decode attends to the first ``length`` slots."""
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin, decode)
         # the whole buffer when every row is in use: a write into a view of a compiled graph's
