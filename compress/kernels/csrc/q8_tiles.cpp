@@ -152,6 +152,13 @@ constexpr int64_t TILES_AHEAD = 4096; // prefetch distance in the tile stream, b
 // 2026-12-07-avx2-tile-registers.md).
 inline void in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
 
+// 4 bytes (activation codes) in every 32-bit lane
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // R rows (m0 .. m0 + R - 1) of one tile: y[m, col0 .. col0 + 7]. The running sum over groups
 // lives in y (loaded and stored once per group), leaving the 16 registers to R int16 block
 // sums, R block-scaled sums, the two unpacked weight vectors and the broadcasts.
@@ -184,13 +191,11 @@ inline void tile_rows8(const RoundedX& x, int64_t m0, const uint8_t* tile, const
         const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
+          // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
           const int8_t* xb = xrow[r] + b * BLOCK + q * 8;
-          std::memcpy(&x0, xb, 4);
-          std::memcpy(&x1, xb + 4, 4);
-          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(x0)));
+          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wl, broadcast4(xb)));
           in_register(sum16[r]);
-          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(x1)));
+          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wh, broadcast4(xb + 4)));
           in_register(sum16[r]);
         }
       }
@@ -263,11 +268,9 @@ inline void tile_pair_rows8(const RoundedX& x, const int32_t* corr_low, int64_t 
         const __m256i* w1 = reinterpret_cast<const __m256i*>(u1 + b * UNPACKED_BLOCK + q * 64);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          int32_t x0, x1;  // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
+          // activation bytes k = 8q .. 8q + 3 and 8q + 4 .. 8q + 7 of block b
           const int8_t* xb = xrow[r] + b * BLOCK + q * 8;
-          std::memcpy(&x0, xb, 4);
-          std::memcpy(&x1, xb + 4, 4);
-          const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+          const __m256i b0 = broadcast4(xb), b1 = broadcast4(xb + 4);
           sum0[r] = _mm256_add_epi16(sum0[r], _mm256_maddubs_epi16(_mm256_load_si256(w0), b0));
           in_register(sum0[r]);
           sum1[r] = _mm256_add_epi16(sum1[r], _mm256_maddubs_epi16(_mm256_load_si256(w1), b0));
