@@ -1,6 +1,7 @@
 """Decode attention over the paged KV pool on a CPU (``csrc/paged_attention.cpp``), built with
-the integer-dot kernels (``cpu_q8``: the same extension, each ISA level its own build), and the
-same loops over the runtime's contiguous cache (``cache_decode_attention``).
+the integer-dot kernels (``cpu_q8``: the same extension, each ISA level its own build), the
+same loops over the runtime's contiguous cache (``cache_decode_attention``), and a prompt's
+causal attention (``causal_prefill_attention``, ``csrc/prefill_attention.cpp``).
 
 ``paged_decode_attention`` reads each row's keys and values where they lie in the pool instead
 of gathering them into a padded contiguous copy first (``PagedKVCache.read`` + SDPA, the path
@@ -18,6 +19,15 @@ from compress.kernels import cpu_q8
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 # cache dtypes cache_decode_attention reads (cache_kernel_reads)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# Levels and head dims whose runtime takes causal_prefill_attention for a prompt's attention
+# instead of ATen's flash attention (SDPA, is_causal): where it was measured faster. On the
+# AVX2-only Zen 3 EPYC, 2 threads (scripts/bench_prefill_attention.py, 2026-12-07): heads of
+# 64, SmolLM2's 9 over 3 at 256 / 1,024 / 4,096 tokens 1.49x / 1.60x / 1.23x SDPA's speed, the
+# 1.1B shape's 32 over 4 1.62x / 1.42x / 1.09x; a 7B's 32 heads of 128 (no grouping) ran at
+# 0.83-0.97x, so heads of 128 keep SDPA. Not measured at the AVX-512 levels (their ATen runs
+# AVX-512 GEMMs): they keep SDPA.
+PREFILL_ISAS = ("avx2",)
+PREFILL_HEAD_DIMS = (64,)
 
 
 def unavailable_reason(pool_dtype: torch.dtype, device: torch.device,
@@ -96,6 +106,52 @@ def cache_decode_attention(
         softcap or 0.0,
         None if sinks is None else sinks.float().contiguous(),
     )
+
+
+def prefill_unavailable_reason(head_dim: int, device: torch.device,
+                               isa: str | None = None) -> str | None:
+    """Why the runtime's prompts on ``device`` with heads of ``head_dim`` channels do not take
+    ``causal_prefill_attention`` (at level ``isa``, default the selected one), or None."""
+    if device.type != "cpu":
+        return f"the model is on {device.type}, the kernel is CPU-only"
+    if head_dim not in PREFILL_HEAD_DIMS:
+        return f"heads of {head_dim} (measured faster than SDPA at {PREFILL_HEAD_DIMS} only)"
+    isa = isa or cpu_q8.selected_isa()
+    if isa not in PREFILL_ISAS:
+        return f"not measured faster than ATen's flash attention at the {isa} level"
+    return cpu_q8.unavailable_reason()
+
+
+def prefill_kernel_reads(q, keys, values) -> bool:
+    """Whether ``causal_prefill_attention`` takes this prompt's attention: one sequence (q [1,
+    heads, T, D] over keys/values [1, Hkv, T, D]), fp32 or bf16, one head dim for all three
+    (latent attention's values are narrower than its queries: SDPA takes those) a multiple of
+    16."""
+    d = q.shape[-1]
+    return (q.shape[0] == 1 and keys.shape[-1] == d and values.shape[-1] == d and d % 16 == 0
+            and keys.dtype in CACHE_DTYPES and values.dtype in CACHE_DTYPES
+            and q.dtype in CACHE_DTYPES)  # fmt: skip
+
+
+def causal_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             scale: float, offset: int = 0, *,
+                             isa: str | None = None) -> torch.Tensor:
+    """Causal attention of one sequence: q [H, T, D] over keys/values [Hkv, offset + T, D]
+    (fp32 or bf16, any strides with D contiguous), query i at position ``offset + i`` seeing
+    keys 0 .. offset + i -> [T, H * D] fp32 (query head h reads key head h // (H / Hkv))."""
+    return cpu_q8.ops(isa).causal_prefill_attention(q, keys, values, scale, offset)
+
+
+def causal_prefill_attention_reference(q, keys, values, scale: float,
+                                       offset: int = 0) -> torch.Tensor:
+    """``causal_prefill_attention`` in float64 with plain torch (for tests)."""
+    h, t, d = q.shape
+    groups = h // keys.shape[0]
+    k, v = (x.double().repeat_interleave(groups, 0) for x in (keys, values))  # [H, L, D]
+    scores = torch.einsum("htd,hld->htl", q.double(), k) * scale
+    seen = torch.arange(k.shape[1])[None, :] <= (offset + torch.arange(t))[:, None]  # [T, L]
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("htl,hld->thd", weights, v).reshape(t, h * d)
 
 
 def cache_kernel_reads(q, keys, values) -> bool:

@@ -64,14 +64,16 @@ import torch
 from . import cpuinfo, reference
 
 CSRC = Path(__file__).with_name("csrc")
-# q8_common.h too; paged_attention.cpp is compress.kernels.cpu_attention's op,
+# q8_common.h too; paged_attention.cpp and prefill_attention.cpp are compress.kernels.
+# cpu_attention's ops,
 # elementwise.cpp compress.kernels.cpu_elementwise's, gptq_walk.cpp compress.kernels.cpu_gptq's,
 # bf16_linear.cpp compress.kernels.cpu_float's, decode_stack.cpp (calls the others' ops, ops.h)
 # compress.runtime.decode_stack's
 SOURCES = tuple(
     CSRC / f
     for f in ("q8_dot.cpp", "q8_gemm.cpp", "q8_tiles.cpp", "q8_amx.cpp", "paged_attention.cpp",
-              "elementwise.cpp", "gptq_walk.cpp", "bf16_linear.cpp", "decode_stack.cpp")
+              "prefill_attention.cpp", "elementwise.cpp", "gptq_walk.cpp", "bf16_linear.cpp",
+              "decode_stack.cpp")
 )
 BLOCK = 32  # activation block (and code block) width
 PAIR = 64  # K must be a multiple of this: the inner loops take two blocks at a time
@@ -159,6 +161,8 @@ def build_reason(isa: str) -> str | None:
     torch.library.register_fake(f"compress_{isa}::bf16_weight_linear")(_fake_bf16_weight)
     torch.library.register_fake(f"compress_{isa}::paged_decode_attention")(_fake_attention)
     torch.library.register_fake(f"compress_{isa}::cache_decode_attention")(_fake_cache_attention)
+    torch.library.register_fake(f"compress_{isa}::causal_prefill_attention")(
+        _fake_prefill_attention)
     torch.library.register_fake(f"compress_{isa}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"compress_{isa}::rope_qkv")(_fake_rope_qkv)
     torch.library.register_fake(f"compress_{isa}::silu_mul")(_fake_silu_mul)
@@ -227,6 +231,10 @@ def _fake_bf16_weight(x, w):
 def _fake_attention(q, k_pool, v_pool, k_scale, v_scale, tables, lengths, block_size, scale,
                     softcap, window, sinks=None):  # fmt: skip
     return torch.empty_like(q)
+
+
+def _fake_prefill_attention(q, k, v, scale, offset):
+    return q.new_empty(q.shape[1], q.shape[0] * q.shape[2], dtype=torch.float32)
 
 
 def _fake_cache_attention(q, keys, values, mask, scale, softcap, sinks=None):

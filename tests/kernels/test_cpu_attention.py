@@ -242,3 +242,59 @@ def test_bad_cache_arguments_are_refused():
         run(q, keys, values, mask[:, :3], 0.25)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         run(q[:, :3].contiguous(), keys, values, mask, 0.25)
+
+
+PREFILL_CASES = [  # heads, kv heads, head dim, queries, offset
+    (9, 3, 64, 1, 0),  # SmolLM2's heads; one query
+    (9, 3, 64, 130, 0),  # a partial last block of queries (48 a block) and of keys (16 a tile)
+    (8, 8, 32, 61, 0),  # no grouping
+    (14, 2, 128, 50, 0),  # seven query heads a key head
+    (4, 2, 80, 40, 37),  # a later chunk: queries at positions 37.. over 77 keys
+    (2, 1, 16, 200, 5),  # more key blocks (64 keys) than query blocks reach alone
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_prefill_kernel_equals_the_float64_definition(isa, case, dtype):
+    h, hkv, d, t, offset = case
+    g = torch.Generator().manual_seed(t)
+    # q as the runtime holds it: [H, T, D] views of token-major [T, H, D]
+    q = (torch.randn(t, h, d, generator=g) * 2).to(dtype).transpose(0, 1)
+    k, v = ((torch.randn(hkv, offset + t, d, generator=g) * 2).to(dtype) for _ in range(2))
+    got = cpu_attention.causal_prefill_attention(q, k, v, d**-0.5, offset, isa=isa)
+    want = cpu_attention.causal_prefill_attention_reference(q, k, v, d**-0.5, offset)
+    assert got.dtype == torch.float32 and got.shape == (t, h * d)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_reference_equals_sdpa_causal():
+    """The prefill definition is SDPA's causal attention (GQA) at offset 0, and at an offset
+    its bottom-right causal mask."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 20, 32, generator=g, dtype=torch.float64) for n in (6, 2, 2))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.2)
+    want = cpu_attention.causal_prefill_attention_reference(q[0], k[0], v[0], 0.2)
+    torch.testing.assert_close(a[0].transpose(0, 1).reshape(20, -1), want)
+    seen = torch.arange(20)[None, :] <= (12 + torch.arange(8))[:, None]  # queries 12..19
+    a = F.scaled_dot_product_attention(q[:, :, 12:], k, v, attn_mask=seen, enable_gqa=True,
+                                       scale=0.2)  # fmt: skip
+    want = cpu_attention.causal_prefill_attention_reference(q[0, :, 12:], k[0], v[0], 0.2, 12)
+    torch.testing.assert_close(a[0].transpose(0, 1).reshape(8, -1), want)
+
+
+def test_bad_prefill_arguments_are_refused():
+    if cpu_q8.unavailable_reason() is not None:
+        pytest.skip(cpu_q8.unavailable_reason())
+    q, k = torch.randn(4, 10, 32), torch.randn(2, 10, 32)
+    run = cpu_attention.causal_prefill_attention
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        run(q[..., :24], k[..., :24], k[..., :24], 0.2)
+    with pytest.raises(RuntimeError, match="L = offset \\+ T expected"):
+        run(q, k, k, 0.2, 3)
+    with pytest.raises(RuntimeError, match="whole number of query heads"):
+        run(q[:3], k, k, 0.2)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        run(q.half(), k.half(), k.half(), 0.2)
+    with pytest.raises(RuntimeError, match="must match"):
+        run(q, k, k[:, :, :16], 0.2)

@@ -1,0 +1,209 @@
+// Causal attention for a prompt (prefill) on the CPU, flash-style: each block of queries walks
+// its key blocks up to the diagonal with a running max and sum per row (online softmax), so the
+// scores never exist whole and the blocks above the diagonal are never computed. Query i sits
+// at position offset + i and sees keys 0 .. offset + i (offset > 0: a prompt's later chunk over
+// the keys already in the cache). Grouped heads: query head h reads key/value head h / (H / Hkv).
+//
+// Layout per call: K transposed in tiles of 16 keys, fp32 [Hkv, Lp / 16, D, 16] (a tile's D x 16
+// values contiguous: one strided [D, Lp] copy put each of a tile's D rows on its own page at
+// 4,096 keys), V as fp32 [Hkv, Lp, D] (Lp = L rounded up to 16, zero padding, always masked),
+// q scaled to fp32 [H, T, D]: O(L D) copies next to the
+// O(T L D) arithmetic, and any input dtype (fp32, bf16). Scores of 6 query rows x 16 keys per
+// register tile (12 accumulators, 2 key loads and 6 query broadcasts per 12 FMAs), then P V as
+// 6 rows x 16 channels; both 256-bit (every level builds this file; the runtime calls it where
+// it was measured faster than ATen's flash attention: cpu_attention.PREFILL_ISAS and
+// PREFILL_HEAD_DIMS).
+//
+// Definition: cpu_attention.causal_prefill_attention_reference (float64 softmax attention).
+#include "q8_common.h"
+
+#include <cmath>
+#include <limits>
+
+namespace compress_q8 {
+namespace {
+
+constexpr int64_t BQ = 48;  // query rows per block (8 tiles of 6)
+constexpr int64_t BK = 64;  // keys per block (4 tiles of 16)
+constexpr int MR = 6;       // query rows per register tile
+
+// S[r, 0 .. 15] for R rows: q rows (stride D, pre-scaled) against a tile of 16 keys, kt [D, 16]
+template <int R>
+inline void score_tile(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * lds, acc[r][0]);
+    _mm256_storeu_ps(s + r * lds + 8, acc[r][1]);
+  }
+}
+
+// O[r, 0 .. 15] += sum_j P[r, j] V[j, 0 .. 15] for R rows over n keys (V rows stride D)
+template <int R>
+inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
+                    int64_t ldo) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(o + r * ldo);
+    acc[r][1] = _mm256_loadu_ps(o + r * ldo + 8);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
+      acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * ldo, acc[r][0]);
+    _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
+  }
+}
+
+// f<R>(args...) for R = rows (1 .. MR)
+template <template <int> class Tile, typename... A>
+inline void by_rows(int rows, A&&... args) {
+  switch (rows) {
+    case 1: Tile<1>::run(args...); break;
+    case 2: Tile<2>::run(args...); break;
+    case 3: Tile<3>::run(args...); break;
+    case 4: Tile<4>::run(args...); break;
+    case 5: Tile<5>::run(args...); break;
+    default: Tile<6>::run(args...); break;
+  }
+}
+template <int R>
+struct Scores {
+  static void run(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
+    score_tile<R>(q, D, kt, s, lds);
+  }
+};
+template <int R>
+struct Values {
+  static void run(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
+                  int64_t ldo) {
+    pv_tile<R>(p, ldp, v, D, n, o, ldo);
+  }
+};
+
+// Query rows [i0, i1) of head h: y[i, h D .. h D + D - 1]
+void query_block(const float* qs, const float* kt, const float* vf, int64_t T, int64_t D,
+                 int64_t offset, int64_t h, int64_t i0, int64_t i1, float* y,
+                 int64_t ldy, float* s, float* o, float* m, float* l) {
+  const int64_t rows = i1 - i0;
+  const float* q = qs + (h * T + i0) * D;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + rows * D, 0.f);
+  const int64_t keys = offset + i1;  // the last row sees keys 0 .. offset + i1 - 1
+  for (int64_t k0 = 0; k0 < keys; k0 += BK) {
+    const int64_t n = std::min(BK, keys - k0);
+    const int64_t n16 = (n + 15) / 16 * 16;  // whole tiles: the padding is masked below
+    for (int64_t r = 0; r < rows; r += MR)
+      for (int64_t j = 0; j < n16; j += 16)
+        by_rows<Scores>(static_cast<int>(std::min<int64_t>(MR, rows - r)), q + r * D, D,
+                        kt + (k0 + j) * D, s + r * BK + j, BK);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * BK;
+      const int64_t seen = std::min(n, offset + i0 + r + 1 - k0);  // keys this row sees here
+      for (int64_t j = std::max<int64_t>(seen, 0); j < n16; ++j) sr[j] = neg_inf;
+      __m256 mx = _mm256_set1_ps(m[r]);
+      for (int64_t j = 0; j < n16; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+      const float mnew = hmax(mx);
+      const __m256 mv = _mm256_set1_ps(mnew);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n16; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+        _mm256_storeu_ps(sr + j, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      const float alpha = m[r] == neg_inf ? 0.f : std::exp(m[r] - mnew);
+      l[r] = l[r] * alpha + hsum(sum);
+      m[r] = mnew;
+      if (alpha != 1.f) {
+        const __m256 av = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
+      }
+    }
+    const float* v = vf + k0 * D;
+    for (int64_t r = 0; r < rows; r += MR)
+      for (int64_t d = 0; d < D; d += 16)
+        by_rows<Values>(static_cast<int>(std::min<int64_t>(MR, rows - r)), s + r * BK, BK,
+                        v + d, D, n, o + r * D + d, D);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    float* out = y + (i0 + r) * ldy + h * D;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * D + d)));
+  }
+}
+
+}  // namespace
+
+at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    double scale, int64_t offset) {
+  const char* what = "causal_prefill_attention";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, what,
+              ": q [H, T, D], k and v [Hkv, L, D] expected, got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes());
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, what, ": k ", k.sizes(), " and v ",
+              v.sizes(), " must match each other and q's head dim ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, what, ": ", H, " query heads over ", Hkv,
+              " key/value heads (a whole number of query heads per key head needed)");
+  TORCH_CHECK(D % 16 == 0 && D > 0, what, ": head dim ", D, " must be a multiple of 16");
+  TORCH_CHECK(offset >= 0 && L == offset + T, what, ": ", L, " keys for ", T,
+              " queries at offset ", offset, " (L = offset + T expected)");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16, what,
+                ": fp32 or bf16 expected, got ", t->scalar_type());
+  at::Tensor y = at::empty({T, H * D}, q.options().dtype(at::kFloat));
+  if (T == 0) return y;
+  const int64_t Lp = (L + 15) / 16 * 16;
+  // fp32 copies in the kernel's layouts (the padding zero: finite, masked)
+  at::Tensor qs = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor padded = at::zeros({Hkv, Lp, D}, y.options());
+  padded.narrow(1, 0, L).copy_(k);
+  const at::Tensor kt = padded.view({Hkv, Lp / 16, 16, D}).transpose(2, 3).contiguous();
+  at::Tensor vf = at::zeros({Hkv, Lp, D}, y.options());
+  vf.narrow(1, 0, L).copy_(v);
+  const float *qp = qs.data_ptr<float>(), *ktp = kt.data_ptr<float>(), *vp = vf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (T + BQ - 1) / BQ, group = H / Hkv;
+  // the last query blocks see the most keys: claimed first
+  parallel_claims(H * blocks, 1, [&](Claims& claims) {
+    aligned_vector<float> s(BQ * BK), o(BQ * D), m(BQ), l(BQ);
+    for (int64_t u0, u1; claims.take(u0, u1);)
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t b = blocks - 1 - u / H, h = u % H, g = h / group;
+        query_block(qp, ktp + g * D * Lp, vp + g * Lp * D, T, D, offset, h, b * BQ,
+                    std::min(T, (b + 1) * BQ), yp, H * D, s.data(), o.data(), m.data(),
+                    l.data());
+      }
+  });
+  return y;
+}
+
+}  // namespace compress_q8
+
+TORCH_LIBRARY_FRAGMENT(COMPRESS_OPS, m) {
+  m.def("causal_prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int offset) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(COMPRESS_OPS, CPU, m) {
+  m.impl("causal_prefill_attention", &compress_q8::causal_prefill_attention);
+}
