@@ -59,17 +59,9 @@ inline __m256 hsum8(const __m256* a) {
 inline float softmax_scores(float* sg, int64_t n, int64_t padded, float softcap, float sink) {
   if (softcap > 0.f)
     for (int64_t i = 0; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < padded; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sg + i));
-  const float high = std::max(hmax(top), sink);
-  const __m256 m = _mm256_set1_ps(high);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < padded; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
-    _mm256_storeu_ps(sg + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  return 1.f / (hsum(sum) + std::exp(sink - high));
+  float high;
+  const float sum = exp_from_max(sg, padded, sink, &high);
+  return 1.f / (sum + std::exp(sink - high));
 }
 
 // The sums of a[0..3]'s lanes, in that order

@@ -119,18 +119,10 @@ void query_block(const float* qs, const float* kt, const float* vf, int64_t T, i
       float* sr = s + r * BK;
       const int64_t seen = std::min(n, offset + i0 + r + 1 - k0);  // keys this row sees here
       for (int64_t j = std::max<int64_t>(seen, 0); j < n16; ++j) sr[j] = neg_inf;
-      __m256 mx = _mm256_set1_ps(m[r]);
-      for (int64_t j = 0; j < n16; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
-      const float mnew = hmax(mx);
-      const __m256 mv = _mm256_set1_ps(mnew);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n16; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
-        _mm256_storeu_ps(sr + j, e);
-        sum = _mm256_add_ps(sum, e);
-      }
+      float mnew;
+      const float sum = exp_from_max(sr, n16, m[r], &mnew);
       const float alpha = m[r] == neg_inf ? 0.f : std::exp(m[r] - mnew);
-      l[r] = l[r] * alpha + hsum(sum);
+      l[r] = l[r] * alpha + sum;
       m[r] = mnew;
       if (alpha != 1.f) {
         const __m256 av = _mm256_set1_ps(alpha);

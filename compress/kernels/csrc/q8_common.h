@@ -262,6 +262,25 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+// Softmax's numerators in place: s[0 .. padded) (a multiple of 8; -inf entries become 0)
+// replaced by exp(s - top), top = the max of `floor` and the scores, written to *top_out;
+// returns the sum of the exponentials. `floor` joins the max only: an attention sink's logit,
+// a running max of earlier blocks, or -inf.
+inline float exp_from_max(float* s, int64_t padded, float floor, float* top_out) {
+  __m256 top = _mm256_set1_ps(floor);
+  for (int64_t i = 0; i < padded; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + i));
+  const float high = hmax(top);
+  const __m256 m = _mm256_set1_ps(high);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  *top_out = high;
+  return hsum(sum);
+}
+
 // eight fp32 lanes stored as bf16, rounded to nearest even (as c10::BFloat16 and .to() do for
 // finite values)
 inline void store8_bf16(at::BFloat16* out, __m256 y) {
