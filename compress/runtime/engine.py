@@ -393,7 +393,7 @@ class Runtime:
                         kv_dtype, device, layer.head_dim) is None):
                     layer.cache_attention = cpu_q8.ops().cache_decode_attention
                 # a prompt's causal attention through our kernel where it was measured faster
-                # than ATen's flash attention (cpu_attention.PREFILL_ISAS)
+                # than ATen's flash attention (cpu_attention.PREFILL_ISAS, PREFILL_HEAD_DIMS)
                 if cpu_attention.prefill_unavailable_reason(layer.head_dim, device) is None:
                     layer.prefill_attention = cpu_q8.ops().causal_prefill_attention
             # the weights every decode step streams, on 2 MB pages where the kernel grants them

@@ -29,47 +29,51 @@ constexpr int MR = 6;       // query rows per register tile
 
 // S[r, 0 .. 15] for R rows: q rows (stride D, pre-scaled) against a tile of 16 keys, kt [D, 16]
 template <int R>
-inline void score_tile(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+struct ScoreTile {
+  static void run(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(q + r * D + d);
+        acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(q + r * D + d);
-      acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+      _mm256_storeu_ps(s + r * lds, acc[r][0]);
+      _mm256_storeu_ps(s + r * lds + 8, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(s + r * lds, acc[r][0]);
-    _mm256_storeu_ps(s + r * lds + 8, acc[r][1]);
-  }
-}
+};
 
 // O[r, 0 .. 15] += sum_j P[r, j] V[j, 0 .. 15] for R rows over n keys (V rows stride D)
 template <int R>
-inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
-                    int64_t ldo) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm256_loadu_ps(o + r * ldo);
-    acc[r][1] = _mm256_loadu_ps(o + r * ldo + 8);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+struct ValueTile {
+  static void run(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
+                  int64_t ldo) {
+    __m256 acc[R][2];
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
-      acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
+      acc[r][0] = _mm256_loadu_ps(o + r * ldo);
+      acc[r][1] = _mm256_loadu_ps(o + r * ldo + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
+        acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(o + r * ldo, acc[r][0]);
+      _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(o + r * ldo, acc[r][0]);
-    _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
-  }
-}
+};
 
-// f<R>(args...) for R = rows (1 .. MR)
+// Tile<rows>::run(args...) for rows 1 .. MR
 template <template <int> class Tile, typename... A>
 inline void by_rows(int rows, A&&... args) {
   switch (rows) {
@@ -81,19 +85,6 @@ inline void by_rows(int rows, A&&... args) {
     default: Tile<6>::run(args...); break;
   }
 }
-template <int R>
-struct Scores {
-  static void run(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
-    score_tile<R>(q, D, kt, s, lds);
-  }
-};
-template <int R>
-struct Values {
-  static void run(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
-                  int64_t ldo) {
-    pv_tile<R>(p, ldp, v, D, n, o, ldo);
-  }
-};
 
 // Query rows [i0, i1) of head h: y[i, h D .. h D + D - 1]
 void query_block(const float* qs, const float* kt, const float* vf, int64_t T, int64_t D,
@@ -113,7 +104,7 @@ void query_block(const float* qs, const float* kt, const float* vf, int64_t T, i
     const int64_t n16 = (n + 15) / 16 * 16;  // whole tiles: the padding is masked below
     for (int64_t r = 0; r < rows; r += MR)
       for (int64_t j = 0; j < n16; j += 16)
-        by_rows<Scores>(static_cast<int>(std::min<int64_t>(MR, rows - r)), q + r * D, D,
+        by_rows<ScoreTile>(static_cast<int>(std::min<int64_t>(MR, rows - r)), q + r * D, D,
                         kt + (k0 + j) * D, s + r * BK + j, BK);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * BK;
@@ -133,7 +124,7 @@ void query_block(const float* qs, const float* kt, const float* vf, int64_t T, i
     const float* v = vf + k0 * D;
     for (int64_t r = 0; r < rows; r += MR)
       for (int64_t d = 0; d < D; d += 16)
-        by_rows<Values>(static_cast<int>(std::min<int64_t>(MR, rows - r)), s + r * BK, BK,
+        by_rows<ValueTile>(static_cast<int>(std::min<int64_t>(MR, rows - r)), s + r * BK, BK,
                         v + d, D, n, o + r * D + d, D);
   }
   for (int64_t r = 0; r < rows; ++r) {
