@@ -1,9 +1,13 @@
 """A prompt's causal attention: our ``causal_prefill_attention`` (csrc/prefill_attention.cpp)
 against ATen's flash attention (SDPA with ``is_causal``, the form the runtime used before it),
 in one process, rounds alternated, medians with min-max, plus the largest difference between
-the two. JSON + markdown:
+the two. ``--offsets``: chunks whose queries follow that many earlier keys (a prompt's later
+chunk, or its rest after a prefix-cache hit), against SDPA with the bottom-right causal mask
+(what the runtime passed such chunks before the kernel took them). JSON + markdown:
 
     python scripts/bench_prefill_attention.py --out out/prefill_attention
+    python scripts/bench_prefill_attention.py --shapes smollm2 1b --tokens 256 \
+        --offsets 256 768 --out out/prefill_attention_chunks
 
 Heads: SmolLM2's (9 of 64 over 3), the 1.1B shape's (32 of 64 over 4), a 7B's (32 of 128 over
 32). ``--isa`` picks our build level (default: the selected one); whether the runtime takes the
@@ -31,6 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--offsets", type=int, nargs="+", default=[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", default=None)
@@ -43,16 +48,20 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         h, hkv, d = SHAPES[shape]
-        for t in args.tokens:
-            g = torch.Generator().manual_seed(t)
-            q, k, v = (torch.randn(1, n, t, d, generator=g) for n in (h, hkv, hkv))
+        for t, offset in ((t, o) for t in args.tokens for o in args.offsets):
+            g = torch.Generator().manual_seed(t + offset)
+            length = offset + t
+            q = torch.randn(1, h, t, d, generator=g)
+            k, v = (torch.randn(1, hkv, length, d, generator=g) for _ in range(2))
             scale = d**-0.5
+            # None: SDPA's own causal form (offset 0); else query i over keys 0 .. offset + i
+            mask = torch.ones(t, length, dtype=torch.bool).tril(offset) if offset else None
             sides = {
-                "ours": lambda q=q, k=k, v=v, s=scale: cpu_attention.causal_prefill_attention(
-                    q[0], k[0], v[0], s, isa=isa),
-                "sdpa": lambda q=q, k=k, v=v, s=scale, gqa=h != hkv: (
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s,
-                                                   enable_gqa=gqa)),
+                "ours": lambda q=q, k=k, v=v, s=scale, o=offset: (
+                    cpu_attention.causal_prefill_attention(q[0], k[0], v[0], s, o, isa=isa)),
+                "sdpa": lambda q=q, k=k, v=v, s=scale, m=mask, gqa=h != hkv: (
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None,
+                                                   scale=s, enable_gqa=gqa)),
             }  # fmt: skip
             ours = sides["ours"]()
             ref = sides["sdpa"]()[0].transpose(0, 1).reshape(t, h * d)
@@ -65,6 +74,7 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) * 1e3)
             o, s = statistics.median(times["ours"]), statistics.median(times["sdpa"])
             rows.append({"shape": shape, "heads": h, "kv_heads": hkv, "head_dim": d, "tokens": t,
+                         "offset": offset,
                          "ours_ms": o, "sdpa_ms": s, "speedup": s / o,
                          "ours_range": [min(times["ours"]), max(times["ours"])],
                          "sdpa_range": [min(times["sdpa"]), max(times["sdpa"])],
@@ -79,12 +89,14 @@ def main() -> None:
     lines = [
         f"{env.get('cpu', '')}; {args.threads} threads; ours at {isa}; torch {env.get('torch')}",
         "",
-        "| heads (kv) x dim | tokens | ours ms | SDPA causal ms | speedup | max abs diff |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| heads (kv) x dim | tokens | after | ours ms | SDPA causal ms | speedup "
+        "| max abs diff |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']}: {r['heads']} ({r['kv_heads']}) x {r['head_dim']} | {r['tokens']} | "
+            f"{r['offset']} | "
             f"{r['ours_ms']:.2f} ({r['ours_range'][0]:.2f}-{r['ours_range'][1]:.2f}) | "
             f"{r['sdpa_ms']:.2f} ({r['sdpa_range'][0]:.2f}-{r['sdpa_range'][1]:.2f}) | "
             f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} |"

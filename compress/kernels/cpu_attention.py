@@ -123,8 +123,8 @@ def prefill_unavailable_reason(head_dim: int, device: torch.device,
 
 
 def prefill_kernel_reads(q, keys, values) -> bool:
-    """Whether ``causal_prefill_attention`` takes this prompt's attention: one sequence (q [1,
-    heads, T, D] over keys/values [1, Hkv, T, D]), fp32 or bf16, one head dim for all three
+    """Whether ``causal_prefill_attention`` takes this chunk's attention: one sequence (q [1,
+    heads, T, D] over keys/values [1, Hkv, L, D], L >= T), fp32 or bf16, one head dim for all three
     (latent attention's values are narrower than its queries: SDPA takes those) a multiple of
     16."""
     d = q.shape[-1]

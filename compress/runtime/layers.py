@@ -569,23 +569,26 @@ class _Layer(nn.Module):
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q [B, heads, T, D] over keys/values [B, kv_heads, L, D] (their dtype) with a bool
-        mask broadcastable to [B, 1, T, L], or None: causal over the queries' own keys (T = L,
-        query i sees keys 0..i: a prompt from position 0 that no window cuts) -> [B, T,
-        heads * D] fp32. None lets SDPA skip the blocks above the diagonal instead of reading
-        a mask (is_causal): SmolLM2's 9 heads over 1,024 tokens took 16.0 ms against 22.5 with
-        the same causal mask as a tensor, the same outputs bit for bit (Zen 3, 2 threads). Where
-        the runtime holds ``prefill_attention`` (cpu_attention.prefill_unavailable_reason), a
-        causal prompt goes through our kernel instead (flash-style, fp32; 1.1-1.6x SDPA's
-        speed where it is held)."""
+        mask broadcastable to [B, 1, T, L], or None: causal, the queries being the last T of
+        the L keys (query i sees keys 0 .. L - T + i: a prompt's chunk that no window cuts;
+        L = T from position 0) -> [B, T, heads * D] fp32. None lets SDPA skip the blocks above
+        the diagonal instead of reading a mask (is_causal, where L = T): SmolLM2's 9 heads over
+        1,024 tokens took 16.0 ms against 22.5 with the same causal mask as a tensor, the same
+        outputs bit for bit (Zen 3, 2 threads). Where the runtime holds ``prefill_attention``
+        (cpu_attention.prefill_unavailable_reason), a causal chunk goes through our kernel
+        instead (flash-style, fp32; 1.1-1.6x SDPA's speed where it is held)."""
         b, _, t, _ = q.shape
         if (mask is not None and self.cache_attention is not None
                 and cpu_attention.cache_kernel_reads(q, keys, values)):  # fmt: skip
             return cpu_attention.attend_decode(self.cache_attention, q, keys, values, mask,
                                                self.scale, self.softcap, self.sinks)
+        offset = keys.shape[2] - t  # a causal chunk's first position
         if (mask is None and self.prefill_attention is not None and self.softcap is None
                 and self.sinks is None and cpu_attention.prefill_kernel_reads(q, keys, values)):
-            # [T, heads * D] fp32 from q [heads, T, D] over keys/values [Hkv, T, D]
-            return self.prefill_attention(q[0], keys[0], values[0], self.scale, 0)[None]
+            # [T, heads * D] fp32 from q [heads, T, D] over keys/values [Hkv, L, D]
+            return self.prefill_attention(q[0], keys[0], values[0], self.scale, offset)[None]
+        if mask is None and offset:  # SDPA's is_causal puts query i over keys 0 .. i
+            mask = torch.ones(t, keys.shape[2], dtype=torch.bool, device=q.device).tril(offset)
         if self.softcap is None and self.sinks is None:
             a = F.scaled_dot_product_attention(
                 q.to(keys.dtype),

@@ -257,9 +257,9 @@ def forward_step(
             }
     sizes = [len(s.tokens) for s in chunks]
     chunk_tables = [torch.tensor(s.blocks, device=device)[None] for s in chunks]
-    # None: a chunk from position 0 that no window cuts is plain causal (_Layer.attend)
+    # None: a chunk that no window cuts is plain causal over its keys (_Layer.attend)
     chunk_masks = {
-        w: [None if s.start == 0 and (w is None or w >= len(s.tokens)) else
+        w: [None if w is None or w >= s.length else
             _causal_mask(p, s.length if s.start else len(s.tokens), w)[None, None]
             for s, p in zip(chunks, positions[b:].split(sizes), strict=True)]
         for w in windows

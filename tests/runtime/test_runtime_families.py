@@ -28,6 +28,7 @@ from compress.arch import (
     layer_arch,
     runtime_model_types,
 )
+from compress.kernels.cpu_attention import prefill_unavailable_reason
 from compress.quant.rtn import Int4RtnConfig, quantize_linears
 from compress.runtime.engine import Runtime, _decode_step, unsupported_reason
 from compress.testing import (
@@ -273,6 +274,30 @@ def test_a_causal_prefill_without_a_mask_equals_the_mask_bit_for_bit(family):
         unmasked = rt._layers(ids, slots[None], None, slots, 1, t, decode=False)
         masked = rt._layers(ids, slots[None], causal, slots, 1, t, decode=False)
     assert torch.equal(unmasked, masked)
+
+
+# A later chunk (a prompt's rest after a prefix hit or an earlier chunk) passes no mask either:
+# its queries are the last T of the L keys. SDPA (qwen3) and the softcapped form (gemma2) build
+# the mask from None; the prefill kernel, where held, takes it as an offset.
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family):
+    model = make_model(family, head_dim=64)
+    rt = Runtime(model, max_seq_len=48, compile=False)
+    layer = rt.layers[0]
+    d, t, length = layer.head_dim, 7, 19
+    held = prefill_unavailable_reason(d, torch.device("cpu")) is None
+    assert (layer.prefill_attention is not None) == held
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, layer.n_heads, t, d, generator=gen)
+    keys, values = (torch.randn(1, layer.n_kv, length, d, generator=gen) for _ in range(2))
+    mask = (torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None])
+    kernel, layer.prefill_attention = layer.prefill_attention, None
+    masked = layer.attend(q, keys, values, mask[None, None])
+    assert torch.equal(layer.attend(q, keys, values, None), masked)
+    if held:  # at avx2 for heads of 64 (PREFILL_HEAD_DIMS); attend keeps softcaps off it
+        layer.prefill_attention = kernel
+        torch.testing.assert_close(layer.attend(q, keys, values, None), masked,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
