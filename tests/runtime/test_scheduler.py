@@ -518,12 +518,15 @@ def test_min_p_keeps_the_tokens_above_its_share_of_the_likeliest():
     assert set(free.tolist()) == {0, 1, 2, 3}
 
 
-def test_prompt_logprobs_are_the_models_over_chunks_and_cached_prefixes():
+# heads of 64: the later chunks' attention through the prefill kernel at their offsets where it
+# is held (cpu_attention.prefill_unavailable_reason), SDPA with is_causal's mask elsewhere
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_prompt_logprobs_are_the_models_over_chunks_and_cached_prefixes(head_dim):
     """Each prompt token's log-probability after the first (and its top 2) on the request's
     first event: transformers' fp32 log-softmax at those positions, the prompt prefilled in
     chunks of 4 beside another request, its prefix already in the cache (which it must not
     take: those positions would have no logits)."""
-    model = make_tiny_model("llama", 0, initializer_range=0.3)
+    model = make_tiny_model("llama", 0, initializer_range=0.3, head_dim=head_dim)
     runtime = Runtime(model, max_seq_len=64, compile=False)
     scheduler = Scheduler(runtime, num_blocks=32, block_size=4, max_batch=3, prefill_budget=6)
     prompt = [3, 17, 29, 41, 5, 60, 7, 80, 9, 10, 11]
