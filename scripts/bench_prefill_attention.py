@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from compress.eval.report import environment
 from compress.kernels import cpu_attention, cpu_q8
 
-SHAPES = {"smollm2": (9, 3, 64), "1b": (32, 4, 64), "7b": (32, 32, 128)}  # heads, kv heads, D
+SHAPES = {  # heads, kv heads, head dim
+    "smollm2": (9, 3, 64), "1b": (32, 4, 64), "7b": (32, 32, 128), "8b": (32, 8, 128),
+}
 
 
 def main() -> None:

@@ -259,13 +259,28 @@ PREFILL_CASES = [  # heads, kv heads, head dim, queries, offset
 def test_prefill_kernel_equals_the_float64_definition(isa, case, dtype):
     h, hkv, d, t, offset = case
     g = torch.Generator().manual_seed(t)
-    # q as the runtime holds it: [H, T, D] views of token-major [T, H, D]
+    # q, k and v as the runtime's prompt holds them: [H, T, D] views of token-major [T, H, D]
     q = (torch.randn(t, h, d, generator=g) * 2).to(dtype).transpose(0, 1)
-    k, v = ((torch.randn(hkv, offset + t, d, generator=g) * 2).to(dtype) for _ in range(2))
+    k, v = ((torch.randn(offset + t, hkv, d, generator=g) * 2).to(dtype).transpose(0, 1)
+            for _ in range(2))  # fmt: skip
     got = cpu_attention.causal_prefill_attention(q, k, v, d**-0.5, offset, isa=isa)
     want = cpu_attention.causal_prefill_attention_reference(q, k, v, d**-0.5, offset)
     assert got.dtype == torch.float32 and got.shape == (t, h * d)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_reads_mixed_dtypes_and_any_layout(isa):
+    """fp32 queries over bf16 keys and values (a bf16 cache's later chunk), contiguous keys and
+    values (cache.read's), and heads whose channels are not contiguous (copied first): each the
+    float64 definition."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 33, 64, generator=g)
+    k, v = (torch.randn(2, 50, 64, generator=g) for _ in range(2))
+    for keys, values in [(k.bfloat16(), v), (k, v.bfloat16()), (k.bfloat16(), v.bfloat16()),
+                         (k.transpose(1, 2).contiguous().transpose(1, 2), v)]:
+        got = cpu_attention.causal_prefill_attention(q, keys, values, 0.125, 17, isa=isa)
+        want = cpu_attention.causal_prefill_attention_reference(q, keys, values, 0.125, 17)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_reference_equals_sdpa_causal():
@@ -281,6 +296,18 @@ def test_prefill_reference_equals_sdpa_causal():
                                        scale=0.2)  # fmt: skip
     want = cpu_attention.causal_prefill_attention_reference(q[0, :, 12:], k[0], v[0], 0.2, 12)
     torch.testing.assert_close(a[0].transpose(0, 1).reshape(8, -1), want)
+
+
+def test_the_runtime_takes_the_prefill_kernel_where_it_was_measured_faster():
+    cpu, why = torch.device("cpu"), cpu_q8.unavailable_reason()
+    assert "cuda" in cpu_attention.prefill_unavailable_reason(64, 1, torch.device("cuda"))
+    assert "not measured faster" in cpu_attention.prefill_unavailable_reason(
+        64, 1, cpu, isa="avx512vnni")
+    for head_dim, group in [(128, 1), (80, 4), (256, 2)]:  # a 7B's MHA heads; untried dims
+        assert f"heads of {head_dim}" in cpu_attention.prefill_unavailable_reason(
+            head_dim, group, cpu, isa="avx2")
+    for head_dim, group in [(64, 1), (64, 3), (128, 4)]:
+        assert cpu_attention.prefill_unavailable_reason(head_dim, group, cpu, isa="avx2") == why
 
 
 def test_bad_prefill_arguments_are_refused():

@@ -285,7 +285,7 @@ def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family):
     rt = Runtime(model, max_seq_len=48, compile=False)
     layer = rt.layers[0]
     d, t, length = layer.head_dim, 7, 19
-    held = prefill_unavailable_reason(d, torch.device("cpu")) is None
+    held = prefill_unavailable_reason(d, layer.n_heads // layer.n_kv, torch.device("cpu")) is None
     assert (layer.prefill_attention is not None) == held
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, layer.n_heads, t, d, generator=gen)
@@ -294,7 +294,7 @@ def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family):
     kernel, layer.prefill_attention = layer.prefill_attention, None
     masked = layer.attend(q, keys, values, mask[None, None])
     assert torch.equal(layer.attend(q, keys, values, None), masked)
-    if held:  # at avx2 for heads of 64 (PREFILL_HEAD_DIMS); attend keeps softcaps off it
+    if held:  # at avx2 (PREFILL_MIN_GROUP); attend keeps softcaps off it
         layer.prefill_attention = kernel
         torch.testing.assert_close(layer.attend(q, keys, values, None), masked,
                                    rtol=1e-5, atol=1e-5)

@@ -19,12 +19,6 @@
 namespace compress_q8 {
 namespace {
 
-inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8f(const at::BFloat16* x) {  // bf16 widens exactly: its bits are fp32's top
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 inline float sum_squares(const float* x, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t i = 0;

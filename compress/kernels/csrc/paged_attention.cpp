@@ -19,14 +19,10 @@
 
 namespace compress_q8 {
 
-// Eight values of a page row widened to fp32: fp32 as stored, bf16 exactly (its bits are the
-// top half of an fp32), int8 codes times their row's scale (PagedKVCache's per token and head
-// scales).
-inline __m256 load8(const float* x, float) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const at::BFloat16* x, float) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+// Eight values of a page row widened to fp32: fp32 and bf16 as load8f widens them, int8 codes
+// times their row's scale (PagedKVCache's per token and head scales).
+inline __m256 load8(const float* x, float) { return load8f(x); }
+inline __m256 load8(const at::BFloat16* x, float) { return load8f(x); }
 inline __m256 load8(const int8_t* x, float scale) {
   const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x));
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_set1_ps(scale));

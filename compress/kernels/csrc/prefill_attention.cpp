@@ -4,15 +4,16 @@
 // at position offset + i and sees keys 0 .. offset + i (offset > 0: a prompt's later chunk over
 // the keys already in the cache). Grouped heads: query head h reads key/value head h / (H / Hkv).
 //
-// Layout per call: K transposed in tiles of 16 keys, fp32 [Hkv, Lp / 16, D, 16] (a tile's D x 16
-// values contiguous: one strided [D, Lp] copy put each of a tile's D rows on its own page at
-// 4,096 keys), V as fp32 [Hkv, Lp, D] (Lp = L rounded up to 16, zero padding, always masked),
-// q scaled to fp32 [H, T, D]: O(L D) copies next to the
-// O(T L D) arithmetic, and any input dtype (fp32, bf16). Scores of 6 query rows x 16 keys per
-// register tile (12 accumulators, 2 key loads and 6 query broadcasts per 12 FMAs), then P V as
-// 6 rows x 16 channels; both 256-bit (every level builds this file; the runtime calls it where
-// it was measured faster than ATen's flash attention: cpu_attention.PREFILL_ISAS and
-// PREFILL_HEAD_DIMS).
+// Layout per call: K packed in tiles of 16 keys, fp32 [Hkv, Lp / 16, D, 16] (a tile's D x 16
+// values contiguous; Lp = L rounded up to 16, the padding keys zero: finite, masked), packed by
+// the threads before they attend. q and V are read where they lie (fp32 or bf16, any head and
+// row strides with D contiguous): each query block's rows are scaled into a per-thread fp32
+// buffer, V rows widen as they load (no fp32 copies of q and V in fresh tensors per call). The
+// packing is O(L D) next to the O(T L D) arithmetic.
+// Scores of 6 query rows x 16 keys per register tile (12 accumulators, 2 key loads and 6 query
+// broadcasts per 12 FMAs), then P V as 6 rows x 16 channels; both 256-bit (every level builds
+// this file; the runtime calls it where it was measured faster than ATen's flash attention:
+// cpu_attention.PREFILL_ISAS and PREFILL_HEAD_DIMS).
 //
 // Definition: cpu_attention.causal_prefill_attention_reference (float64 softmax attention).
 #include "q8_common.h"
@@ -27,20 +28,28 @@ constexpr int64_t BQ = 48;  // query rows per block (8 tiles of 6)
 constexpr int64_t BK = 64;  // keys per block (4 tiles of 16)
 constexpr int MR = 6;       // query rows per register tile
 
+// The tiles' loops are do-while: each runs at least once (D >= 16, n >= 1). Why: with a for
+// loop GCC 12 at -O3 (its loop peeling) kept the accumulators' values in memory for the case of
+// no iterations and stored all 12 to the stack on every step (perf annotate); whether it did
+// depended on where the tile was inlined. It did in this file's fp32/bf16 templates, and the
+// kernel ran at 0.70x (SmolLM2's heads over 1,024 tokens, 17.8 against 12.5 ms, 2 threads,
+// Zen 3).
+
 // S[r, 0 .. 15] for R rows: q rows (stride D, pre-scaled) against a tile of 16 keys, kt [D, 16]
 template <int R>
 struct ScoreTile {
   static void run(const float* q, int64_t D, const float* kt, float* s, int64_t lds) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
+    int64_t d = 0;
+    do {
       const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 a = _mm256_broadcast_ss(q + r * D + d);
         acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
       }
-    }
+    } while (++d < D);
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(s + r * lds, acc[r][0]);
       _mm256_storeu_ps(s + r * lds + 8, acc[r][1]);
@@ -48,24 +57,26 @@ struct ScoreTile {
   }
 };
 
-// O[r, 0 .. 15] += sum_j P[r, j] V[j, 0 .. 15] for R rows over n keys (V rows stride D)
+// O[r, 0 .. 15] += sum_j P[r, j] V[j, 0 .. 15] for R rows over n keys (V rows stride ldv)
 template <int R>
 struct ValueTile {
-  static void run(const float* p, int64_t ldp, const float* v, int64_t D, int64_t n, float* o,
+  template <typename VT>
+  static void run(const float* p, int64_t ldp, const VT* v, int64_t ldv, int64_t n, float* o,
                   int64_t ldo) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm256_loadu_ps(o + r * ldo);
       acc[r][1] = _mm256_loadu_ps(o + r * ldo + 8);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+    int64_t j = 0;
+    do {
+      const __m256 v0 = load8f(v + j * ldv), v1 = load8f(v + j * ldv + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
         acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
       }
-    }
+    } while (++j < n);
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(o + r * ldo, acc[r][0]);
       _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
@@ -86,12 +97,13 @@ inline void by_rows(int rows, A&&... args) {
   }
 }
 
-// Query rows [i0, i1) of head h: y[i, h D .. h D + D - 1]
-void query_block(const float* qs, const float* kt, const float* vf, int64_t T, int64_t D,
-                 int64_t offset, int64_t h, int64_t i0, int64_t i1, float* y,
-                 int64_t ldy, float* s, float* o, float* m, float* l) {
+// Scaled query rows [i0, i1) of one head (q: rows stride ldq, fp32 [rows, D]) over their
+// keys: kt the head's packed tiles, v its rows (stride ldv) -> out rows stride ldy
+template <typename VT>
+void query_block(const float* q, const float* kt, const VT* v, int64_t ldv, int64_t D,
+                 int64_t offset, int64_t i0, int64_t i1, float* out, int64_t ldy, float* s,
+                 float* o, float* m, float* l) {
   const int64_t rows = i1 - i0;
-  const float* q = qs + (h * T + i0) * D;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = neg_inf;
@@ -121,18 +133,92 @@ void query_block(const float* qs, const float* kt, const float* vf, int64_t T, i
           _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
       }
     }
-    const float* v = vf + k0 * D;
     for (int64_t r = 0; r < rows; r += MR)
       for (int64_t d = 0; d < D; d += 16)
         by_rows<ValueTile>(static_cast<int>(std::min<int64_t>(MR, rows - r)), s + r * BK, BK,
-                        v + d, D, n, o + r * D + d, D);
+                        v + k0 * ldv + d, ldv, n, o + r * D + d, D);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const __m256 inv = _mm256_set1_ps(1.f / l[r]);
-    float* out = y + (i0 + r) * ldy + h * D;
     for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * D + d)));
+      _mm256_storeu_ps(out + r * ldy + d, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * D + d)));
   }
+}
+
+// rows x D values (rows stride ld, fp32 or bf16) times scale -> fp32 [rows, D]
+template <typename T>
+void scaled_rows(const T* x, int64_t ld, int64_t rows, int64_t D, float scale, float* out) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + r * D + d, _mm256_mul_ps(sv, load8f(x + r * ld + d)));
+}
+
+// Tile j of key head g: keys 16 j .. 16 j + 15 (k rows stride ldk, L of them) -> fp32 [D, 16]
+// (zero past L)
+template <typename T>
+void pack_key_tile(const T* k, int64_t ldk, int64_t L, int64_t D, int64_t j, float* tile) {
+  for (int64_t i = 0; i < 16; ++i) {
+    const int64_t key = 16 * j + i;
+    if (key >= L) {
+      for (int64_t d = 0; d < D; ++d) tile[d * 16 + i] = 0.f;
+      continue;
+    }
+    const T* row = k + key * ldk;
+    for (int64_t d = 0; d < D; ++d) tile[d * 16 + i] = static_cast<float>(row[d]);
+  }
+}
+
+template <typename QT, typename KT, typename VT>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                int64_t offset, at::Tensor& y) {
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
+  const int64_t tiles = (L + 15) / 16, group = H / Hkv;
+  at::Tensor packed = at::empty({Hkv, tiles, D, 16}, y.options());
+  float* ktp = packed.data_ptr<float>();
+  const KT* kp = k.data_ptr<KT>();
+  parallel_claims(Hkv * tiles, 16, [&](Claims& claims) {
+    for (int64_t u0, u1; claims.take(u0, u1);)
+      for (int64_t u = u0; u < u1; ++u)
+        pack_key_tile(kp + (u / tiles) * k.stride(0), k.stride(1), L, D, u % tiles,
+                      ktp + u * D * 16);
+  });
+  const QT* qp = q.data_ptr<QT>();
+  const VT* vp = v.data_ptr<VT>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (T + BQ - 1) / BQ;
+  // the last query blocks see the most keys: claimed first
+  parallel_claims(H * blocks, 1, [&](Claims& claims) {
+    aligned_vector<float> qs(BQ * D), s(BQ * BK), o(BQ * D), m(BQ), l(BQ);
+    for (int64_t u0, u1; claims.take(u0, u1);)
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t b = blocks - 1 - u / H, h = u % H, g = h / group;
+        const int64_t i0 = b * BQ, i1 = std::min(T, i0 + BQ);
+        scaled_rows(qp + h * q.stride(0) + i0 * q.stride(1), q.stride(1), i1 - i0, D, scale,
+                    qs.data());
+        query_block(qs.data(), ktp + g * tiles * D * 16, vp + g * v.stride(0), v.stride(1), D,
+                    offset, i0, i1, yp + i0 * H * D + h * D, H * D, s.data(), o.data(),
+                    m.data(), l.data());
+      }
+  });
+}
+
+template <typename QT, typename KT>
+void attend_by_values(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                      int64_t offset, at::Tensor& y) {
+  if (v.scalar_type() == at::kFloat)
+    attend_all<QT, KT, float>(q, k, v, scale, offset, y);
+  else
+    attend_all<QT, KT, at::BFloat16>(q, k, v, scale, offset, y);
+}
+
+template <typename QT>
+void attend_by_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                    int64_t offset, at::Tensor& y) {
+  if (k.scalar_type() == at::kFloat)
+    attend_by_values<QT, float>(q, k, v, scale, offset, y);
+  else
+    attend_by_values<QT, at::BFloat16>(q, k, v, scale, offset, y);
 }
 
 }  // namespace
@@ -156,28 +242,13 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, co
                 ": fp32 or bf16 expected, got ", t->scalar_type());
   at::Tensor y = at::empty({T, H * D}, q.options().dtype(at::kFloat));
   if (T == 0) return y;
-  const int64_t Lp = (L + 15) / 16 * 16;
-  // fp32 copies in the kernel's layouts (the padding zero: finite, masked)
-  at::Tensor qs = (q.to(at::kFloat) * scale).contiguous();
-  at::Tensor padded = at::zeros({Hkv, Lp, D}, y.options());
-  padded.narrow(1, 0, L).copy_(k);
-  const at::Tensor kt = padded.view({Hkv, Lp / 16, 16, D}).transpose(2, 3).contiguous();
-  at::Tensor vf = at::zeros({Hkv, Lp, D}, y.options());
-  vf.narrow(1, 0, L).copy_(v);
-  const float *qp = qs.data_ptr<float>(), *ktp = kt.data_ptr<float>(), *vp = vf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (T + BQ - 1) / BQ, group = H / Hkv;
-  // the last query blocks see the most keys: claimed first
-  parallel_claims(H * blocks, 1, [&](Claims& claims) {
-    aligned_vector<float> s(BQ * BK), o(BQ * D), m(BQ), l(BQ);
-    for (int64_t u0, u1; claims.take(u0, u1);)
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t b = blocks - 1 - u / H, h = u % H, g = h / group;
-        query_block(qp, ktp + g * D * Lp, vp + g * Lp * D, T, D, offset, h, b * BQ,
-                    std::min(T, (b + 1) * BQ), yp, H * D, s.data(), o.data(), m.data(),
-                    l.data());
-      }
-  });
+  // D contiguous is what the loops read; other layouts get a copy
+  const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+  const at::Tensor qr = rows_of(q), kr = rows_of(k), vr = rows_of(v);
+  if (q.scalar_type() == at::kFloat)
+    attend_by_keys<float>(qr, kr, vr, static_cast<float>(scale), offset, y);
+  else
+    attend_by_keys<at::BFloat16>(qr, kr, vr, static_cast<float>(scale), offset, y);
   return y;
 }
 

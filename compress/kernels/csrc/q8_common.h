@@ -281,6 +281,14 @@ inline float exp_from_max(float* s, int64_t padded, float floor, float* top_out)
   return hsum(sum);
 }
 
+// eight values widened to fp32: fp32 as stored, bf16 exactly (its bits are the top half of an
+// fp32)
+inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8f(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // eight fp32 lanes stored as bf16, rounded to nearest even (as c10::BFloat16 and .to() do for
 // finite values)
 inline void store8_bf16(at::BFloat16* out, __m256 y) {
