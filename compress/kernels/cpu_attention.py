@@ -22,16 +22,15 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # Levels and head dims whose runtime takes causal_prefill_attention for a prompt's attention
 # instead of ATen's flash attention (SDPA, is_causal; a later chunk: SDPA with the mask): where
 # it was measured faster. On the AVX2-only Zen 3 EPYC, 2 threads (scripts/
-# bench_prefill_attention.py, 2026-12-07, after the tiles' do-while loops): heads of 64,
-# SmolLM2's 9 over 3 at 256 / 1,024 / 4,096 tokens 1.57x / 1.42x / 1.07x SDPA's speed, the 1.1B
-# shape's 32 over 4 1.70x / 1.57x / 1.08x, later chunks of 256 after 768-3,840 tokens
-# 1.25-1.35x; heads of 128 grouped (an 8B's 32 over 8) 1.61x / 1.40x / 1.15x, later chunks
-# 1.15-1.24x; heads of 128 not grouped (a 7B's 32 over 32) 1.48x / 1.14x / 0.88x and later
-# chunks 0.86-0.96x, so those keep SDPA. PREFILL_MIN_GROUP: head dim -> the fewest query heads
-# per key head taken. Not measured at the AVX-512 levels (their ATen runs AVX-512 GEMMs): they
-# keep SDPA.
+# bench_prefill_attention.py, 2026-12-07, after the tiles' do-while loops and the head-major
+# claims; medians of 7 alternated rounds): at 256 / 1,024 / 4,096 tokens SmolLM2's 9 heads of
+# 64 over 3 ran 1.72x / 1.68x / 1.28x SDPA's speed, the 1.1B shape's 32 over 4 1.78x / 1.54x /
+# 1.19x, an 8B's 32 heads of 128 over 8 1.64x / 1.47x / 1.13x, a 7B's 32 over 32 1.68x /
+# 1.29x / 1.08x; chunks of 256 after 768 and 3,840 keys 1.29-1.43x, 1.34x / 1.19x and 1.32x /
+# 0.97x (level: 1.11x in another run). Not measured at the AVX-512 levels (their ATen runs
+# AVX-512 GEMMs): they keep SDPA.
 PREFILL_ISAS = ("avx2",)
-PREFILL_MIN_GROUP = {64: 1, 128: 2}
+PREFILL_HEAD_DIMS = (64, 128)
 
 def unavailable_reason(pool_dtype: torch.dtype, device: torch.device,
                        head_dim: int | None = None) -> str | None:
@@ -111,16 +110,14 @@ def cache_decode_attention(
     )
 
 
-def prefill_unavailable_reason(head_dim: int, group: int, device: torch.device,
+def prefill_unavailable_reason(head_dim: int, device: torch.device,
                                isa: str | None = None) -> str | None:
-    """Why the runtime's prompts on ``device`` with heads of ``head_dim`` channels, ``group``
-    query heads per key head, do not take ``causal_prefill_attention`` (at level ``isa``,
-    default the selected one), or None."""
+    """Why the runtime's prompts on ``device`` with heads of ``head_dim`` channels do not take
+    ``causal_prefill_attention`` (at level ``isa``, default the selected one), or None."""
     if device.type != "cpu":
         return f"the model is on {device.type}, the kernel is CPU-only"
-    if group < PREFILL_MIN_GROUP.get(head_dim, group + 1):
-        return (f"heads of {head_dim}, {group} per key head (measured faster than SDPA "
-                f"for head dim: fewest per key head {PREFILL_MIN_GROUP} only)")
+    if head_dim not in PREFILL_HEAD_DIMS:
+        return f"heads of {head_dim} (measured faster than SDPA at {PREFILL_HEAD_DIMS} only)"
     isa = isa or cpu_q8.selected_isa()
     if isa not in PREFILL_ISAS:
         return f"not measured faster than ATen's flash attention at the {isa} level"

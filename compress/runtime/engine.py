@@ -393,9 +393,8 @@ class Runtime:
                         kv_dtype, device, layer.head_dim) is None):
                     layer.cache_attention = cpu_q8.ops().cache_decode_attention
                 # a prompt's causal attention through our kernel where it was measured faster
-                # than ATen's flash attention (cpu_attention.PREFILL_ISAS, PREFILL_MIN_GROUP)
-                if cpu_attention.prefill_unavailable_reason(
-                        layer.head_dim, layer.n_heads // layer.n_kv, device) is None:
+                # than ATen's flash attention (cpu_attention.PREFILL_ISAS, PREFILL_HEAD_DIMS)
+                if cpu_attention.prefill_unavailable_reason(layer.head_dim, device) is None:
                     layer.prefill_attention = cpu_q8.ops().causal_prefill_attention
             # the weights every decode step streams, on 2 MB pages where the kernel grants them
             # (memory.HugePageArena says why and what it measured)

@@ -300,14 +300,14 @@ def test_prefill_reference_equals_sdpa_causal():
 
 def test_the_runtime_takes_the_prefill_kernel_where_it_was_measured_faster():
     cpu, why = torch.device("cpu"), cpu_q8.unavailable_reason()
-    assert "cuda" in cpu_attention.prefill_unavailable_reason(64, 1, torch.device("cuda"))
+    assert "cuda" in cpu_attention.prefill_unavailable_reason(64, torch.device("cuda"))
     assert "not measured faster" in cpu_attention.prefill_unavailable_reason(
-        64, 1, cpu, isa="avx512vnni")
-    for head_dim, group in [(128, 1), (80, 4), (256, 2)]:  # a 7B's MHA heads; untried dims
+        64, cpu, isa="avx512vnni")
+    for head_dim in (80, 96, 256):  # head dims not measured
         assert f"heads of {head_dim}" in cpu_attention.prefill_unavailable_reason(
-            head_dim, group, cpu, isa="avx2")
-    for head_dim, group in [(64, 1), (64, 3), (128, 4)]:
-        assert cpu_attention.prefill_unavailable_reason(head_dim, group, cpu, isa="avx2") == why
+            head_dim, cpu, isa="avx2")
+    for head_dim in (64, 128):
+        assert cpu_attention.prefill_unavailable_reason(head_dim, cpu, isa="avx2") == why
 
 
 def test_bad_prefill_arguments_are_refused():

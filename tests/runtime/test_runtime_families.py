@@ -279,13 +279,14 @@ def test_a_causal_prefill_without_a_mask_equals_the_mask_bit_for_bit(family):
 # A later chunk (a prompt's rest after a prefix hit or an earlier chunk) passes no mask either:
 # its queries are the last T of the L keys. SDPA (qwen3) and the softcapped form (gemma2) build
 # the mask from None; the prefill kernel, where held, takes it as an offset.
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
-def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family):
-    model = make_model(family, head_dim=64)
+def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family, head_dim):
+    model = make_model(family, head_dim=head_dim)
     rt = Runtime(model, max_seq_len=48, compile=False)
     layer = rt.layers[0]
     d, t, length = layer.head_dim, 7, 19
-    held = prefill_unavailable_reason(d, layer.n_heads // layer.n_kv, torch.device("cpu")) is None
+    held = prefill_unavailable_reason(d, torch.device("cpu")) is None
     assert (layer.prefill_attention is not None) == held
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, layer.n_heads, t, d, generator=gen)
@@ -294,7 +295,7 @@ def test_a_later_causal_chunk_without_a_mask_equals_the_mask(family):
     kernel, layer.prefill_attention = layer.prefill_attention, None
     masked = layer.attend(q, keys, values, mask[None, None])
     assert torch.equal(layer.attend(q, keys, values, None), masked)
-    if held:  # at avx2 (PREFILL_MIN_GROUP); attend keeps softcaps off it
+    if held:  # at avx2 (PREFILL_HEAD_DIMS); attend keeps softcaps off it
         layer.prefill_attention = kernel
         torch.testing.assert_close(layer.attend(q, keys, values, None), masked,
                                    rtol=1e-5, atol=1e-5)

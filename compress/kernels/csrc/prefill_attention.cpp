@@ -187,12 +187,13 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, f
   const VT* vp = v.data_ptr<VT>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (T + BQ - 1) / BQ;
-  // the last query blocks see the most keys: claimed first
+  // head by head, so that the threads share one key head's K and V in cache at a time; within
+  // a head the last query blocks, which see the most keys, first
   parallel_claims(H * blocks, 1, [&](Claims& claims) {
     aligned_vector<float> qs(BQ * D), s(BQ * BK), o(BQ * D), m(BQ), l(BQ);
     for (int64_t u0, u1; claims.take(u0, u1);)
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t b = blocks - 1 - u / H, h = u % H, g = h / group;
+        const int64_t b = blocks - 1 - u % blocks, h = u / blocks, g = h / group;
         const int64_t i0 = b * BQ, i1 = std::min(T, i0 + BQ);
         scaled_rows(qp + h * q.stride(0) + i0 * q.stride(1), q.stride(1), i1 - i0, D, scale,
                     qs.data());
