@@ -483,17 +483,22 @@ def linear_q8(
 # From how many rows (tokens of a prompt) an fp32 GEMM of the dequantized weights beats our
 # integer GEMM, per level and weight bits; levels and bits not listed never switch. AVX2 without
 # VNNI spends four operations per 32 int8 products (the sign trick) and two plus int16 block
-# sums per 32 int4 ones, where fp32 needs four FMAs, so from some prompt length ATen's tuned
-# fp32 GEMM wins even after dequantizing. Measured on SmolLM2's layers with torch, MKL and our
-# kernels capped at AVX2 on a Xeon, two runs (scripts/bench_prefill.py --dequant-gemm,
-# docs/notes/2026-12-01-prefill-gemm.md): avx2 int8 0.85-0.90x fp32 at 128 rows against
-# 0.95-0.96x dequantized, avx2 int4 at parity from 256 rows, avxvnni int4 0.90-0.91x against
-# 0.96-1.02x at 512 (its int8 undecided). avx512vnni stayed 2.1-2.5x fp32 at 512 rows.
-# These are for the row layout's GEMM: int4 in column tiles (avx2 since 2026-12-07) never
-# switches, its tile op beat the dequantized fp32 GEMM at 8-512 rows (Zen 3 EPYC, 1.1B shape
-# g128: 2.8 against 4.5 s at 255 rows, 4.9 against 8.4 s at 512; SmolLM2's g64 at 512 rows
-# 0.89 against 0.92 s; docs/notes/2026-12-07-avx2-column-tiles.md).
-FLOAT_GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avx2": {4: 256, 8: 128}, "avxvnni": {4: 512}}
+# sums per 32 int4 ones, where fp32 needs four FMAs, so from some prompt length a tuned fp32
+# GEMM could win even after dequantizing. Measured first on SmolLM2's layers with torch, MKL and
+# our kernels capped at AVX2 on a Xeon (docs/notes/2026-12-01-prefill-gemm.md): avx2 int8
+# 0.85-0.90x fp32 at 128 rows against 0.95-0.96x dequantized, avx2 int4 at parity from 256
+# rows, avxvnni int4 0.90-0.91x against 0.96-1.02x at 512. Since then the row GEMM's steps keep
+# their sums in registers (csrc/q8_gemm.cpp's tile: int8 1.12-1.27x, int4 1.71-2.05x at avx2),
+# and on the AVX2-only Zen 3 EPYC (scripts/bench_prefill.py --dequant-gemm, 2 threads,
+# 2026-12-07) ours beat the dequantized GEMM at every length tried: SmolLM2 int8 at 128 / 256
+# / 512 / 1,024 rows 182 / 331 / 691 / 1,274 ms against 339 / 467 / 850 / 1,500, the 1.1B
+# shape's int8 at 256 / 1,024 3.2 / 12.7 s against 4.5 / 15.0, SmolLM2 int4 (row layout) at
+# 256 / 1,024 322 / 1,040 ms against 434 / 1,787; a whole 1,024-token SmolLM2 W8 prefill, one
+# process, 7 rounds alternated: 2,326 ms on the int8 GEMM against 2,776 with the switch at 128
+# rows. So avx2 never switches. avxvnni's entry
+# predates the rework and was not measured since (no such CPU here). avx512vnni stayed 2.1-2.5x
+# fp32 at 512 rows. int4 in column tiles (avx2, avx512vnni) never switches either.
+FLOAT_GEMM_MIN_ROWS: dict[str, dict[int, int]] = {"avxvnni": {4: 512}}
 
 
 def float_gemm_min_rows(isa: str | None, bits: int) -> int | None:

@@ -185,14 +185,14 @@ def test_dequantize_bad_operands_raise_not_crash(isa):
 
 
 def test_float_gemm_rows_only_where_the_integer_gemm_loses():
-    # measured per level (bench_prefill.py --dequant-gemm): AVX2 switches for long prompts,
-    # 512-bit vpdpbusd never does
-    assert cpu_q8.float_gemm_min_rows("avx512vnni", 4) is None
-    assert cpu_q8.float_gemm_min_rows("avx512vnni", 8) is None
-    assert cpu_q8.float_gemm_min_rows(None, 8) is None
-    for bits in (4, 8):
-        rows = cpu_q8.float_gemm_min_rows("avx2", bits)
-        assert rows is not None and rows > cpu_q8.GEMM_MIN_ROWS
+    # measured per level (bench_prefill.py --dequant-gemm): AVX-VNNI's int4 row GEMM switches
+    # for long prompts; AVX2's (since its steps keep their sums in registers) and 512-bit
+    # vpdpbusd never do
+    for isa in ("avx512vnni", "avx2", None):
+        for bits in (4, 8):
+            assert cpu_q8.float_gemm_min_rows(isa, bits) is None
+    rows = cpu_q8.float_gemm_min_rows("avxvnni", 4)
+    assert rows is not None and rows > cpu_q8.GEMM_MIN_ROWS
 
 
 def test_kernel_keeps_leading_dims_and_dtype(isa):

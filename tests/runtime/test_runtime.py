@@ -194,7 +194,7 @@ def _q8_weight(layer):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_q8_kernel_long_prompts_switch_to_the_dequantized_fp32_gemm(model, bits, monkeypatch):
-    # FLOAT_GEMM_MIN_ROWS (AVX2's long prompts) lowered to 8 rows for whichever level runs
+    # FLOAT_GEMM_MIN_ROWS (AVX-VNNI's long int4 prompts) set to 8 rows for whichever level runs
     # here: prompts of 8+ tokens must then equal transformers on the dequantized fp32 weights
     # and one-token steps transformers on our kernel
     from compress.kernels import cpu_q8
