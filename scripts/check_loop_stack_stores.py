@@ -30,7 +30,8 @@ from compress.kernels import cpu_q8
 LABEL = re.compile(r"^(\.L\d+):")
 JUMP = re.compile(r"\s+j\w+\s+(\.L\d+)")
 STACK_STORE = re.compile(r"\s+vmov\w+\s+%[yz]mm\d+, -?\w*\(%r[sb]p\)")
-VECTOR_MATH = re.compile(r"\s+v(fmadd|fnmadd|pmadd|pdp|padd|psub|mul|add|sub|max|min)")
+# AVX-VNNI's vpdpbusd is written with a {vex} prefix
+VECTOR_MATH = re.compile(r"\s+(\{vex\}\s+)?v(fmadd|fnmadd|pmadd|pdp|padd|psub|mul|add|sub|max|min)")
 
 
 def loops(asm: list[str], max_lines: int):
