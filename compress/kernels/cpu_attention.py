@@ -32,6 +32,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 PREFILL_ISAS = ("avx2",)
 PREFILL_HEAD_DIMS = (64, 128)
 
+
 def unavailable_reason(pool_dtype: torch.dtype, device: torch.device,
                        head_dim: int | None = None) -> str | None:
     """Why the kernel cannot serve pages of ``pool_dtype`` on ``device`` (heads of
