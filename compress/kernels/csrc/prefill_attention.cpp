@@ -169,21 +169,39 @@ void pack_key_tile(const T* k, int64_t ldk, int64_t L, int64_t D, int64_t j, flo
   }
 }
 
-template <typename QT, typename KT, typename VT>
+// Query heads' rows [i0, i0 + rows) of head h (fp32 or bf16) times scale -> fp32 [rows, D]
+void scaled_query_rows(const at::Tensor& q, int64_t h, int64_t i0, int64_t rows, float scale,
+                       float* out) {
+  const int64_t first = h * q.stride(0) + i0 * q.stride(1);
+  if (q.scalar_type() == at::kFloat)
+    scaled_rows(q.data_ptr<float>() + first, q.stride(1), rows, q.size(2), scale, out);
+  else
+    scaled_rows(q.data_ptr<at::BFloat16>() + first, q.stride(1), rows, q.size(2), scale, out);
+}
+
+// Tile j of key head g (fp32 or bf16) -> fp32 [D, 16]
+void pack_key_head_tile(const at::Tensor& k, int64_t g, int64_t j, float* tile) {
+  const int64_t L = k.size(1), D = k.size(2);
+  if (k.scalar_type() == at::kFloat)
+    pack_key_tile(k.data_ptr<float>() + g * k.stride(0), k.stride(1), L, D, j, tile);
+  else
+    pack_key_tile(k.data_ptr<at::BFloat16>() + g * k.stride(0), k.stride(1), L, D, j, tile);
+}
+
+// q and K are converted per block and per tile (a branch on their dtype there); V, read in the
+// inner loop, is the template's type
+template <typename VT>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
                 int64_t offset, at::Tensor& y) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
   const int64_t tiles = (L + 15) / 16, group = H / Hkv;
   at::Tensor packed = at::empty({Hkv, tiles, D, 16}, y.options());
   float* ktp = packed.data_ptr<float>();
-  const KT* kp = k.data_ptr<KT>();
   parallel_claims(Hkv * tiles, 16, [&](Claims& claims) {
     for (int64_t u0, u1; claims.take(u0, u1);)
       for (int64_t u = u0; u < u1; ++u)
-        pack_key_tile(kp + (u / tiles) * k.stride(0), k.stride(1), L, D, u % tiles,
-                      ktp + u * D * 16);
+        pack_key_head_tile(k, u / tiles, u % tiles, ktp + u * D * 16);
   });
-  const QT* qp = q.data_ptr<QT>();
   const VT* vp = v.data_ptr<VT>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (T + BQ - 1) / BQ;
@@ -195,31 +213,12 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, f
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t b = blocks - 1 - u % blocks, h = u / blocks, g = h / group;
         const int64_t i0 = b * BQ, i1 = std::min(T, i0 + BQ);
-        scaled_rows(qp + h * q.stride(0) + i0 * q.stride(1), q.stride(1), i1 - i0, D, scale,
-                    qs.data());
+        scaled_query_rows(q, h, i0, i1 - i0, scale, qs.data());
         query_block(qs.data(), ktp + g * tiles * D * 16, vp + g * v.stride(0), v.stride(1), D,
                     offset, i0, i1, yp + i0 * H * D + h * D, H * D, s.data(), o.data(),
                     m.data(), l.data());
       }
   });
-}
-
-template <typename QT, typename KT>
-void attend_by_values(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
-                      int64_t offset, at::Tensor& y) {
-  if (v.scalar_type() == at::kFloat)
-    attend_all<QT, KT, float>(q, k, v, scale, offset, y);
-  else
-    attend_all<QT, KT, at::BFloat16>(q, k, v, scale, offset, y);
-}
-
-template <typename QT>
-void attend_by_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
-                    int64_t offset, at::Tensor& y) {
-  if (k.scalar_type() == at::kFloat)
-    attend_by_values<QT, float>(q, k, v, scale, offset, y);
-  else
-    attend_by_values<QT, at::BFloat16>(q, k, v, scale, offset, y);
 }
 
 }  // namespace
@@ -246,10 +245,10 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, co
   // D contiguous is what the loops read; other layouts get a copy
   const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
   const at::Tensor qr = rows_of(q), kr = rows_of(k), vr = rows_of(v);
-  if (q.scalar_type() == at::kFloat)
-    attend_by_keys<float>(qr, kr, vr, static_cast<float>(scale), offset, y);
+  if (v.scalar_type() == at::kFloat)
+    attend_all<float>(qr, kr, vr, static_cast<float>(scale), offset, y);
   else
-    attend_by_keys<at::BFloat16>(qr, kr, vr, static_cast<float>(scale), offset, y);
+    attend_all<at::BFloat16>(qr, kr, vr, static_cast<float>(scale), offset, y);
   return y;
 }
 
