@@ -260,7 +260,7 @@ def forward_step(
     # None: a chunk that no window cuts is plain causal over its keys (_Layer.attend)
     chunk_masks = {
         w: [None if w is None or w >= s.length else
-            _causal_mask(p, s.length if s.start else len(s.tokens), w)[None, None]
+            _causal_mask(p, s.length, w)[None, None]
             for s, p in zip(chunks, positions[b:].split(sizes), strict=True)]
         for w in windows
     }  # fmt: skip
