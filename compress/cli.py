@@ -19,10 +19,11 @@ from compress.cli_flags import (
     check_bindable,
     check_flags,
     check_generate_length,
-    check_serve_length,
+    fit_serve_length,
     reader_left,
     runtime_dtypes,
     serve_kv_dtype,
+    serve_length,
     torch_threads,
 )
 from compress.core.errors import (
@@ -345,9 +346,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_whole_loads("serve (model loaded whole)", [args.model], "compress it first (W4/W8 "
                       "exports load as stored)", dtype=load_dtype, extra=kv_memory)  # fmt: skip
     loaded = load_model(args.model, backend=args.backend, dtype=load_dtype)
-    check_serve_length(loaded, args.max_model_len)
+    max_model_len = serve_length(loaded, args.max_model_len)
     # quantized layers are released as the runtime takes them; the scheduler brings its cache
-    runtime = Runtime(loaded.model, max_seq_len=args.max_model_len, compile=False,
+    runtime = Runtime(loaded.model, max_seq_len=max_model_len, compile=False,
                       prefill_dtype=matmul, decode_dtype=matmul,
                       int4_kernel=args.int4_kernel, int8_kernel=args.int8_kernel,
                       lm_head_bits=args.lm_head_bits, static_cache=False)
@@ -362,8 +363,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               decode_stack=not args.python_layers)
     except ValueError as exc:  # e.g. --kv-memory too small for one block
         raise RecipeError(f"serve: {exc}") from None
-    name = args.served_model_name or args.model
-    cache = scheduler.cache
+    name, cache = args.served_model_name or args.model, scheduler.cache
+    max_model_len = fit_serve_length(max_model_len, args, cache)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({torch_threads()} threads, "
           f"float layers in {dtype}; "
           f"KV cache {cache.num_blocks} blocks of {cache.block_size} tokens, "
@@ -374,7 +375,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"{scheduler.decode_stack_reason or ''}; up to {args.max_batch} requests at once)",
           file=sys.stderr)
     engine = Engine(scheduler, max_waiting=args.max_waiting, thread=False)
-    serve(Server(engine, loaded.tokenizer, name, max_model_len=args.max_model_len),
+    serve(Server(engine, loaded.tokenizer, name, max_model_len=max_model_len),
           host=args.host, port=args.port)
     return 0
 
@@ -738,8 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default 127.0.0.1: this machine only)")
     p_srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p_srv.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
-    p_srv.add_argument("--max-model-len", type=int, default=2048,
-                       help="longest prompt + output in tokens")
+    p_srv.add_argument("--max-model-len", type=int,
+                       help="longest prompt + output in tokens (default: 2048, or the model's "
+                            "positions or what --kv-memory holds where fewer)")
     add_dtype_arg(p_srv, "auto")
     p_srv.add_argument("--kv-memory", default="1GB",
                        help="memory for the paged KV cache, e.g. 512MB or 2GiB")

@@ -73,7 +73,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 # The length flags each command checks against the model's positions, by command: (argparse
-# dest, flag). They are checked again once the model is loaded (``check_serve_length``,
+# dest, flag). They are checked again once the model is loaded (``serve_length``,
 # ``perplexity``), which covers hub ids and the embedded model.
 LENGTH_FLAGS = {"eval": ("context_length", "--context-length"),
                 "compare": ("context_length", "--context-length"),
@@ -100,13 +100,42 @@ def check_length_before_load(args: argparse.Namespace) -> None:
             check_positions(config, length, f"{args.command}: {flag}", str(folder))
 
 
-def check_serve_length(loaded, max_model_len: int) -> None:
-    """``serve``'s --max-model-len within the model's positions, as ``generate`` checks its
-    length: past them the rotary tables alone grew with it (100000000 was killed for memory),
-    and a learned position table has no rows beyond."""
+SERVE_MAX_MODEL_LEN = 2048  # serve's default length, where the model's positions allow
+
+
+def serve_length(loaded, max_model_len: int | None) -> int:
+    """``serve``'s --max-model-len, checked within the model's positions as ``generate`` checks
+    its length (past them the rotary tables alone grew with it: 100000000 was killed for memory;
+    a learned position table has no rows beyond); None: ``SERVE_MAX_MODEL_LEN`` or the model's
+    positions where fewer (a 1024-position model was refused the old default)."""
     from compress.io.checkpoint import check_positions
 
+    if max_model_len is None:
+        limit = getattr(loaded.model.config, "max_position_embeddings", None)
+        return min(SERVE_MAX_MODEL_LEN, limit) if isinstance(limit, int) and limit > 1 else \
+            SERVE_MAX_MODEL_LEN
     check_positions(loaded.model.config, max_model_len, "serve: --max-model-len", loaded.source)
+    return max_model_len
+
+
+def fit_serve_length(max_model_len: int, args: argparse.Namespace, cache) -> int:
+    """``max_model_len`` where the KV cache holds one sequence that long; else a RecipeError for
+    a length ``args`` asked for, or the cache's length with a note for the default. (A server
+    whose cache held fewer tokens than it advertised refused every chat request without
+    max_tokens: the default output fills max_model_len.)"""
+    asked, kv_memory = args.max_model_len is not None, args.kv_memory
+    holds = cache.num_blocks * cache.block_size
+    if max_model_len <= holds:
+        return max_model_len
+    if asked:
+        raise RecipeError(
+            f"serve: --max-model-len {max_model_len} needs {-(-max_model_len // cache.block_size)}"
+            f" KV blocks of {cache.block_size} tokens; --kv-memory {kv_memory} holds "
+            f"{cache.num_blocks} ({holds} tokens): raise --kv-memory or give --max-model-len "
+            f"{holds} or less")
+    print(f"note: max_model_len {holds} (what --kv-memory {kv_memory} holds, under "
+          f"{max_model_len}); raise --kv-memory for longer requests", file=sys.stderr)
+    return holds
 
 
 def check_generate_length(loaded, ids: list[int], max_new_tokens: int) -> int:

@@ -130,10 +130,12 @@ def adjust_logits(row: torch.Tensor, a: Adjustments, prompt: list[int], output: 
         row -= a.frequency_penalty * counts + a.presence_penalty * (counts > 0)
     for token, bias in a.logit_bias:
         row[token] += bias
+    if len(output) >= a.min_tokens:  # (sorting a large stop set every token took seconds)
+        return row
     masked = sorted(t for t in stop_tokens if 0 <= t < row.numel())
     # stop tokens naming the whole vocabulary leave nothing to draw (softmax of -inf is NaN):
     # then min_tokens cannot hold, and the request stops at its first token
-    if len(output) < a.min_tokens and 0 < len(masked) < row.numel():
+    if 0 < len(masked) < row.numel():
         row[torch.tensor(masked, device=row.device)] = float("-inf")
     return row
 

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from compress.core.errors import ModelLoadError
+from compress.runtime.connections import BodyLimit, error_json, uvicorn_config
 from compress.runtime.engine_loop import Engine
 from compress.runtime.sampling import MAX_TEMPERATURE
 from compress.runtime.scheduler import Event, RequestError
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64  # n per prompt: each is a request of its own in the scheduler
 MAX_LOGPROBS = 20  # top log-probs per token, as vLLM's default limit
+# stop strings per request (OpenAI takes 4): each is looked for after every token, and 200,000
+# of them made a 100-token answer take 16 s of the event loop
+MAX_STOPS = 64
 # A request body past this is a 413 before it is read whole: a 100 MB body was held and parsed
 # on the event loop. 32 MiB holds 256 prompts of 8192 token ids each as JSON, twice over.
 MAX_BODY_BYTES = 32 << 20
@@ -110,7 +114,9 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # token ids first: pydantic tries the members in order, and a list of 15M ids tried as
+    # list[str] first made 15M errors (40 s and 3.7 GB on the event loop) before list[int]
+    prompt: list[int] | str | list[str] | list[list[int]]
 
 
 class ChatMessage(BaseModel):
@@ -118,12 +124,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None  # refused (tools): not dropped in silence
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # tool calling is not served: a request that sets any of these is refused, not served as
+    # if they were unset (tool_choice "none" asks for no tools, which is what it gets)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class _Detokenizer:
@@ -169,7 +181,7 @@ class Server:
         # the most characters a servable text can have (``_CHARS_MARGIN``)
         self.max_text_chars = max_model_len * _longest_token_chars(tokenizer) * _CHARS_MARGIN
         app = FastAPI(title="compress serve", docs_url=None, redoc_url=None)
-        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+        app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
         self.app = app
 
         @app.exception_handler(RequestValidationError)
@@ -181,6 +193,12 @@ class Server:
             # FastAPI's own {"detail": ...} (unknown route, wrong method, a body it cannot
             # parse) in OpenAI's error shape, which clients read
             message = str(exc.detail)
+            if message == "There was an error parsing the body":  # not JSONDecodeError's
+                # invalid UTF-8 (a gzip body), a 5000-digit integer, nesting past the recursion
+                # limit: FastAPI keeps the reason as the cause
+                reason = f" ({str(exc.__cause__)[:200]})" if exc.__cause__ else ""
+                message = (f"the request body could not be read as JSON{reason}: send UTF-8 "
+                           "JSON, not compressed (no Content-Encoding)")
             if exc.status_code in (404, 405):
                 message += f": {request.method} {request.url.path}; this server serves {ROUTES}"
             response = _error(exc.status_code, message, None)
@@ -193,7 +211,7 @@ class Server:
             return _error(500, f"internal error: {type(exc).__name__}: {exc}"[:500], None,
                           "server_error")
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health():
             if engine.error is not None:
                 return _error(503, f"the engine stopped: {engine.error}", None, "server_error")
@@ -203,7 +221,7 @@ class Server:
         async def stats():
             return engine.snapshot
 
-        @app.get("/v1/models")
+        @app.api_route("/v1/models", methods=["GET", "HEAD"])
         async def models():
             card = {
                 "id": model_name,
@@ -225,6 +243,7 @@ class Server:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
             try:
+                self._check_request(body)
                 self._check_sequences(_prompt_count(body.prompt), body.n)
                 prompts = await in_worker(self._completion_prompts, body)
             except RequestError as exc:
@@ -234,6 +253,7 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
             try:
+                self._check_request(body)
                 self._check_sequences(1, body.n)
                 prompts = [await in_worker(self._chat_prompt, body)]
             except RequestError as exc:
@@ -241,6 +261,41 @@ class Server:
             return await self._serve(body, prompts, request, chat=True)
 
     # ---- request -> token ids ------------------------------------------------------------
+    def _check_request(self, body: _Request) -> None:
+        """What pydantic's types do not say, checked before any prompt is tokenized."""
+        options = body.stream_options
+        if options is not None and not body.stream:
+            raise RequestError("stream_options is only allowed with stream: true",
+                               "stream_options")
+        if not isinstance((options or {}).get("include_usage", False), bool):
+            raise RequestError("stream_options.include_usage must be true or false",
+                               "stream_options")
+        if isinstance(body.stop, list) and len(body.stop) > MAX_STOPS:
+            raise RequestError(f"stop has {len(body.stop)} strings; this server takes at most "
+                               f"{MAX_STOPS}", "stop")
+        if body.stop_token_ids:  # (a million ids past the vocabulary were taken)
+            vocab = self.engine.scheduler.runtime.embed.shape[0]
+            outside = [t for t in body.stop_token_ids if t >= vocab]
+            if outside:
+                raise RequestError(f"stop_token_ids names tokens outside the vocabulary "
+                                   f"0..{vocab - 1}: {outside[:5]}", "stop_token_ids")
+        if isinstance(body, ChatRequest):
+            asked = {"tools": body.tools, "functions": body.functions,
+                     "function_call": body.function_call,
+                     "tool_choice": None if body.tool_choice == "none" else body.tool_choice}
+            asked.update({f"messages.{i}.tool_calls": m.tool_calls
+                          for i, m in enumerate(body.messages)})
+            for name, value in asked.items():
+                if value:
+                    raise RequestError(f"{name}: tool calling is not supported by this server",
+                                       name)
+            # every message costs the template's tokens around it, however short its content:
+            # 300,000 empty messages passed the character bound and held the tokenizer 20 s
+            if len(body.messages) > self.max_model_len:
+                raise RequestError(f"messages has {len(body.messages)} messages; this server's "
+                                   f"max_model_len of {self.max_model_len} tokens holds fewer",
+                                   "messages")
+
     def _check_sequences(self, prompts: int, n: int) -> None:
         """Refuse, before any prompt is tokenized, more sequences than the queue ever holds:
         never servable, whatever the load (a 400, not a 503 whose "retry later" loops)."""
@@ -279,8 +334,6 @@ class Server:
         return out
 
     def _chat_prompt(self, body: ChatRequest) -> list[int]:
-        if body.tools:
-            raise RequestError("tools are not supported by this server", "tools")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError(
                 f"{self.model_name}'s tokenizer has no chat template; use /v1/completions",
@@ -343,8 +396,8 @@ class Server:
             name = "max_completion_tokens" if chat_limit else "max_tokens"
             raise RequestError(
                 f"{name}={limit} with the prompt's {len(prompt)} tokens is more than this "
-                f"server's max_model_len {self.max_model_len}: ask for at most {room} tokens or "
-                "shorten the prompt",
+                f"server's max_model_len {self.max_model_len}: ask for at most {room} "
+                f"token{'s' if room > 1 else ''} or shorten the prompt",
                 name,
             )
         top_k = None if body.top_k in (None, -1, 0) else body.top_k
@@ -394,7 +447,10 @@ class Server:
                 self.engine.abort(seq_id)
             if isinstance(exc, RequestError):
                 return _error(400, str(exc), exc.param)
-            return _error(503, str(exc), None, "server_error")
+            response = _error(503, str(exc), None, "server_error")
+            if isinstance(exc, OverflowError):  # the queue is full: it drains in seconds
+                response.headers["retry-after"] = "1"
+            return response
         usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": 0}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if body.stream:
@@ -470,8 +526,9 @@ class Server:
         offsets = [0] * len(opened)  # completions' text_offset of each choice's next token
         unechoed = set(range(len(opened))) if echoed else set()
         try:
-            if chat:
-                yield _sse(self._chunk(rid, 0, None, None, chat=True, role=True))
+            if chat:  # every choice's first delta names the role, as OpenAI's do
+                for index in range(len(opened)):
+                    yield _sse(self._chunk(rid, index, None, None, chat=True, role=True))
             async for index, delta, reason, event in self._merge(opened, usage):
                 # one event per token, as OpenAI's and vLLM's servers send, even when its text
                 # waits for the next token (a split character): clients count tokens by events
@@ -589,37 +646,6 @@ def _longest_token_chars(tokenizer) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1)
 
 
-class _BodyLimit:
-    """ASGI middleware: a body over ``limit`` bytes is a 413, from its Content-Length before it
-    is read, or (chunked) once more than ``limit`` bytes have come."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    def _message(self, size: str) -> str:
-        return (f"the request body is {size}; this server takes at most {self.limit} bytes "
-                f"({self.limit >> 20} MiB): send fewer or shorter prompts per request")
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            response = _error(413, self._message(f"{int(length)} bytes"), None)
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI's body reader passes an HTTPException on
-                raise HTTPException(413, self._message(f"over {self.limit} bytes"))
-            return message
-
-        await self.app(scope, limited, send)
-
-
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]) as ids -> bias."""
     out = {}
@@ -668,7 +694,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         reason, at = (first.get("ctx") or {}).get("error", "JSON decode error"), first["loc"][-1]
         return f"the request body is not valid JSON: {reason} at character {at}", None
     loc = first.get("loc", ())[1:]
-    path = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    # the path ends at a union's member tag: what follows is inside that one member
+    tags = [i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS)]
+    path = list(loc[: tags[0]] if tags else loc)
     if not path:
         if first.get("type") == "missing":
             return "the request body is empty: send a JSON object of the request's fields", None
@@ -726,7 +754,8 @@ def check_chat_template(tokenizer) -> None:
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    body = error_json(status, message, kind)
+    body["error"]["param"] = param
     return JSONResponse(body, status_code=status)
 
 
@@ -739,7 +768,7 @@ def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8000) -> None:
 
     import uvicorn
 
-    http = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="info"))
+    http = uvicorn.Server(uvicorn_config(server.app, host=host, port=port))
     # uvicorn installs signal handlers only in the main thread: this one keeps them
     thread = threading.Thread(target=http.run, name="compress-http", daemon=True)
     signals: list[int] = []

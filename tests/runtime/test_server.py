@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from compress.runtime.connections import uvicorn_config
 from compress.runtime.engine import Runtime
 from compress.runtime.scheduler import Scheduler
 from compress.runtime.server import Engine, Server
@@ -41,14 +42,17 @@ def tiny():
 class Running:
     """A server on a free localhost port, in a thread, stopped at exit."""
 
-    def __init__(self, runtime, tokenizer, *, max_waiting=64, **scheduler):
+    def __init__(self, runtime, tokenizer, *, max_waiting=64, header_timeout=30.0,
+                 max_connections=None, **scheduler):
         scheduler = Scheduler(runtime, **{"num_blocks": 64, "block_size": 4, **scheduler})
         self.engine = Engine(scheduler, max_waiting=max_waiting)
         self.app = Server(self.engine, tokenizer, "tiny", max_model_len=runtime.max_seq_len).app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning")
+        # the protocol and bounds ``serve`` runs (compress.runtime.connections)
+        config = uvicorn_config(self.app, log_level="warning", header_timeout=header_timeout,
+                                max_connections=max_connections)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
         self.thread.start()
@@ -442,6 +446,7 @@ def test_overload_queues_up_to_the_bound_then_answers_503():
             time.sleep(0.3)
         rejected = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
         assert rejected.status_code == 503 and "retry later" in rejected.json()["error"]["message"]
+        assert rejected.headers["retry-after"] == "1"
         release.set()
         for t in threads:
             t.join()
@@ -718,3 +723,30 @@ def test_serve_runs_decode_layers_where_its_banner_says(tmp_path, monkeypatch, c
         assert scheduler.decode_stack is not None and "decode layers in C++;" in banner
     if flags:
         assert scheduler.decode_stack_reason == "asked for"
+
+
+def test_serve_fits_its_default_length_to_the_kv_cache_and_refuses_an_asked_one(tmp_path,
+                                                                               monkeypatch,
+                                                                               capsys):
+    """A server whose cache held 76 tokens advertised max_model_len 256 and refused every chat
+    request without max_tokens (the default output fills max_model_len). The default length is
+    the model's positions (256 here, under 2048) where the cache holds them, else what it
+    holds, with a note; a length asked for that the cache cannot hold is refused."""
+    from compress import cli
+    from compress.runtime import server
+
+    model, tokenizer = tiny()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    served = []
+    monkeypatch.setattr(server, "serve", lambda s, **_: served.append(s))
+    assert cli.main(["serve", str(tmp_path), "--kv-memory", "4MB"]) == 0
+    cache = served[0].engine.scheduler.cache
+    assert served[0].max_model_len == 256 < cache.num_blocks * cache.block_size
+    small = str(10 * cache.bytes_per_block)  # 10 blocks of 16 tokens
+    assert cli.main(["serve", str(tmp_path), "--kv-memory", small]) == 0
+    assert served[1].max_model_len == 160
+    assert f"note: max_model_len 160 (what --kv-memory {small} holds" in capsys.readouterr().err
+    assert cli.main(["serve", str(tmp_path), "--kv-memory", small, "--max-model-len", "200"]) == 2
+    assert (f"--max-model-len 200 needs 13 KV blocks of 16 tokens; --kv-memory {small} holds 10 "
+            "(160 tokens)") in capsys.readouterr().err

@@ -147,8 +147,12 @@ MALFORMED = [
     ("body-not-json", C, b"{not json", None, "the request body is not valid JSON"),
     ("body-empty", C, b"", None, "the request body is empty"),
     ("body-a-list", C, b"[1, 2]", None, "must be a JSON object"),
+    # FastAPI's "There was an error parsing the body", which named nothing
     ("body-nested-too-deep", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None,
-     "error parsing the body"),
+     "could not be read as JSON"),
+    ("body-not-utf8", C, b'{"prompt": "\xff\xfe"}', None, "send UTF-8 JSON"),
+    ("body-5000-digit-integer", C, b'{"prompt": [' + b"9" * 5000 + b"]}", None,
+     "could not be read as JSON (Exceeds the limit"),
     # chat: content parts whose text was not a string were a 500 (str.join)
     ("content-part-text-null", CHAT, said([{"type": "text", "text": None}]),
      "messages.0.content", "only text content parts"),
@@ -170,6 +174,29 @@ MALFORMED = [
      "prompt is not valid Unicode text"),
     ("content-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\udfffa"}]}',
      "messages.0.content", "messages.0.content is not valid Unicode text"),
+    # taken and then ignored, or slow: 200,000 stop strings held the event loop for 16 s, a
+    # million stop ids past the vocabulary the engine thread (sorted every token)
+    ("stop-strings-too-many", C, {"prompt": "hi", "stop": ["a"] * 65}, "stop",
+     "stop has 65 strings; this server takes at most 64"),
+    ("stop-token-past-vocabulary", C, {"prompt": "hi", "stop_token_ids": [5, 320]},
+     "stop_token_ids", "outside the vocabulary 0..319: [320]"),
+    ("stream-options-without-stream", C, {"prompt": "hi", "stream": False,
+     "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+    ("include-usage-not-a-bool", C, {"prompt": "hi", "stream": True,
+     "stream_options": {"include_usage": "yes"}}, "stream_options", "must be true or false"),
+    ("tools", CHAT, {**said("hi"), "tools": [{"type": "function"}]}, "tools",
+     "tool calling is not supported"),
+    ("tool-choice", CHAT, {**said("hi"), "tool_choice": "required"}, "tool_choice",
+     "tool calling is not supported"),
+    ("functions", CHAT, {**said("hi"), "functions": [{"name": "f"}]}, "functions",
+     "tool calling is not supported"),
+    ("tool-calls-in-a-message", CHAT, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1"}]},
+        {"role": "user", "content": "hi"}]}, "messages.0.tool_calls",
+     "tool calling is not supported"),
+    # empty messages passed the character bound; their template held the tokenizer 20 s
+    ("messages-more-than-max-model-len", CHAT, {"messages": [{"role": "user"}] * 129},
+     "messages", "messages has 129 messages; this server's max_model_len of 128"),
     # past float32's max the logits' temperature is inf: every token tied, top_k ignored
     ("temperature-past-float32", C, {"prompt": "hi", "temperature": 1e39}, "temperature",
      "less than or equal to 3402823466385288"),
@@ -210,6 +237,26 @@ def test_unknown_routes_and_methods_answer_in_openais_error_shape(served, method
     assert f"{method} {path}" in error["message"] and "POST /v1/completions" in error["message"]
     if status == 405:
         assert "allow" in reply.headers
+
+
+def test_chat_streams_name_the_role_for_every_choice_and_take_tool_choice_none(served):
+    """Only choice 0 got the {"role": "assistant"} delta; ``tool_choice: "none"`` asks for no
+    tools, which is what it gets."""
+    running, _, _ = served
+    body = {**said("hi"), "n": 2, "max_tokens": 2, "tool_choice": "none"}
+    status, events = post(running, CHAT, body, stream=True)
+    assert status == 200, events
+    roles = [e["choices"][0]["index"] for e in events
+             if e["choices"][0]["delta"].get("role") == "assistant"]
+    assert sorted(roles) == [0, 1]
+    status, reply = post(running, CHAT, body)
+    assert status == 200 and len(reply["choices"]) == 2, reply
+
+
+def test_head_asks_of_health_and_models_are_answered(served):
+    running, _, _ = served
+    for path in ("/health", "/v1/models"):
+        assert httpx.head(running.url + path).status_code == 200
 
 
 def test_after_every_malformed_request_the_answers_stay_right(served):
