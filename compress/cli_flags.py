@@ -61,6 +61,9 @@ def check_flags(args: argparse.Namespace) -> None:
     stride = getattr(args, "stride", None)
     if stride is not None and stride > args.context_length:
         bad.append(f"--stride {args.stride} must be <= --context-length (or it skips tokens)")
+    out = getattr(args, "out", None)
+    if isinstance(out, str) and not out.strip():  # was the default folder, silently
+        bad.append("--out is empty: give a folder (or leave the flag out for the default)")
     prompt = getattr(args, "prompt", None)
     try:
         if isinstance(prompt, str):

@@ -6,8 +6,8 @@ compress never deletes data it did not write. Every folder it writes as output (
 empty or holds that marker; any other non-empty folder is an ``OutputError`` unless the user
 passed ``--overwrite``. Even with ``--overwrite``, a folder that is, contains or lies inside a
 protected folder (the input model's own folder, the current directory, the home directory) is
-refused. Replacing a folder happens in ``compress.io.export.atomic_directory``: the new folder is
-complete before the old one is removed.
+refused. Replacing a folder happens in ``atomic_directory``: the new folder is complete before
+the old one is removed.
 
 Files are given ordinary permissions (0644, folders 0755) after writing: safetensors and
 tempfile create 0600 files, which other users (a serving process, a shared cache) cannot read.
@@ -15,9 +15,12 @@ tempfile create 0600 files, which other users (a serving process, a shared cache
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -57,14 +60,20 @@ def check_output_dir(
     *,
     overwrite: bool = False,
     protect: Iterable[str | os.PathLike[str]] = (),
+    ignore: Iterable[str] = (),
 ) -> None:
     """Raise ``OutputError`` unless compress may write, and replace, the folder ``out_dir``.
 
     protect: folders (the input model's) that ``out_dir`` may not be, contain or lie inside, even
     with ``overwrite``; the current and home directories are always protected that way.
+    ignore: entry names that do not make the folder non-empty (our own temporary folder).
     """
     out = Path(out_dir)
-    resolved = out.expanduser().resolve()
+    try:
+        resolved = out.expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        raise OutputError(f"output folder {out} cannot be resolved ({exc}); choose another "
+                          "--out") from None
     for folder, what, inside_ok in _guarded_folders(protect):
         if _contains(resolved, folder) or (not inside_ok and _contains(folder, resolved)):
             relation = (
@@ -86,7 +95,7 @@ def check_output_dir(
         raise OutputError(f"output directory {parent} is not writable; choose another --out")
     if overwrite or not out.is_dir() or is_compress_output(out):
         return
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if p.name not in set(ignore))
     if entries:
         shown = ", ".join(entries[:5]) + (f" (and {len(entries) - 5} more)" if len(entries) > 5
                                           else "")
@@ -140,3 +149,78 @@ def set_permissions(folder: Path) -> None:
             path = Path(root, name)
             if not path.is_symlink():
                 path.chmod(FILE_MODE)
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    out_dir: str | os.PathLike[str], *, kind: str = "checkpoint", overwrite: bool = False
+) -> Iterator[Path]:
+    """Yield a temporary directory; on success its contents become ``out_dir``.
+
+    ``out_dir`` must be missing, empty or an earlier compress output, unless ``overwrite``
+    (``check_output_dir``). The new folder gets the compress marker and ordinary permissions.
+    Normally the temporary folder is a sibling that replaces ``out_dir`` in one rename, an
+    earlier folder moved aside and deleted only once the new one is in place. A mount point
+    (a container's volume) cannot be renamed: there the temporary folder lies inside it and
+    its entries move up, the marker last, once the earlier entries are moved aside. On any
+    exception before that the temporary directory is removed and ``out_dir`` is left as it was;
+    if the final rename itself fails, the complete new folder is kept and named in the error.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite=overwrite)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    in_place = out_dir.is_dir() and not out_dir.is_symlink() and os.path.ismount(out_dir)
+    home = out_dir if in_place else out_dir.parent
+    tmp, old = home / f".{out_dir.name}.tmp-{tag}", home / f".{out_dir.name}.old-{tag}"
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:  # check_output_dir's os.access cannot foresee every refusal
+        raise OutputError(f"cannot write into {home} ({exc}); choose another --out") from exc
+    kept = False
+    try:
+        yield tmp
+        write_marker(tmp, kind)
+        set_permissions(tmp)
+        # again, right before replacing it
+        check_output_dir(out_dir, overwrite=overwrite, ignore=[tmp.name] if in_place else [])
+        try:
+            (_replace_contents if in_place else _replace_folder)(out_dir, tmp, old)
+        except OSError as exc:  # an immutable folder, a busy one: keep the finished work
+            kept = True
+            raise OutputError(f"cannot put the new folder in place of {out_dir} ({exc}); it is "
+                              f"complete at {tmp}: move it there yourself") from exc
+    finally:
+        if not kept:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_folder(out_dir: Path, tmp: Path, old: Path) -> None:
+    """``tmp`` becomes ``out_dir`` in one rename; an earlier ``out_dir`` is put back if that
+    fails, else deleted (a link is unlinked: the folder it pointed to is left alone)."""
+    replacing = out_dir.exists() or out_dir.is_symlink()
+    if replacing:
+        os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if replacing:
+            os.replace(old, out_dir)  # put the earlier folder back
+        raise
+    if old.is_symlink():
+        old.unlink()
+    elif replacing:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace_contents(out_dir: Path, tmp: Path, old: Path) -> None:
+    """``tmp``'s entries (inside ``out_dir``) become ``out_dir``'s: the earlier entries move
+    into ``old`` (inside too) and are deleted at the end, the marker comes last, so a folder
+    with the marker is complete."""
+    old.mkdir()
+    for entry in out_dir.iterdir():
+        if entry not in (tmp, old):
+            os.replace(entry, old / entry.name)
+    for entry in sorted(tmp.iterdir(), key=lambda e: e.name == MARKER):
+        os.replace(entry, out_dir / entry.name)
+    tmp.rmdir()
+    shutil.rmtree(old, ignore_errors=True)

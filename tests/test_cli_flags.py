@@ -34,6 +34,8 @@ BAD_FLAGS = {
     "generate_seed": (["generate", "hi", "--model", MISSING, "--seed", str(2**70)],
                       "must be a 64-bit integer"),
     "serve_model_len": (["serve", MISSING, "--max-model-len", "0"], "--max-model-len 0"),
+    # wrote to the default out/<name> without a word
+    "run_out_empty": (["run", "recipes/smollm2-w8-rtn.yaml", "--out", ""], "--out is empty"),
     "serve_threads": (["serve", MISSING, "--threads", "-2"], "--threads -2 must be >= 1"),
     "serve_port": (["serve", MISSING, "--port", "-1"], "--port -1 must be in 0..65535"),
     "serve_kv_memory": (["serve", MISSING, "--kv-memory", "100000000GB"],

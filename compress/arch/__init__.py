@@ -221,6 +221,29 @@ def dense_view(arch: Arch) -> Arch:
     )
 
 
+def with_clamped_values(arch: Arch, config) -> Arch:
+    """``arch`` for a model whose ``config`` clamps q, k and v (OLMo's and OLMoE's
+    ``clip_qkv``): the clamp sits between the value projection and the output projection, so a
+    scale folded from one into the other, or a rotation of the value heads, would change the
+    model. The v -> o mappings become scale gaps (quantized unscaled, said so); a config
+    without the clamp gets ``arch`` itself."""
+    clip = getattr(config, "clip_qkv", None)
+    if not clip:
+        return arch
+    reason = (f"clip_qkv={clip} clamps {arch.v}'s outputs before {arch.o}: a scale folded "
+              "across the clamp would change the model; not scaled")
+
+    def split(mappings: tuple[Mapping, ...]) -> tuple[tuple[Mapping, ...], tuple[ScaleGap, ...]]:
+        kept = tuple(m for m in mappings if m.producer != arch.v)
+        return kept, tuple(ScaleGap(m.consumers, reason) for m in mappings if m.producer == arch.v)
+
+    awq, awq_gaps = split(arch.awq_mappings)
+    smooth, smooth_gaps = split(arch.smoothquant_mappings)
+    gaps = tuple(dict.fromkeys(arch.scale_gaps + awq_gaps + smooth_gaps))
+    return dataclasses.replace(arch, awq_mappings=awq, smoothquant_mappings=smooth,
+                               scale_gaps=gaps)
+
+
 def layer_arch(arch: Arch, layer: nn.Module) -> Arch:
     """The entry that describes the decoder ``layer``: ``arch`` itself, or for an MoE family's
     layer with a dense MLP (``sparse_layers`` leaves it out) its ``dense_view``."""

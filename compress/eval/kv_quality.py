@@ -14,13 +14,12 @@ cache alone.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.eval.quality import window_spans
+from compress.eval.quality import exp_nll, window_spans
 from compress.runtime.engine import Runtime
 from compress.runtime.paged import KV_DTYPES, PagedKVCache, kv_bytes_per_token, paged_logits
 
@@ -81,10 +80,10 @@ def kv_cache_quality(
             else:
                 kl[name] += float((ref_logp.exp() * (ref_logp - logp)).sum())
         scored += len(targets)
-    base_ppl = math.exp(nll[reference] / scored)
+    base_ppl = exp_nll(nll[reference] / scored)
     per_dtype = {}
     for name in caches:
-        ppl = math.exp(nll[name] / scored)
+        ppl = exp_nll(nll[name] / scored)
         per_token = kv_bytes_per_token(
             len(runtime.layers), first.n_kv, first.head_dim, KV_DTYPES[name], first.values_in_keys
         )

@@ -92,6 +92,12 @@ class PerplexityResult:
         return asdict(self)
 
 
+def exp_nll(nll: float) -> float:
+    """exp(mean NLL), the perplexity: inf past float's range (a mean NLL over ~709.8 nats, a
+    broken model's, raised OverflowError and lost a whole ``compress run``)."""
+    return math.exp(nll) if nll < math.log(torch.finfo(torch.float64).max) else math.inf
+
+
 def window_spans(n_tokens: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first_scored) for each window; tokens [first_scored, end) are scored."""
     spans = []
@@ -704,4 +710,4 @@ def _result(scores, spans, all_spans, ids, limit, source, context_length, stride
         "total_tokens_in_text": len(ids),
         "metric": "token perplexity = exp(mean NLL over scored tokens)",
     }
-    return PerplexityResult(math.exp(nll_mean), nll_mean, total_tokens, len(spans), protocol)
+    return PerplexityResult(exp_nll(nll_mean), nll_mean, total_tokens, len(spans), protocol)

@@ -86,6 +86,14 @@ def shard_files(path: Path) -> list[Path]:
                 "re-download or re-export the checkpoint"
             )
         files = [path / name for name in dict.fromkeys(weight_map.values())]
+        single = path / "model.safetensors"
+        if single.is_file() and single not in files:
+            # transformers loads the single file, the index's readers the shards: two models
+            raise ModelLoadError(
+                f"{path} holds both {single.name} and {INDEX_FILE} with other shards, two "
+                "checkpoints that loaders read differently; remove the stale one (or re-download "
+                "/ re-export the checkpoint)"
+            )
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(

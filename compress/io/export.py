@@ -15,14 +15,10 @@ half-written checkpoint at the target path.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +26,7 @@ import torch
 from torch import nn
 
 from compress.arch import expert_shape, fused_experts, model_type, output_weight_key, sparse_layers
-from compress.core.errors import ModelLoadError, OutputError, RecipeError
+from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
 from compress.io.checkpoint import stored_dtype_name
@@ -67,7 +63,7 @@ from compress.io.wrapped import (
     wrapper_config,
     wrapper_names,
 )
-from compress.output_dir import check_output_dir, set_permissions, write_marker
+from compress.output_dir import atomic_directory
 from compress.quant.kv_scales import KV_CACHE_SCHEME, add_kv_scale_buffers, has_kv_scales
 from compress.quant.linear import (
     INPUT_ACTIVATIONS,
@@ -128,6 +124,14 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
                     "them only so: the quantized expert weights are written per expert, which "
                     "compress.load reads and plain transformers does not (it would initialize "
                     "them anew); which vLLM reads: docs/results.md", model_type(model))
+    if any(isinstance(m, QuantLinear) and m.scheme.n_bits == 8 for e in model.modules()
+           if isinstance(e, QuantExperts) for m in e.modules()):
+        # transformers 5.25 decompresses per-expert weights only when packed (int4) or fp8:
+        # an int8 expert's (weight, weight_scale) pair ended its load in "Ckpt contains: 0"
+        log.warning("%s: the int8 expert weights are written per expert as int8 weight + "
+                    "weight_scale, which compress.load reads and plain transformers (5.25) "
+                    "does not; quantize the experts to int4 (or leave them float) for it",
+                    model_type(model))
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -168,6 +172,9 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
 def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightScheme:
     if args.get("type", "int") != "int" or args.get("num_bits") not in (4, 8):
         raise ModelLoadError(f"unsupported weight quantization {args}: compress loads int4/int8")
+    if args.get("strategy", "channel") not in ("channel", "group"):  # was blamed on a shape
+        raise ModelLoadError(f"unsupported weight quantization {args}: strategy "
+                             f"{args.get('strategy')!r}; compress loads 'channel' and 'group'")
     group = args.get("group_size") if args.get("strategy") == "group" else None
     if group is not None and (type(group) is not int or group <= 0):  # bool is an int
         raise ModelLoadError(f"unsupported weight quantization {args}: group_size must be a "
@@ -281,50 +288,6 @@ class StreamedExport:
         else:
             write_config(self.model, self.directory, self.dtype_name)
         return files
-
-
-@contextlib.contextmanager
-def atomic_directory(
-    out_dir: str | Path, *, kind: str = "checkpoint", overwrite: bool = False
-) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename.
-
-    ``out_dir`` must be missing, empty or an earlier compress output, unless ``overwrite``
-    (``compress.output_dir.check_output_dir``). The new folder gets the compress marker and
-    ordinary permissions; an earlier folder is moved aside and deleted only once the new one is
-    in place. On any exception the temporary directory is removed and ``out_dir`` is left
-    exactly as it was, so nothing half-written ever appears at the target path.
-    """
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir, overwrite=overwrite)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
-    old = out_dir.parent / f".{out_dir.name}.old-{tag}"
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as exc:  # check_output_dir's os.access cannot foresee every refusal
-        raise OutputError(f"cannot write into {out_dir.parent} ({exc}); choose another --out") \
-            from exc
-    try:
-        yield tmp
-        write_marker(tmp, kind)
-        set_permissions(tmp)
-        check_output_dir(out_dir, overwrite=overwrite)  # again, right before replacing it
-        replacing = out_dir.exists() or out_dir.is_symlink()
-        if replacing:
-            os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if replacing:
-                os.replace(old, out_dir)  # put the earlier folder back
-            raise
-        if old.is_symlink():
-            old.unlink()  # out_dir was a link: the folder it pointed to is left alone
-        elif replacing:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- config files that every supported transformers reads (pyproject: transformers>=4.56) --
@@ -580,6 +543,13 @@ def _swap_quantized_experts(model: nn.Module, quant: dict[str, Any], stored_dtyp
         setattr(model.get_submodule(parent), child, experts)
 
 
+def _dynamic_int8_tokens(acts: dict[str, Any]) -> bool:
+    """Whether ``input_activations`` are what ``W8A8Linear`` computes: int8, one dynamic scale
+    per token (``quant.linear.INPUT_ACTIVATIONS``)."""
+    return (acts.get("strategy") == "token" and acts.get("dynamic", True) is True
+            and acts.get("num_bits", 8) == 8 and acts.get("type", "int") == "int")
+
+
 def swap_quantized_linears(
     model: nn.Module, quant: dict[str, Any], stored_dtype, path: Path, dtype: torch.dtype,
     backend: str,
@@ -589,6 +559,12 @@ def swap_quantized_linears(
     linear's weight (meta for a skeleton). ``stored_dtype(name)``: the dtype the checkpoint
     stores tensor ``name`` in, None when it is missing (the scales' dtype is the scheme's)."""
     ignore = quant.get("ignore") or []  # the groups' form: io.stream.read_config_json
+    for key, group in quant.get("config_groups", {}).items():
+        acts = group.get("input_activations")
+        if acts and not _dynamic_int8_tokens(acts):  # never silently: say what is not applied
+            log.warning("%s: config group %s quantizes input activations as %s, which compress "
+                        "does not apply: its layers compute on float activations (weights as "
+                        "stored)", path, key, acts)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or any(matches(name, module, t) for t in ignore):
             continue
@@ -599,7 +575,7 @@ def swap_quantized_linears(
                     raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
                 scheme = _scheme_from_args(group["weights"], scale_dtype)
                 cls = QuantLinear
-                if (group.get("input_activations") or {}).get("strategy") == "token":
+                if _dynamic_int8_tokens(group.get("input_activations") or {}):
                     cls = W8A8Linear  # dynamic int8 inputs
                 try:
                     with torch.device(module.weight.device):

@@ -651,8 +651,8 @@ def _run_streamed(plan, out, options, *, export, baseline, report, label) -> Job
     one at a time."""
     import gc
 
-    from compress.io.export import atomic_directory
     from compress.io.load import check_tokenizer_fits, load_tokenizer
+    from compress.output_dir import atomic_directory
 
     recipe, skeleton = plan.recipe, plan.skeleton
     tokenizer = load_tokenizer(plan.where)  # the checks load_model makes

@@ -58,6 +58,7 @@ from compress.arch import (
     layer_arch,
     mapping_paths,
     producer_rows,
+    with_clamped_values,
 )
 from compress.core.matcher import set_submodule
 from compress.core.registry import (
@@ -343,7 +344,7 @@ def scale_layer(
 def awq(model: nn.Module, cfg: AwqConfig, state: CompressionState) -> PassReport:
     """Scale (and clip) then round every targeted decoder Linear, one decoder layer at a time."""
     report = PassReport("quantize.awq")
-    arch = arch_for(model, "quantize.awq")
+    arch = with_clamped_values(arch_for(model, "quantize.awq"), model.config)
     check_paths(model, arch, mapping_paths(arch.awq_mappings), "quantize.awq")
     # q and k: no clipping search, their errors are amplified by the softmax (with a fused
     # qkv_proj the whole fused linear, since its q and k rows are in it)

@@ -374,6 +374,11 @@ def rotate_hadamard(model: nn.Module, cfg: RotateConfig, state: CompressionState
     rotated (kept resident); the result is the in-memory run's, bit for bit."""
     arch = arch_for(model, NAME)
     _check_supported(model, arch)  # every refusal before any weight is read or changed
+    if cfg.value_output and getattr(model.config, "clip_qkv", None):
+        raise ConfigError(
+            f"{NAME}: clip_qkv={model.config.clip_qkv} clamps the values between {arch.v} and "
+            f"{arch.o}, so rotating the value heads (value_output) would change the model. Set "
+            "value_output: false to rotate the residual stream only")
     if cfg.value_output and arch.latent_attention:
         raise ConfigError(
             f"{NAME}: model_type {arch.model_type!r} uses multi-head latent attention: its "

@@ -33,6 +33,7 @@ from compress.arch import (
     layer_arch,
     mapping_paths,
     producer_rows,
+    with_clamped_values,
 )
 from compress.core.matcher import set_submodule, target_modules
 from compress.core.registry import (
@@ -172,7 +173,7 @@ def smooth_layer(
 def smoothquant(model: nn.Module, cfg: SmoothquantConfig, state: CompressionState) -> PassReport:
     """Smooth (per layer, on the already-W8A8 previous layers' outputs), then W8A8 every target."""
     report = PassReport("quantize.smoothquant")
-    arch = arch_for(model, "quantize.smoothquant")
+    arch = with_clamped_values(arch_for(model, "quantize.smoothquant"), model.config)
     refuse_targeted_experts(
         model, cfg, "quantize.smoothquant", "W8A8 has no kernel for routed expert weights"
     )

@@ -56,6 +56,7 @@ from compress.runtime.families import (
     embed_factor,
     head_dim_of_config,
     kv_heads_of,
+    rope_reason,
     rope_tables,
     window_mask,
 )
@@ -70,7 +71,7 @@ from compress.runtime.layers import (
     _Q8Kernel,
 )
 from compress.runtime.paged import kv_bytes_per_token
-from compress.runtime.sampling import _make_sampling, _sample, _Sampling
+from compress.runtime.sampling import _make_sampling, _sample, _Sampling, refuse_nan_scores
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ def unsupported_reason(model: nn.Module, max_seq_len: int | None = None) -> str 
                 "entry has runtime=False)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    return config_unsupported_reason(config, RUNTIME_SPECS[model_type], max_seq_len)
+    spec = RUNTIME_SPECS[model_type]
+    return config_unsupported_reason(config, spec, max_seq_len) or rope_reason(model, arch, spec)
 
 
 def _call_layer(
@@ -740,6 +742,7 @@ class Runtime:
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(stop) or None,
             pad_token_id=pad_id,
+            logits_processor=[refuse_nan_scores],
         )
         if s.temperature > 0:
             kwargs.update(temperature=s.temperature, top_k=s.top_k or 0, top_p=s.top_p or 1.0)

@@ -50,6 +50,10 @@ def config_unsupported_reason(config, spec: RuntimeSpec,
             return (f"llama_4_scaling_beta={beta}: queries at positions {limit} and beyond are "
                     f"scaled by position, which the runtime does not apply (max_seq_len "
                     f"{max_seq_len} reaches them)")
+    d, r = head_dim_of_config(config), rotary_dim(config)
+    if not (0 < r <= d and r % 2 == 0):  # (factor 2 indexed past the head: an IndexError)
+        return (f"partial_rotary_factor rotates {r} channels of a {d}-channel head (an even "
+                f"number in 2..{d} runs)")
     other = set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES)
     if other:
         return f"layer_types {sorted(other)} (only {LAYER_TYPES} are run)"
@@ -170,8 +174,8 @@ def rotary_dim(config) -> int:
     0.75, GLM 0.5), the first ones; all by default."""
     factors = [r["partial_rotary_factor"] for r in rope_settings(config)
                if r.get("partial_rotary_factor") is not None]
-    factor = factors[0] if factors else getattr(config, "partial_rotary_factor", None) or 1.0
-    return int(head_dim_of_config(config) * factor)
+    factor = factors[0] if factors else getattr(config, "partial_rotary_factor", None)
+    return int(head_dim_of_config(config) * (1.0 if factor is None else factor))
 
 
 def rope_permutation(config, spec: RuntimeSpec) -> torch.Tensor | None:
@@ -190,6 +194,21 @@ def rope_permutation(config, spec: RuntimeSpec) -> torch.Tensor | None:
     pad = d // 2 - r // 2
     order = torch.tensor([*firsts, *passed[:pad], *seconds, *passed[pad:]])
     return None if torch.equal(order, torch.arange(d)) else order
+
+
+class UnsupportedRope(ValueError):
+    """The model's rotary module and its config disagree on the rotated channels (a Llama
+    config with ``partial_rotary_factor``, which Llama's module does not read)."""
+
+
+def rope_reason(model: nn.Module, arch: Arch, spec: RuntimeSpec) -> str | None:
+    """Why ``rope_tables`` cannot lay out this model's rotary tables, or None (one position is
+    built: cheap, and before the runtime takes any layer's weights)."""
+    try:
+        rope_tables(model, arch, spec, 1)
+    except UnsupportedRope as exc:
+        return str(exc)
+    return None
 
 
 def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: int) -> dict:
@@ -227,9 +246,9 @@ def rope_tables(model: nn.Module, arch: Arch, spec: RuntimeSpec, max_seq_len: in
         elif cos.shape[-1] * 2 == r:  # one angle per pair (GPT-OSS's tables): f -> cat(f, f)
             cos, sin = (torch.cat([t] * 2, 1) for t in (cos, sin))
         if cos.shape[-1] != r:
-            raise RuntimeError(
-                f"compress runtime: the rotary module's tables cover {cos.shape[-1]} channels of "
-                f"a head, the config says {r} (head_dim {d}); this configuration is not supported"
+            raise UnsupportedRope(
+                f"the rotary module's tables cover {cos.shape[-1]} channels of a head, the "
+                f"config's partial_rotary_factor says {r} (head_dim {d})"
             )
         if r < d:  # the module's [cat(f, f)] halves (f: the r/2 pair angles) -> D slots
             half, full = r // 2, torch.ones(max_seq_len, d, device=device)

@@ -21,6 +21,15 @@ _NON_FINITE = (
 )
 
 
+def refuse_nan_scores(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A transformers logits processor (the runtime's fallback, ``generate``): NaN or +inf
+    scores are refused as ``_sample`` refuses them (transformers drew token 0 from NaN and the
+    text came out empty, exit 0); -inf is a processor's mask (top-k), not a fault."""
+    if bool(torch.isnan(scores).any()) or bool(torch.isposinf(scores).any()):
+        raise NumericsError(_NON_FINITE)
+    return scores
+
+
 # the largest temperature: past float32's max, logits / T in the logits' float32 are all 0 (every
 # token ties; top-k, top-p and min-p then select nothing)
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from compress.eval.quality import perplexity
+from compress.eval.quality import exp_nll, perplexity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12  # 540 characters = 540 tokens
 VOCAB = 320
@@ -101,3 +101,11 @@ def test_windows_past_the_models_positions_are_refused(tiny_model, tiny_tokenize
     result = perplexity(tiny_model, tiny_tokenizer, TEXT * 2, context_length=positions,
                         progress=False, limit=1)
     assert result.windows == 1
+
+
+def test_a_perplexity_past_floats_range_is_inf_not_an_overflow():
+    """A broken model's mean NLL over ~709.8 nats raised OverflowError in math.exp and lost a
+    whole ``compress run``."""
+    assert exp_nll(2.0) == math.exp(2.0)
+    assert exp_nll(709.0) == math.exp(709.0)
+    assert exp_nll(710.0) == math.inf and exp_nll(9103.7) == math.inf

@@ -107,6 +107,29 @@ def test_a_tensor_in_two_shards_is_refused_not_picked(plain):
         load_model(str(plain))
 
 
+def test_a_single_file_beside_an_index_of_other_shards_is_refused(plain):
+    """transformers loaded model.safetensors, the index's readers (inspect, layer by layer,
+    streamed jobs) the shards: two commands scored two different models from one folder."""
+    (plain / "stale.safetensors").write_bytes((plain / "model.safetensors").read_bytes())
+    _split_in_two(plain)
+    (plain / "stale.safetensors").rename(plain / "model.safetensors")
+    for read in (load_model, inspect_checkpoint, layerwise_model):
+        with pytest.raises(ModelLoadError, match="holds both model.safetensors and model."
+                                                 "safetensors.index.json with other shards"):
+            read(plain)
+
+
+def test_activation_quantization_that_is_not_applied_is_said(tiny_tokenizer, tmp_path, caplog):
+    """Static per-tensor int8 inputs (no input_scale even) loaded as weight-only, silently."""
+    folder = _exported(make_tiny_llama(), tiny_tokenizer, tmp_path / "int4",
+                       Int4RtnConfig(group_size=32))
+    static = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}
+    _quant(lambda q: q["config_groups"]["group_0"].update(input_activations=static))(folder)
+    load_model(str(folder))
+    assert "quantizes input activations as" in caplog.text
+    assert "which compress does not apply" in caplog.text
+
+
 @pytest.mark.parametrize("weight_map", [["a", "b"], {"model.norm.weight": 5}],
                          ids=["list", "not_a_file_name"])
 def test_a_malformed_shard_index_is_refused(weight_map, plain):
@@ -195,6 +218,8 @@ INT4_BREAKS = {
                      "weight_scale is stored as torch.int32 but scales are floating point"),
     "nan_dense_weight": (_tensor("model.norm.weight", lambda t: t * float("nan")),
                          "model.norm.weight holds NaN or Inf"),
+    # was blamed on the scales' shape
+    "strategy_unknown": (_quant(_weights(strategy="foo")), "strategy 'foo'; compress loads"),
 }
 
 

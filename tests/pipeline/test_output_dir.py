@@ -143,3 +143,74 @@ def test_results_and_compare_refuse_a_foreign_folder(tmp_path, capsys):
     assert main(["compare", "no-such-base", "no-such-variant", "--out", str(folder)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == ["thesis.txt"]
+
+
+def _write_into(folder, **kwargs):
+    from compress.output_dir import atomic_directory
+
+    with atomic_directory(folder, **kwargs) as tmp:
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "file").write_text("x")
+
+
+@pytest.mark.parametrize("earlier", ["empty", "compress-output"])
+def test_a_mount_point_is_written_in_place_not_renamed(tmp_path, monkeypatch, earlier):
+    """A container's volume mounted at --out cannot be renamed (EBUSY): the job ran to its end,
+    then lost its checkpoint with a traceback. The folder itself now stays; its entries are
+    replaced, the marker last."""
+    folder = tmp_path / "volume"
+    folder.mkdir()
+    if earlier == "compress-output":
+        _write_into(folder)
+        (folder / "stale.bin").write_text("from the earlier run")
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(folder)
+                        or real_ismount(p))  # fmt: skip
+    renamed = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(src) == os.fspath(folder):
+            renamed.append(src)
+            raise OSError(16, "Device or resource busy")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    _write_into(folder)
+    assert not renamed
+    assert sorted(p.name for p in folder.iterdir()) == [MARKER, "model.safetensors", "sub"]
+    assert (folder / "model.safetensors").read_text() == "new weights"
+    assert (folder / "sub" / "file").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]  # nothing beside it
+
+
+def test_a_folder_that_cannot_be_replaced_keeps_the_finished_work(tmp_path, monkeypatch):
+    """An immutable folder refused the final rename: a traceback, and the finished checkpoint
+    was deleted with the temporary folder. Now the error names where the complete one is, and
+    the folder at --out is as it was."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(src) == os.fspath(folder):
+            raise PermissionError(1, "Operation not permitted")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OutputError, match="cannot put the new folder in place of") as info:
+        _write_into(folder)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(kept) == 1 and str(kept[0]) in str(info.value)
+    assert (kept[0] / "model.safetensors").read_text() == "new weights"
+    assert (kept[0] / MARKER).is_file()
+    assert list(folder.iterdir()) == []
+
+
+def test_an_output_path_in_a_symlink_loop_is_refused(tmp_path):
+    """Was RuntimeError: Symlink loop, a traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(OutputError, match="cannot be resolved"):
+        check_output_dir(loop / "out")

@@ -369,6 +369,25 @@ def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(tmp_p
         assert float((theirs[family] - mine).norm() / mine.norm()) < 1e-2, family
 
 
+def test_an_int8_expert_export_says_plain_transformers_cannot_read_it(tmp_path, caplog):
+    """transformers 5.25 decompresses per-expert weights only when packed (int4) or fp8: a W8
+    MoE export failed its load ("Ckpt contains: 0"), with nothing said at export. compress
+    reads it back."""
+    model = make_tiny_moe("mixtral")
+    int8_rtn(model, Int8RtnConfig(), CompressionState())
+    folder = tmp_path / "w8"
+    export_checkpoint(model, None, folder, dtype="float32")
+    assert "the int8 expert weights are written per expert" in caplog.text
+    ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load_compressed(folder)(ids).logits, model(ids).logits)
+    caplog.clear()
+    model = make_tiny_moe("mixtral")
+    int4_rtn(model, Int4RtnConfig(group_size=32), CompressionState())
+    export_checkpoint(model, None, tmp_path / "w4", dtype="float32")
+    assert "int8 expert" not in caplog.text
+
+
 def test_float_experts_of_a_family_stored_fused_export_fused_for_plain_transformers(tmp_path):
     """GraniteMoE's experts left float (attention W4) are written fused under their stored
     names (input_linear, output_linear), which plain transformers reads: its logits equal

@@ -198,3 +198,27 @@ def test_rotated_quantized_model_runs_on_the_runtime():
         model, max_seq_len=32, decode_dtype=torch.float32, compile=False, keep_model_weights=True
     )  # the model runs too, for the reference
     assert runtime.generate([prompt], 8) == [hf_greedy(model, prompt, 8)]
+
+
+def test_clamped_values_refuse_their_rotation_and_the_v_to_o_scale():
+    """OLMoE's clip_qkv clamps v_proj's outputs before o_proj: rotating the value heads, or
+    folding AWQ's or SmoothQuant's scale from one into the other, changed the float model
+    (perplexity 3,263 -> 1,941) with exit 0. The residual rotation stays exact."""
+    from compress.arch import with_clamped_values
+
+    model = _model("olmoe")
+    model.config.clip_qkv = 0.05  # clamps: the tiny model's q, k, v reach past it
+    arch = with_clamped_values(ARCHS["olmoe"], model.config)
+    assert all(m.producer != arch.v for m in arch.awq_mappings + arch.smoothquant_mappings)
+    gap = [g for g in arch.scale_gaps if g.consumers == (arch.o,)]
+    assert gap and "clip_qkv=0.05 clamps" in gap[0].reason
+    model.config.clip_qkv = None
+    assert with_clamped_values(ARCHS["olmoe"], model.config) is ARCHS["olmoe"]
+    model.config.clip_qkv = 0.05
+    before = _logits(model)
+    state = CompressionState(progress=False)
+    with pytest.raises(ConfigError, match="clip_qkv=0.05 clamps the values.*value_output: false"):
+        run_passes(model, [RotateConfig()], state)
+    run_passes(model, [RotateConfig(value_output=False)], state)
+    after = _logits(model)
+    assert float((after - before).abs().max() / before.abs().max()) < 1e-4

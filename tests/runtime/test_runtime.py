@@ -411,6 +411,36 @@ def test_unsupported_architecture_falls_back_with_warning():
     assert rt.generate([PROMPTS[0]], 8) == [hf_greedy(gpt2, PROMPTS[0], 8)]
 
 
+@pytest.mark.parametrize("factor, reason", [
+    # Llama's rotary module does not read the key (its tables cover the head): was a
+    # RuntimeError; 2.0 indexed past the head (IndexError)
+    (0.5, "tables cover 16 channels of a head, the config's partial_rotary_factor says 8"),
+    (2.0, "partial_rotary_factor rotates 32 channels of a 16-channel head"),
+    (0.0, "partial_rotary_factor rotates 0 channels"),
+])  # fmt: skip
+def test_a_rotary_setting_the_model_does_not_apply_falls_back_to_the_models_numbers(factor,
+                                                                                     reason):
+    llama = make_tiny_llama(seed=0)
+    llama.config.partial_rotary_factor = factor  # after building: the module ignores it
+    with pytest.warns(RuntimeWarning, match=reason):
+        rt = Runtime(llama, max_seq_len=64)
+    assert rt.generate([PROMPTS[0]], 4) == [hf_greedy(llama, PROMPTS[0], 4)]
+
+
+def test_the_fallback_refuses_nan_logits_instead_of_printing_nothing():
+    """transformers' generate drew token 0 from NaN logits: empty text, exit 0."""
+    from compress.core.errors import NumericsError
+
+    llama = make_tiny_llama(seed=0)
+    llama.config.partial_rotary_factor = 2.0  # a fallback
+    with torch.no_grad():
+        llama.model.norm.weight.fill_(float("nan"))
+    with pytest.warns(RuntimeWarning):
+        rt = Runtime(llama, max_seq_len=64)
+    with pytest.raises(NumericsError, match="logits hold NaN or Inf"):
+        rt.generate([PROMPTS[0]], 4)
+
+
 @pytest.mark.parametrize("compiled", ["_decode_fn", "_step"])  # per layer / whole step
 def test_compile_failure_falls_back_once_with_warning(model, compiled):
     rt = Runtime(model, max_seq_len=64, compile=False)
