@@ -172,6 +172,30 @@ def read_header(file: Path) -> tuple[int, dict[str, dict]]:
     return start, header
 
 
+def check_stored(reader, name: str, shape: tuple[int, ...] | None,
+                 dtype: torch.dtype | None) -> None:
+    """ModelLoadError unless ``reader``'s tensor ``name`` (from its header) has ``shape`` and
+    fits ``dtype``: integer codes exactly that dtype (a kernel reads their bits), a float tensor
+    any float dtype (it is cast). None skips a check."""
+    file = reader.file_of(name)
+    if shape is not None and reader.shape(name) != tuple(shape):
+        raise ModelLoadError(
+            f"{file}: tensor {name} has shape {list(reader.shape(name))} but config.json "
+            f"implies {list(shape)}; the config does not match the weights, fix config.json "
+            "or re-export the checkpoint"
+        )
+    stored = reader.dtype(name)
+    if dtype is not None and (
+        stored.is_floating_point != dtype.is_floating_point
+        or (not dtype.is_floating_point and stored != dtype)
+    ):
+        raise ModelLoadError(
+            f"{file}: tensor {name} is stored as {stored} but the model holds {dtype} there; "
+            "the checkpoint is corrupt or its config.json (quantization_config) does not "
+            "match it, re-export it"
+        )
+
+
 class CheckpointReader:
     """Lazy access to the tensors of a checkpoint folder (all its shards). Only the headers are
     read up front; a tensor is read from its file when asked for, with plain reads into a new
@@ -383,22 +407,7 @@ class CheckpointReader:
                 "its config.json, re-download or re-export it"
             )
         file = self._where[name]
-        if shape is not None and self.shape(name) != tuple(shape):
-            raise ModelLoadError(
-                f"{file}: tensor {name} has shape {list(self.shape(name))} but config.json "
-                f"implies {list(shape)}; the config does not match the weights, fix config.json "
-                "or re-export the checkpoint"
-            )
-        stored = self.dtype(name)
-        if dtype is not None and (
-            stored.is_floating_point != dtype.is_floating_point
-            or (not dtype.is_floating_point and stored != dtype)
-        ):
-            raise ModelLoadError(
-                f"{file}: tensor {name} is stored as {stored} but the model holds {dtype} there; "
-                "the checkpoint is corrupt or its config.json (quantization_config) does not "
-                "match it, re-export it"
-            )
+        check_stored(self, name, shape, dtype)
         start, entry = self._entries[name]
         if _MXFP4 in entry:
             scale_file, (scale_start, scale_entry), blocks, dequantized = entry[_MXFP4]

@@ -29,7 +29,7 @@ from compress.arch import expert_shape, fused_experts, model_type, output_weight
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
-from compress.io.checkpoint import stored_dtype_name
+from compress.io.checkpoint import check_stored, stored_dtype_name
 from compress.io.names import (
     MoeTreeReader,
     checkpoint_renamer,
@@ -130,7 +130,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any] | None:
         # an int8 expert's (weight, weight_scale) pair ended its load in "Ckpt contains: 0"
         log.warning("%s: the int8 expert weights are written per expert as int8 weight + "
                     "weight_scale, which compress.load reads and plain transformers (5.25) "
-                    "does not; quantize the experts to int4 (or leave them float) for it",
+                    "does not; quantize them to int4 (or leave them float) for it",
                     model_type(model))
 
     for name, module in model.named_modules():
@@ -661,6 +661,13 @@ def matched_skeleton(path: str | Path, *, dtype: torch.dtype = torch.float32,
             f"{path}: checkpoint does not match its config: missing {missing[:10]}, "
             f"unexpected {unexpected[:10]}; fix config.json or re-export the checkpoint"
         )
+    # every shape and integer dtype as a load reads them (inspect showed a table for a
+    # weight_packed of the wrong shape, a scale of another group size, int64 codes); a
+    # bitsandbytes skeleton is float where its checkpoint holds codes: its loader checks them
+    bnb = quant.get("quant_method") == "bitsandbytes"
+    for name, tensor in expected_tensors(skeleton).items():
+        if tensor.device.type == "meta" and name in stored and not bnb:
+            check_stored(reader, name, tuple(tensor.shape), tensor.dtype)
     return skeleton, reader
 
 

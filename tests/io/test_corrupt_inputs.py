@@ -338,3 +338,19 @@ def test_cli_layer_by_layer_eval_reports_nan_activations_in_one_line(plain, tmp_
             "1", "--no-progress", "--layer-by-layer"]
     assert main(argv) == 2
     assert "decoder layer 0: activations became NaN/Inf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("weight_packed", lambda t: t[:, :-1].contiguous(), "weight_packed has shape"),
+    ("weight_scale", lambda t: t[:, :1].contiguous(), "weight_scale has shape"),
+    ("weight_packed", lambda t: t.long(), "stored as torch.int64 but the model holds torch.int32"),
+], ids=["packed-shape", "scale-of-another-group-size", "packed-int64"])  # fmt: skip
+def test_inspect_refuses_what_every_loader_refuses(name, edit, message, tiny_tokenizer, tmp_path):
+    """inspect printed its table (a scale of another group size shown as the config's W4g)
+    for exports that every loader refused."""
+    folder = _exported(make_tiny_llama(), tiny_tokenizer, tmp_path / "int4",
+                       Int4RtnConfig(group_size=32))
+    _tensor(f"{DOWN}.{name}", edit)(folder)
+    for read in (inspect_checkpoint, load_model):
+        with pytest.raises(ModelLoadError, match=message):
+            read(folder)
