@@ -81,16 +81,29 @@ class BodyLimit:
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline for a request's headers (from the connection, and
     again after each response on a kept-alive one: the connection is closed) and a cap on open
-    connections (past it a new one gets a JSON 503 and is closed before it holds a file for
-    long). Subclasses set ``header_timeout`` and ``max_connections`` (``protocol``)."""
+    connections. Past the cap the oldest connection that waits for a request is closed to make
+    room (held idle sockets kept ``/health`` at 503 for good); with none, the new one gets a
+    JSON 503 and is closed before it holds a file for long. Subclasses set ``header_timeout``
+    and ``max_connections`` (``protocol``)."""
 
     header_timeout = HEADER_TIMEOUT_S
     max_connections = MAX_CONNECTIONS
 
+    def _idle(self) -> bool:
+        """Waiting for a request: none in flight on this connection."""
+        return self.conn.their_state is h11.IDLE and (
+            self.cycle is None or self.cycle.response_complete)
+
     def connection_made(self, transport) -> None:
-        self._header_deadline = None
+        self._header_deadline, self._opened = None, self.loop.time()
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11)
+                    and c._idle() and not c.transport.is_closing()]
+            if idle:
+                min(idle, key=lambda c: c._opened).transport.close()
+                self._arm_header_deadline()
+                return
             message = (f"{len(self.connections) - 1} connections are open already (the bound "
                        f"is {self.max_connections}); retry later")
             body = json.dumps(error_json(503, message, "server_error")).encode()
@@ -141,11 +154,17 @@ def protocol(header_timeout: float = HEADER_TIMEOUT_S,
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                    header_timeout: float = HEADER_TIMEOUT_S, max_connections: int | None = None):
-    """uvicorn's config for ``app`` on the guarded protocol (what ``serve`` and the tests run)."""
+    """uvicorn's config for ``app`` on the guarded protocol (what ``serve`` and the tests run).
+    The listen backlog leaves room under the open-file limit: asyncio accepts up to backlog
+    sockets at once before the cap sees them, and past the limit logged a traceback for each
+    (7,744 under ``ulimit -n 256``)."""
     import uvicorn
 
+    cap = connection_cap() if max_connections is None else max_connections
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    room = 2048 if soft == resource.RLIM_INFINITY else soft - cap - 64
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=protocol(header_timeout, max_connections))
+                          http=protocol(header_timeout, cap), backlog=max(16, min(2048, room)))
 
 
 def connection_cap() -> int:

@@ -180,7 +180,7 @@ class Server:
         self.eos = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
         # the most characters a servable text can have (``_CHARS_MARGIN``)
         self.max_text_chars = max_model_len * _longest_token_chars(tokenizer) * _CHARS_MARGIN
-        app = FastAPI(title="compress serve", docs_url=None, redoc_url=None)
+        app = FastAPI(title="compress serve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
         self.app = app
 

@@ -63,7 +63,9 @@ def test_a_connection_without_a_request_in_time_is_closed(quick, sent):
 def test_a_kept_alive_connection_gets_the_deadline_again_after_each_response(quick):
     with connect(quick) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = sock.recv(65536)
+        first = b""
+        while b'"ok"' not in first and (chunk := sock.recv(65536)):  # headers, body apart
+            first += chunk
         assert first.startswith(b"HTTP/1.1 200") and b'"ok"' in first
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the next one stalls
         assert read_all(sock) == b""
@@ -89,19 +91,37 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_server_goes_on(quick, head,
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_connections_past_the_cap_get_a_503_and_are_closed():
+def test_past_the_cap_the_oldest_idle_connection_makes_room_else_a_503():
+    """Held idle sockets kept every new client (``/health`` too) at 503: now the oldest
+    connection that waits for a request is closed for the new one; only when every connection
+    has a request in flight is the new one refused, with a JSON 503, and closed."""
     running = Running(*runtime_and_tokenizer(), max_connections=3)
-    idle = [connect(running) for _ in range(3)]
+    held = [connect(running) for _ in range(3)]
     try:
         time.sleep(0.2)  # accepted
+        with connect(running) as newest:
+            assert read_all(held[0]) == b""  # the oldest idle one was closed
+            newest.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert newest.recv(65536).startswith(b"HTTP/1.1 200")
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        # three requests in flight (bodies still coming): nothing idle to close
+        busy = [connect(running) for _ in range(3)]
+        for sock in busy:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        time.sleep(0.2)
         with connect(running) as extra:
             reply = read_all(extra)
         assert reply.startswith(b"HTTP/1.1 503"), reply
         assert b"retry-after: 1" in reply.lower()
         error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
         assert "3 connections are open already (the bound is 3)" in error["message"]
+        for sock in busy:
+            sock.close()
     finally:
-        for sock in idle:
+        for sock in held:
             sock.close()
     time.sleep(0.2)  # their close is seen
     assert httpx.get(running.url + "/health").json() == {"status": "ok"}
