@@ -88,6 +88,7 @@ class GuardedH11(H11Protocol):
 
     header_timeout = HEADER_TIMEOUT_S
     max_connections = MAX_CONNECTIONS
+    refused_drain_s = 1.0  # a refused connection's request is read and dropped this long
 
     def _idle(self) -> bool:
         """Waiting for a request: none in flight on this connection."""
@@ -95,7 +96,7 @@ class GuardedH11(H11Protocol):
             self.cycle is None or self.cycle.response_complete)
 
     def connection_made(self, transport) -> None:
-        self._header_deadline, self._opened = None, self.loop.time()
+        self._header_deadline, self._opened, self._refused = None, self.loop.time(), False
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11)
@@ -110,9 +111,18 @@ class GuardedH11(H11Protocol):
             head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                     f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n")
             transport.write(head.encode() + body)
-            transport.close()
+            # closed with its request unread, the socket reset: a client still sending a body
+            # got a broken pipe, not the 503. Half-close, drop what comes, close in a moment.
+            self._refused = True
+            if transport.can_write_eof():
+                transport.write_eof()
+            self.loop.call_later(self.refused_drain_s, transport.close)
             return
         self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
 
     def _arm_header_deadline(self) -> None:
         self._cancel_header_deadline()
