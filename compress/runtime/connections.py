@@ -28,9 +28,9 @@ BODY_TIMEOUT_S = 30.0  # the longest pause between two parts of a request's body
 MAX_CONNECTIONS = 1000  # open at once; more are answered 503 and closed (see connection_cap)
 
 
-def error_json(status: int, message: str, kind: str) -> dict:
-    """OpenAI's error body, which clients read."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_json(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error body, which clients read (``param``: the request field at fault)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class BodyLimit:

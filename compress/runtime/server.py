@@ -754,9 +754,7 @@ def check_chat_template(tokenizer) -> None:
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
-    body = error_json(status, message, kind)
-    body["error"]["param"] = param
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_json(status, message, kind, param), status_code=status)
 
 
 def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8000) -> None:
