@@ -138,7 +138,7 @@ class _FloatLinear(nn.Module):
     def stacked_packed(cls, parts: list[nn.Module], fp32: bool = True) -> _FloatLinear | None:
         """One packed holder computing ``parts`` (float linears of one input: q/k/v, gate/up)
         as one oneDNN call, their outputs side by side; None where a part is another holder or
-        would not pack. One call instead of three saves oneDNN's fixed cost per call (about
+        would not pack. Parts holding a copy per phase stack unpacked (``pack`` holds one). One call instead of three saves oneDNN's fixed cost per call (about
         20 us at SmolLM2's shapes, 2 threads). fp32 weights on a CPU stack even where oneDNN
         is missing (one ATen GEMM instead of three) for the layer's fused elementwise ops,
         which need the stacked calls. Measured on a Xeon, 2
@@ -149,15 +149,23 @@ class _FloatLinear(nn.Module):
             return None
         if not fp32 and any(p.w_decode.dtype == torch.float32 for p in parts):
             return None
-        weights = [p.w_decode for p in parts]
-        if any(p.w_prefill is not w for p, w in zip(parts, weights, strict=True)):
-            return None
-        weight = torch.cat(weights)
+        weights, prefill = [p.w_decode for p in parts], [p.w_prefill for p in parts]
         biases = [p.bias for p in parts]
         bias = None
         if any(b is not None for b in biases):
             pairs = zip(weights, biases, strict=True)
             bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in pairs])
+        if any(p is not w for p, w in zip(prefill, weights, strict=True)):
+            # a copy per phase (a quantized model's float layers on a CPU with bf16 matmuls:
+            # fp32 prefill, bf16 decode): stacked alike and left unpacked, as the parts were;
+            # stacked, the layer runs its fused elementwise ops
+            if any(p is w for p, w in zip(prefill, weights, strict=True)) or len(
+                    {(p.dtype, w.dtype) for p, w in zip(prefill, weights, strict=True)}) != 1:
+                return None
+            holder = cls(torch.cat(prefill), bias, prefill[0].dtype, weights[0].dtype)
+            holder.w_decode = torch.cat(weights)  # the parts' own copies, not a cast of these
+            return holder
+        weight = torch.cat(weights)
         holder = cls(weight, bias, weight.dtype, weight.dtype)
         if holder.pack(fp32):
             return holder
