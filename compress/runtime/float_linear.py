@@ -138,8 +138,9 @@ class _FloatLinear(nn.Module):
     def stacked_packed(cls, parts: list[nn.Module], fp32: bool = True) -> _FloatLinear | None:
         """One packed holder computing ``parts`` (float linears of one input: q/k/v, gate/up)
         as one oneDNN call, their outputs side by side; None where a part is another holder or
-        would not pack. Parts holding a copy per phase stack unpacked (``pack`` holds one). One call instead of three saves oneDNN's fixed cost per call (about
-        20 us at SmolLM2's shapes, 2 threads). fp32 weights on a CPU stack even where oneDNN
+        would not pack; parts holding a copy per phase stack unpacked (``pack`` holds one).
+        One call instead of three saves oneDNN's fixed cost per call (about 20 us at SmolLM2's
+        shapes, 2 threads). fp32 weights on a CPU stack even where oneDNN
         is missing (one ATen GEMM instead of three) for the layer's fused elementwise ops,
         which need the stacked calls. Measured on a Xeon, 2
         threads, SmolLM2 in fp32, 32 requests of 128 + 64 tokens through the scheduler alone:
