@@ -15,8 +15,10 @@ same way: the unquantized model in vLLM (bf16) against ours (fp32). Cases:
   fp8 pages (``compress.runtime.paged.paged_logits``: every key written and read back, as
   vLLM's cache does);
 - every runtime family (``compress.arch.runtime_model_types``: dense and MoE), as random models of
-  a shape vLLM's CPU kernels take (head_dim 64, SmolLM2's tokenizer): unquantized and W4. Random
-  weights say "loads and computes the same function", not "keeps quality";
+  a shape vLLM's CPU kernels take (head_dim 64, SmolLM2's tokenizer): unquantized and W4; MoE
+  models also W8 (packed, as vLLM's MoE path needs), W4 in two config groups (the experts named
+  by patterns), and float experts beside quantized attention. Random weights say "loads and
+  computes the same function", not "keeps quality";
 - the multimodal wrappers (``compress.testing.TINY_WRAPPER_TYPES``: Gemma 3, Mistral 3, LLaVA)
   around such a text model, with a tiny vision tower: vLLM serves them text-only
   (``--text-only``: no image per prompt), with torchvision's Python modules on its path
@@ -61,6 +63,10 @@ KINDS: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "w8a8-smoothquant": ("recipes/smollm2-w8a8-smoothquant.yaml", ("calibration.num_samples=16",)),
     "w4-sym-fp8kv": ("recipes/smollm2-w4g128-rtn-fp8kv.yaml", ()),
     "w4-experts-float": (W4, (EXPERTS_FLOAT,)),
+    # two config groups, every expert in the first (g128), named by patterns
+    # (compress.io.quant_config), the attention in the second (g64)
+    "w4-attention-g64": (W4, ("passes.0.overrides=[{layers: 're:.*self_attn.*', "
+                              "group_size: 64}]",)),
     "w8a8-smoothquant-experts-float": (
         "recipes/smollm2-w8a8-smoothquant.yaml",
         ("calibration.num_samples=16", EXPERTS_FLOAT),
@@ -70,7 +76,8 @@ REAL_KINDS = ("base", "w4-sym", "w4-asym", "w4-groups", "w4-mixed", "w8", "w8a8-
               "w4-sym-fp8kv")
 FP8_KV_KINDS = ("w4-sym-fp8kv",)  # served with fp8 KV pages, in vLLM and in ours
 FAMILY_KINDS = ("base", "w4-sym")
-MOE_KINDS = ("base", "w4-sym", "w4-experts-float", "w8a8-smoothquant-experts-float")
+MOE_KINDS = ("base", "w4-sym", "w4-attention-g64", "w8", "w4-experts-float",
+             "w8a8-smoothquant-experts-float")
 # random models vLLM's CPU attention takes (head_dim 64) with SmolLM2's vocabulary; sliding
 # windows of 128 so that the passage runs past them. Gemma scales the embeddings by
 # sqrt(hidden): with a random tied embedding the residual stream is then mostly the input

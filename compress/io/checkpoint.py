@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from compress.core.errors import ModelLoadError
-from compress.core.matcher import check_pattern
+from compress.core.matcher import check_pattern, matches
+from compress.kernels.reference import unpack_int8
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -53,6 +54,8 @@ _FP8_NAMES = ("F8_E4M3", "F8_E5M2")
 _FP8_SCALE = "fp8_scale"  # a header entry's key (added here) for its weight_scale_inv
 # a header entry's key (added here) for an MXFP4 weight read from its blocks and scales
 _MXFP4 = "mxfp4_parts"
+# a header entry's key (added here) for int8 codes read from compressed-tensors' 8-bit packing
+_INT8_PACKED = "int8_packed"
 # e2m1 codes 0..15: the values of an MXFP4 block's nibbles before its shared power of two
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -210,6 +213,7 @@ class CheckpointReader:
             self._index(file)
         self._scale_fp8()
         self._unpack_mxfp4()
+        self._unpack_int8()
 
     def _source_config(self) -> dict:
         return read_config_json(self.path) if (self.path / "config.json").is_file() else {}
@@ -276,6 +280,65 @@ class CheckpointReader:
                                            "shape": [shape[0], shape[2] * 32, shape[1]],
                                            "data_offsets": entry["data_offsets"],
                                            _MXFP4: located})
+
+    def _unpack_int8(self) -> None:
+        """compressed-tensors ``pack-quantized`` layers of 8 bits (weight-only int8, as
+        llm-compressor and compress write it): each ``X.weight_packed`` (int32 ``[N,
+        ceil(K/4)]``, ``compress.kernels.reference.pack_int8``) reads as ``X.weight``, int8
+        ``[N, K]``, the layout the int8 layers hold; an asymmetric ``X.weight_zero_point``
+        (int32 ``[ceil(N/4), G]``, packed along rows) as int8 ``[N, G]``; ``X.weight_shape``
+        leaves the names. The bits are those of the config group that targets ``X``."""
+        packed = [n for n in self._entries if n.endswith(".weight_packed")]
+        quant = (self._source_config().get("quantization_config") or {}) if packed else {}
+        if quant.get("quant_method") != "compressed-tensors":
+            return
+        for name in packed:
+            module = name.removesuffix(".weight_packed")
+            group = config_group_for(quant, module)
+            if group is None or group["weights"].get("num_bits") != 8:
+                continue  # int4, or a layer no group targets: the loader names it
+            rows, cols = self._packed_shape(module)
+            start, entry = self._entries[name]
+            if entry["dtype"] != "I32" or [int(d) for d in entry["shape"]] != [rows, -(-cols // 4)]:
+                raise ModelLoadError(
+                    f"{self._where[name]}: tensor {name} is {entry['dtype']} "
+                    f"{list(entry['shape'])} but {module}.weight_shape says {[rows, cols]} "
+                    f"under an 8-bit config group, which packs four codes an int32: "
+                    f"[{rows}, {-(-cols // 4)}]; the checkpoint is corrupt, re-export it")
+            self._replace(name, f"{module}.weight", [rows, cols], (name, entry, cols, 1))
+            del self._where[f"{module}.weight_shape"], self._entries[f"{module}.weight_shape"]
+            zero = f"{module}.weight_zero_point"
+            if zero in self._entries and self._entries[zero][1]["dtype"] == "I32":
+                start, entry = self._entries[zero]
+                shape = [int(d) for d in entry["shape"]]
+                if len(shape) != 2 or shape[0] != -(-rows // 4):
+                    raise ModelLoadError(
+                        f"{self._where[zero]}: tensor {zero} is {shape} but an 8-bit layer of "
+                        f"{rows} rows packs its zero points four rows an int32: "
+                        f"[{-(-rows // 4)}, groups]; the checkpoint is corrupt, re-export it")
+                self._replace(zero, zero, [rows, shape[1]], (zero, entry, rows, 0))
+
+    def _packed_shape(self, module: str) -> tuple[int, int]:
+        """The ``[rows, columns]`` that ``module.weight_shape`` stores (read now: 16 bytes)."""
+        name = f"{module}.weight_shape"
+        if name not in self._entries:
+            raise ModelLoadError(
+                f"{self.path}: {module}.weight_packed has no {name} beside it, so its width is "
+                "unknown; the checkpoint is incomplete: re-download or re-export it")
+        shape = self.read(name)
+        if shape.is_floating_point() or shape.shape != (2,) or bool((shape <= 0).any()):
+            raise ModelLoadError(
+                f"{self._where[name]}: tensor {name} is {shape.tolist()}, not two positive "
+                "integers (rows, columns); the checkpoint is corrupt, re-export it")
+        return int(shape[0]), int(shape[1])
+
+    def _replace(self, stored: str, name: str, shape: list[int], located: tuple) -> None:
+        """Read ``stored`` as int8 ``name`` of ``shape``, unpacked (``_INT8_PACKED``)."""
+        start, entry = self._entries.pop(stored)
+        self._where[name] = self._where.pop(stored)
+        self._entries[name] = (start, {"dtype": "I8", "shape": shape,
+                                       "data_offsets": entry["data_offsets"],
+                                       _INT8_PACKED: located})
 
     def _scale_fp8(self) -> None:
         """Block-scaled fp8 sources (``quantization_config.quant_method: fp8``: DeepSeek-V3/R1,
@@ -369,7 +432,7 @@ class CheckpointReader:
     def nbytes(self, name: str) -> int:
         """Bytes of the tensor ``read`` returns."""
         entry = self._entries[name][1]
-        if _FP8_SCALE in entry or _MXFP4 in entry:
+        if _FP8_SCALE in entry or _MXFP4 in entry or _INT8_PACKED in entry:
             return math.prod(int(d) for d in entry["shape"]) * self.dtype(name).itemsize
         begin, stop = entry["data_offsets"]
         return stop - begin
@@ -381,7 +444,7 @@ class CheckpointReader:
         if self.shape(first) != self.shape(second):
             return False
         if self.dtype(first) != self.dtype(second) or any(
-                _FP8_SCALE in self._entries[n][1] or _MXFP4 in self._entries[n][1]
+                any(k in self._entries[n][1] for k in (_FP8_SCALE, _MXFP4, _INT8_PACKED))
                 for n in (first, second)):
             return torch.equal(self.read(first).float(), self.read(second).float())
         (start_a, entry_a), (start_b, entry_b) = self._entries[first], self._entries[second]
@@ -414,6 +477,9 @@ class CheckpointReader:
             tensor = _dequantize_mxfp4(
                 _read_stored(file, f"{name}_blocks", start, blocks),
                 _read_stored(scale_file, f"{name}_scales", scale_start, scale_entry), dequantized)
+        elif _INT8_PACKED in entry:
+            stored, stored_entry, size, dim = entry[_INT8_PACKED]
+            tensor = unpack_int8(_read_stored(file, stored, start, stored_entry), size, dim)
         else:
             tensor = _read_stored(file, name, start, entry)
         if _FP8_SCALE in entry:
@@ -427,6 +493,20 @@ class CheckpointReader:
                 "undefined; the checkpoint is corrupt, re-download or re-export it"
             )
         return tensor
+
+
+def config_group_for(quant: dict, name: str) -> dict | None:
+    """The group of a compressed-tensors ``quantization_config`` whose targets select the
+    linear layer ``name``: an exact name first, then a ``re:`` pattern, then the class
+    ``Linear`` (compressed-tensors' order); None when no group does."""
+    groups = list((quant.get("config_groups") or {}).values())
+    for selects in (lambda t: t == name,
+                    lambda t: t.startswith("re:") and matches(name, None, t),
+                    lambda t: t == "Linear"):
+        for group in groups:
+            if any(selects(t) for t in group["targets"]):
+                return group
+    return None
 
 
 def _dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype):

@@ -2,9 +2,9 @@
 
 A checkpoint directory holds ``model.safetensors`` (QuantLinear buffers under the
 compressed-tensors names, other tensors in the export dtype), ``config.json`` with a
-``quantization_config`` (``quant_method: compressed-tensors``; ``pack-quantized`` for int4,
-``int-quantized`` for int8; one config group per distinct scheme), the tokenizer files, the
-resolved ``recipe.yaml`` and ``report.json``. Plain transformers loads it when the
+``quantization_config`` (``compress.io.quant_config``: ``pack-quantized`` for weight-only int4
+and int8, ``int-quantized`` for W8A8; one config group per distinct scheme), the tokenizer
+files, the resolved ``recipe.yaml`` and ``report.json``. Plain transformers loads it when the
 ``compressed-tensors`` package is installed; ``load_compressed`` loads it with our backends.
 
 A model holding bitsandbytes layers is written in bitsandbytes' own format instead
@@ -18,31 +18,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.arch import expert_shape, fused_experts, model_type, output_weight_key, sparse_layers
+from compress.arch import expert_shape, fused_experts, output_weight_key, sparse_layers
 from compress.core.errors import ModelLoadError, RecipeError
 from compress.core.matcher import matches
 from compress.core.registry import DTYPES
-from compress.io.checkpoint import check_stored, stored_dtype_name
+from compress.io.checkpoint import check_stored, config_group_for, stored_dtype_name
 from compress.io.names import (
     MoeTreeReader,
     checkpoint_renamer,
-    checkpoints_store_experts_fused,
     model_name_aliases,
     moe_arch,
-    moe_float_linears,
     split_float_experts,
     stored_renamer,
     tree_name,
     tree_reader,
     under_model_names,
 )
+from compress.io.quant_config import pack_int8_codes, quantization_config, scheme_from_args
 from compress.io.stream import (
     SCALE_SUFFIXES,
     causal_lm_config,
@@ -53,20 +51,16 @@ from compress.io.stream import (
 from compress.io.wrapped import (
     add_passthrough,
     copy_processor_files,
-    exported_passthrough,
-    ignore_patterns,
     mark,
     open_checkpoint,
     text_quantization_config,
     wrapped_of,
     wrapped_text,
     wrapper_config,
-    wrapper_names,
 )
 from compress.output_dir import atomic_directory
-from compress.quant.kv_scales import KV_CACHE_SCHEME, add_kv_scale_buffers, has_kv_scales
+from compress.quant.kv_scales import add_kv_scale_buffers
 from compress.quant.linear import (
-    INPUT_ACTIVATIONS,
     QuantExperts,
     QuantLinear,
     W8A8Linear,
@@ -87,108 +81,11 @@ def resolve_export_dtype(dtype: str, source: str | os.PathLike[str] | None = Non
     return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
-# ---- quantization_config ------------------------------------------------------------------
-def _weights_args(scheme: WeightScheme) -> dict[str, Any]:
-    return {
-        "num_bits": scheme.n_bits,
-        "type": "int",
-        "symmetric": scheme.symmetric,
-        "group_size": scheme.group_size,
-        "strategy": "channel" if scheme.group_size is None else "group",
-        "dynamic": False,
-        "actorder": None,
-        "observer": "minmax",
-        "observer_kwargs": {},
-    }
-
-
-def quantization_config(model: nn.Module) -> dict[str, Any] | None:
-    """compressed-tensors ``quantization_config`` describing the model's QuantLinear layers."""
-    by_scheme: dict[tuple[WeightScheme, bool], list[str]] = defaultdict(list)
-    rename, wrapped = checkpoint_renamer(model), wrapped_of(model)
-
-    def names(name: str) -> list[str]:
-        # a dense family's module renamed in its checkpoints (GPT-NeoX's embed_out) is listed
-        # under both names: transformers 5 matches its own tree's (lm_head), vLLM the other;
-        # an MoE model's renamed block too (vLLM's MiniMax-M2 names it mlp, stored
-        # block_sparse_moe; Phi-3.5-MoE's router is a Linear named router, stored gate:
-        # renamings match weight names); a wrapper's text module under the wrapper's two
-        own = sorted({name, rename(name + ".weight").removesuffix(".weight")})
-        return own if wrapped is None else sorted({w for n in own
-                                                  for w in wrapper_names(wrapped, n)})
-
-    plain_linears = [w for n in moe_float_linears(model) for w in names(n)]  # routers, experts
-    if checkpoints_store_experts_fused(model) and any(
-            isinstance(m, QuantExperts) for m in model.modules()):
-        log.warning("%s checkpoints store the expert weights fused and transformers reads "
-                    "them only so: the quantized expert weights are written per expert, which "
-                    "compress.load reads and plain transformers does not (it would initialize "
-                    "them anew); which vLLM reads: docs/results.md", model_type(model))
-    if any(isinstance(m, QuantLinear) and m.scheme.n_bits == 8 for e in model.modules()
-           if isinstance(e, QuantExperts) for m in e.modules()):
-        # transformers 5.25 decompresses per-expert weights only when packed (int4) or fp8:
-        # an int8 expert's (weight, weight_scale) pair ended its load in "Ckpt contains: 0"
-        log.warning("%s: the int8 expert weights are written per expert as int8 weight + "
-                    "weight_scale, which compress.load reads and plain transformers (5.25) "
-                    "does not; quantize them to int4 (or leave them float) for it",
-                    model_type(model))
-
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-            # W8A8 layers also quantize their inputs: a separate group
-            by_scheme[(module.scheme, hasattr(module, "input_activations"))] += names(name)
-        elif isinstance(module, nn.Linear):
-            plain_linears += names(name)
-    kv_scheme = dict(KV_CACHE_SCHEME) if has_kv_scales(model) else None
-    if not by_scheme and kv_scheme is None:
-        return None
-    single = len(by_scheme) == 1
-    groups = {}
-    for index, ((scheme, w8a8), names) in enumerate(by_scheme.items()):
-        groups[f"group_{index}"] = {
-            # One scheme: target the class and list the rest under `ignore`; several schemes:
-            # name each layer exactly (compressed-tensors matches exact module names).
-            "targets": ["Linear"] if single else sorted(names),
-            "weights": _weights_args(scheme),
-            "input_activations": dict(INPUT_ACTIVATIONS) if w8a8 else None,
-            "output_activations": None,
-            "format": scheme.format,
-        }
-    # no quantized weight (an fp8 KV cache alone): compressed-tensors' "dense"
-    formats = {scheme.format for scheme, _ in by_scheme} or {"dense"}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-        "quantization_status": "compressed",
-        "config_groups": groups,
-        "ignore": sorted(set(plain_linears)) + ignore_patterns(
-            exported_passthrough(model).values()),
-        # fp8 KV-cache scales (quantize.kv_cache_fp8): self_attn.k_scale / v_scale per layer
-        "kv_cache_scheme": kv_scheme,
-        "global_compression_ratio": None,
-    }
-
-
-def _scheme_from_args(args: dict[str, Any], scale_dtype: torch.dtype) -> WeightScheme:
-    if args.get("type", "int") != "int" or args.get("num_bits") not in (4, 8):
-        raise ModelLoadError(f"unsupported weight quantization {args}: compress loads int4/int8")
-    if args.get("strategy", "channel") not in ("channel", "group"):  # was blamed on a shape
-        raise ModelLoadError(f"unsupported weight quantization {args}: strategy "
-                             f"{args.get('strategy')!r}; compress loads 'channel' and 'group'")
-    group = args.get("group_size") if args.get("strategy") == "group" else None
-    if group is not None and (type(group) is not int or group <= 0):  # bool is an int
-        raise ModelLoadError(f"unsupported weight quantization {args}: group_size must be a "
-                             "positive integer (or strategy channel); fix config.json")
-    if not isinstance(args.get("symmetric", True), bool):  # bool("false") would be True
-        raise ModelLoadError(f"unsupported weight quantization {args}: symmetric must be true "
-                             "or false; fix config.json")
-    return WeightScheme(args["num_bits"], group, args.get("symmetric", True), scale_dtype)
-
-
 # ---- writing ------------------------------------------------------------------------------
 def _state_dict_for_export(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = _plain_state_dict(model, dtype)
     split_float_experts(model, tensors)
+    pack_int8_codes(model, tensors)
     rename = stored_renamer(model)
     return {rename(name): tensor for name, tensor in tensors.items()}
 
@@ -262,6 +159,7 @@ class StreamedExport:
         tensors = {n: t for n, t in tensors.items() if n != self.head_key and n not in self.written}
         self.written.update(tensors)
         split_float_experts(self.model, tensors)
+        pack_int8_codes(self.model, tensors)
         for name, tensor in tensors.items():
             self.writer.add(self.rename(name), export_tensor(name, tensor, self.dtype))
 
@@ -509,9 +407,9 @@ def _load_moe_experts(
 
 def _expert_scheme(quant: dict[str, Any], name: str, scale_dtype: torch.dtype) -> WeightScheme:
     """The scheme of the config group targeting the per-expert Linear ``name``."""
-    for group in quant.get("config_groups", {}).values():
-        if any(t == "Linear" or matches(name, None, t) for t in group["targets"]):
-            return _scheme_from_args(group["weights"], scale_dtype)
+    group = config_group_for(quant, name)
+    if group is not None:
+        return scheme_from_args(group["weights"], scale_dtype)
     raise ModelLoadError(f"{name} has quantized tensors but no config group targets it")
 
 
@@ -573,7 +471,7 @@ def swap_quantized_linears(
                 scale_dtype = stored_dtype(f"{name}.weight_scale")
                 if scale_dtype is None:
                     raise ModelLoadError(f"{path}: {name}.weight_scale is missing")
-                scheme = _scheme_from_args(group["weights"], scale_dtype)
+                scheme = scheme_from_args(group["weights"], scale_dtype)
                 cls = QuantLinear
                 if _dynamic_int8_tokens(group.get("input_activations") or {}):
                     cls = W8A8Linear  # dynamic int8 inputs

@@ -29,28 +29,33 @@ def natural_key(name: str) -> list[Any]:
 
 
 def _config_group(module: str, quant: dict[str, Any]) -> dict[str, Any] | None:
-    """The compressed-tensors config group that covers ``module`` (exact name or ``Linear``)."""
+    """The compressed-tensors config group that covers ``module`` (its exact name, a ``re:``
+    pattern or ``Linear``), None when ignored."""
+    from compress.io.checkpoint import config_group_for
+
     if module in (quant.get("ignore") or []):
         return None
-    groups = list((quant.get("config_groups") or {}).values())
-    for group in groups:
-        if module in group.get("targets", []):
-            return group
-    return next((g for g in groups if "Linear" in g.get("targets", [])), None)
+    return config_group_for(quant, module)
+
+
+def _bits(module: str, quant: dict[str, Any]) -> int:
+    """A packed layer's bits, from its config group (4 when none says)."""
+    return ((_config_group(module, quant) or {}).get("weights") or {}).get("num_bits", 4)
 
 
 def _scheme(module: str, shapes: dict[str, list[int]], quant: dict[str, Any]) -> dict[str, Any]:
     """Bits, group size and symmetry of a quantized layer, read from its tensor shapes."""
     packed = "weight_packed" in shapes
+    bits = _bits(module, quant) if packed else 8
     rows, cols = shapes["weight_packed" if packed else "weight"]
-    in_features = (shapes.get("unpacked") or [rows, cols * 8])[1] if packed else cols
+    in_features = (shapes.get("unpacked") or [rows, cols * 32 // bits])[1] if packed else cols
     n_groups = (shapes.get("weight_scale") or [rows, 1])[-1]
     per_channel = n_groups <= 1
     group: int | str = "channel" if per_channel else in_features // n_groups
     symmetric = "weight_zero_point" not in shapes
     config = _config_group(module, quant) or {}
     activations = " + A8 dynamic" if config.get("input_activations") else ""
-    scheme = (f"W{4 if packed else 8}{'channel' if per_channel else f'g{group}'}"
+    scheme = (f"W{bits}{'channel' if per_channel else f'g{group}'}"
               f"{'' if symmetric else '-asym'}{activations}")
     return {"scheme": scheme, "group_size": group}
 
@@ -81,7 +86,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
                     layers[module]["bytes"] += size
                     layers[module]["tensors"][leaf] = f"{dtype}{list(shape)}"
                     layers[module]["shapes"][leaf] = list(shape)
-                    if leaf == "weight_shape":  # int4: the unpacked [N, K], two int64 values
+                    if leaf == "weight_shape":  # packed: the unpacked [N, K], two integers
                         layers[module]["shapes"]["unpacked"] = handle.get_tensor(key).tolist()
         except Exception as exc:  # safetensors raises several types for corrupt headers
             raise ModelLoadError(f"{file} is corrupt or partial ({exc})") from exc
@@ -92,7 +97,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         tensors = info["tensors"]
         int8_weight = tensors.get("weight", "").startswith("I8")
         if "weight_packed" in tensors:
-            fmt = "int4 pack-quantized"
+            fmt = f"int{_bits(module, quant)} pack-quantized"
         elif set(tensors) <= {"k_scale", "v_scale"}:  # an attention module's fp8 KV scales
             fmt = "fp8 KV-cache scales"
         elif any(t.startswith("weight_scale") for t in tensors) and int8_weight:

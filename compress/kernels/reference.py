@@ -25,6 +25,16 @@ int4 packing (compressed-tensors ``pack-quantized``, ``num_bits=4``)::
 
 Asymmetric int4 zero points are packed the same way but along dim 0 (``[ceil(N / 8), K / g]``),
 as compressed-tensors does.
+
+int8 packing (compressed-tensors ``pack-quantized``, ``num_bits=8``: weight-only int8 as
+llm-compressor writes it, which transformers reads for MoE experts and vLLM for W8A16)::
+
+    int32 word j of a row holds codes 4j .. 4j+3, lowest byte first, each offset by +128
+
+    w_packed: int32 [N, ceil(K / 4)]   (padding bytes are 0)
+
+In memory the layers hold int8 codes as ``weight`` ``[N, K]`` (``int-quantized``'s layout);
+``pack_int8`` / ``unpack_int8`` convert at export and load.
 """
 
 from __future__ import annotations
@@ -86,6 +96,42 @@ def unpack_int4(w_packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor
     nibbles = (w_packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
     codes = nibbles.reshape(w_packed.shape[0], -1)[:, :size]
     return (codes - 8).to(torch.int8).contiguous()
+
+
+def pack_int8(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Pack int8 codes into int32 words along ``dim`` (0 or 1), four a word, lowest byte first,
+    each offset by +128: int32 ``[N, ceil(K/4)]`` for dim=1, ``[ceil(N/4), K]`` for dim=0."""
+    if w_q.dtype != torch.int8 or w_q.dim() != 2:
+        raise TypeError(f"pack_int8 expects a 2-D int8 tensor, got {w_q.dtype} {tuple(w_q.shape)}")
+    if dim == 0:
+        return pack_int8(w_q.t(), dim=1).t().contiguous()
+    n, k = w_q.shape
+    out = torch.zeros(n, (k + 3) // 4, dtype=torch.int32, device=w_q.device)
+    words = out.view(torch.uint8).view(n, -1)  # the words' bytes, lowest first
+    step = max(1, ROW_BLOCK_ELEMENTS // max(k, 1))  # int16 temporaries in row blocks
+    for r0 in range(0, n, step):
+        words[r0 : r0 + step, :k] = (w_q[r0 : r0 + step].to(torch.int16) + 128).to(torch.uint8)
+    if sys.byteorder == "big":  # the word's lowest byte is its last in memory there
+        out = out.view(torch.uint8).view(n, -1, 4).flip(-1).reshape(n, -1).view(torch.int32)
+    return out
+
+
+def unpack_int8(w_packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`pack_int8`: int32 words -> int8 codes; ``size`` is the unpacked length
+    along ``dim``."""
+    if w_packed.dtype != torch.int32 or w_packed.dim() != 2:
+        raise TypeError(
+            f"unpack_int8 expects a 2-D int32 tensor, got {w_packed.dtype} {tuple(w_packed.shape)}"
+        )
+    if dim == 0:
+        return unpack_int8(w_packed.t(), size, dim=1).t().contiguous()
+    if w_packed.shape[1] * 4 < size:
+        raise ValueError(f"unpack_int8: {w_packed.shape[1]} words cannot hold {size} codes")
+    n = w_packed.shape[0]
+    data = w_packed.contiguous().view(torch.uint8).view(n, -1, 4)
+    if sys.byteorder == "big":
+        data = data.flip(-1)
+    return (data.reshape(n, -1)[:, :size].to(torch.int16) - 128).to(torch.int8).contiguous()
 
 
 def dequantize(

@@ -236,7 +236,10 @@ def test_a_broken_int4_export_is_refused_in_one_line(kind, tiny_tokenizer, tmp_p
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
 def test_int8_codes_in_another_dtype_are_refused(dtype, tiny_tokenizer, tmp_path):
-    folder = _exported(make_tiny_llama(), tiny_tokenizer, tmp_path / "int8", Int8RtnConfig())
+    # asymmetric: written int-quantized, the int8 `weight` as stored (symmetric int8 is
+    # packed: tests/io/test_int8_packing.py)
+    folder = _exported(make_tiny_llama(), tiny_tokenizer, tmp_path / "int8",
+                       Int8RtnConfig(symmetric=False, group_size=32))
     _tensor(f"{DOWN}.weight", lambda t: t.to(dtype))(folder)
     with pytest.raises(ModelLoadError, match=f"weight is stored as {dtype} but the model holds "
                                              "torch.int8"):

@@ -37,6 +37,30 @@ def test_int4_packing_known_value():
     assert reference.pack_int4(w_q).item() == 0xFEDCBA98 - 2**32
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**16), dim=st.sampled_from([0, 1]))
+def test_int8_pack_unpack_round_trip_is_exact(shape, seed, dim):
+    gen = torch.Generator().manual_seed(seed)
+    w_q = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+    packed = reference.pack_int8(w_q, dim=dim)
+    assert packed.dtype == torch.int32 and packed.shape[dim] == -(-shape[dim] // 4)
+    assert torch.equal(reference.unpack_int8(packed, shape[dim], dim=dim), w_q)
+
+
+def test_int8_packing_matches_compressed_tensors_layout():
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    w_q = torch.randint(-128, 128, (9, 21), dtype=torch.int8)  # 21: a padded last word
+    assert torch.equal(reference.pack_int8(w_q), ct.pack_to_int32(w_q, 8))
+    assert torch.equal(reference.pack_int8(w_q, dim=0), ct.pack_to_int32(w_q, 8, packed_dim=0))
+    assert torch.equal(ct.unpack_from_int32(reference.pack_int8(w_q), 8, w_q.shape), w_q)
+
+
+def test_int8_packing_known_value():
+    # codes -128, -1, 0, 127 offset by 128 -> bytes 0x00, 0x7F, 0x80, 0xFF, lowest byte first
+    w_q = torch.tensor([[-128, -1, 0, 127]], dtype=torch.int8)
+    assert reference.pack_int8(w_q).item() == 0xFF807F00 - 2**32
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 8),

@@ -369,23 +369,74 @@ def test_export_per_expert_as_vllm_reads_it_and_plain_transformers_reloads(tmp_p
         assert float((theirs[family] - mine).norm() / mine.norm()) < 1e-2, family
 
 
-def test_an_int8_expert_export_says_plain_transformers_cannot_read_it(tmp_path, caplog):
-    """transformers 5.25 decompresses per-expert weights only when packed (int4) or fp8: a W8
-    MoE export failed its load ("Ckpt contains: 0"), with nothing said at export. compress
-    reads it back."""
-    model = make_tiny_moe("mixtral")
-    int8_rtn(model, Int8RtnConfig(), CompressionState())
-    folder = tmp_path / "w8"
-    export_checkpoint(model, None, folder, dtype="float32")
-    assert "the int8 expert weights are written per expert" in caplog.text
+def test_int8_and_mixed_scheme_experts_are_read_by_plain_transformers(tmp_path, caplog):
+    """Weight-only int8 experts are written pack-quantized, four codes an int32 (int-quantized
+    ones ended plain transformers 5.25's load in "Ckpt contains: 0"), and int4 experts beside
+    int8 attention are named by ``experts`` patterns in the first config group, the group
+    transformers takes as every expert's scheme (it took the attention's int8 before and
+    failed). Both reload in plain transformers with our logits, in compress.load exactly."""
+    from compress.quant.scheme import LayerOverride
+    from compress.testing import plain_transformers_logits
+
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    folders, ours = [], []
+    for family, kind in (("mixtral", "w8"), ("qwen3_moe", "mixed")):
+        model = make_tiny_moe(family)
+        if kind == "w8":
+            int8_rtn(model, Int8RtnConfig(), CompressionState())
+        else:
+            attention_w8 = LayerOverride(layers="re:.*self_attn", n_bits=8, group_size="channel")
+            int4_rtn(model, Int4RtnConfig(group_size=32, overrides=(attention_w8,)),
+                     CompressionState())
+        folder = tmp_path / kind
+        export_checkpoint(model, None, folder, dtype="float32")
+        arch = arch_for(model, "test")
+        down = arch.moe.checkpoint_projections[2]
+        expert = f"model.layers.1.{arch.moe.checkpoint_block}.experts.2.{down}"
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            keys = set(f.keys())
+            packed = f.get_tensor(f"{expert}.weight_packed")
+        assert f"{expert}.weight" not in keys and f"{expert}.weight_shape" in keys
+        assert packed.dtype == torch.int32
+        layer = _experts(model, 1).projections(2)[2]
+        assert packed.shape[1] == -(-layer.in_features * layer.scheme.n_bits // 32)
+        groups = json.loads((folder / "config.json").read_text())["quantization_config"][
+            "config_groups"]
+        assert all(g["format"] == "pack-quantized" for g in groups.values())
+        if kind == "mixed":
+            first, second = groups["group_0"], groups["group_1"]
+            assert first["weights"]["num_bits"] == 4 and second["weights"]["num_bits"] == 8
+            assert first["targets"] and all(
+                t.startswith("re:") and "experts" in t for t in first["targets"])
+            assert all("self_attn" in t for t in second["targets"])
+        with torch.no_grad():
+            ours.append(model(ids).logits)
+            assert torch.equal(load_compressed(folder)(ids).logits, ours[-1])
+        folders.append(folder)
+    assert "plain transformers" not in caplog.text
+    for mine, theirs in zip(ours, plain_transformers_logits(folders, ids.tolist(), tmp_path),
+                            strict=True):
+        assert float((theirs - mine).norm() / mine.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["asymmetric", "two schemes"])
+def test_expert_exports_plain_transformers_cannot_read_say_so(tmp_path, caplog, kind):
+    """transformers 5.25 decompresses every expert with one scheme and no zero points (checked
+    by hand: "Asymmetric quant requires zero-point values", and the down projections' W8 read
+    as W4): such exports say so, and compress reads them back exactly."""
+    from compress.quant.scheme import LayerOverride
+
+    model = make_tiny_moe("qwen3_moe")
+    down_w8 = (LayerOverride(layers="re:.*experts.*down_proj", n_bits=8, group_size="channel"),)
+    int4_rtn(model, Int4RtnConfig(group_size=32, symmetric=kind != "asymmetric",
+                                  overrides=down_w8 if kind == "two schemes" else ()),
+             CompressionState())
+    export_checkpoint(model, None, tmp_path / "ckpt", dtype="float32")
+    assert ("are asymmetric" if kind == "asymmetric" else "use 2 schemes") in caplog.text
+    assert "so it cannot load this export; compress.load does" in caplog.text
     ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(load_compressed(folder)(ids).logits, model(ids).logits)
-    caplog.clear()
-    model = make_tiny_moe("mixtral")
-    int4_rtn(model, Int4RtnConfig(group_size=32), CompressionState())
-    export_checkpoint(model, None, tmp_path / "w4", dtype="float32")
-    assert "int8 expert" not in caplog.text
+        assert torch.equal(load_compressed(tmp_path / "ckpt")(ids).logits, model(ids).logits)
 
 
 def test_float_experts_of_a_family_stored_fused_export_fused_for_plain_transformers(tmp_path):
@@ -446,17 +497,15 @@ def _reload_in_plain_transformers(model, path) -> float:
 @pytest.mark.slow  # more subprocesses; the same loader path for both families
 @pytest.mark.xfail(
     strict=True,
-    reason="transformers 5 (5.24) cannot load per-expert experts that are not int4-packed from "
-    "a compressed-tensors checkpoint: its CompressedTensorsDequantize handles only packed "
-    "(weight_packed) and fp8 experts, so int8 `weight` tensors, or float experts beside "
-    "quantized attention, reach the MoE merge empty ('Concatenate on tensors destined for "
-    "...experts.gate_up_proj. Ckpt contains: 0'). vLLM reads this per-expert layout",
+    reason="transformers 5 (5.25) cannot load per-expert float experts beside quantized "
+    "attention from a compressed-tensors checkpoint: its CompressedTensorsDequantize handles "
+    "only packed (weight_packed) and fp8 experts, so float `weight` tensors reach the MoE merge "
+    "empty ('Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0'). "
+    "vLLM reads this per-expert layout; int8 experts are packed and read since",
 )
-@pytest.mark.parametrize("experts", ["int8", "float"])
-def test_plain_transformers_reloads_int8_or_float_experts(tmp_path, experts):
+def test_plain_transformers_reloads_float_experts_beside_quantized_attention(tmp_path):
     model = make_tiny_moe("mixtral")
-    ignore = ("lm_head", "re:.*experts") if experts == "float" else ("lm_head",)
-    int8_rtn(model, Int8RtnConfig(ignore=ignore), CompressionState())
+    int8_rtn(model, Int8RtnConfig(ignore=("lm_head", "re:.*experts")), CompressionState())
     export_checkpoint(model, None, tmp_path / "ckpt", dtype="float32")
     assert _reload_in_plain_transformers(model, tmp_path / "ckpt") < 1e-2
 
