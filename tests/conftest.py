@@ -8,8 +8,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: F401  (re-exported)
+# Triton kernels run under the interpreter without a GPU (tests/kernels/conftest.py says why).
+# Set here, before any test module is collected: one that imports triton at collection
+# (compressed_tensors imports it) before tests/kernels/conftest.py set it made every kernel test
+# fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from compress.testing import make_char_tokenizer, make_tiny_llama  # noqa: E402,F401  (re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
 

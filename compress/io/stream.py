@@ -145,10 +145,23 @@ def _check_layer_count(path: str | os.PathLike[str], config) -> None:
     except ModelLoadError:  # no weights, or broken ones: what reads them says so
         return
     if layers > stored:
+        said = (f"num_hidden_layers: {layers}," if _declares(path, "num_hidden_layers") else
+                f"no num_hidden_layers, so transformers takes its default, {layers},")
         raise ModelLoadError(
-            f"{path}/config.json: num_hidden_layers: {layers}, but the shards hold {stored} "
-            "tensors in all (each layer stores some); set it to the number of layers stored"
+            f"{path}/config.json: {said} but the shards hold {stored} tensors in all (each "
+            "layer stores some); set num_hidden_layers to the number of layers stored"
         )
+
+
+def _declares(path: str | os.PathLike[str], key: str) -> bool:
+    """Whether ``path``/config.json holds ``key`` at any depth (a wrapper's in text_config)."""
+    def holds(tree) -> bool:
+        return isinstance(tree, dict) and (key in tree or any(map(holds, tree.values())))
+
+    try:
+        return holds(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return True  # read before: what it says stands
 
 
 # Values the modeling takes as they are and turns into NaN at the first forward: RoPE bases
@@ -171,6 +184,11 @@ def _config_value_problem(config: dict) -> str | None:
     for key, value in numbers(config, lambda k: k == "rope_theta"):
         if not value > 0 or value == float("inf"):
             return f"{key} is {value}; a RoPE base must be a finite number above 0"
+    for key, value in numbers(config, lambda k: k == "factor"):
+        # a RoPE scaling factor divides the positions or frequencies: 0 made every logit NaN
+        if key.startswith(("rope_parameters.", "rope_scaling.")) and not (
+                0 < value < float("inf")):
+            return f"{key} is {value}; a RoPE scaling factor must be a finite number above 0"
     for key, value in numbers(config, lambda k: bool(_EPS_KEY.search(k))):
         if not value >= 0 or value == float("inf"):
             return f"{key} is {value}; a norm epsilon must be a finite number of 0 or more"

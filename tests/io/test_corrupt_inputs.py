@@ -159,7 +159,23 @@ CONFIG_BREAKS = {  # each was a ZeroDivisionError, AttributeError, ImportError..
     # built a meta model of a million layers for minutes before the names were compared
     "layers_past_the_tensors": (_config(num_hidden_layers=10**6),
                                 "num_hidden_layers: 1000000, but the shards hold"),
+    # was blamed on transformers' default of 32 as if the file said it
+    "layer_count_missing": (lambda f: _drop(f, "num_hidden_layers"),
+                            "no num_hidden_layers, so transformers takes its default, 32, but"),
+    # every logit NaN at the first forward, blamed on the weights
+    "rope_factor_zero": (_config(rope_parameters={"rope_type": "linear", "factor": 0.0,
+                                                  "rope_theta": 10000.0}),
+                         "rope_parameters.factor is 0.0; a RoPE scaling factor must be"),
+    "rope_factor_inf": (_config(rope_parameters={"rope_type": "dynamic", "factor": 1e400,
+                                                 "rope_theta": 10000.0}),
+                        "rope_parameters.factor is inf; a RoPE scaling factor must be"),
 }
+
+
+def _drop(folder, key):
+    config = json.loads((folder / "config.json").read_text())
+    del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("kind", list(CONFIG_BREAKS))

@@ -674,9 +674,18 @@ def test_small_fp32_linears_stack(model):
                           x.double() @ ws[1].double().T + bias.double(),
                           x.double() @ ws[2].double().T], -1)  # fmt: skip
         torch.testing.assert_close(stacked(x, True).double(), want, rtol=0, atol=1e-4)
-    # parts whose two phases hold different dtypes do not stack
+    # parts holding a copy per phase (fp32 prefill, bf16 decode: a quantized model's float
+    # layers on a CPU with bf16 matmuls) stack alike, unpacked; each phase's columns are its
+    # parts' own calls
     mixed = [_FloatLinear(w, None, torch.float32, torch.bfloat16) for w in ws]
-    assert _FloatLinear.stacked_packed(mixed) is None
+    both = _FloatLinear.stacked_packed(mixed)
+    assert both is not None and both.packed is None
+    assert (both.w_prefill.dtype, both.w_decode.dtype) == (torch.float32, torch.bfloat16)
+    x = torch.randn(3, 96)
+    for decode, tolerance in ((False, 1e-4), (True, 2e-2)):
+        torch.testing.assert_close(both(x, decode), torch.cat([p(x, decode) for p in mixed], -1),
+                                   rtol=0, atol=tolerance)
+    assert _FloatLinear.stacked_packed([mixed[0], parts[1]]) is None  # one copy beside two
     runtime = Runtime(model, max_seq_len=32, compile=False)  # fp32, eager
     layer = runtime.layers[0]
     assert layer.qkv is not None and layer.q is None and layer.gate_up is not None
@@ -714,11 +723,14 @@ def test_bf16_linears_without_bf16_matmuls_run_our_op_and_stack(monkeypatch):
     """bf16 float linears on a CPU without bf16 matmuls (forced): held for our
     ``bf16_weight_linear`` (fp32 sums of bf16 inputs and weights, float64 reference here, with
     the bias), stacked q/k/v parts as one call equal to each part's own."""
+    from compress.kernels import cpu_q8
     from compress.runtime.float_linear import _FloatLinear
 
     if (why := cpu_float.unavailable_reason(torch.device("cpu"))) is not None:
         pytest.skip(f"our kernels do not build here: {why}")
     monkeypatch.setattr(cpu_float, "cpu_bf16_matmuls", lambda: False)
+    # nor AMX-BF16 (an AMX Xeon held them as our AMX tiles instead)
+    monkeypatch.setattr(cpu_q8, "bf16_tiles_reason", lambda w: "no AMX-BF16 (forced)")
     torch.manual_seed(0)
     ws, bias = [torch.randn(n, 96) for n in (64, 32, 32)], torch.randn(32)
     def parts():
