@@ -3,14 +3,17 @@
 This module imports no pass: loading a checkpoint (``compress.io.export.load_compressed``) builds
 these layers without importing any quantization algorithm.
 
-A ``QuantLinear`` holds exactly the tensors the compressed-tensors checkpoint stores, under the
-same names, so export is ``state_dict()`` and reload is ``load_state_dict()``:
+A ``QuantLinear`` holds the tensors the compressed-tensors checkpoint stores, under the same
+names, so export is ``state_dict()`` and reload is ``load_state_dict()`` (but for the packing
+of symmetric weight-only int8, below):
 
 * int4 (``pack-quantized``): ``weight_packed`` int32 ``[N, ceil(K/8)]``, ``weight_shape`` int64
   ``[2]``, ``weight_scale [N, K/g]``, and for asymmetric ``weight_zero_point`` int32 packed on
   dim 0 ``[ceil(N/8), K/g]``;
 * int8 (``int-quantized``): ``weight`` int8 ``[N, K]``, ``weight_scale [N, K/g]`` (``[N, 1]``
-  per channel), asymmetric ``weight_zero_point`` int8 ``[N, K/g]``.
+  per channel), asymmetric ``weight_zero_point`` int8 ``[N, K/g]``; symmetric weight-only int8
+  is written ``pack-quantized`` (four codes an int32) and read back so
+  (``compress.io.quant_config``).
 
 The forward runs on a backend chosen per device by ``compress.kernels.dispatch``; backend
 specific repacks (the native CPU int4 layout) are made once, on first use, and not saved.
@@ -69,11 +72,6 @@ class WeightScheme:
 
     def resolved_group(self, in_features: int) -> int:
         return in_features if self.group_size is None else self.group_size
-
-    @property
-    def format(self) -> str:
-        """compressed-tensors format name of this scheme."""
-        return "pack-quantized" if self.n_bits == 4 else "int-quantized"
 
     def describe(self) -> str:
         group = "channel" if self.group_size is None else f"g{self.group_size}"
