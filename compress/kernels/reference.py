@@ -79,23 +79,29 @@ def pack_int4(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return out
 
 
+def _words_along_rows(w_packed: torch.Tensor, size: int, dim: int, per_word: int,
+                      name: str) -> torch.Tensor:
+    """``w_packed`` (int32 words of ``per_word`` codes each, packed along ``dim``) checked, with
+    the packed dimension last (transposed for dim 0)."""
+    if w_packed.dtype != torch.int32 or w_packed.dim() != 2:
+        raise TypeError(
+            f"{name} expects a 2-D int32 tensor, got {w_packed.dtype} {tuple(w_packed.shape)}"
+        )
+    words = w_packed.t() if dim == 0 else w_packed
+    if words.shape[1] * per_word < size:
+        raise ValueError(f"{name}: {words.shape[1]} words cannot hold {size} codes")
+    return words
+
+
 def unpack_int4(w_packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: int32 words -> int8 codes in [-8, 7].
 
     ``size`` is the unpacked length along ``dim`` (K for weights, N for zero points).
     """
-    if w_packed.dtype != torch.int32 or w_packed.dim() != 2:
-        raise TypeError(
-            f"unpack_int4 expects a 2-D int32 tensor, got {w_packed.dtype} {tuple(w_packed.shape)}"
-        )
-    if dim == 0:
-        return unpack_int4(w_packed.t(), size, dim=1).t().contiguous()
-    if w_packed.shape[1] * 8 < size:
-        raise ValueError(f"unpack_int4: {w_packed.shape[1]} words cannot hold {size} codes")
-    shifts = _NIBBLE_SHIFTS.to(w_packed.device)
-    nibbles = (w_packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
-    codes = nibbles.reshape(w_packed.shape[0], -1)[:, :size]
-    return (codes - 8).to(torch.int8).contiguous()
+    words = _words_along_rows(w_packed, size, dim, 8, "unpack_int4")
+    nibbles = (words.unsqueeze(-1) >> _NIBBLE_SHIFTS.to(words.device)) & 0xF  # [N, K/8, 8]
+    codes = (nibbles.reshape(words.shape[0], -1)[:, :size] - 8).to(torch.int8)
+    return (codes.t() if dim == 0 else codes).contiguous()
 
 
 def pack_int8(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -119,19 +125,12 @@ def pack_int8(w_q: torch.Tensor, dim: int = 1) -> torch.Tensor:
 def unpack_int8(w_packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`pack_int8`: int32 words -> int8 codes; ``size`` is the unpacked length
     along ``dim``."""
-    if w_packed.dtype != torch.int32 or w_packed.dim() != 2:
-        raise TypeError(
-            f"unpack_int8 expects a 2-D int32 tensor, got {w_packed.dtype} {tuple(w_packed.shape)}"
-        )
-    if dim == 0:
-        return unpack_int8(w_packed.t(), size, dim=1).t().contiguous()
-    if w_packed.shape[1] * 4 < size:
-        raise ValueError(f"unpack_int8: {w_packed.shape[1]} words cannot hold {size} codes")
-    n = w_packed.shape[0]
-    data = w_packed.contiguous().view(torch.uint8).view(n, -1, 4)
+    words = _words_along_rows(w_packed, size, dim, 4, "unpack_int8").contiguous()
+    data = words.view(torch.uint8).view(words.shape[0], -1, 4)
     if sys.byteorder == "big":
         data = data.flip(-1)
-    return (data.reshape(n, -1)[:, :size].to(torch.int16) - 128).to(torch.int8).contiguous()
+    codes = (data.reshape(words.shape[0], -1)[:, :size].to(torch.int16) - 128).to(torch.int8)
+    return (codes.t() if dim == 0 else codes).contiguous()
 
 
 def dequantize(

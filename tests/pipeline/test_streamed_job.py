@@ -173,7 +173,7 @@ PASSES["gptq_attention_then_rtn"] = """
 # the last: a first pass that leaves the experts float hands them on in a scratch file as
 # stored, and RTN reads them back narrow (they were widened whole for the file: 12.7 GB for a
 # GPT-OSS-120B layer)
-@pytest.mark.parametrize("kind", ["gptq", "int4_rtn", "awq", "autoround",
+@pytest.mark.parametrize("kind", ["gptq", "int4_rtn", "int8_rtn", "awq", "autoround",
                                   "gptq_attention_then_rtn"])
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])  # experts held [E, 2I, H]; transposed
 def test_streamed_moe_keeps_bf16_experts_and_works_one_expert_at_a_time(family, kind, tmp_path,
@@ -225,6 +225,12 @@ def test_streamed_moe_keeps_bf16_experts_and_works_one_expert_at_a_time(family, 
         assert "Linear" in widened  # the narrow path was taken (attention, router)
         per_expert = runs["stream"].payload["passes"][0]["metrics"]["per_expert"]
         assert {v["method"] for v in per_expert.values()} == {"gptq", "rtn"}  # both taken
+    if kind == "int8_rtn":  # the streamed export packs int8 as the in-memory one does
+        from compress.io.checkpoint import read_header
+
+        stored = {e["dtype"] for f in (tmp_path / "stream").glob("*.safetensors")
+                  for e in read_header(f)[1].values()}
+        assert "I32" in stored and "I8" not in stored, stored
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "stream")
     assert sorted(a) == sorted(b)
     for key in a:

@@ -15,13 +15,16 @@ shapes = st.tuples(st.integers(1, 24), st.integers(1, 70))
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2**16), dim=st.sampled_from([0, 1]))
-def test_int4_pack_unpack_round_trip_is_exact(shape, seed, dim):
+@given(shape=shapes, seed=st.integers(0, 2**16), dim=st.sampled_from([0, 1]),
+       bits=st.sampled_from([4, 8]))
+def test_pack_unpack_round_trip_is_exact(shape, seed, dim, bits):
     gen = torch.Generator().manual_seed(seed)
-    w_q = torch.randint(-8, 8, shape, generator=gen, dtype=torch.int8)
-    packed = reference.pack_int4(w_q, dim=dim)
-    assert packed.dtype == torch.int32
-    assert torch.equal(reference.unpack_int4(packed, shape[dim], dim=dim), w_q)
+    w_q = torch.randint(-(1 << bits - 1), 1 << bits - 1, shape, generator=gen, dtype=torch.int8)
+    pack, unpack = ((reference.pack_int4, reference.unpack_int4) if bits == 4 else
+                    (reference.pack_int8, reference.unpack_int8))
+    packed = pack(w_q, dim=dim)
+    assert packed.dtype == torch.int32 and packed.shape[dim] == -(-shape[dim] * bits // 32)
+    assert torch.equal(unpack(packed, shape[dim], dim=dim), w_q)
 
 
 def test_int4_packing_matches_compressed_tensors_layout():
@@ -35,16 +38,6 @@ def test_int4_packing_known_value():
     # codes 0..7 offset by 8 -> nibbles 8..15, lowest nibble first: 0xFEDCBA98
     w_q = torch.arange(8, dtype=torch.int8).view(1, 8)
     assert reference.pack_int4(w_q).item() == 0xFEDCBA98 - 2**32
-
-
-@settings(max_examples=60, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2**16), dim=st.sampled_from([0, 1]))
-def test_int8_pack_unpack_round_trip_is_exact(shape, seed, dim):
-    gen = torch.Generator().manual_seed(seed)
-    w_q = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
-    packed = reference.pack_int8(w_q, dim=dim)
-    assert packed.dtype == torch.int32 and packed.shape[dim] == -(-shape[dim] // 4)
-    assert torch.equal(reference.unpack_int8(packed, shape[dim], dim=dim), w_q)
 
 
 def test_int8_packing_matches_compressed_tensors_layout():
