@@ -104,6 +104,16 @@ class _FloatLinear(nn.Module):
         if self.packed is not None:
             return True
         w = self.w_decode
+        if self.w_prefill is not w and w.device.type == "cpu" and w.dtype == torch.bfloat16 \
+                and self.w_prefill.dtype == torch.float32 and cpu_q8.bf16_tiles_reason(w) is None:
+            # a copy per phase (a quantized model's float layers on a CPU with bf16 matmuls):
+            # decode from our tiles, prefill from the fp32 copy as before. Measured on a Xeon
+            # (AMX), 2 threads, SmolLM2 with W4 MLPs and float attention, one row, 128 tokens:
+            # decode_copy_tiles in docs/notes/2026-12-07-float-copies-per-phase.md
+            self.packed, self.packed_dtype = cpu_q8.bf16_to_tiles(w), w.dtype
+            self.amx_op = cpu_q8.ops().bf16_linear_tiles_amx
+            self.w_decode = None
+            return True
         if self.w_prefill is not w or w.device.type != "cpu":
             return False
         if w.dtype == torch.bfloat16 and cpu_q8.bf16_tiles_reason(w) is None:
@@ -172,6 +182,12 @@ class _FloatLinear(nn.Module):
             return holder
         return holder if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
 
+    def input_dtype(self, decode: bool) -> torch.dtype:
+        """The dtype ``native`` takes its input in for a phase (a norm may write it so)."""
+        if self.packed is not None and (decode or self.w_prefill is None):
+            return self.packed_dtype
+        return (self.w_decode if decode else self.w_prefill).dtype
+
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         y = self.native(x, decode).float()
         return y if self.bias is None else y + self.bias
@@ -179,14 +195,15 @@ class _FloatLinear(nn.Module):
     def native(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         """The product in the weight's dtype (fp32 from our AMX tiles and bf16-weight op), bias
         not added (``forward`` widens it to fp32)."""
-        if self.amx_op is not None or self.bf16_op is not None:  # fp32 or bf16 in, fp32 out
+        tiles = self.amx_op is not None or self.bf16_op is not None
+        if tiles and (decode or self.w_prefill is None):  # fp32 or bf16 in, fp32 out
             x2 = x.reshape(-1, x.shape[-1])
             x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
             op = self.amx_op if self.amx_op is not None else self.bf16_op
             return op(x2, self.packed).view(*x.shape[:-1], -1)
         w = self.w_decode if decode else self.w_prefill
         rows = x.numel() // x.shape[-1]
-        if self.packed is not None and (w is None or rows >= FP32_PACKED_MIN_ROWS):
+        if self.packed is not None and not tiles and (w is None or rows >= FP32_PACKED_MIN_ROWS):
             if torch.compiler.is_compiling():  # the opaque tensor stays out of the graph
                 return torch.ops.compress_runtime.packed_linear(x, self.packed_key)
             return self.onednn(x)

@@ -334,9 +334,7 @@ def _input_dtype(holder: nn.Module, decode: bool) -> torch.dtype:
     write it directly, sparing the cast); fp32 for the others (int kernels quantize or cast
     their fp32 input themselves)."""
     if isinstance(holder, _FloatLinear):
-        if holder.packed is not None:
-            return holder.packed_dtype
-        return (holder.w_decode if decode else holder.w_prefill).dtype
+        return holder.input_dtype(decode)
     return torch.float32
 
 

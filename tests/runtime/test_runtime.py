@@ -610,8 +610,13 @@ def test_packed_bf16_linear_equals_plain_and_stacks():
         assert torch.equal(stacked(x, False), torch.cat(packed, -1))
         parts = [_FloatLinear(w, bias if i == 1 else None, torch.bfloat16, torch.bfloat16)
                  for i, w in enumerate(ws)]  # fmt: skip
-    # mixed dtypes per phase stay plain
-    assert not _FloatLinear(ws[0], None, torch.float32, torch.bfloat16).pack()
+    # a copy per phase packs only as our AMX tiles (the decode copy; the test below), never
+    # for oneDNN
+    from compress.kernels import cpu_q8
+
+    mixed = _FloatLinear(ws[0], None, torch.float32, torch.bfloat16)
+    assert mixed.pack() == (cpu_q8.bf16_tiles_reason(ws[0].bfloat16()) is None)
+    assert mixed.w_prefill is not None and (mixed.packed is None or mixed.amx_op is not None)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -717,6 +722,29 @@ def test_eager_bf16_runtime_packs_and_keeps_its_tokens(model, monkeypatch):
         else:  # within the bf16 roundings the plain path adds (0.8% of the largest, measured)
             torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
             assert packed.generate([prompt], 4) == plain.generate([prompt], 4)
+
+
+def test_a_copy_per_phase_decodes_from_amx_tiles_and_prefills_in_fp32():
+    """A float holder with an fp32 prefill copy and a bf16 decode copy (a quantized model's
+    float layers on a CPU with bf16 matmuls) holds the decode copy as our AMX tiles: decode
+    equals the bf16 copy's product (float64 reference), prefill the fp32 weight's, each
+    phase's input dtype its own."""
+    from compress.kernels import cpu_q8
+    from compress.runtime.float_linear import _FloatLinear
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    if (why := cpu_q8.bf16_tiles_reason(w.bfloat16())) is not None:
+        pytest.skip(f"our AMX tiles do not run here: {why}")
+    holder = _FloatLinear(w, None, torch.float32, torch.bfloat16)
+    assert holder.pack() and holder.amx_op is not None and holder.w_decode is None
+    assert (holder.input_dtype(True), holder.input_dtype(False)) == (torch.bfloat16,
+                                                                     torch.float32)
+    x = torch.randn(5, 96)
+    decode = x.bfloat16().double() @ w.bfloat16().double().T
+    torch.testing.assert_close(holder(x.bfloat16(), True).double(), decode, rtol=0,
+                               atol=1e-5 * decode.abs().max())
+    torch.testing.assert_close(holder(x, False), x @ w.T)  # fp32, as unpacked
 
 
 def test_bf16_linears_without_bf16_matmuls_run_our_op_and_stack(monkeypatch):
