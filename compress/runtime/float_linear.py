@@ -108,8 +108,8 @@ class _FloatLinear(nn.Module):
                 and self.w_prefill.dtype == torch.float32 and cpu_q8.bf16_tiles_reason(w) is None:
             # a copy per phase (a quantized model's float layers on a CPU with bf16 matmuls):
             # decode from our tiles, prefill from the fp32 copy as before. Measured on a Xeon
-            # (AMX), 2 threads, SmolLM2 with W4 MLPs and float attention, one row, 128 tokens:
-            # decode_copy_tiles in docs/notes/2026-12-07-float-copies-per-phase.md
+            # (AMX), 2 threads, SmolLM2 with W4 MLPs and float attention, one row: 1.6-1.8x the
+            # plain copies' tokens/s (docs/notes/2026-12-07-float-copies-per-phase.md)
             self.packed, self.packed_dtype = cpu_q8.bf16_to_tiles(w), w.dtype
             self.amx_op = cpu_q8.ops().bf16_linear_tiles_amx
             self.w_decode = None
